@@ -1,0 +1,41 @@
+"""A hand-written GPT-2 that loads OpenAI's official weights, generates, and exposes every activation.
+
+Where things live: the network in `gpt.py` (attention, MLP, the residual adds in `Block.forward`),
+hook points and capture in `hooks.py`, checkpoint loading and export in `loading.py`, the tokenizer in
+`tokenizer.py`, the KV cache in `kv_cache.py`, sampling in `sampling.py`, the decode loop in `generate.py`.
+"""
+
+from .config import PRESETS, ConfigError, GPTConfig
+from .dump import load_dump, save_dump
+from .generate import Completion, Generation, GenerationError, SamplingParams, TokenEvent, generate
+from .gpt import GPT
+from .hooks import Capture, UnknownHookError, hook_names, select_hooks
+from .kv_cache import KVCache
+from .loading import LoadedModel, LoadError, load, load_weights, save_checkpoint
+from .tokenizer import Tokenizer
+
+__all__ = [
+    "GPT",
+    "PRESETS",
+    "Capture",
+    "Completion",
+    "ConfigError",
+    "GPTConfig",
+    "Generation",
+    "GenerationError",
+    "KVCache",
+    "LoadError",
+    "LoadedModel",
+    "SamplingParams",
+    "TokenEvent",
+    "Tokenizer",
+    "UnknownHookError",
+    "generate",
+    "hook_names",
+    "load",
+    "load_dump",
+    "load_weights",
+    "save_checkpoint",
+    "save_dump",
+    "select_hooks",
+]

@@ -1,0 +1,141 @@
+"""GPT-2 hyper-parameters: the shape of the network, read from an official `config.json`.
+
+Reference: OpenAI's GPT-2 release (Radford et al., 2019) and the Hugging Face `GPT2Config` format.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A `config.json` that is missing, malformed, or asks for something this model does not implement."""
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    n_positions: int = 1024  # context length
+    vocab_size: int = 50257
+    layer_norm_epsilon: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ConfigError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if not self.layer_norm_epsilon > 0:
+            raise ConfigError(f"layer_norm_epsilon must be positive, got {self.layer_norm_epsilon!r}")
+
+    @property
+    def d_head(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def d_mlp(self) -> int:
+        return 4 * self.n_embd
+
+    def n_params(self) -> int:
+        """Parameters counted once (the LM head is tied to `wte`)."""
+        C, L = self.n_embd, self.n_layer
+        per_block = 2 * 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + (C * 4 * C + 4 * C) + (4 * C * C + C)
+        return self.vocab_size * C + self.n_positions * C + L * per_block + 2 * C
+
+    # --- the official format -------------------------------------------------------------
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> GPTConfig:
+        """Build from the dict of a Hugging Face GPT-2 `config.json`, refusing what we do not implement."""
+        _refuse_unsupported(d)
+        try:
+            return cls(
+                n_layer=d["n_layer"],
+                n_head=d["n_head"],
+                n_embd=d["n_embd"],
+                n_positions=d.get("n_positions", d.get("n_ctx", 1024)),
+                vocab_size=d.get("vocab_size", 50257),
+                layer_norm_epsilon=float(d.get("layer_norm_epsilon", 1e-5)),
+            )
+        except KeyError as e:
+            raise ConfigError(f"config.json lacks the required field {e.args[0]!r}") from None
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> GPTConfig:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"no config.json found at {path}")
+        try:
+            d = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"{path} must hold a JSON object, got {type(d).__name__}")
+        try:
+            return cls.from_hf_dict(d)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The `config.json` that transformers' `GPT2LMHeadModel.from_pretrained` reads."""
+        return {
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "activation_function": "gelu_new",
+            **asdict(self),
+            "n_ctx": self.n_positions,
+            "bos_token_id": 50256,
+            "eos_token_id": 50256,
+            "tie_word_embeddings": True,
+            "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False,
+            "add_cross_attention": False,
+        }
+
+
+# Settings of the official format that would change the computation, and the values we implement.
+# Everything else in a config.json (dropout rates, task heads, token ids) does not affect inference.
+_SUPPORTED: dict[str, tuple[Any, ...]] = {
+    "model_type": ("gpt2",),
+    "activation_function": ("gelu_new", "gelu_pytorch_tanh"),  # both are GELU's tanh approximation
+    "scale_attn_weights": (True,),
+    "scale_attn_by_inverse_layer_idx": (False,),
+    "reorder_and_upcast_attn": (False,),
+    "add_cross_attention": (False,),
+    "tie_word_embeddings": (True,),
+}
+
+
+def _refuse_unsupported(d: dict[str, Any]) -> None:
+    for key, allowed in _SUPPORTED.items():
+        if key in d and d[key] not in allowed:
+            raise ConfigError(
+                f"unsupported setting {key}={d[key]!r}: this GPT-2 implements only "
+                + " or ".join(repr(a) for a in allowed)
+            )
+    n_inner = d.get("n_inner")
+    if n_inner is not None and "n_embd" in d and n_inner != 4 * d["n_embd"]:
+        raise ConfigError(f"unsupported setting n_inner={n_inner!r}: the MLP width must be 4 * n_embd")
+
+
+# Shapes of the official checkpoints (openai-community/* and distilbert/distilgpt2 on the hub).
+PRESETS: dict[str, GPTConfig] = {
+    "gpt2": GPTConfig(n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": GPTConfig(n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": GPTConfig(n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": GPTConfig(n_layer=48, n_head=25, n_embd=1600),
+    "distilgpt2": GPTConfig(n_layer=6, n_head=12, n_embd=768),
+}
+
+
+def preset(name: str) -> GPTConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]

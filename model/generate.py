@@ -1,0 +1,324 @@
+"""Autoregressive generation with a KV cache: prefill, one-token decode steps, stop conditions.
+
+Each prompt is prefilled alone into its row of a shared cache, then all unfinished rows decode together,
+one token per step; a finished row leaves the batch. Every sequence keeps its own sampling settings and
+random generator, so a row's tokens do not depend on what else is in the batch. Iterating a `Generation`
+yields a `TokenEvent` per token as it is produced; `generate` runs one to the end.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .gpt import GPT
+from .hooks import Capture, select_hooks
+from .kv_cache import KVCache
+from .sampling import sample, top_logprobs
+from .tokenizer import EOT_ID, Tokenizer
+
+MAX_LOGPROBS = 20
+
+
+class GenerationError(ValueError):
+    """A request that cannot be generated; `param` names the offending argument."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 32
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = no limit
+    top_p: float = 1.0  # 1 = no limit
+    seed: int | None = None  # None = a fresh random seed
+    stop: tuple[str, ...] = ()  # stop strings; the text ends before the first one
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # per generated token: its log-probability and this many alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, param: str, message: str) -> None:
+            if not ok:
+                raise GenerationError(f"{param} {message}, got {getattr(self, param)!r}", param)
+
+        check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens", "must be an integer >= 0")
+        check(_is_num(self.temperature) and self.temperature >= 0, "temperature", "must be a number >= 0")
+        check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be an integer >= 0 (0 = no limit)")
+        check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be a number in (0, 1]")
+        check(self.seed is None or _is_int(self.seed), "seed", "must be an integer")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        check(all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids", "must be integers")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(value is None or _is_int(value) and 0 <= value <= MAX_LOGPROBS, name, f"must be in 0..{MAX_LOGPROBS}")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # not NaN
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely alternatives, (id, logprob), most likely first
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token of sequence `index`: its id, the text it adds (held back while it may still
+    turn into a stop string or an unfinished character) and, if asked for, its log-probability."""
+
+    index: int
+    token_id: int
+    text: str
+    logprob: TokenLogprob | None
+    finish_reason: str | None  # set on the sequence's last token: "length", "stop" or "eos"
+
+
+@dataclass
+class Completion:
+    index: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # None for the first prompt token
+    activations: dict[str, torch.Tensor] | None = None
+
+
+@dataclass
+class _Sequence:
+    """The state of one prompt being continued."""
+
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    tokenizer: Tokenizer | None
+    eos_id: int
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    text: str = ""
+    emitted: int = 0  # characters of `text` already handed out
+    finish_reason: str | None = None
+
+    def accept(self, logits: torch.Tensor) -> TokenEvent:
+        """Choose the next token from `logits` [vocab] and update text and stop state."""
+        p = self.params
+        logits = logits.float()
+        token = sample(logits, p.temperature, p.top_k, p.top_p, self.generator)
+        self.tokens.append(token)
+        lp = None
+        if p.logprobs is not None:
+            logprobs = torch.log_softmax(logits, dim=-1)
+            lp = TokenLogprob(token, float(logprobs[token]), top_logprobs(logprobs, p.logprobs))
+            self.logprobs.append(lp)
+
+        special_stop = token in p.stop_token_ids or (token == self.eos_id and not p.ignore_eos)
+        if special_stop:
+            self.finish_reason = "stop" if token in p.stop_token_ids else "eos"
+        else:
+            self._extend_text()
+        if self.finish_reason is None and len(self.tokens) >= p.max_new_tokens:
+            self.finish_reason = "length"
+        return TokenEvent(self.index, token, self._release(), lp, self.finish_reason)
+
+    def _extend_text(self) -> None:
+        if self.tokenizer is None:
+            return
+        self.text = self.tokenizer.decode(self.tokens)
+        for s in self.params.stop:
+            at = self.text.find(s, max(0, self.emitted - len(s) + 1))
+            if at != -1:
+                self.text, self.finish_reason = self.text[:at], "stop"  # several may match: keep the earliest
+        # (text is cut at each match in turn, so the earliest one wins)
+
+    def _release(self) -> str:
+        """The text that can be handed out now: all of it once finished, else up to what is still unsure."""
+        end = len(self.text)
+        if self.finish_reason is None:
+            while end and self.text[end - 1] == "\ufffd":  # an unfinished multi-byte character
+                end -= 1
+            end -= _longest_stop_prefix(self.text[:end], self.params.stop)
+        end = max(end, self.emitted)
+        piece, self.emitted = self.text[self.emitted : end], end
+        return piece
+
+    def result(self, activations: dict[str, torch.Tensor] | None = None) -> Completion:
+        assert self.finish_reason is not None
+        return Completion(
+            self.index,
+            self.prompt,
+            self.tokens,
+            self.text,
+            self.finish_reason,
+            self.logprobs if self.params.logprobs is not None else None,
+            self.prompt_logprobs,
+            activations,
+        )
+
+
+def _longest_stop_prefix(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that is the start of a stop string (it may still grow into one)."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+def _prompt_logprobs(logits: torch.Tensor, prompt: list[int], n: int) -> list[TokenLogprob | None]:
+    """Log-probability of each prompt token given the ones before it (none for the first)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [T, vocab]
+    out: list[TokenLogprob | None] = [None]
+    for t, token in enumerate(prompt[1:]):
+        out.append(TokenLogprob(token, float(logprobs[t, token]), top_logprobs(logprobs[t], n)))
+    return out
+
+
+def validate_prompt(model: GPT, prompt: Sequence[int], max_new_tokens: int, param: str = "prompt") -> list[int]:
+    n_ctx, vocab = model.config.n_positions, model.config.vocab_size
+    ids = list(prompt)
+    if not ids:
+        raise GenerationError("the prompt is empty: give at least one token", param)
+    bad = [t for t in ids if not _is_int(t) or not 0 <= t < vocab]
+    if bad:
+        raise GenerationError(f"token id {bad[0]!r} is outside the vocabulary (0..{vocab - 1})", param)
+    if len(ids) + max_new_tokens > n_ctx:
+        raise GenerationError(
+            f"the prompt ({len(ids)} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
+            f"context of {n_ctx} tokens",
+            "max_new_tokens",
+        )
+    return ids
+
+
+class Generation:
+    """Continuations of several prompts. Iterate it for `TokenEvent`s as tokens are produced; once it is
+    exhausted, `results` holds one `Completion` per prompt, in prompt order.
+
+    With `hooks` (names or glob patterns), each prompt runs alone and its `Completion.activations` holds
+    the hook values over every position of prompt and continuation: what one forward pass over the final
+    sequence gives.
+    """
+
+    def __init__(
+        self,
+        model: GPT,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+        tokenizer: Tokenizer | None = None,
+        hooks: Sequence[str] | None = None,
+    ) -> None:
+        if not prompts:
+            raise GenerationError("no prompts given", "prompt")
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(prompts):
+            raise GenerationError(f"{len(per_prompt)} parameter sets for {len(prompts)} prompts")
+        if tokenizer is None and any(p.stop for p in per_prompt):
+            raise GenerationError("stop strings need a tokenizer", "stop")
+        self.model = model
+        self.hook_names = select_hooks(list(hooks), model.config.n_layer) if hooks else None
+        eos_id = tokenizer.eot_id if tokenizer is not None else EOT_ID
+        self._seqs = [
+            _Sequence(
+                i,
+                validate_prompt(model, prompt, p.max_new_tokens),
+                p,
+                tokenizer,
+                eos_id,
+                _generator(p.seed, model.wte.weight.device),
+            )
+            for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True))
+        ]
+        self._activations: dict[int, dict[str, torch.Tensor]] = {}
+        self._done = False
+
+    @property
+    def results(self) -> list[Completion]:
+        if not self._done:
+            raise RuntimeError("the generation has not finished: iterate it to the end first")
+        return [s.result(self._activations.get(s.index)) for s in self._seqs]
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        with torch.inference_mode():
+            if self.hook_names is None:
+                yield from self._decode(self._seqs, None)
+            else:
+                for seq in self._seqs:
+                    capture = Capture(self.hook_names)
+                    yield from self._decode([seq], capture)
+                    self._activations[seq.index] = capture.tensors()  # [1, ...] as TransformerLens gives
+        self._done = True
+
+    def _decode(self, seqs: list[_Sequence], capture: Capture | None) -> Iterator[TokenEvent]:
+        model = self.model
+        device = model.wte.weight.device
+        max_len = max(len(s.prompt) + s.params.max_new_tokens for s in seqs)
+        cache = KVCache(model.config, len(seqs), max_len, dtype=model.wte.weight.dtype, device=device)
+
+        for b, seq in enumerate(seqs):  # prefill, one prompt at a time
+            want_all = seq.params.prompt_logprobs is not None
+            idx = torch.tensor([seq.prompt], device=device)
+            logits = model(idx, cache.row(b), capture, last_only=not want_all)[0]  # [T or 1, vocab]
+            cache.set_length(b, len(seq.prompt))
+            if want_all:
+                seq.prompt_logprobs = _prompt_logprobs(logits, seq.prompt, seq.params.prompt_logprobs or 0)
+            if seq.params.max_new_tokens == 0:
+                seq.finish_reason = "length"
+            else:
+                yield seq.accept(logits[-1])
+
+        rows = list(range(len(seqs)))  # cache row -> sequence
+        while True:
+            live = [i for i, s in enumerate(rows) if seqs[s].finish_reason is None]
+            if not live:
+                break
+            if len(live) < len(rows):
+                cache.keep(live)
+                rows = [rows[i] for i in live]
+            idx = torch.tensor([[seqs[s].tokens[-1]] for s in rows], device=device)  # [B, 1]
+            logits = model(idx, cache, capture, last_only=True)[:, -1]  # [B, vocab]
+            cache.advance(1)
+            for b, s in enumerate(rows):
+                yield seqs[s].accept(logits[b])
+
+        if capture is not None and seqs[0].tokens:  # the last token was sampled, never fed: feed it
+            model(torch.tensor([[seqs[0].tokens[-1]]], device=device), cache, capture, last_only=True)
+
+
+def _generator(seed: int | None, device: torch.device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed if seed is not None else secrets.randbits(63))
+    return g
+
+
+def generate(
+    model: GPT,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    tokenizer: Tokenizer | None = None,
+    hooks: Sequence[str] | None = None,
+) -> list[Completion]:
+    """Run a `Generation` to the end and return its completions."""
+    generation = Generation(model, prompts, params, tokenizer, hooks)
+    for _ in generation:
+        pass
+    return generation.results

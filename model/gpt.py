@@ -1,0 +1,151 @@
+"""GPT-2, written out by hand: Pre-LN transformer decoder with learned positions and a tied LM head.
+
+References: Radford et al. 2019, "Language Models are Unsupervised Multitask Learners" (OpenAI's GPT-2
+release); Vaswani et al. 2017, "Attention Is All You Need"; He et al. 2016, "Deep Residual Learning".
+Module and parameter names are those of the official checkpoint (`wte`, `h.0.attn.c_attn`, `ln_f`), so
+loading is a table of names; hook points carry TransformerLens' names (see `model/hooks.py`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import GPTConfig
+from .hooks import HookPoint, Hooks, hook_names
+from .kv_cache import KVCache
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_head, self.d_head = config.n_head, config.d_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # Q, K, V from one projection
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        p = f"blocks.{layer}.attn."
+        self.hook_q, self.hook_k, self.hook_v = HookPoint(p + "hook_q"), HookPoint(p + "hook_k"), HookPoint(p + "hook_v")
+        self.hook_attn_scores = HookPoint(p + "hook_attn_scores")
+        self.hook_pattern = HookPoint(p + "hook_pattern")
+        self.hook_z = HookPoint(p + "hook_z")
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None, hooks: Hooks | None) -> torch.Tensor:
+        B, T, C = x.shape
+        H, D = self.n_head, self.d_head
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q = self.hook_q(q.view(B, T, H, D), hooks)  # [B, T, H, D]
+        k = self.hook_k(k.view(B, T, H, D), hooks)
+        v = self.hook_v(v.view(B, T, H, D), hooks)
+        if cache is None:
+            k, v, allowed = k.transpose(1, 2), v.transpose(1, 2), None  # [B, H, T, D]
+        else:
+            k, v, allowed = cache.update(self.layer, k, v)  # [B, H, S, D]: every key of the row so far
+        q = q.transpose(1, 2)  # [B, H, T, D]
+
+        if hooks is not None and (hooks.active(self.hook_attn_scores.name) or hooks.active(self.hook_pattern.name)):
+            z = self._explicit_attention(q, k, v, allowed, hooks)
+        else:  # fused kernel, same math
+            z = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=allowed is None and T > 1)
+        z = self.hook_z(z.transpose(1, 2), hooks)  # [B, T, H, D]
+        return self.c_proj(z.reshape(B, T, C))
+
+    def _explicit_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, hooks: Hooks
+    ) -> torch.Tensor:
+        T, S = q.shape[2], k.shape[2]
+        if allowed is None:  # causal, the queries being the last T of the S positions
+            allowed = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.d_head)  # [B, H, T, S]
+        scores = self.hook_attn_scores(scores.masked_fill(~allowed, float("-inf")), hooks)
+        pattern = F.softmax(scores.float(), dim=-1).to(q.dtype)
+        pattern = self.hook_pattern(pattern, hooks)  # [B, H, T, S], rows sum to 1
+        return pattern @ v  # [B, H, T, D]
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig, layer: int) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, config.d_mlp)  # expand x4
+        self.c_proj = nn.Linear(config.d_mlp, config.n_embd)  # project back
+        self.hook_pre = HookPoint(f"blocks.{layer}.mlp.hook_pre")
+        self.hook_post = HookPoint(f"blocks.{layer}.mlp.hook_post")
+
+    def forward(self, x: torch.Tensor, hooks: Hooks | None) -> torch.Tensor:
+        pre = self.hook_pre(self.c_fc(x), hooks)  # [B, T, 4C]
+        post = self.hook_post(F.gelu(pre, approximate="tanh"), hooks)  # GPT-2's "gelu_new"
+        return self.c_proj(post)  # [B, T, C]
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: each sub-layer reads a normalised copy of the residual stream and adds back."""
+
+    def __init__(self, config: GPTConfig, layer: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = CausalSelfAttention(config, layer)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = MLP(config, layer)
+        p = f"blocks.{layer}."
+        self.hook_resid_pre = HookPoint(p + "hook_resid_pre")
+        self.hook_ln1 = HookPoint(p + "ln1.hook_normalized")
+        self.hook_attn_out = HookPoint(p + "hook_attn_out")
+        self.hook_resid_mid = HookPoint(p + "hook_resid_mid")
+        self.hook_ln2 = HookPoint(p + "ln2.hook_normalized")
+        self.hook_mlp_out = HookPoint(p + "hook_mlp_out")
+        self.hook_resid_post = HookPoint(p + "hook_resid_post")
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None, hooks: Hooks | None) -> torch.Tensor:
+        resid_pre = self.hook_resid_pre(x, hooks)  # [B, T, C]
+        attn_out = self.hook_attn_out(self.attn(self.hook_ln1(self.ln_1(resid_pre), hooks), cache, hooks), hooks)
+        resid_mid = self.hook_resid_mid(resid_pre + attn_out, hooks)
+        mlp_out = self.hook_mlp_out(self.mlp(self.hook_ln2(self.ln_2(resid_mid), hooks), hooks), hooks)
+        resid_post = self.hook_resid_post(resid_mid + mlp_out, hooks)
+        return resid_post
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # token embedding, also the LM head
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd)  # learned position embedding
+        self.h = nn.ModuleList(Block(config, layer) for layer in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.hook_embed = HookPoint("hook_embed")
+        self.hook_pos_embed = HookPoint("hook_pos_embed")
+        self.hook_ln_final = HookPoint("ln_final.hook_normalized")
+        self.hook_logits = HookPoint("logits")
+
+    @property
+    def hook_names(self) -> list[str]:
+        return hook_names(self.config.n_layer)
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        cache: KVCache | None = None,
+        hooks: Hooks | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Logits [B, T, vocab] for token ids `idx` [B, T] (only the last position's, [B, 1, vocab], if
+        `last_only`). With a `cache`, `idx` continues each row's sequence and its keys and values are stored."""
+        B, T = idx.shape
+        if cache is None:
+            if T > self.config.n_positions:
+                raise ValueError(f"sequence of {T} tokens exceeds the context of {self.config.n_positions}")
+            pos = torch.arange(T, device=idx.device).expand(B, T)
+        else:
+            pos = cache.begin(T)  # [B, T]: each row goes on from its own length
+        tok_emb = self.hook_embed(self.wte(idx), hooks)  # [B, T, C]
+        pos_emb = self.hook_pos_embed(self.wpe(pos), hooks)  # [B, T, C]
+        x = tok_emb + pos_emb
+        for block in self.h:
+            x = block(x, cache, hooks)
+        if last_only and not (hooks and (hooks.active(self.hook_ln_final.name) or hooks.active(self.hook_logits.name))):
+            x = x[:, -1:]
+        x = self.hook_ln_final(self.ln_f(x), hooks)
+        logits = self.hook_logits(F.linear(x, self.wte.weight), hooks)  # LM head tied to wte: [B, T, vocab]
+        return logits[:, -1:] if last_only else logits

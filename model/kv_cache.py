@@ -1,0 +1,123 @@
+"""A preallocated key/value cache with one row per sequence (gpt-fast's static cache, with ragged lengths).
+
+Keys and values of every layer live in two tensors of shape [n_layer, batch, head, max_len, d_head], so
+memory is fixed when the cache is made. Each row keeps its own length: rows of different lengths decode
+together, each query seeing only its own row's keys. A forward pass reads the rows' start positions
+with `begin`, each attention layer writes its new keys and values with `update`, and the caller moves
+the lengths on with `advance` once it knows how many of the new positions were real.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import GPTConfig
+
+
+class KVCache:
+    def __init__(
+        self,
+        config: GPTConfig,
+        batch_size: int,
+        max_len: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if not 0 < max_len <= config.n_positions:
+            raise ValueError(f"max_len must be in 1..{config.n_positions}, got {max_len}")
+        shape = (config.n_layer, batch_size, config.n_head, max_len, config.d_head)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = [0] * batch_size  # tokens stored per row
+        self._step: _Step | None = None
+
+    @classmethod
+    def _view(cls, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> KVCache:
+        view = cls.__new__(cls)
+        view.k, view.v, view.lengths, view._step = k, v, lengths, None
+        return view
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def row(self, b: int) -> KVCache:
+        """A one-row cache sharing this cache's memory (to prefill one sequence of a batch alone)."""
+        return KVCache._view(self.k[:, b : b + 1], self.v[:, b : b + 1], [self.lengths[b]])
+
+    def set_length(self, b: int, length: int) -> None:
+        self.lengths[b] = length
+
+    def keep(self, rows: list[int]) -> None:
+        """Drop every row not in `rows` (finished sequences), keeping the order given."""
+        index = torch.tensor(rows, device=self.k.device)
+        self.k = self.k.index_select(1, index)
+        self.v = self.v.index_select(1, index)
+        self.lengths = [self.lengths[r] for r in rows]
+
+    # --- one forward pass ---------------------------------------------------------------
+
+    def begin(self, n_new: int) -> torch.Tensor:
+        """Start a forward pass over `n_new` positions per row; return their position ids [batch, n_new]."""
+        start = max(self.lengths)
+        if start + n_new > self.max_len:
+            raise ValueError(f"KV cache overflow: {start} + {n_new} positions exceed its {self.max_len}")
+        device = self.k.device
+        starts = torch.tensor(self.lengths, device=device)[:, None]  # [B, 1]
+        positions = starts + torch.arange(n_new, device=device)  # [B, T]
+        uniform = all(n == start for n in self.lengths)
+        n_keys = start + n_new
+        if uniform and (n_new == 1 or start == 0):
+            allowed = None  # every query sees all earlier keys of its row: plain causal attention
+        else:
+            keys = torch.arange(n_keys, device=device)
+            allowed = (keys[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, S]
+        self._step = _Step(start if uniform else None, positions, n_keys, allowed)
+        return positions
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Store this pass's keys and values ([B, T, H, D]) of `layer`.
+
+        Returns every key and value of the rows so far ([B, H, S, D]) and the mask of which keys each
+        query may see ([B, 1, T, S], True = visible), or None when plain causal attention is right.
+        """
+        step = self._step
+        assert step is not None, "call begin() before update()"
+        k_layer, v_layer = self.k[layer], self.v[layer]  # [B, H, max_len, D]
+        if step.uniform_start is not None:
+            s = step.uniform_start
+            k_layer[:, :, s : s + k.shape[1]] = k.transpose(1, 2)
+            v_layer[:, :, s : s + v.shape[1]] = v.transpose(1, 2)
+        else:
+            rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1]
+            k_layer[rows, :, step.positions] = k  # indexed view is [B, T, H, D]
+            v_layer[rows, :, step.positions] = v
+        return k_layer[:, :, : step.n_keys], v_layer[:, :, : step.n_keys], step.allowed
+
+    def advance(self, n_new: int | list[int]) -> None:
+        """Count the positions of the last pass as stored: `n_new` for every row, or one count per row."""
+        counts = [n_new] * self.batch_size if isinstance(n_new, int) else n_new
+        self.lengths = [n + c for n, c in zip(self.lengths, counts, strict=True)]
+        self._step = None
+
+
+class _Step:
+    __slots__ = ("uniform_start", "positions", "n_keys", "allowed")
+
+    def __init__(
+        self, uniform_start: int | None, positions: torch.Tensor, n_keys: int, allowed: torch.Tensor | None
+    ) -> None:
+        self.uniform_start = uniform_start
+        self.positions = positions
+        self.n_keys = n_keys
+        self.allowed = allowed

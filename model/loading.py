@@ -1,0 +1,399 @@
+"""Official GPT-2 checkpoints (Hugging Face format) in and out of our modules.
+
+All knowledge of the official format lives here: where the files come from (hub, directory, single
+file), the tensor names, the Conv1D layout, the buffers to skip and the tied LM head.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import ConfigError, GPTConfig, preset
+from .gpt import GPT
+from .safetensors_file import SafetensorsError, SafetensorsFile
+from .tokenizer import Tokenizer, TokenizerError, tokenizer_files
+
+log = logging.getLogger(__name__)
+
+
+class LoadError(RuntimeError):
+    """A checkpoint that cannot be loaded; the message says why and what to do."""
+
+
+# Short names of the official checkpoints on the Hugging Face hub.
+HUB_REPOS: dict[str, str] = {
+    "gpt2": "openai-community/gpt2",
+    "gpt2-medium": "openai-community/gpt2-medium",
+    "gpt2-large": "openai-community/gpt2-large",
+    "gpt2-xl": "openai-community/gpt2-xl",
+    "distilgpt2": "distilbert/distilgpt2",
+}
+
+# --- the table: official tensor names and shapes --------------------------------------------
+
+# OpenAI's code (and transformers after it) stores these as Conv1D weights, [in, out]; nn.Linear keeps
+# [out, in], so they are transposed on the way in and back on the way out.
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# The causal-mask buffers older checkpoints carry; the mask is rebuilt at run time.
+MASK_BUFFER = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")
+PREFIX = "transformer."  # what transformers' save_pretrained puts before every name
+LM_HEAD = "lm_head.weight"  # tied to wte.weight; present in some checkpoints
+
+
+def official_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor an official checkpoint must hold (names without prefix), with its shape in the file."""
+    C, V = config.n_embd, config.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {"wte.weight": (V, C), "wpe.weight": (config.n_positions, C)}
+    for i in range(config.n_layer):
+        h = f"h.{i}."
+        shapes |= {
+            h + "ln_1.weight": (C,),
+            h + "ln_1.bias": (C,),
+            h + "attn.c_attn.weight": (C, 3 * C),
+            h + "attn.c_attn.bias": (3 * C,),
+            h + "attn.c_proj.weight": (C, C),
+            h + "attn.c_proj.bias": (C,),
+            h + "ln_2.weight": (C,),
+            h + "ln_2.bias": (C,),
+            h + "mlp.c_fc.weight": (C, 4 * C),
+            h + "mlp.c_fc.bias": (4 * C,),
+            h + "mlp.c_proj.weight": (4 * C, C),
+            h + "mlp.c_proj.bias": (C,),
+        }
+    return shapes | {"ln_f.weight": (C,), "ln_f.bias": (C,)}
+
+
+def is_conv1d(name: str) -> bool:
+    return name.endswith(CONV1D_WEIGHTS)
+
+
+# --- where the files are ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    name: str  # what the user asked for
+    weights: list[Path]  # one .safetensors file, or the shards of one
+    config: GPTConfig
+    tokenizer_dir: Path | None
+    revision: str | None = None
+
+
+def locate(
+    source: str | Path, *, revision: str | None = None, preset_name: str | None = None
+) -> CheckpointFiles:
+    """Find config, weights and tokenizer for a hub name or repo id, a directory, or a .safetensors file."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return _locate_dir(path, str(source), preset_name)
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise LoadError(f"{path} is not a .safetensors file; give a checkpoint directory or a .safetensors file")
+        if preset_name is not None:
+            config = preset(preset_name)
+        elif (path.parent / "config.json").is_file():
+            config = GPTConfig.from_json_file(path.parent / "config.json")
+        else:
+            raise LoadError(
+                f"{path} is a bare weights file: its head count cannot be read from tensor shapes, "
+                "so name its shape with a preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, distilgpt2)"
+            )
+        tok_dir = path.parent if tokenizer_files(path.parent) else None
+        return CheckpointFiles(str(source), [path], config, tok_dir)
+    text = str(source)
+    if text in HUB_REPOS or re.fullmatch(r"[\w.-]+/[\w.-]+", text) and not text.startswith((".", "/")):
+        return _download(text, HUB_REPOS.get(text, text), revision)
+    raise LoadError(
+        f"no checkpoint at {text!r}: it is neither an existing file or directory nor a hub name "
+        f"({', '.join(HUB_REPOS)}, or a repo id such as openai-community/gpt2)"
+    )
+
+
+def _locate_dir(path: Path, name: str, preset_name: str | None) -> CheckpointFiles:
+    if preset_name is not None:
+        config = preset(preset_name)
+    elif (path / "config.json").is_file():
+        config = GPTConfig.from_json_file(path / "config.json")
+    else:
+        raise LoadError(f"no config.json in {path}: a checkpoint directory needs one (or name a preset)")
+    index = path / "model.safetensors.index.json"
+    if (path / "model.safetensors").is_file():
+        weights = [path / "model.safetensors"]
+    elif index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError) as e:
+            raise LoadError(f"{index} is not a valid safetensors index: {e}") from None
+        weights = [path / s for s in shards]
+        for w in weights:
+            if not w.is_file():
+                raise LoadError(f"{index} names the shard {w.name}, which is missing")
+    elif (path / "pytorch_model.bin").is_file():
+        raise LoadError(
+            f"{path} holds only pytorch_model.bin (a pickle, which can run code when loaded); "
+            "this loader reads safetensors: convert it with transformers' save_pretrained(safe_serialization=True)"
+        )
+    else:
+        raise LoadError(f"no model.safetensors in {path}")
+    return CheckpointFiles(name, weights, config, path if tokenizer_files(path) else None)
+
+
+def _download(name: str, repo_id: str, revision: str | None) -> CheckpointFiles:
+    """Fetch config, weights and tokenizer from the hub (cached; honours HF_HOME and HF_HUB_OFFLINE)."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    def fetch(filename: str) -> Path:
+        return Path(hf_hub_download(repo_id, filename, revision=revision))
+
+    try:
+        config = GPTConfig.from_json_file(fetch("config.json"))
+        weights = fetch("model.safetensors")
+        try:
+            tok_dir: Path | None = fetch("tokenizer.json").parent
+        except EntryNotFoundError:
+            fetch("vocab.json")
+            tok_dir = fetch("merges.txt").parent
+    except LocalEntryNotFoundError:
+        raise LoadError(
+            f"cannot reach the Hugging Face hub to download {repo_id!r}, and it is not in the local cache; "
+            "pass a local checkpoint directory instead (for example --model ./gpt2)"
+        ) from None
+    except RepositoryNotFoundError:
+        raise LoadError(f"no repository {repo_id!r} on the Hugging Face hub (or it is private)") from None
+    except RevisionNotFoundError:
+        raise LoadError(f"repository {repo_id!r} has no revision {revision!r}") from None
+    except EntryNotFoundError as e:
+        raise LoadError(f"repository {repo_id!r} lacks a file this loader needs: {e}") from None
+    except HfHubHTTPError as e:
+        raise LoadError(f"the Hugging Face hub refused the download of {repo_id!r}: {e}") from None
+    return CheckpointFiles(name, [weights], config, tok_dir, revision)
+
+
+# --- reading the weights -----------------------------------------------------------------------
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    if str(device) != "auto":
+        try:
+            return torch.device(device)
+        except RuntimeError:
+            raise LoadError(f"unknown device {device!r}; use auto, cpu, cuda, cuda:N or mps") from None
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPE_NAMES:
+        raise LoadError(f"unknown dtype {dtype!r}; use auto, float32, float16 or bfloat16")
+    return DTYPE_NAMES[dtype]
+
+
+def load_state(
+    files: list[Path], config: GPTConfig, dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Read an official checkpoint into a state dict of our modules, one tensor at a time, checking names
+    and shapes against `official_shapes` (every error names the tensor)."""
+    expected = official_shapes(config)
+    sources: dict[str, tuple[SafetensorsFile, str]] = {}  # name without prefix -> (file, name in file)
+    lm_head: tuple[SafetensorsFile, str] | None = None
+    for path in files:
+        try:
+            st = SafetensorsFile(path)
+        except SafetensorsError as e:
+            raise LoadError(str(e)) from None
+        for key in st.entries:
+            name = key.removeprefix(PREFIX)
+            if MASK_BUFFER.fullmatch(name):
+                continue
+            if name == LM_HEAD:
+                lm_head = (st, key)
+            elif name not in expected:
+                raise LoadError(f"unexpected tensor {key!r} in {path.name}: not part of a GPT-2 checkpoint")
+            elif name in sources:
+                raise LoadError(f"tensor {name!r} appears twice (as {sources[name][1]!r} and {key!r})")
+            else:
+                sources[name] = (st, key)
+    missing = [n for n in expected if n not in sources]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise LoadError(f"checkpoint is missing tensor {', '.join(map(repr, missing[:5]))}{more}")
+
+    state: dict[str, torch.Tensor] = {}
+    for name, shape in expected.items():
+        st, key = sources[name]
+        entry = st.entries[key]
+        if entry.shape != shape:
+            raise LoadError(
+                f"tensor {key!r} has shape {list(entry.shape)}, expected {list(shape)} for {_describe(config)}"
+            )
+        if not entry.dtype.is_floating_point:
+            raise LoadError(f"tensor {key!r} has dtype {entry.dtype}, expected a floating-point type")
+        t = _read(st, key)
+        if is_conv1d(name):
+            t = t.t()
+        state[name] = t.to(device=device, dtype=dtype).contiguous()
+        del t
+    if lm_head is not None:
+        st, key = lm_head
+        if st.entries[key].shape != expected["wte.weight"]:
+            raise LoadError(f"tensor {key!r} has shape {list(st.entries[key].shape)}, expected the shape of wte")
+        head = _read(st, key).to(device=device, dtype=dtype)
+        if not torch.equal(head, state["wte.weight"]):
+            raise LoadError(f"tensor {key!r} differs from wte.weight: untied LM heads are not supported")
+    return state
+
+
+def _read(st: SafetensorsFile, key: str) -> torch.Tensor:
+    try:
+        return st.read(key)
+    except (SafetensorsError, OSError) as e:
+        raise LoadError(str(e)) from None
+
+
+def _describe(config: GPTConfig) -> str:
+    return f"n_layer={config.n_layer}, n_head={config.n_head}, n_embd={config.n_embd}, vocab_size={config.vocab_size}"
+
+
+def build_model(config: GPTConfig, state: dict[str, torch.Tensor]) -> GPT:
+    """Our GPT with `state` as its parameters, without first allocating random ones."""
+    with torch.device("meta"):
+        model = GPT(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+# --- the public entry points -------------------------------------------------------------------
+
+
+@dataclass
+class LoadedModel:
+    model: GPT
+    tokenizer: Tokenizer
+    name: str
+    revision: str | None
+    dtype: torch.dtype
+    device: torch.device
+
+
+def load_weights(
+    source: str | Path,
+    *,
+    revision: str | None = None,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "auto",
+    preset_name: str | None = None,
+) -> GPT:
+    """Just the network: see `load`."""
+    return _load(source, revision, dtype, device, preset_name)[0]
+
+
+def load(
+    source: str | Path,
+    *,
+    revision: str | None = None,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "auto",
+    preset_name: str | None = None,
+    tokenizer_dir: str | Path | None = None,
+) -> LoadedModel:
+    """Load GPT-2 and its tokenizer.
+
+    `source`: a hub name (`gpt2`, `gpt2-medium`, `gpt2-large`, `gpt2-xl`, `distilgpt2`) or repo id
+    (`openai-community/gpt2`, with `revision`), a checkpoint directory (`config.json` and
+    `model.safetensors`), or one `.safetensors` file (its shape from `preset_name`).
+    `dtype`: auto (float32 on CPU, bfloat16 on CUDA), float32, float16 or bfloat16.
+    `device`: auto (cuda, then mps, then cpu) or a torch device name.
+    `tokenizer_dir`: where the tokenizer is, for checkpoints that ship none.
+    """
+    model, files, dev, dt = _load(source, revision, dtype, device, preset_name)
+    tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else files.tokenizer_dir
+    if tok_dir is None:
+        raise LoadError(
+            f"{files.name} ships no tokenizer (tokenizer.json, or vocab.json and merges.txt); "
+            "give a tokenizer directory (--tokenizer DIR)"
+        )
+    try:
+        tokenizer = Tokenizer.from_dir(tok_dir)
+    except TokenizerError as e:
+        raise LoadError(str(e)) from None
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise LoadError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {model.config.vocab_size}"
+        )
+    return LoadedModel(model, tokenizer, files.name, files.revision, dt, dev)
+
+
+def _load(
+    source: str | Path,
+    revision: str | None,
+    dtype: str | torch.dtype,
+    device: str | torch.device,
+    preset_name: str | None,
+) -> tuple[GPT, CheckpointFiles, torch.device, torch.dtype]:
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    try:
+        files = locate(source, revision=revision, preset_name=preset_name)
+    except ConfigError as e:
+        raise LoadError(str(e)) from None
+    log.info("loading %s (%s) to %s as %s", files.name, ", ".join(map(str, files.weights)), dev, dt)
+    state = load_state(files.weights, files.config, dt, dev)
+    return build_model(files.config, state), files, dev, dt
+
+
+# --- writing the official format -------------------------------------------------------------
+
+
+def official_state(model: GPT) -> dict[str, torch.Tensor]:
+    """Our parameters under their official names and in the Conv1D layout (no prefix, as on the hub)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        out[name] = (t.t() if is_conv1d(name) else t).detach().cpu().contiguous()
+    return out
+
+
+def save_checkpoint(model: GPT, directory: str | Path, tokenizer: Tokenizer | None = None) -> Path:
+    """Write `config.json` and `model.safetensors` (plus `tokenizer.json` if given) in the official format,
+    so that `load` and transformers' `GPT2LMHeadModel.from_pretrained` both read it back."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_hf_dict() | {"torch_dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(official_state(model), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save(directory)
+    return directory

@@ -1,0 +1,42 @@
+"""Choosing the next token from logits: greedy, temperature, top-k and nucleus (top-p) sampling.
+
+References: Fan et al. 2018 (top-k sampling); Holtzman et al. 2020, "The Curious Case of Neural Text
+Degeneration" (nucleus sampling).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator
+) -> int:
+    """One token id from `logits` [vocab] (float32). temperature 0 is greedy; top_k 0 and top_p 1 are off."""
+    if temperature == 0:
+        return int(logits.argmax())
+    logits = logits / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        logits = nucleus(logits, top_p)
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability adds up to at least `top_p`."""
+    sorted_logits, order = torch.sort(logits, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    drop_sorted = probs.cumsum(dim=-1) - probs >= top_p  # the more likely tokens already reach top_p
+    drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def top_logprobs(logprobs: torch.Tensor, n: int) -> list[tuple[int, float]]:
+    """The `n` most likely (token id, log-probability) pairs of a log-distribution [vocab]."""
+    if n <= 0:
+        return []
+    values, ids = torch.topk(logprobs, n)
+    return list(zip(ids.tolist(), values.tolist(), strict=True))

@@ -1,0 +1,108 @@
+"""gpt2-generate: continue a prompt with GPT-2 from the command line, streaming the text as it comes.
+
+    gpt2-generate "The meaning of life is" --model gpt2 --max-new-tokens 50 --temperature 0.8 --top-k 40
+    gpt2-generate "Hello" --model ./my-checkpoint --greedy --dump-activations out.safetensors \
+        --hooks 'blocks.*.hook_resid_post'
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from model.config import PRESETS
+from model.dump import save_dump
+from model.generate import Generation, GenerationError, SamplingParams
+from model.hooks import UnknownHookError
+from model.loading import LoadError, load
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="gpt2-generate", description="Continue a prompt with GPT-2.")
+    p.add_argument("prompt", nargs="?", help="the prompt (read from standard input when omitted or '-')")
+    p.add_argument("--model", default="gpt2", help="hub name or repo id, checkpoint directory, or .safetensors file")
+    p.add_argument("--revision", help="hub revision (branch, tag or commit)")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="shape of a bare .safetensors file")
+    p.add_argument("--tokenizer", help="directory with the tokenizer, for checkpoints that ship none")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    p.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    p.add_argument("--max-new-tokens", type=int, default=50)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the nucleus of this probability mass")
+    p.add_argument("--seed", type=int, help="makes sampling reproducible")
+    p.add_argument("--greedy", action="store_true", help="always take the most likely token (temperature 0)")
+    p.add_argument("--stop", action="append", default=[], help="stop before this string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep going after <|endoftext|>")
+    p.add_argument("--show-logprobs", type=int, nargs="?", const=5, metavar="N", help="print each token's "
+                   "log-probability and the N most likely alternatives (default 5) after the text")
+    p.add_argument("--dump-activations", metavar="FILE", help="write activations to this .safetensors file")
+    p.add_argument("--hooks", action="append", metavar="PATTERN", help="hook names or globs to dump "
+                   "(repeatable; default: every hook point)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.hooks and not args.dump_activations:
+        return fail("--hooks needs --dump-activations FILE")
+    prompt = sys.stdin.read() if args.prompt in (None, "-") else args.prompt
+    try:
+        params = SamplingParams(
+            max_new_tokens=args.max_new_tokens,
+            temperature=0.0 if args.greedy else args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            stop=tuple(args.stop),
+            ignore_eos=args.ignore_eos,
+            logprobs=args.show_logprobs,
+        )
+        loaded = load(
+            args.model,
+            revision=args.revision,
+            dtype=args.dtype,
+            device=args.device,
+            preset_name=args.preset,
+            tokenizer_dir=args.tokenizer,
+        )
+        tok = loaded.tokenizer
+        hooks = (args.hooks or ["*"]) if args.dump_activations else None
+        generation = Generation(loaded.model, [tok.encode(prompt)], params, tok, hooks)
+    except (LoadError, GenerationError, UnknownHookError) as e:
+        return fail(str(e))
+
+    out = sys.stdout
+    out.write(prompt)
+    out.flush()
+    for event in generation:
+        out.write(event.text)
+        out.flush()
+    out.write("\n")
+    result = generation.results[0]
+
+    if result.logprobs is not None:
+        out.write("\ntoken\tlogprob\talternatives\n")
+        for lp in result.logprobs:
+            alts = "  ".join(f"{tok.token_text(i)!r}:{v:.3f}" for i, v in lp.top)
+            out.write(f"{tok.token_text(lp.id)!r}\t{lp.logprob:.4f}\t{alts}\n")
+    if args.dump_activations and result.activations is not None:
+        token_ids = result.prompt_ids + result.token_ids
+        meta = {"model": loaded.name, "token_ids": token_ids, "text": prompt + result.text}
+        try:
+            save_dump(args.dump_activations, result.activations, meta)
+        except OSError as e:
+            return fail(f"cannot write {args.dump_activations}: {e.strerror or e}")
+        print(f"wrote {len(result.activations)} activations over {len(token_ids)} tokens to "
+              f"{args.dump_activations}", file=sys.stderr)
+    print(f"[{len(result.token_ids)} tokens, finish reason: {result.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def fail(message: str) -> int:
+    print(f"gpt2-generate: error: {message}", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
