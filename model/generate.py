@@ -85,7 +85,7 @@ class TokenEvent:
     token_id: int
     text: str
     logprob: TokenLogprob | None
-    finish_reason: str | None  # set on the sequence's last token: "length", "stop" or "eos"
+    finish_reason: str | None  # on the last token: "length", "stop" or "eos"
 
 
 @dataclass
@@ -101,8 +101,8 @@ class Completion:
 
 
 @dataclass
-class _Sequence:
-    """The state of one prompt being continued."""
+class SequenceState:
+    """One prompt being continued: its settings, random generator, tokens so far, text and stop state."""
 
     index: int
     prompt: list[int]
@@ -110,6 +110,7 @@ class _Sequence:
     tokenizer: Tokenizer | None
     eos_id: int
     generator: torch.Generator
+    capture: Capture | None = None  # activations wanted for this sequence
     tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
@@ -142,11 +143,10 @@ class _Sequence:
         if self.tokenizer is None:
             return
         self.text = self.tokenizer.decode(self.tokens)
-        for s in self.params.stop:
+        for s in self.params.stop:  # cutting at each match in turn leaves the earliest
             at = self.text.find(s, max(0, self.emitted - len(s) + 1))
             if at != -1:
-                self.text, self.finish_reason = self.text[:at], "stop"  # several may match: keep the earliest
-        # (text is cut at each match in turn, so the earliest one wins)
+                self.text, self.finish_reason = self.text[:at], "stop"
 
     def _release(self) -> str:
         """The text that can be handed out now: all of it once finished, else up to what is still unsure."""
@@ -159,7 +159,7 @@ class _Sequence:
         piece, self.emitted = self.text[self.emitted : end], end
         return piece
 
-    def result(self, activations: dict[str, torch.Tensor] | None = None) -> Completion:
+    def result(self) -> Completion:
         assert self.finish_reason is not None
         return Completion(
             self.index,
@@ -169,7 +169,7 @@ class _Sequence:
             self.finish_reason,
             self.logprobs if self.params.logprobs is not None else None,
             self.prompt_logprobs,
-            activations,
+            self.capture.tensors() if self.capture is not None else None,
         )
 
 
@@ -210,13 +210,111 @@ def validate_prompt(model: GPT, prompt: Sequence[int], max_new_tokens: int, para
     return ids
 
 
+def new_sequence(
+    model: GPT,
+    index: int,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    tokenizer: Tokenizer | None,
+    hook_names: list[str] | None = None,
+) -> SequenceState:
+    """Check a prompt against the model and set up its state (`hook_names`: activations to capture)."""
+    if tokenizer is None and params.stop:
+        raise GenerationError("stop strings need a tokenizer", "stop")
+    return SequenceState(
+        index,
+        validate_prompt(model, prompt, params.max_new_tokens),
+        params,
+        tokenizer,
+        tokenizer.eot_id if tokenizer is not None else EOT_ID,
+        _generator(params.seed, model.wte.weight.device),
+        Capture(hook_names) if hook_names else None,
+    )
+
+
+class DecodeBatch:
+    """Sequences decoding together, one token each per `step`, over one KV cache of `capacity` rows.
+
+    A sequence joins with `add` (its prompt is prefilled alone into a free row) and leaves as soon as it
+    finishes or is `cancel`led, so a later one can take its row: continuous batching. A sequence that
+    captures activations needs a batch of its own (capacity 1), since hooks see the whole batch.
+    """
+
+    def __init__(self, model: GPT, capacity: int, max_len: int) -> None:
+        self.model = model
+        w = model.wte.weight
+        self.cache = KVCache.empty(model.config, capacity, max_len, dtype=w.dtype, device=w.device)
+        self.seqs: list[SequenceState] = []  # seqs[b] owns cache row b
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def has_room(self) -> bool:
+        return len(self.seqs) < self.cache.capacity
+
+    def add(self, seq: SequenceState) -> TokenEvent | None:
+        """Prefill `seq` and sample its first token (None if it wants no new tokens)."""
+        assert seq.capture is None or self.cache.capacity == 1, "a capturing sequence needs its own batch"
+        model, p = self.model, seq.params
+        b = self.cache.add_row()
+        want_all = p.prompt_logprobs is not None
+        idx = torch.tensor([seq.prompt], device=model.wte.weight.device)  # [1, T]
+        logits = model(idx, self.cache.row(b), seq.capture, last_only=not want_all)[0]  # [T or 1, vocab]
+        self.cache.set_length(b, len(seq.prompt))
+        self.seqs.append(seq)
+        if want_all:
+            seq.prompt_logprobs = _prompt_logprobs(logits, seq.prompt, p.prompt_logprobs or 0)
+        if p.max_new_tokens == 0:
+            seq.finish_reason = "length"
+            self._leave(b)
+            return None
+        event = seq.accept(logits[-1])
+        if seq.finish_reason is not None:
+            self._leave(b)
+        return event
+
+    def step(self) -> list[TokenEvent]:
+        """One decode step for every sequence in the batch."""
+        if not self.seqs:
+            return []
+        hooks = self.seqs[0].capture if self.cache.capacity == 1 else None
+        device = self.model.wte.weight.device
+        idx = torch.tensor([[s.tokens[-1]] for s in self.seqs], device=device)  # [B, 1]
+        logits = self.model(idx, self.cache, hooks, last_only=True)[:, -1]  # [B, vocab]
+        self.cache.advance(1)
+        events = [s.accept(logits[b]) for b, s in enumerate(self.seqs)]
+        for b in reversed(range(len(self.seqs))):  # from the end: leaving moves the last row into b
+            if self.seqs[b].finish_reason is not None:
+                self._leave(b)
+        return events
+
+    def cancel(self, seq: SequenceState) -> None:
+        """Take `seq` out of the batch now (its row is free for the next sequence)."""
+        for b, s in enumerate(self.seqs):
+            if s is seq:
+                seq.finish_reason = seq.finish_reason or "cancelled"
+                self._leave(b)
+                return
+
+    def _leave(self, b: int) -> None:
+        seq = self.seqs[b]
+        if seq.capture is not None and seq.tokens and seq.finish_reason != "cancelled":
+            # The last token was sampled, never fed: feed it, so activations cover every position.
+            idx = torch.tensor([[seq.tokens[-1]]], device=self.model.wte.weight.device)
+            self.model(idx, self.cache.row(b), seq.capture, last_only=True)
+        self.cache.remove_row(b)
+        self.seqs[b] = self.seqs[-1]
+        self.seqs.pop()
+
+
 class Generation:
     """Continuations of several prompts. Iterate it for `TokenEvent`s as tokens are produced; once it is
     exhausted, `results` holds one `Completion` per prompt, in prompt order.
 
     With `hooks` (names or glob patterns), each prompt runs alone and its `Completion.activations` holds
-    the hook values over every position of prompt and continuation: what one forward pass over the final
-    sequence gives.
+    the hook values ([1, ...], as TransformerLens shapes them) over every position of prompt and
+    continuation: what one forward pass over the final sequence gives.
     """
 
     def __init__(
@@ -232,76 +330,34 @@ class Generation:
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise GenerationError(f"{len(per_prompt)} parameter sets for {len(prompts)} prompts")
-        if tokenizer is None and any(p.stop for p in per_prompt):
-            raise GenerationError("stop strings need a tokenizer", "stop")
         self.model = model
-        self.hook_names = select_hooks(list(hooks), model.config.n_layer) if hooks else None
-        eos_id = tokenizer.eot_id if tokenizer is not None else EOT_ID
+        names = select_hooks(list(hooks), model.config.n_layer) if hooks else None
         self._seqs = [
-            _Sequence(
-                i,
-                validate_prompt(model, prompt, p.max_new_tokens),
-                p,
-                tokenizer,
-                eos_id,
-                _generator(p.seed, model.wte.weight.device),
-            )
+            new_sequence(model, i, prompt, p, tokenizer, names)
             for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True))
         ]
-        self._activations: dict[int, dict[str, torch.Tensor]] = {}
         self._done = False
 
     @property
     def results(self) -> list[Completion]:
         if not self._done:
             raise RuntimeError("the generation has not finished: iterate it to the end first")
-        return [s.result(self._activations.get(s.index)) for s in self._seqs]
+        return [s.result() for s in self._seqs]
 
     def __iter__(self) -> Iterator[TokenEvent]:
+        capturing = self._seqs[0].capture is not None
+        groups = [[s] for s in self._seqs] if capturing else [self._seqs]  # capture: one prompt at a time
         with torch.inference_mode():
-            if self.hook_names is None:
-                yield from self._decode(self._seqs, None)
-            else:
-                for seq in self._seqs:
-                    capture = Capture(self.hook_names)
-                    yield from self._decode([seq], capture)
-                    self._activations[seq.index] = capture.tensors()  # [1, ...] as TransformerLens gives
+            for group in groups:
+                max_len = max(len(s.prompt) + s.params.max_new_tokens for s in group)
+                batch = DecodeBatch(self.model, len(group), max_len)
+                for seq in group:
+                    event = batch.add(seq)
+                    if event is not None:
+                        yield event
+                while batch:
+                    yield from batch.step()
         self._done = True
-
-    def _decode(self, seqs: list[_Sequence], capture: Capture | None) -> Iterator[TokenEvent]:
-        model = self.model
-        device = model.wte.weight.device
-        max_len = max(len(s.prompt) + s.params.max_new_tokens for s in seqs)
-        cache = KVCache(model.config, len(seqs), max_len, dtype=model.wte.weight.dtype, device=device)
-
-        for b, seq in enumerate(seqs):  # prefill, one prompt at a time
-            want_all = seq.params.prompt_logprobs is not None
-            idx = torch.tensor([seq.prompt], device=device)
-            logits = model(idx, cache.row(b), capture, last_only=not want_all)[0]  # [T or 1, vocab]
-            cache.set_length(b, len(seq.prompt))
-            if want_all:
-                seq.prompt_logprobs = _prompt_logprobs(logits, seq.prompt, seq.params.prompt_logprobs or 0)
-            if seq.params.max_new_tokens == 0:
-                seq.finish_reason = "length"
-            else:
-                yield seq.accept(logits[-1])
-
-        rows = list(range(len(seqs)))  # cache row -> sequence
-        while True:
-            live = [i for i, s in enumerate(rows) if seqs[s].finish_reason is None]
-            if not live:
-                break
-            if len(live) < len(rows):
-                cache.keep(live)
-                rows = [rows[i] for i in live]
-            idx = torch.tensor([[seqs[s].tokens[-1]] for s in rows], device=device)  # [B, 1]
-            logits = model(idx, cache, capture, last_only=True)[:, -1]  # [B, vocab]
-            cache.advance(1)
-            for b, s in enumerate(rows):
-                yield seqs[s].accept(logits[b])
-
-        if capture is not None and seqs[0].tokens:  # the last token was sampled, never fed: feed it
-            model(torch.tensor([[seqs[0].tokens[-1]]], device=device), cache, capture, last_only=True)
 
 
 def _generator(seed: int | None, device: torch.device) -> torch.Generator:

@@ -1,10 +1,11 @@
 """A preallocated key/value cache with one row per sequence (gpt-fast's static cache, with ragged lengths).
 
-Keys and values of every layer live in two tensors of shape [n_layer, batch, head, max_len, d_head], so
-memory is fixed when the cache is made. Each row keeps its own length: rows of different lengths decode
-together, each query seeing only its own row's keys. A forward pass reads the rows' start positions
-with `begin`, each attention layer writes its new keys and values with `update`, and the caller moves
-the lengths on with `advance` once it knows how many of the new positions were real.
+Keys and values of every layer live in two tensors of shape [n_layer, capacity, head, max_len, d_head],
+so memory is fixed when the cache is made. The rows in use are always the first ones, each with its own
+length: rows of different lengths decode together, each query seeing only its own row's keys. Sequences
+join (`add_row`) and leave (`remove_row`, which moves the last row into the gap) between forward passes,
+as continuous batching needs. A forward pass reads the rows' start positions with `begin`, each attention
+layer writes its new keys and values with `update`, and the caller moves the lengths on with `advance`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
+        """A cache of `batch_size` rows, all in use and empty (see `empty` for one with no rows in use)."""
         if not 0 < max_len <= config.n_positions:
             raise ValueError(f"max_len must be in 1..{config.n_positions}, got {max_len}")
         shape = (config.n_layer, batch_size, config.n_head, max_len, config.d_head)
@@ -33,6 +35,15 @@ class KVCache:
         self._step: _Step | None = None
 
     @classmethod
+    def empty(
+        cls, config: GPTConfig, capacity: int, max_len: int, *, dtype: torch.dtype, device: torch.device | str
+    ) -> KVCache:
+        """Room for `capacity` sequences, none in use yet."""
+        cache = cls(config, capacity, max_len, dtype=dtype, device=device)
+        cache.lengths = []
+        return cache
+
+    @classmethod
     def _view(cls, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> KVCache:
         view = cls.__new__(cls)
         view.k, view.v, view.lengths, view._step = k, v, lengths, None
@@ -40,7 +51,12 @@ class KVCache:
 
     @property
     def batch_size(self) -> int:
+        """Rows in use."""
         return len(self.lengths)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
 
     @property
     def max_len(self) -> int:
@@ -56,12 +72,22 @@ class KVCache:
     def set_length(self, b: int, length: int) -> None:
         self.lengths[b] = length
 
-    def keep(self, rows: list[int]) -> None:
-        """Drop every row not in `rows` (finished sequences), keeping the order given."""
-        index = torch.tensor(rows, device=self.k.device)
-        self.k = self.k.index_select(1, index)
-        self.v = self.v.index_select(1, index)
-        self.lengths = [self.lengths[r] for r in rows]
+    def add_row(self) -> int:
+        """Take a free row for a new sequence; returns its index."""
+        if self.batch_size == self.capacity:
+            raise RuntimeError(f"KV cache full: all {self.capacity} rows are in use")
+        self.lengths.append(0)
+        return self.batch_size - 1
+
+    def remove_row(self, b: int) -> None:
+        """Free row `b`. The last row moves into its place (copying only its stored positions)."""
+        last = self.batch_size - 1
+        if b != last:
+            n = self.lengths[last]
+            self.k[:, b, :, :n] = self.k[:, last, :, :n]
+            self.v[:, b, :, :n] = self.v[:, last, :, :n]
+            self.lengths[b] = n
+        self.lengths.pop()
 
     # --- one forward pass ---------------------------------------------------------------
 
@@ -93,7 +119,8 @@ class KVCache:
         """
         step = self._step
         assert step is not None, "call begin() before update()"
-        k_layer, v_layer = self.k[layer], self.v[layer]  # [B, H, max_len, D]
+        n = self.batch_size
+        k_layer, v_layer = self.k[layer, :n], self.v[layer, :n]  # [B, H, max_len, D]
         if step.uniform_start is not None:
             s = step.uniform_start
             k_layer[:, :, s : s + k.shape[1]] = k.transpose(1, 2)
