@@ -1,0 +1,100 @@
+"""The FastAPI application: routers, error handlers, the request guard, and the engine's lifetime.
+
+`create_app(loaded=...)` serves a model that is already loaded (tests, embedding in another program);
+`create_app(settings)` loads the model named in the settings on a background thread at start-up,
+answering `/health` with 503 until it is ready.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+
+from model.loading import LoadedModel, load
+
+from .engine import Engine
+from .errors import install_error_handlers
+from .metrics import Metrics
+from .middleware import RequestGuard
+from .routes import native, openai, ops, tokenizer
+from .settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    loaded: LoadedModel | None = None,
+    on_load_error: Callable[[Exception], None] | None = None,
+) -> FastAPI:
+    settings = settings or Settings()
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if loaded is not None:
+            app.state.engine = _start_engine(loaded, settings, metrics)
+        else:
+            threading.Thread(target=_load_in_background, args=(app,), name="gpt2-loader", daemon=True).start()
+        yield
+        if app.state.engine is not None:
+            app.state.engine.stop()
+
+    def _load_in_background(app: FastAPI) -> None:
+        try:
+            model = load(
+                settings.model,
+                revision=settings.revision,
+                dtype=settings.dtype,
+                device=settings.device,
+                preset_name=settings.preset,
+                tokenizer_dir=settings.tokenizer,
+            )
+            app.state.engine = _start_engine(model, settings, metrics)
+        except Exception as e:
+            log.error("cannot load the model: %s", e)
+            if on_load_error is not None:
+                on_load_error(e)
+
+    app = FastAPI(
+        title="GPT-2 server",
+        description="GPT-2 written from first principles: generation, activations, OpenAI-compatible API.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.engine = None
+    install_error_handlers(app)
+    for router in (ops.router, native.router, openai.router, tokenizer.router):
+        app.include_router(router)
+    app.add_middleware(
+        RequestGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes, metrics=metrics
+    )
+    if settings.cors_origins:  # outermost, so that preflight requests need no API key
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],
+        )
+    return app
+
+
+def _start_engine(loaded: LoadedModel, settings: Settings, metrics: Metrics) -> Engine:
+    engine = Engine(loaded, max_batch_size=settings.max_batch_size, max_queue=settings.max_queue, metrics=metrics)
+    engine.start()
+    log.info(
+        "serving %s (%s, %s): %d sequences at once, KV cache %.1f MiB",
+        loaded.name,
+        loaded.device,
+        str(loaded.dtype).removeprefix("torch."),
+        settings.max_batch_size,
+        engine.kv_cache_bytes / 2**20,
+    )
+    return engine

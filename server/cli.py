@@ -1,0 +1,36 @@
+"""gpt2-serve: load GPT-2 and serve it over HTTP with uvicorn.
+
+    gpt2-serve --model gpt2 --port 8000
+    GPT2_API_KEY=secret gpt2-serve --model ./my-checkpoint --host 0.0.0.0
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import uvicorn
+
+from .app import create_app
+from .settings import parse_settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = parse_settings(argv)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    failures: list[Exception] = []
+
+    def on_load_error(error: Exception) -> None:
+        failures.append(error)
+        server.should_exit = True
+
+    app = create_app(settings, on_load_error=on_load_error)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    if failures:
+        print(f"gpt2-serve: error: cannot load the model: {failures[0]}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,301 @@
+"""The engine: owns the model and schedules every request onto it, from one worker thread.
+
+No model code runs on the event loop. Requests wait in a bounded queue; the worker admits them into a
+continuous batch (`model.generate.DecodeBatch`) as rows free up, runs one decode step for every active
+sequence at a time, and hands each token to its request's asyncio queue as it is produced. A request
+that arrives while others decode joins at the next step. A request that captures activations runs in a
+batch of its own (hooks see the whole batch), interleaved step by step with the shared batch. A
+cancelled request (client gone) leaves the batch at the next step and frees its row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from model.generate import Completion, DecodeBatch, SamplingParams, SequenceState, TokenEvent, TokenLogprob, new_sequence
+from model.gpt import GPT
+from model.hooks import select_hooks
+from model.loading import LoadedModel
+
+from .metrics import Metrics
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class QueueFull(Exception):
+    """More requests are waiting than the queue allows."""
+
+
+class EngineStopped(Exception):
+    """The engine is shutting down."""
+
+
+@dataclass
+class _Request:
+    seq: SequenceState
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[TokenEvent | Completion | BaseException]
+    submitted: float = field(default_factory=time.perf_counter)
+    last_token: float | None = None
+    cancelled: bool = False
+
+
+class RequestStream:
+    """One sequence's tokens as the engine produces them; `completion` holds the result at the end."""
+
+    def __init__(self, engine: Engine, request: _Request) -> None:
+        self._engine = engine
+        self._request = request
+        self.completion: Completion | None = None
+
+    @property
+    def index(self) -> int:
+        return self._request.seq.index
+
+    @property
+    def prompt(self) -> list[int]:
+        return self._request.seq.prompt
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """Set once the prompt is prefilled, before its first token arrives (if they were asked for)."""
+        return self._request.seq.prompt_logprobs
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        while self.completion is None:
+            item = await self._request.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, Completion):
+                self.completion = item
+            else:
+                yield item
+
+    async def result(self) -> Completion:
+        async for _ in self:
+            pass
+        assert self.completion is not None
+        return self.completion
+
+    def cancel(self) -> None:
+        """Stop generating (the client went away); safe to call at any time, also after the end."""
+        if self.completion is None and not self._request.cancelled:
+            self._engine._cancel(self._request)
+
+
+class Engine:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        max_batch_size: int = 16,
+        max_queue: int = 256,
+        metrics: Metrics | None = None,
+    ) -> None:
+        if max_batch_size < 1 or max_queue < 1:
+            raise ValueError("max_batch_size and max_queue must be at least 1")
+        self.loaded = loaded
+        self.model: GPT = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.max_batch_size = max_batch_size
+        self.max_queue = max_queue
+        self.metrics = metrics or Metrics()
+        config = self.model.config
+        self._batch = DecodeBatch(self.model, max_batch_size, config.n_positions)
+        self._solo: list[DecodeBatch] = []  # capturing sequences, one batch each
+        self._requests: dict[int, _Request] = {}  # id(seq) -> request, for every admitted sequence
+        self._waiting: deque[_Request] = deque()
+        self._jobs: deque[tuple[Callable[[GPT], Any], asyncio.AbstractEventLoop, asyncio.Future[Any]]] = deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self._batch.cache.nbytes()
+
+    # --- the event loop's side -------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="gpt2-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def submit(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+        hooks: Sequence[str] | None = None,
+    ) -> list[RequestStream]:
+        """Queue one sequence per prompt (all or none: raises `QueueFull` when they do not fit, and
+        `GenerationError`/`UnknownHookError` for an invalid request, before anything is queued)."""
+        names = select_hooks(list(hooks), self.model.config.n_layer) if hooks else None
+        seqs = [
+            new_sequence(self.model, i, prompt, p, self.tokenizer, names)
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
+        ]
+        loop = asyncio.get_running_loop()
+        requests = [_Request(seq, loop, asyncio.Queue()) for seq in seqs]
+        with self._cv:
+            if self._stopping:
+                raise EngineStopped("the server is shutting down")
+            if len(self._waiting) + len(requests) > self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting (the limit is {self.max_queue})")
+            self._waiting.extend(requests)
+            self.metrics.queue_depth.set(len(self._waiting))
+            self._cv.notify()
+        return [RequestStream(self, r) for r in requests]
+
+    async def call(self, fn: Callable[[GPT], T]) -> T:
+        """Run `fn(model)` on the engine's thread, between decode steps, and return its result."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        with self._cv:
+            if self._stopping:
+                raise EngineStopped("the server is shutting down")
+            self._jobs.append((fn, loop, future))
+            self._cv.notify()
+        return await future
+
+    def _cancel(self, request: _Request) -> None:
+        with self._cv:
+            request.cancelled = True
+            self._cv.notify()
+
+    # --- the worker thread -----------------------------------------------------------------
+
+    def _active(self) -> int:
+        return len(self._batch) + sum(len(b) for b in self._solo)
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._cv:
+                    while not (self._stopping or self._jobs or self._waiting or self._active()):
+                        self._cv.wait()
+                    if self._stopping:
+                        break
+                    jobs = list(self._jobs)
+                    self._jobs.clear()
+                    admitted: list[_Request] = []
+                    while self._waiting and self._active() + len(admitted) < self.max_batch_size:
+                        request = self._waiting.popleft()
+                        if not request.cancelled:
+                            admitted.append(request)
+                    self.metrics.queue_depth.set(len(self._waiting))
+                for job in jobs:
+                    self._run_job(*job)
+                self._drop_cancelled()
+                for request in admitted:
+                    self._admit(request)
+                self._step()
+        self._fail_all(EngineStopped("the server is shutting down"))
+
+    def _run_job(self, fn: Callable[[GPT], Any], loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any]) -> None:
+        try:
+            result = fn(self.model)
+        except Exception as e:
+            loop.call_soon_threadsafe(_settle, future, None, e)
+        else:
+            loop.call_soon_threadsafe(_settle, future, result, None)
+
+    def _admit(self, request: _Request) -> None:
+        seq = request.seq
+        if seq.capture is not None:
+            batch = DecodeBatch(self.model, 1, len(seq.prompt) + seq.params.max_new_tokens)
+            self._solo.append(batch)
+        else:
+            batch = self._batch
+        self._requests[id(seq)] = request
+        try:
+            event = batch.add(seq)
+        except Exception as e:
+            self._fail(batch, e)
+            return
+        if event is not None:
+            self._deliver(request, event)
+        if seq.finish_reason is not None:
+            self._finish(request)
+
+    def _step(self) -> None:
+        if len(self._batch):
+            self.metrics.batch_size.observe(len(self._batch))
+        for batch in [self._batch, *self._solo]:
+            try:
+                events = batch.step()
+            except Exception as e:
+                self._fail(batch, e)
+                continue
+            for seq, event in events:
+                request = self._requests[id(seq)]
+                self._deliver(request, event)
+                if seq.finish_reason is not None:
+                    self._finish(request)
+        self._solo = [b for b in self._solo if len(b)]
+
+    def _deliver(self, request: _Request, event: TokenEvent) -> None:
+        now = time.perf_counter()
+        if request.last_token is None:
+            self.metrics.time_to_first_token.observe(now - request.submitted)
+        else:
+            self.metrics.inter_token_latency.observe(now - request.last_token)
+        request.last_token = now
+        self.metrics.tokens_generated.inc()
+        request.loop.call_soon_threadsafe(request.queue.put_nowait, event)
+
+    def _finish(self, request: _Request) -> None:
+        del self._requests[id(request.seq)]
+        request.loop.call_soon_threadsafe(request.queue.put_nowait, request.seq.result())
+
+    def _drop_cancelled(self) -> None:
+        for request in [r for r in self._requests.values() if r.cancelled]:
+            for batch in [self._batch, *self._solo]:
+                batch.cancel(request.seq)
+            del self._requests[id(request.seq)]
+        self._solo = [b for b in self._solo if len(b)]
+
+    def _fail(self, batch: DecodeBatch, error: Exception) -> None:
+        """A forward pass failed: end every sequence of that batch with the error, keep serving."""
+        log.exception("engine step failed; ending %d sequences", len(batch), exc_info=error)
+        for seq in list(batch.seqs):
+            batch.cancel(seq)
+            request = self._requests.pop(id(seq), None)
+            if request is not None:
+                request.loop.call_soon_threadsafe(request.queue.put_nowait, error)
+
+    def _fail_all(self, error: Exception) -> None:
+        with self._cv:
+            pending = list(self._waiting) + list(self._requests.values())
+            self._waiting.clear()
+            self._requests.clear()
+            jobs = list(self._jobs)
+            self._jobs.clear()
+        for request in pending:
+            request.loop.call_soon_threadsafe(request.queue.put_nowait, error)
+        for _, loop, future in jobs:
+            loop.call_soon_threadsafe(_settle, future, None, error)
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

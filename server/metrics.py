@@ -1,0 +1,29 @@
+"""Prometheus metrics, in a registry of the app's own (so several apps in one process do not collide)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("gpt2_requests", "HTTP requests by route and status", ["route", "status"], registry=r)
+        self.tokens_generated = Counter("gpt2_tokens_generated", "Tokens generated", registry=r)
+        self.queue_depth = Gauge("gpt2_queue_depth", "Sequences waiting for a batch slot", registry=r)
+        self.batch_size = Histogram(
+            "gpt2_batch_size", "Sequences per decode step", buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r
+        )
+        self.time_to_first_token = Histogram(
+            "gpt2_time_to_first_token_seconds", "From submission to the first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.inter_token_latency = Histogram(
+            "gpt2_inter_token_latency_seconds", "Between consecutive tokens of a sequence", buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,109 @@
+"""What every request passes through: a request id, the API key, the body-size cap, one log line, metrics.
+
+Written as plain ASGI (not BaseHTTPMiddleware) so that streamed responses and client disconnects pass
+through untouched.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .errors import error_response
+from .metrics import Metrics
+
+log = logging.getLogger("server.access")
+
+OPEN_PATHS = frozenset({"/health"})  # answered without an API key
+
+
+class RequestGuard:
+    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int, metrics: Metrics) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1"))]
+            await send(message)
+
+        try:
+            rejection = self._check_key(scope["path"], headers)
+            if rejection is None:
+                receive, rejection = await self._bounded_body(headers, receive)
+            if rejection is not None:
+                await rejection(scope, receive, send_with_id)
+            else:
+                await self.app(scope, receive, send_with_id)
+        finally:
+            route = scope.get("route")
+            label = getattr(route, "path", "unmatched")
+            self.metrics.requests.labels(route=label, status=str(status)).inc()
+            line: dict[str, Any] = {
+                "request_id": request_id,
+                "method": scope["method"],
+                "path": scope["path"],
+                "status": status,
+                "duration_ms": round((time.perf_counter() - start) * 1000, 1),
+            }
+            log.info(json.dumps(line))
+
+    def _check_key(self, path: str, headers: dict[str, str]) -> Any:
+        if self.api_key is None or path in OPEN_PATHS:
+            return None
+        given = headers.get("authorization", "").removeprefix("Bearer ").strip() or headers.get("x-api-key", "")
+        if given and hmac.compare_digest(given.encode(), self.api_key.encode()):
+            return None
+        message = "invalid API key" if given else "missing API key: send Authorization: Bearer <key>"
+        return error_response(401, message, headers={"WWW-Authenticate": "Bearer"})
+
+    async def _bounded_body(self, headers: dict[str, str], receive: Receive) -> tuple[Receive, Any]:
+        """Read the whole body (up to the cap) before the app runs; replay it, then pass `receive` on."""
+        limit = self.max_body_bytes
+        too_big = error_response(413, f"the request body exceeds the limit of {limit} bytes")
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return receive, too_big
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending everything
+                return receive, None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                return receive, too_big
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return replay, None

@@ -1,0 +1,201 @@
+"""The native API: generation with logprobs and activation dumps, the next-token distribution, model info."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+from fastapi import APIRouter, Depends
+from fastapi.responses import Response
+
+from model.generate import Completion, GenerationError, TokenLogprob, validate_prompt
+from model.gpt import GPT
+from model.hooks import select_hooks
+
+from .. import encoding
+from ..engine import Engine
+from ..errors import APIError
+from ..schemas import ActivationSpec, ActivationsRequest, GenerateRequest, NextTokenRequest
+from ..settings import Settings
+from .deps import get_engine, get_settings, merged, results, sse, token_ids
+
+router = APIRouter(tags=["native"])
+
+
+@router.get("/v1/model")
+async def model_info(engine: Engine = Depends(get_engine)) -> dict[str, Any]:
+    c, loaded = engine.model.config, engine.loaded
+    return {
+        "name": loaded.name,
+        "revision": loaded.revision,
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "device": str(loaded.device),
+        "n_layer": c.n_layer,
+        "n_head": c.n_head,
+        "d_model": c.n_embd,
+        "d_head": c.d_head,
+        "d_mlp": c.d_mlp,
+        "n_ctx": c.n_positions,
+        "vocab_size": c.vocab_size,
+        "n_params": c.n_params(),
+        "hook_names": engine.model.hook_names,
+    }
+
+
+@router.post("/v1/generate")
+async def generate(
+    req: GenerateRequest, engine: Engine = Depends(get_engine), settings: Settings = Depends(get_settings)
+) -> Any:
+    prompts = token_ids(engine, req.prompt, req.input_ids)
+    params = req.sampling_params(settings.max_new_tokens)
+    hooks = _checked_hooks(engine, settings, req.activations, prompts, params.max_new_tokens)
+    streams = engine.submit(prompts, [params] * len(prompts), hooks)
+    reply = _Reply(engine, req.activations)
+    if req.stream:
+        return sse(reply.stream(merged(streams)))
+    return reply.body(await results(streams))
+
+
+@router.post("/v1/activations", response_class=Response, responses={200: {"content": {"application/octet-stream": {}}}})
+async def activations(
+    req: ActivationsRequest, engine: Engine = Depends(get_engine), settings: Settings = Depends(get_settings)
+) -> Response:
+    if req.stream:
+        raise GenerationError("/v1/activations answers with one file: stream is not supported", "stream")
+    prompts = token_ids(engine, req.prompt, req.input_ids)
+    params = req.sampling_params(settings.max_new_tokens)
+    hooks = _checked_hooks(engine, settings, req.activations, prompts, params.max_new_tokens)
+    (completion,) = await results(engine.submit(prompts, [params], hooks))
+    reply = _Reply(engine, None)
+    choice = reply.choice(completion)
+    meta = {
+        "model": engine.loaded.name,
+        "token_ids": completion.prompt_ids + completion.token_ids,
+        "text": engine.tokenizer.decode(completion.prompt_ids) + completion.text,
+        "result": json.dumps(reply.body([completion]) | {"choices": [choice]}),
+    }
+    assert completion.activations is not None
+    blob = encoding.to_safetensors(completion.activations, req.activations.dtype, meta)
+    return Response(blob, media_type="application/octet-stream")
+
+
+@router.post("/v1/next-token")
+async def next_token(req: NextTokenRequest, engine: Engine = Depends(get_engine)) -> dict[str, Any]:
+    (ids,) = token_ids(engine, req.prompt, req.input_ids)
+    vocab = engine.model.config.vocab_size
+    if not 1 <= req.top_k <= vocab:
+        raise GenerationError(f"top_k must be in 1..{vocab}, got {req.top_k}", "top_k")
+    validate_prompt(engine.model, ids, 0, "input_ids" if req.input_ids is not None else "prompt")
+
+    def distribution(model: GPT) -> tuple[list[float], list[int], float]:
+        idx = torch.tensor([ids], device=model.wte.weight.device)
+        logprobs = torch.log_softmax(model(idx, last_only=True)[0, -1].float(), dim=-1)  # [vocab]
+        entropy = -(logprobs.exp() * logprobs).nan_to_num().sum()
+        top = torch.topk(logprobs, req.top_k)
+        return top.values.tolist(), top.indices.tolist(), float(entropy)
+
+    values, indices, entropy = await engine.call(distribution)
+    tok = engine.tokenizer
+    return {
+        "model": engine.loaded.name,
+        "input_ids": ids,
+        "tokens": [tok.token_text(t) for t in ids],
+        "top": [
+            {"id": i, "token": tok.token_text(i), "prob": float(torch.tensor(v).exp()), "logprob": v}
+            for v, i in zip(values, indices, strict=True)
+        ],
+        "entropy": entropy,
+    }
+
+
+def _checked_hooks(
+    engine: Engine, settings: Settings, spec: ActivationSpec | None, prompts: list[list[int]], max_new_tokens: int
+) -> list[str] | None:
+    """The hook names a request asks for, refused (413) when the dump would exceed the server's limit."""
+    if spec is None:
+        return None
+    names = select_hooks(spec.hooks, engine.model.config.n_layer)
+    size = sum(
+        encoding.activation_bytes(engine.model.config, names, len(p) + max_new_tokens, spec.dtype) for p in prompts
+    )
+    if size > settings.max_activation_bytes:
+        raise APIError(
+            413,
+            f"the activation dump would hold about {size} bytes, over the server's limit of "
+            f"{settings.max_activation_bytes}: ask for fewer hooks, fewer tokens or float16",
+            "activations",
+        )
+    return names
+
+
+class _Reply:
+    """Shapes completions into the native response and stream events."""
+
+    def __init__(self, engine: Engine, spec: ActivationSpec | None) -> None:
+        self.engine, self.spec = engine, spec
+        self.id = "gen-" + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _logprob(self, lp: TokenLogprob) -> dict[str, Any]:
+        text = self.engine.tokenizer.token_text
+        top = [{"id": i, "token": text(i), "logprob": v} for i, v in lp.top]
+        return {"id": lp.id, "token": text(lp.id), "logprob": lp.logprob, "top": top}
+
+    def choice(self, c: Completion) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "index": c.index,
+            "text": c.text,
+            "token_ids": c.token_ids,
+            "tokens": [self.engine.tokenizer.token_text(t) for t in c.token_ids],
+            "finish_reason": c.finish_reason,
+        }
+        if c.logprobs is not None:
+            out["logprobs"] = [self._logprob(lp) for lp in c.logprobs]
+        if self.spec is not None and c.activations is not None:
+            out["activations"] = self._activations(c)
+        return out
+
+    def _activations(self, c: Completion) -> Any:
+        assert self.spec is not None and c.activations is not None
+        if self.spec.format == "json":
+            return encoding.to_json(c.activations, self.spec.dtype)
+        meta = {"model": self.engine.loaded.name, "token_ids": c.prompt_ids + c.token_ids}
+        return encoding.to_safetensors_base64(c.activations, self.spec.dtype, meta)
+
+    def body(self, completions: list[Completion]) -> dict[str, Any]:
+        prompt_tokens = sum(len(c.prompt_ids) for c in completions)
+        completion_tokens = sum(len(c.token_ids) for c in completions)
+        return {
+            "id": self.id,
+            "object": "generation",
+            "created": self.created,
+            "model": self.engine.loaded.name,
+            "choices": [self.choice(c) for c in completions],
+            "usage": _usage(prompt_tokens, completion_tokens),
+        }
+
+    async def stream(self, events: AsyncIterator[Any]) -> AsyncIterator[dict[str, Any]]:
+        async for stream, event in events:
+            if event is not None:
+                lp = event.logprob
+                yield {"index": event.index, "token_id": event.token_id, "text": event.text,
+                       "logprob": lp.logprob if lp is not None else None, "finish_reason": None}
+                continue
+            c = stream.completion
+            final: dict[str, Any] = {"index": c.index, "text": "", "finish_reason": c.finish_reason,
+                                     "usage": _usage(len(c.prompt_ids), len(c.token_ids))}
+            if self.spec is not None and c.activations is not None:
+                final["activations"] = self._activations(c)
+            yield final
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

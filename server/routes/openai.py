@@ -1,0 +1,154 @@
+"""OpenAI-compatible API: `/v1/completions` (legacy completions, as evaluation harnesses use it) and
+`/v1/models`. Response and stream chunks follow OpenAI's shapes exactly."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends
+
+from model.generate import Completion, TokenLogprob
+
+from ..engine import Engine, RequestStream
+from ..schemas import CompletionRequest, check_cap
+from ..settings import Settings
+from .deps import get_engine, get_settings, merged, openai_prompt_ids, results, sse
+
+router = APIRouter(tags=["openai"])
+
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+@router.get("/v1/models")
+async def models(engine: Engine = Depends(get_engine)) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": engine.loaded.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "openai-community",
+                "max_model_len": engine.model.config.n_positions,
+            }
+        ],
+    }
+
+
+@router.post("/v1/completions")
+async def completions(
+    req: CompletionRequest, engine: Engine = Depends(get_engine), settings: Settings = Depends(get_settings)
+) -> Any:
+    req.refuse_unsupported()
+    prompts = openai_prompt_ids(engine, req.prompt)
+    n_ctx = engine.model.config.n_positions
+    choices_prompts, params = [], []
+    for prompt in prompts:
+        if req.max_tokens is None:  # OpenAI's "as many as fit"
+            max_tokens = max(0, min(settings.max_new_tokens, n_ctx - len(prompt)))
+        else:
+            check_cap(req.max_tokens, settings.max_new_tokens, "max_tokens")
+            max_tokens = req.max_tokens
+        for j in range(req.n):  # n samples per prompt, each with its own seed
+            choices_prompts.append(prompt)
+            params.append(req.sampling_params(max_tokens, None if req.seed is None else req.seed + j))
+    streams = engine.submit(choices_prompts, params)
+    reply = _Reply(engine, req)
+    if req.stream:
+        return sse(reply.stream(streams))
+    return reply.body(await results(streams))
+
+
+class _Reply:
+    def __init__(self, engine: Engine, req: CompletionRequest) -> None:
+        self.engine, self.req = engine, req
+        self.id = "cmpl-" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = req.model or engine.loaded.name
+
+    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def _logprobs(self, entries: list[TokenLogprob | None], ids: list[int], offset: int) -> dict[str, Any]:
+        """OpenAI's logprobs object over tokens `ids` (`entries[i]` None where there is no logprob)."""
+        text = self.engine.tokenizer.token_text
+        tokens = [text(t) for t in ids]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        top: list[dict[str, float] | None] = []
+        for lp in entries:
+            if lp is None:
+                top.append(None)
+            else:  # the n most likely, and the chosen token (so up to n + 1 entries, as OpenAI does)
+                top.append({text(i): v for i, v in lp.top} | {text(lp.id): lp.logprob})
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None if lp is None else lp.logprob for lp in entries],
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+
+    def choice(self, i: int, c: Completion) -> dict[str, Any]:
+        prompt_text = self.engine.tokenizer.decode(c.prompt_ids)
+        echo = self.req.echo
+        logprobs = None
+        if self.req.logprobs is not None:
+            entries: list[TokenLogprob | None] = list(c.logprobs or [])
+            ids = list(c.token_ids)
+            if echo:
+                entries = list(c.prompt_logprobs or [None] * len(c.prompt_ids)) + entries
+                ids = c.prompt_ids + ids
+            logprobs = self._logprobs(entries, ids, 0 if echo else len(prompt_text))
+        return {
+            "index": i,
+            "text": (prompt_text if echo else "") + c.text,
+            "logprobs": logprobs,
+            "finish_reason": FINISH_REASONS[c.finish_reason],
+        }
+
+    def body(self, completions: list[Completion]) -> dict[str, Any]:
+        return self._envelope([self.choice(i, c) for i, c in enumerate(completions)]) | {
+            "usage": self._usage(completions)
+        }
+
+    def _usage(self, completions: list[Completion]) -> dict[str, int]:
+        n = self.req.n
+        prompt_tokens = sum(len(c.prompt_ids) for c in completions[::n])  # each prompt counted once
+        completion_tokens = sum(len(c.token_ids) for c in completions)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    async def stream(self, streams: list[RequestStream]) -> AsyncIterator[dict[str, Any]]:
+        index = {id(s): i for i, s in enumerate(streams)}
+        echoed: set[int] = set()
+        async for stream, event in merged(streams):
+            i = index[id(stream)]
+            if self.req.echo and i not in echoed:
+                echoed.add(i)
+                yield self._envelope([self._echo_chunk(i, stream)])
+            if event is not None:
+                logprobs = None
+                if self.req.logprobs is not None and event.logprob is not None:
+                    logprobs = self._logprobs([event.logprob], [event.token_id], 0)
+                yield self._envelope([{"index": i, "text": event.text, "logprobs": logprobs, "finish_reason": None}])
+            else:
+                assert stream.completion is not None
+                reason = FINISH_REASONS[stream.completion.finish_reason]
+                yield self._envelope([{"index": i, "text": "", "logprobs": None, "finish_reason": reason}])
+        if (self.req.stream_options or {}).get("include_usage"):
+            done = [s.completion for s in streams if s.completion is not None]
+            yield self._envelope([]) | {"usage": self._usage(done)}
+
+    def _echo_chunk(self, i: int, stream: RequestStream) -> dict[str, Any]:
+        logprobs = None
+        if self.req.logprobs is not None:
+            entries = stream.prompt_logprobs or [None] * len(stream.prompt)
+            logprobs = self._logprobs(list(entries), stream.prompt, 0)
+        text = self.engine.tokenizer.decode(stream.prompt)
+        return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": None}

@@ -1,0 +1,48 @@
+"""Tokenizer endpoints in vLLM's shape (what lm-evaluation-harness and other clients probe for)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends
+
+from model.generate import GenerationError
+from model.tokenizer import EOT
+
+from ..engine import Engine
+from ..schemas import DetokenizeRequest, TokenizeRequest
+from .deps import get_engine
+
+router = APIRouter(tags=["tokenizer"])
+
+
+@router.post("/tokenize")
+async def tokenize(req: TokenizeRequest, engine: Engine = Depends(get_engine)) -> dict[str, Any]:
+    ids = engine.tokenizer.encode(req.prompt)  # GPT-2 adds no special tokens, whatever add_special_tokens says
+    return {"tokens": ids, "count": len(ids), "max_model_len": engine.model.config.n_positions}
+
+
+@router.post("/detokenize")
+async def detokenize(req: DetokenizeRequest, engine: Engine = Depends(get_engine)) -> dict[str, Any]:
+    vocab = engine.tokenizer.vocab_size
+    bad = [t for t in req.tokens if not 0 <= t < vocab]
+    if bad:
+        raise GenerationError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "tokens")
+    return {"prompt": engine.tokenizer.decode(req.tokens)}
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(engine: Engine = Depends(get_engine)) -> dict[str, Any]:
+    tok = engine.tokenizer
+    return {
+        "tokenizer_class": "GPT2TokenizerFast",
+        "eos_token": EOT,
+        "eos_token_id": tok.eot_id,
+        "bos_token": EOT,
+        "bos_token_id": tok.eot_id,
+        "pad_token": None,
+        "unk_token": EOT,
+        "vocab_size": tok.vocab_size,
+        "model_max_length": engine.model.config.n_positions,
+        "add_bos_token": False,
+    }

@@ -1,0 +1,145 @@
+"""Request bodies. Each schema checks types strictly (a string is not a number) and converts itself into
+the engine's plain parameter objects; the values themselves are checked by `SamplingParams`."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from model.generate import GenerationError, SamplingParams
+
+PromptText = str | list[str]
+PromptIds = list[int] | list[list[int]]
+# OpenAI's `prompt`: a string, a list of strings, a list of token ids, or a list of lists of token ids.
+OpenAIPrompt = str | list[str] | list[int] | list[list[int]]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class ActivationSpec(Strict):
+    hooks: list[str] = Field(min_length=1, description="hook names or glob patterns, e.g. blocks.*.hook_resid_post")
+    format: Literal["json", "safetensors_base64"] = "json"
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+
+
+class GenerateRequest(Strict):
+    prompt: PromptText | None = None
+    input_ids: PromptIds | None = None
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    stream: bool = False
+    activations: ActivationSpec | None = None
+
+    def sampling_params(self, max_new_tokens_cap: int) -> SamplingParams:
+        check_cap(self.max_new_tokens, max_new_tokens_cap, "max_new_tokens")
+        return SamplingParams(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_k=self.top_k or 0,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            seed=self.seed,
+            stop=stop_tuple(self.stop),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs,
+        )
+
+
+class ActivationsRequest(GenerateRequest):
+    """`/v1/activations`: one prompt, by default just its forward pass."""
+
+    prompt: str | None = None  # type: ignore[assignment]
+    input_ids: list[int] | None = None  # type: ignore[assignment]
+    max_new_tokens: int = 0
+    activations: ActivationSpec = Field(default_factory=lambda: ActivationSpec(hooks=["*"]))  # type: ignore[assignment]
+
+
+class NextTokenRequest(Strict):
+    prompt: str | None = None
+    input_ids: list[int] | None = None
+    top_k: int = Field(default=10, description="how many of the most likely next tokens to return")
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")  # vLLM clients also send `model`
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    tokens: list[int]
+
+
+class CompletionRequest(BaseModel):
+    """OpenAI's legacy completions. Unknown fields are ignored; known ones we do not implement are refused
+    when their value would change the result (see `refuse_unsupported`)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    model: str | None = None
+    prompt: OpenAIPrompt
+    max_tokens: int | None = 16
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    logprobs: int | None = None
+    echo: bool = False
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream_options: dict[str, Any] | None = None
+
+    def refuse_unsupported(self) -> None:
+        extra = self.model_extra or {}
+        neutral: dict[str, Any] = {
+            "presence_penalty": 0,
+            "frequency_penalty": 0,
+            "repetition_penalty": 1,
+            "logit_bias": None,
+            "suffix": None,
+            "min_tokens": 0,
+            "use_beam_search": False,
+        }
+        for name, value in neutral.items():
+            given = extra.get(name, value)
+            if given != value and not (value is None and given in ({}, "")):
+                raise GenerationError(f"{name}={given!r} is not supported by this server", name)
+        best_of = extra.get("best_of")
+        if best_of is not None and best_of != self.n:
+            raise GenerationError(f"best_of={best_of!r} is not supported (only best_of == n)", "best_of")
+        if not 1 <= self.n <= 16:
+            raise GenerationError(f"n must be in 1..16, got {self.n}", "n")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 5:
+            raise GenerationError(f"logprobs must be in 0..5, got {self.logprobs}", "logprobs")
+
+    def sampling_params(self, max_tokens: int, seed: int | None) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            seed=seed,
+            stop=stop_tuple(self.stop),
+            logprobs=self.logprobs,
+            prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None,
+        )
+
+
+def stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def check_cap(value: int, cap: int, param: str) -> None:
+    if value > cap:
+        raise GenerationError(f"{param} must be at most {cap} (the server's limit), got {value}", param)

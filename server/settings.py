@@ -1,0 +1,69 @@
+"""Server settings: one typed object, from command-line flags, each also readable from `GPT2_<NAME>`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field, fields
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str = field(default="gpt2", metadata={"help": "hub name, repo id, checkpoint directory or .safetensors file"})
+    revision: str | None = field(default=None, metadata={"help": "hub revision (branch, tag or commit)"})
+    preset: str | None = field(default=None, metadata={"help": "shape of a bare .safetensors file (e.g. gpt2)"})
+    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer directory, for checkpoints without one"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:N or mps"})
+    dtype: str = field(default="auto", metadata={"help": "auto, float32, float16 or bfloat16"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind (loopback by default)"})
+    port: int = field(default=8000, metadata={"help": "port to listen on"})
+    api_key: str | None = field(default=None, metadata={"help": "require this key (Authorization: Bearer KEY)"})
+    max_batch_size: int = field(default=16, metadata={"help": "sequences decoded together"})
+    max_queue: int = field(default=256, metadata={"help": "sequences allowed to wait; beyond it, 429"})
+    max_new_tokens: int = field(default=1024, metadata={"help": "server-wide cap on tokens per completion"})
+    max_activation_bytes: int = field(default=256 * 2**20, metadata={"help": "largest activation dump (bytes)"})
+    max_body_bytes: int = field(default=4 * 2**20, metadata={"help": "largest request body (bytes)"})
+    cors_origins: tuple[str, ...] = field(default=(), metadata={"help": "comma-separated origins allowed by CORS"})
+    log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_queue", "max_new_tokens", "max_activation_bytes", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+
+
+def _env_name(name: str) -> str:
+    return "GPT2_" + name.upper()
+
+
+def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> Settings:
+    """Flags override environment variables (`--max-queue` / `GPT2_MAX_QUEUE`), which override defaults."""
+    env = os.environ if environ is None else environ
+    p = argparse.ArgumentParser(prog="gpt2-serve", description="Serve GPT-2 over HTTP.")
+    for f in fields(Settings):
+        flag = "--" + f.name.replace("_", "-")
+        kind = int if f.type in ("int", int) else str
+        default = env.get(_env_name(f.name))
+        p.add_argument(flag, type=kind, default=default, help=f"{f.metadata['help']} [env {_env_name(f.name)}]")
+    args = p.parse_args(argv)
+    values = {}
+    for f in fields(Settings):
+        raw = getattr(args, f.name)
+        if raw is None:
+            continue
+        if f.name == "cors_origins":
+            values[f.name] = tuple(o.strip() for o in str(raw).split(",") if o.strip())
+        elif f.type in ("int", int):
+            try:
+                values[f.name] = int(raw)
+            except ValueError:
+                p.error(f"{_env_name(f.name)} must be an integer, got {raw!r}")
+        else:
+            values[f.name] = raw
+    try:
+        return Settings(**values)
+    except ValueError as e:
+        p.error(str(e))
+        raise  # unreachable: p.error exits
