@@ -39,4 +39,4 @@ def dump_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> by
 def load_dump(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors and the metadata of a dump."""
     with safe_open(str(path), framework="pt") as f:
-        return {name: f.get_tensor(name) for name in f.keys()}, dict(f.metadata() or {})
+        return {name: f.get_tensor(name) for name in f.keys()}, dict(f.metadata() or {})  # noqa: SIM118

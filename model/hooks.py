@@ -66,7 +66,7 @@ def hook_names(n_layer: int) -> list[str]:
     ]
     names = ["hook_embed", "hook_pos_embed"]
     names += [f"blocks.{layer}.{site}" for layer in range(n_layer) for site in per_layer]
-    return names + ["ln_final.hook_normalized", "logits"]
+    return [*names, "ln_final.hook_normalized", "logits"]
 
 
 def describe_hook_names(n_layer: int) -> str:

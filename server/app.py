@@ -73,9 +73,7 @@ def create_app(
     install_error_handlers(app)
     for router in (ops.router, native.router, openai.router, tokenizer.router):
         app.include_router(router)
-    app.add_middleware(
-        RequestGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes, metrics=metrics
-    )
+    app.add_middleware(RequestGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes, metrics=metrics)
     if settings.cors_origins:  # outermost, so that preflight requests need no API key
         app.add_middleware(
             CORSMiddleware,

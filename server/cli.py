@@ -1,7 +1,7 @@
 """gpt2-serve: load GPT-2 and serve it over HTTP with uvicorn.
 
-    gpt2-serve --model gpt2 --port 8000
-    GPT2_API_KEY=secret gpt2-serve --model ./my-checkpoint --host 0.0.0.0
+gpt2-serve --model gpt2 --port 8000
+GPT2_API_KEY=secret gpt2-serve --model ./my-checkpoint --host 0.0.0.0
 """
 
 from __future__ import annotations
@@ -25,9 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         server.should_exit = True
 
     app = create_app(settings, on_load_error=on_load_error)
-    config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False
-    )
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
     server = uvicorn.Server(config)
     server.run()
     if failures:

@@ -21,7 +21,15 @@ from typing import Any, TypeVar
 
 import torch
 
-from model.generate import Completion, DecodeBatch, SamplingParams, SequenceState, TokenEvent, TokenLogprob, new_sequence
+from model.generate import (
+    Completion,
+    DecodeBatch,
+    SamplingParams,
+    SequenceState,
+    TokenEvent,
+    TokenLogprob,
+    new_sequence,
+)
 from model.gpt import GPT
 from model.hooks import select_hooks
 from model.loading import LoadedModel

@@ -70,7 +70,9 @@ def install_error_handlers(app: FastAPI) -> None:
         first = e.errors()[0] if e.errors() else {}
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
         if first.get("type") == "json_invalid":
-            return error_response(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "))
+            return error_response(
+                400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": ")
+            )
         where = ".".join(loc) or "body"
         return error_response(400, f"{where}: {first.get('msg', 'invalid value')}", loc[0] if loc else None)
 
@@ -81,7 +83,7 @@ def install_error_handlers(app: FastAPI) -> None:
             404: "no such route",
             405: "method not allowed on this route",
         }
-        return error_response(e.status_code, messages.get(e.status_code, str(e.detail)), headers=e.headers)
+        return error_response(e.status_code, messages.get(e.status_code, str(e.detail)), headers=dict(e.headers or {}))
 
     @app.exception_handler(Exception)
     async def internal(request: Request, e: Exception) -> JSONResponse:

@@ -18,10 +18,15 @@ class Metrics:
             "gpt2_batch_size", "Sequences per decode step", buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r
         )
         self.time_to_first_token = Histogram(
-            "gpt2_time_to_first_token_seconds", "From submission to the first token", buckets=_LATENCY_BUCKETS, registry=r
+            "gpt2_time_to_first_token_seconds",
+            "From submission to the first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.inter_token_latency = Histogram(
-            "gpt2_inter_token_latency_seconds", "Between consecutive tokens of a sequence", buckets=_LATENCY_BUCKETS,
+            "gpt2_inter_token_latency_seconds",
+            "Between consecutive tokens of a sequence",
+            buckets=_LATENCY_BUCKETS,
             registry=r,
         )
 

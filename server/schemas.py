@@ -58,10 +58,10 @@ class GenerateRequest(Strict):
 class ActivationsRequest(GenerateRequest):
     """`/v1/activations`: one prompt, by default just its forward pass."""
 
-    prompt: str | None = None  # type: ignore[assignment]
-    input_ids: list[int] | None = None  # type: ignore[assignment]
+    prompt: str | None = None
+    input_ids: list[int] | None = None
     max_new_tokens: int = 0
-    activations: ActivationSpec = Field(default_factory=lambda: ActivationSpec(hooks=["*"]))  # type: ignore[assignment]
+    activations: ActivationSpec = Field(default_factory=lambda: ActivationSpec(hooks=["*"]))
 
 
 class NextTokenRequest(Strict):

@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 
 @dataclass(frozen=True)
 class Settings:
-    model: str = field(default="gpt2", metadata={"help": "hub name, repo id, checkpoint directory or .safetensors file"})
+    model: str = field(
+        default="gpt2", metadata={"help": "hub name, repo id, checkpoint directory or .safetensors file"}
+    )
     revision: str | None = field(default=None, metadata={"help": "hub revision (branch, tag or commit)"})
     preset: str | None = field(default=None, metadata={"help": "shape of a bare .safetensors file (e.g. gpt2)"})
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer directory, for checkpoints without one"})
@@ -48,7 +51,7 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
         default = env.get(_env_name(f.name))
         p.add_argument(flag, type=kind, default=default, help=f"{f.metadata['help']} [env {_env_name(f.name)}]")
     args = p.parse_args(argv)
-    values = {}
+    values: dict[str, Any] = {}
     for f in fields(Settings):
         raw = getattr(args, f.name)
         if raw is None:

@@ -7,9 +7,9 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import Request
+from fastapi import Depends, Request
 from fastapi.responses import StreamingResponse
 
 from model.generate import Completion, GenerationError, TokenEvent
@@ -31,6 +31,10 @@ def get_engine(request: Request) -> Engine:
 def get_settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
+
+
+EngineDep = Annotated[Engine, Depends(get_engine)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]
 
 
 def token_ids(engine: Engine, prompt: str | Sequence[Any] | None, input_ids: Sequence[Any] | None) -> list[list[int]]:

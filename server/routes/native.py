@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from fastapi.responses import Response
 
 from model.generate import Completion, GenerationError, TokenLogprob, validate_prompt
@@ -21,13 +21,13 @@ from ..engine import Engine
 from ..errors import APIError
 from ..schemas import ActivationSpec, ActivationsRequest, GenerateRequest, NextTokenRequest
 from ..settings import Settings
-from .deps import get_engine, get_settings, merged, results, sse, token_ids
+from .deps import EngineDep, SettingsDep, merged, results, sse, token_ids
 
 router = APIRouter(tags=["native"])
 
 
 @router.get("/v1/model")
-async def model_info(engine: Engine = Depends(get_engine)) -> dict[str, Any]:
+async def model_info(engine: EngineDep) -> dict[str, Any]:
     c, loaded = engine.model.config, engine.loaded
     return {
         "name": loaded.name,
@@ -47,9 +47,7 @@ async def model_info(engine: Engine = Depends(get_engine)) -> dict[str, Any]:
 
 
 @router.post("/v1/generate")
-async def generate(
-    req: GenerateRequest, engine: Engine = Depends(get_engine), settings: Settings = Depends(get_settings)
-) -> Any:
+async def generate(req: GenerateRequest, engine: EngineDep, settings: SettingsDep) -> Any:
     prompts = token_ids(engine, req.prompt, req.input_ids)
     params = req.sampling_params(settings.max_new_tokens)
     hooks = _checked_hooks(engine, settings, req.activations, prompts, params.max_new_tokens)
@@ -61,9 +59,7 @@ async def generate(
 
 
 @router.post("/v1/activations", response_class=Response, responses={200: {"content": {"application/octet-stream": {}}}})
-async def activations(
-    req: ActivationsRequest, engine: Engine = Depends(get_engine), settings: Settings = Depends(get_settings)
-) -> Response:
+async def activations(req: ActivationsRequest, engine: EngineDep, settings: SettingsDep) -> Response:
     if req.stream:
         raise GenerationError("/v1/activations answers with one file: stream is not supported", "stream")
     prompts = token_ids(engine, req.prompt, req.input_ids)
@@ -84,7 +80,7 @@ async def activations(
 
 
 @router.post("/v1/next-token")
-async def next_token(req: NextTokenRequest, engine: Engine = Depends(get_engine)) -> dict[str, Any]:
+async def next_token(req: NextTokenRequest, engine: EngineDep) -> dict[str, Any]:
     (ids,) = token_ids(engine, req.prompt, req.input_ids)
     vocab = engine.model.config.vocab_size
     if not 1 <= req.top_k <= vocab:
@@ -182,12 +178,21 @@ class _Reply:
         async for stream, event in events:
             if event is not None:
                 lp = event.logprob
-                yield {"index": event.index, "token_id": event.token_id, "text": event.text,
-                       "logprob": lp.logprob if lp is not None else None, "finish_reason": None}
+                yield {
+                    "index": event.index,
+                    "token_id": event.token_id,
+                    "text": event.text,
+                    "logprob": lp.logprob if lp is not None else None,
+                    "finish_reason": None,
+                }
                 continue
             c = stream.completion
-            final: dict[str, Any] = {"index": c.index, "text": "", "finish_reason": c.finish_reason,
-                                     "usage": _usage(len(c.prompt_ids), len(c.token_ids))}
+            final: dict[str, Any] = {
+                "index": c.index,
+                "text": "",
+                "finish_reason": c.finish_reason,
+                "usage": _usage(len(c.prompt_ids), len(c.token_ids)),
+            }
             if self.spec is not None and c.activations is not None:
                 final["activations"] = self._activations(c)
             yield final

@@ -8,14 +8,13 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 
 from model.generate import Completion, TokenLogprob
 
 from ..engine import Engine, RequestStream
 from ..schemas import CompletionRequest, check_cap
-from ..settings import Settings
-from .deps import get_engine, get_settings, merged, openai_prompt_ids, results, sse
+from .deps import EngineDep, SettingsDep, merged, openai_prompt_ids, results, sse
 
 router = APIRouter(tags=["openai"])
 
@@ -23,7 +22,7 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
 @router.get("/v1/models")
-async def models(engine: Engine = Depends(get_engine)) -> dict[str, Any]:
+async def models(engine: EngineDep) -> dict[str, Any]:
     return {
         "object": "list",
         "data": [
@@ -39,9 +38,7 @@ async def models(engine: Engine = Depends(get_engine)) -> dict[str, Any]:
 
 
 @router.post("/v1/completions")
-async def completions(
-    req: CompletionRequest, engine: Engine = Depends(get_engine), settings: Settings = Depends(get_settings)
-) -> Any:
+async def completions(req: CompletionRequest, engine: EngineDep, settings: SettingsDep) -> Any:
     req.refuse_unsupported()
     prompts = openai_prompt_ids(engine, req.prompt)
     n_ctx = engine.model.config.n_positions
@@ -70,8 +67,13 @@ class _Reply:
         self.model = req.model or engine.loaded.name
 
     def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": choices}
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
 
     def _logprobs(self, entries: list[TokenLogprob | None], ids: list[int], offset: int) -> dict[str, Any]:
         """OpenAI's logprobs object over tokens `ids` (`entries[i]` None where there is no logprob)."""
@@ -121,8 +123,11 @@ class _Reply:
         n = self.req.n
         prompt_tokens = sum(len(c.prompt_ids) for c in completions[::n])  # each prompt counted once
         completion_tokens = sum(len(c.token_ids) for c in completions)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
 
     async def stream(self, streams: list[RequestStream]) -> AsyncIterator[dict[str, Any]]:
         index = {id(s): i for i, s in enumerate(streams)}

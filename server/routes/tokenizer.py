@@ -4,26 +4,25 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 
 from model.generate import GenerationError
 from model.tokenizer import EOT
 
-from ..engine import Engine
 from ..schemas import DetokenizeRequest, TokenizeRequest
-from .deps import get_engine
+from .deps import EngineDep
 
 router = APIRouter(tags=["tokenizer"])
 
 
 @router.post("/tokenize")
-async def tokenize(req: TokenizeRequest, engine: Engine = Depends(get_engine)) -> dict[str, Any]:
+async def tokenize(req: TokenizeRequest, engine: EngineDep) -> dict[str, Any]:
     ids = engine.tokenizer.encode(req.prompt)  # GPT-2 adds no special tokens, whatever add_special_tokens says
     return {"tokens": ids, "count": len(ids), "max_model_len": engine.model.config.n_positions}
 
 
 @router.post("/detokenize")
-async def detokenize(req: DetokenizeRequest, engine: Engine = Depends(get_engine)) -> dict[str, Any]:
+async def detokenize(req: DetokenizeRequest, engine: EngineDep) -> dict[str, Any]:
     vocab = engine.tokenizer.vocab_size
     bad = [t for t in req.tokens if not 0 <= t < vocab]
     if bad:
@@ -32,7 +31,7 @@ async def detokenize(req: DetokenizeRequest, engine: Engine = Depends(get_engine
 
 
 @router.get("/tokenizer_info")
-async def tokenizer_info(engine: Engine = Depends(get_engine)) -> dict[str, Any]:
+async def tokenizer_info(engine: EngineDep) -> dict[str, Any]:
     tok = engine.tokenizer
     return {
         "tokenizer_class": "GPT2TokenizerFast",
