@@ -58,7 +58,9 @@ class SamplingParams:
         check(all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids", "must be integers")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            check(value is None or _is_int(value) and 0 <= value <= MAX_LOGPROBS, name, f"must be in 0..{MAX_LOGPROBS}")
+            check(
+                value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name, f"must be in 0..{MAX_LOGPROBS}"
+            )
 
 
 def _is_int(x: object) -> bool:
@@ -274,8 +276,8 @@ class DecodeBatch:
             self._leave(b)
         return event
 
-    def step(self) -> list[TokenEvent]:
-        """One decode step for every sequence in the batch."""
+    def step(self) -> list[tuple[SequenceState, TokenEvent]]:
+        """One decode step for every sequence in the batch: each sequence with its new token."""
         if not self.seqs:
             return []
         hooks = self.seqs[0].capture if self.cache.capacity == 1 else None
@@ -283,7 +285,7 @@ class DecodeBatch:
         idx = torch.tensor([[s.tokens[-1]] for s in self.seqs], device=device)  # [B, 1]
         logits = self.model(idx, self.cache, hooks, last_only=True)[:, -1]  # [B, vocab]
         self.cache.advance(1)
-        events = [s.accept(logits[b]) for b, s in enumerate(self.seqs)]
+        events = [(s, s.accept(logits[b])) for b, s in enumerate(self.seqs)]
         for b in reversed(range(len(self.seqs))):  # from the end: leaving moves the last row into b
             if self.seqs[b].finish_reason is not None:
                 self._leave(b)
@@ -356,7 +358,7 @@ class Generation:
                     if event is not None:
                         yield event
                 while batch:
-                    yield from batch.step()
+                    yield from (event for _, event in batch.step())
         self._done = True
 
 

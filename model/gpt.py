@@ -27,7 +27,11 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # Q, K, V from one projection
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         p = f"blocks.{layer}.attn."
-        self.hook_q, self.hook_k, self.hook_v = HookPoint(p + "hook_q"), HookPoint(p + "hook_k"), HookPoint(p + "hook_v")
+        self.hook_q, self.hook_k, self.hook_v = (
+            HookPoint(p + "hook_q"),
+            HookPoint(p + "hook_k"),
+            HookPoint(p + "hook_v"),
+        )
         self.hook_attn_scores = HookPoint(p + "hook_attn_scores")
         self.hook_pattern = HookPoint(p + "hook_pattern")
         self.hook_z = HookPoint(p + "hook_z")

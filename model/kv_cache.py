@@ -139,7 +139,7 @@ class KVCache:
 
 
 class _Step:
-    __slots__ = ("uniform_start", "positions", "n_keys", "allowed")
+    __slots__ = ("allowed", "n_keys", "positions", "uniform_start")
 
     def __init__(
         self, uniform_start: int | None, positions: torch.Tensor, n_keys: int, allowed: torch.Tensor | None

@@ -85,9 +85,7 @@ class CheckpointFiles:
     revision: str | None = None
 
 
-def locate(
-    source: str | Path, *, revision: str | None = None, preset_name: str | None = None
-) -> CheckpointFiles:
+def locate(source: str | Path, *, revision: str | None = None, preset_name: str | None = None) -> CheckpointFiles:
     """Find config, weights and tokenizer for a hub name or repo id, a directory, or a .safetensors file."""
     path = Path(source).expanduser()
     if path.is_dir():
@@ -107,7 +105,7 @@ def locate(
         tok_dir = path.parent if tokenizer_files(path.parent) else None
         return CheckpointFiles(str(source), [path], config, tok_dir)
     text = str(source)
-    if text in HUB_REPOS or re.fullmatch(r"[\w.-]+/[\w.-]+", text) and not text.startswith((".", "/")):
+    if text in HUB_REPOS or (re.fullmatch(r"[\w.-]+/[\w.-]+", text) and not text.startswith((".", "/"))):
         return _download(text, HUB_REPOS.get(text, text), revision)
     raise LoadError(
         f"no checkpoint at {text!r}: it is neither an existing file or directory nor a hub name "
@@ -349,9 +347,7 @@ def load(
     except TokenizerError as e:
         raise LoadError(str(e)) from None
     if tokenizer.vocab_size > model.config.vocab_size:
-        raise LoadError(
-            f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {model.config.vocab_size}"
-        )
+        raise LoadError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {model.config.vocab_size}")
     return LoadedModel(model, tokenizer, files.name, files.revision, dt, dev)
 
 

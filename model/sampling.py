@@ -9,9 +9,7 @@ from __future__ import annotations
 import torch
 
 
-def sample(
-    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator
-) -> int:
+def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator) -> int:
     """One token id from `logits` [vocab] (float32). temperature 0 is greedy; top_k 0 and top_p 1 are off."""
     if temperature == 0:
         return int(logits.argmax())

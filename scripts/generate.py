@@ -34,11 +34,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--greedy", action="store_true", help="always take the most likely token (temperature 0)")
     p.add_argument("--stop", action="append", default=[], help="stop before this string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going after <|endoftext|>")
-    p.add_argument("--show-logprobs", type=int, nargs="?", const=5, metavar="N", help="print each token's "
-                   "log-probability and the N most likely alternatives (default 5) after the text")
+    p.add_argument(
+        "--show-logprobs",
+        type=int,
+        nargs="?",
+        const=5,
+        metavar="N",
+        help="print each token's log-probability and the N most likely alternatives (default 5) after the text",
+    )
     p.add_argument("--dump-activations", metavar="FILE", help="write activations to this .safetensors file")
-    p.add_argument("--hooks", action="append", metavar="PATTERN", help="hook names or globs to dump "
-                   "(repeatable; default: every hook point)")
+    p.add_argument(
+        "--hooks",
+        action="append",
+        metavar="PATTERN",
+        help="hook names or globs to dump (repeatable; default: every hook point)",
+    )
     return p.parse_args(argv)
 
 
@@ -93,8 +103,10 @@ def main(argv: list[str] | None = None) -> int:
             save_dump(args.dump_activations, result.activations, meta)
         except OSError as e:
             return fail(f"cannot write {args.dump_activations}: {e.strerror or e}")
-        print(f"wrote {len(result.activations)} activations over {len(token_ids)} tokens to "
-              f"{args.dump_activations}", file=sys.stderr)
+        print(
+            f"wrote {len(result.activations)} activations over {len(token_ids)} tokens to {args.dump_activations}",
+            file=sys.stderr,
+        )
     print(f"[{len(result.token_ids)} tokens, finish reason: {result.finish_reason}]", file=sys.stderr)
     return 0
 
