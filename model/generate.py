@@ -118,6 +118,8 @@ class SequenceState:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     text: str = ""
     emitted: int = 0  # characters of `text` already handed out
+    _clean_text: str = ""  # the text of tokens[:_clean_tokens], which ends on a whole character
+    _clean_tokens: int = 0
     finish_reason: str | None = None
 
     def accept(self, logits: torch.Tensor) -> TokenEvent:
@@ -142,9 +144,13 @@ class SequenceState:
         return TokenEvent(self.index, token, self._release(), lp, self.finish_reason)
 
     def _extend_text(self) -> None:
+        """Decode only the tokens since the last whole character, so a step costs the same at any length."""
         if self.tokenizer is None:
             return
-        self.text = self.tokenizer.decode(self.tokens)
+        tail = self.tokenizer.decode(self.tokens[self._clean_tokens :])
+        self.text = self._clean_text + tail
+        if not tail.endswith("\ufffd"):  # no unfinished multi-byte character: a safe place to cut
+            self._clean_text, self._clean_tokens = self.text, len(self.tokens)
         for s in self.params.stop:  # cutting at each match in turn leaves the earliest
             at = self.text.find(s, max(0, self.emitted - len(s) + 1))
             if at != -1:
