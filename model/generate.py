@@ -115,7 +115,8 @@ class SequenceState:
     capture: Capture | None = None  # activations wanted for this sequence
     tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # None for the first prompt token
+    prefilled: int = 0  # prompt tokens in the KV cache
     text: str = ""
     emitted: int = 0  # characters of `text` already handed out
     _clean_text: str = ""  # the text of tokens[:_clean_tokens], which ends on a whole character
@@ -192,12 +193,14 @@ def _longest_stop_prefix(text: str, stops: tuple[str, ...]) -> int:
     return best
 
 
-def _prompt_logprobs(logits: torch.Tensor, prompt: list[int], n: int) -> list[TokenLogprob | None]:
-    """Log-probability of each prompt token given the ones before it (none for the first)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [T, vocab]
-    out: list[TokenLogprob | None] = [None]
-    for t, token in enumerate(prompt[1:]):
-        out.append(TokenLogprob(token, float(logprobs[t, token]), top_logprobs(logprobs[t], n)))
+def _prompt_logprobs(logits: torch.Tensor, prompt: list[int], start: int, n: int) -> list[TokenLogprob | None]:
+    """Log-probabilities of the prompt tokens that `logits` [T, vocab] of positions start.. predict."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    out: list[TokenLogprob | None] = []
+    for t in range(logits.shape[0]):
+        if start + t + 1 < len(prompt):
+            token = prompt[start + t + 1]
+            out.append(TokenLogprob(token, float(logprobs[t, token]), top_logprobs(logprobs[t], n)))
     return out
 
 
@@ -241,18 +244,21 @@ def new_sequence(
 
 
 class DecodeBatch:
-    """Sequences decoding together, one token each per `step`, over one KV cache of `capacity` rows.
+    """Sequences generating together over one KV cache of `capacity` rows: continuous batching.
 
-    A sequence joins with `add` (its prompt is prefilled alone into a free row) and leaves as soon as it
-    finishes or is `cancel`led, so a later one can take its row: continuous batching. A sequence that
-    captures activations needs a batch of its own (capacity 1), since hooks see the whole batch.
+    A sequence joins with `add` and leaves as soon as it finishes or is `cancel`led, so a later one can
+    take its row. Each `step` prefills prompts alone into their rows (with `prefill_chunk`, only the next
+    chunk of one prompt, so a long prompt does not stall the others), then decodes one token for every
+    sequence past its prompt. A sequence that captures activations needs a batch of its own (capacity 1),
+    since hooks see the whole batch.
     """
 
-    def __init__(self, model: GPT, capacity: int, max_len: int) -> None:
+    def __init__(self, model: GPT, capacity: int, max_len: int, prefill_chunk: int | None = None) -> None:
         self.model = model
         w = model.wte.weight
         self.cache = KVCache.empty(model.config, capacity, max_len, dtype=w.dtype, device=w.device)
         self.seqs: list[SequenceState] = []  # seqs[b] owns cache row b
+        self.prefill_chunk = prefill_chunk
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -261,41 +267,58 @@ class DecodeBatch:
     def has_room(self) -> bool:
         return len(self.seqs) < self.cache.capacity
 
-    def add(self, seq: SequenceState) -> TokenEvent | None:
-        """Prefill `seq` and sample its first token (None if it wants no new tokens)."""
+    def add(self, seq: SequenceState) -> None:
+        """Give `seq` a row; the next steps prefill its prompt."""
         assert seq.capture is None or self.cache.capacity == 1, "a capturing sequence needs its own batch"
-        model, p = self.model, seq.params
-        b = self.cache.add_row()
-        want_all = p.prompt_logprobs is not None
-        idx = torch.tensor([seq.prompt], device=model.wte.weight.device)  # [1, T]
-        logits = model(idx, self.cache.row(b), seq.capture, last_only=not want_all)[0]  # [T or 1, vocab]
-        self.cache.set_length(b, len(seq.prompt))
+        self.cache.add_row()
         self.seqs.append(seq)
-        if want_all:
-            seq.prompt_logprobs = _prompt_logprobs(logits, seq.prompt, p.prompt_logprobs or 0)
-        if p.max_new_tokens == 0:
-            seq.finish_reason = "length"
-            self._leave(b)
-            return None
-        event = seq.accept(logits[-1])
-        if seq.finish_reason is not None:
-            self._leave(b)
-        return event
 
-    def step(self) -> list[tuple[SequenceState, TokenEvent]]:
-        """One decode step for every sequence in the batch: each sequence with its new token."""
-        if not self.seqs:
-            return []
-        hooks = self.seqs[0].capture if self.cache.capacity == 1 else None
-        device = self.model.wte.weight.device
-        idx = torch.tensor([[s.tokens[-1]] for s in self.seqs], device=device)  # [B, 1]
-        logits = self.model(idx, self.cache, hooks, last_only=True)[:, -1]  # [B, vocab]
-        self.cache.advance(1)
-        events = [(s, s.accept(logits[b])) for b, s in enumerate(self.seqs)]
+    def step(self) -> list[tuple[SequenceState, TokenEvent | None]]:
+        """Advance the batch by one step. Returns each sequence that got a token with it, and each that
+        finished without one (it wanted none) with None."""
+        decoding = [b for b, s in enumerate(self.seqs) if s.prefilled == len(s.prompt)]
+        out: list[tuple[SequenceState, TokenEvent | None]] = []
+        for b, seq in enumerate(self.seqs):
+            if seq.prefilled < len(seq.prompt):
+                out += self._prefill(b, seq)
+                if self.prefill_chunk is not None:
+                    break
+        if decoding:
+            out += self._decode(decoding)
         for b in reversed(range(len(self.seqs))):  # from the end: leaving moves the last row into b
             if self.seqs[b].finish_reason is not None:
                 self._leave(b)
-        return events
+        return out
+
+    def _prefill(self, b: int, seq: SequenceState) -> list[tuple[SequenceState, TokenEvent | None]]:
+        start, n = seq.prefilled, len(seq.prompt)
+        end = n if self.prefill_chunk is None else min(n, start + self.prefill_chunk)
+        want_all = seq.params.prompt_logprobs is not None
+        idx = torch.tensor([seq.prompt[start:end]], device=self.model.wte.weight.device)  # [1, T]
+        logits = self.model(idx, self.cache.row(b), seq.capture, last_only=not want_all)[0]  # [T or 1, vocab]
+        self.cache.set_length(b, end)
+        seq.prefilled = end
+        if want_all:
+            seq.prompt_logprobs = (seq.prompt_logprobs or [None]) + _prompt_logprobs(
+                logits, seq.prompt, start, seq.params.prompt_logprobs or 0
+            )
+        if end < n:
+            return []
+        if seq.params.max_new_tokens == 0:
+            seq.finish_reason = "length"
+            return [(seq, None)]
+        return [(seq, seq.accept(logits[-1]))]
+
+    def _decode(self, rows: list[int]) -> list[tuple[SequenceState, TokenEvent | None]]:
+        """One token for each of `rows`. Rows still prefilling ride along with a dummy token, whose key and
+        value the next chunk overwrites (their length does not move)."""
+        hooks = self.seqs[0].capture if self.cache.capacity == 1 else None
+        device = self.model.wte.weight.device
+        wanted = set(rows)
+        tokens = [[s.tokens[-1] if b in wanted else 0] for b, s in enumerate(self.seqs)]
+        logits = self.model(torch.tensor(tokens, device=device), self.cache, hooks, last_only=True)[:, -1]  # [B, V]
+        self.cache.advance([1 if b in wanted else 0 for b in range(len(self.seqs))])
+        return [(self.seqs[b], self.seqs[b].accept(logits[b])) for b in rows]
 
     def cancel(self, seq: SequenceState) -> None:
         """Take `seq` out of the batch now (its row is free for the next sequence)."""
@@ -360,11 +383,9 @@ class Generation:
                 max_len = max(len(s.prompt) + s.params.max_new_tokens for s in group)
                 batch = DecodeBatch(self.model, len(group), max_len)
                 for seq in group:
-                    event = batch.add(seq)
-                    if event is not None:
-                        yield event
+                    batch.add(seq)
                 while batch:
-                    yield from (event for _, event in batch.step())
+                    yield from (event for _, event in batch.step() if event is not None)
         self._done = True
 
 

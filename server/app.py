@@ -85,7 +85,13 @@ def create_app(
 
 
 def _start_engine(loaded: LoadedModel, settings: Settings, metrics: Metrics) -> Engine:
-    engine = Engine(loaded, max_batch_size=settings.max_batch_size, max_queue=settings.max_queue, metrics=metrics)
+    engine = Engine(
+        loaded,
+        max_batch_size=settings.max_batch_size,
+        max_queue=settings.max_queue,
+        prefill_chunk=settings.prefill_chunk,
+        metrics=metrics,
+    )
     engine.start()
     log.info(
         "serving %s (%s, %s): %d sequences at once, KV cache %.1f MiB",

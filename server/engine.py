@@ -108,8 +108,10 @@ class Engine:
         *,
         max_batch_size: int = 16,
         max_queue: int = 256,
+        prefill_chunk: int | None = None,
         metrics: Metrics | None = None,
     ) -> None:
+        """`prefill_chunk`: prompt tokens prefilled per engine step, between decode steps (None: by device)."""
         if max_batch_size < 1 or max_queue < 1:
             raise ValueError("max_batch_size and max_queue must be at least 1")
         self.loaded = loaded
@@ -119,7 +121,10 @@ class Engine:
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
         config = self.model.config
-        self._batch = DecodeBatch(self.model, max_batch_size, config.n_positions)
+        if prefill_chunk is None:  # long enough to use the matrix units well, short enough not to stall decoding
+            prefill_chunk = 512 if loaded.device.type == "cuda" else 64
+        self.prefill_chunk = prefill_chunk
+        self._batch = DecodeBatch(self.model, max_batch_size, config.n_positions, prefill_chunk)
         self._solo: list[DecodeBatch] = []  # capturing sequences, one batch each
         self._requests: dict[int, _Request] = {}  # id(seq) -> request, for every admitted sequence
         self._waiting: deque[_Request] = deque()
@@ -226,20 +231,12 @@ class Engine:
     def _admit(self, request: _Request) -> None:
         seq = request.seq
         if seq.capture is not None:
-            batch = DecodeBatch(self.model, 1, len(seq.prompt) + seq.params.max_new_tokens)
+            batch = DecodeBatch(self.model, 1, len(seq.prompt) + seq.params.max_new_tokens, self.prefill_chunk)
             self._solo.append(batch)
         else:
             batch = self._batch
         self._requests[id(seq)] = request
-        try:
-            event = batch.add(seq)
-        except Exception as e:
-            self._fail(batch, e)
-            return
-        if event is not None:
-            self._deliver(request, event)
-        if seq.finish_reason is not None:
-            self._finish(request)
+        batch.add(seq)
 
     def _step(self) -> None:
         if len(self._batch):
@@ -252,7 +249,8 @@ class Engine:
                 continue
             for seq, event in events:
                 request = self._requests[id(seq)]
-                self._deliver(request, event)
+                if event is not None:
+                    self._deliver(request, event)
                 if seq.finish_reason is not None:
                     self._finish(request)
         self._solo = [b for b in self._solo if len(b)]

@@ -23,6 +23,9 @@ class Settings:
     api_key: str | None = field(default=None, metadata={"help": "require this key (Authorization: Bearer KEY)"})
     max_batch_size: int = field(default=16, metadata={"help": "sequences decoded together"})
     max_queue: int = field(default=256, metadata={"help": "sequences allowed to wait; beyond it, 429"})
+    prefill_chunk: int | None = field(
+        default=None, metadata={"help": "prompt tokens prefilled per engine step (default: 64 on CPU, 512 on GPU)"}
+    )
     max_new_tokens: int = field(default=1024, metadata={"help": "server-wide cap on tokens per completion"})
     max_activation_bytes: int = field(default=256 * 2**20, metadata={"help": "largest activation dump (bytes)"})
     max_body_bytes: int = field(default=4 * 2**20, metadata={"help": "largest request body (bytes)"})
@@ -33,6 +36,8 @@ class Settings:
         for name in ("max_batch_size", "max_queue", "max_new_tokens", "max_activation_bytes", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be at least 1, got {self.prefill_chunk}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
 
@@ -47,7 +52,7 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
     p = argparse.ArgumentParser(prog="gpt2-serve", description="Serve GPT-2 over HTTP.")
     for f in fields(Settings):
         flag = "--" + f.name.replace("_", "-")
-        kind = int if f.type in ("int", int) else str
+        kind = int if f.type in ("int", "int | None") else str
         default = env.get(_env_name(f.name))
         p.add_argument(flag, type=kind, default=default, help=f"{f.metadata['help']} [env {_env_name(f.name)}]")
     args = p.parse_args(argv)
@@ -58,7 +63,7 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
             continue
         if f.name == "cors_origins":
             values[f.name] = tuple(o.strip() for o in str(raw).split(",") if o.strip())
-        elif f.type in ("int", int):
+        elif f.type in ("int", "int | None"):
             try:
                 values[f.name] = int(raw)
             except ValueError:
