@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .gpt import GPT
-from .hooks import Capture, select_hooks
+from .hooks import Capture, Hooks, select_hooks
+from .interventions import EditSpec, HookChain
 from .kv_cache import KVCache
 from .sampling import sample, top_logprobs
 from .tokenizer import EOT_ID, Tokenizer
@@ -113,6 +114,7 @@ class SequenceState:
     eos_id: int
     generator: torch.Generator
     capture: Capture | None = None  # activations wanted for this sequence
+    hooks: Hooks | None = None  # what the forward passes hand hook values to: edits, then the capture
     tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # None for the first prompt token
@@ -228,18 +230,25 @@ def new_sequence(
     params: SamplingParams,
     tokenizer: Tokenizer | None,
     hook_names: list[str] | None = None,
+    edits: EditSpec | None = None,
 ) -> SequenceState:
-    """Check a prompt against the model and set up its state (`hook_names`: activations to capture)."""
+    """Check a prompt against the model and set up its state (`hook_names`: activations to capture;
+    `edits`: interventions and residual ablation to apply)."""
     if tokenizer is None and params.stop:
         raise GenerationError("stop strings need a tokenizer", "stop")
+    ids = validate_prompt(model, prompt, params.max_new_tokens)
+    capture = Capture(hook_names) if hook_names else None
+    edit_hooks = edits.hooks(model.config, len(ids) + params.max_new_tokens) if edits is not None else None
+    parts = [h for h in (edit_hooks, capture) if h is not None]
     return SequenceState(
         index,
-        validate_prompt(model, prompt, params.max_new_tokens),
+        ids,
         params,
         tokenizer,
         tokenizer.eot_id if tokenizer is not None else EOT_ID,
         _generator(params.seed, model.wte.weight.device),
-        Capture(hook_names) if hook_names else None,
+        capture,
+        parts[0] if len(parts) == 1 else HookChain(*parts) if parts else None,
     )
 
 
@@ -269,7 +278,7 @@ class DecodeBatch:
 
     def add(self, seq: SequenceState) -> None:
         """Give `seq` a row; the next steps prefill its prompt."""
-        assert seq.capture is None or self.cache.capacity == 1, "a capturing sequence needs its own batch"
+        assert seq.hooks is None or self.cache.capacity == 1, "a sequence with hooks needs its own batch"
         self.cache.add_row()
         self.seqs.append(seq)
 
@@ -295,7 +304,7 @@ class DecodeBatch:
         end = n if self.prefill_chunk is None else min(n, start + self.prefill_chunk)
         want_all = seq.params.prompt_logprobs is not None
         idx = torch.tensor([seq.prompt[start:end]], device=self.model.wte.weight.device)  # [1, T]
-        logits = self.model(idx, self.cache.row(b), seq.capture, last_only=not want_all)[0]  # [T or 1, vocab]
+        logits = self.model(idx, self.cache.row(b), seq.hooks, last_only=not want_all)[0]  # [T or 1, vocab]
         self.cache.set_length(b, end)
         seq.prefilled = end
         if want_all:
@@ -312,7 +321,7 @@ class DecodeBatch:
     def _decode(self, rows: list[int]) -> list[tuple[SequenceState, TokenEvent | None]]:
         """One token for each of `rows`. Rows still prefilling ride along with a dummy token, whose key and
         value the next chunk overwrites (their length does not move)."""
-        hooks = self.seqs[0].capture if self.cache.capacity == 1 else None
+        hooks = self.seqs[0].hooks if self.cache.capacity == 1 else None
         device = self.model.wte.weight.device
         wanted = set(rows)
         tokens = [[s.tokens[-1] if b in wanted else 0] for b, s in enumerate(self.seqs)]
@@ -333,7 +342,7 @@ class DecodeBatch:
         if seq.capture is not None and seq.tokens and seq.finish_reason != "cancelled":
             # The last token was sampled, never fed: feed it, so activations cover every position.
             idx = torch.tensor([[seq.tokens[-1]]], device=self.model.wte.weight.device)
-            self.model(idx, self.cache.row(b), seq.capture, last_only=True)
+            self.model(idx, self.cache.row(b), seq.hooks, last_only=True)
         self.cache.remove_row(b)
         self.seqs[b] = self.seqs[-1]
         self.seqs.pop()
@@ -345,7 +354,8 @@ class Generation:
 
     With `hooks` (names or glob patterns), each prompt runs alone and its `Completion.activations` holds
     the hook values ([1, ...], as TransformerLens shapes them) over every position of prompt and
-    continuation: what one forward pass over the final sequence gives.
+    continuation: what one forward pass over the final sequence gives. With `edits`, each prompt runs
+    alone with those interventions and residual ablations applied.
     """
 
     def __init__(
@@ -355,6 +365,7 @@ class Generation:
         params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
         tokenizer: Tokenizer | None = None,
         hooks: Sequence[str] | None = None,
+        edits: EditSpec | None = None,
     ) -> None:
         if not prompts:
             raise GenerationError("no prompts given", "prompt")
@@ -364,7 +375,7 @@ class Generation:
         self.model = model
         names = select_hooks(list(hooks), model.config.n_layer) if hooks else None
         self._seqs = [
-            new_sequence(model, i, prompt, p, tokenizer, names)
+            new_sequence(model, i, prompt, p, tokenizer, names, edits)
             for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True))
         ]
         self._done = False
@@ -376,8 +387,8 @@ class Generation:
         return [s.result() for s in self._seqs]
 
     def __iter__(self) -> Iterator[TokenEvent]:
-        capturing = self._seqs[0].capture is not None
-        groups = [[s] for s in self._seqs] if capturing else [self._seqs]  # capture: one prompt at a time
+        alone = self._seqs[0].hooks is not None
+        groups = [[s] for s in self._seqs] if alone else [self._seqs]  # hooks: one prompt at a time
         with torch.inference_mode():
             for group in groups:
                 max_len = max(len(s.prompt) + s.params.max_new_tokens for s in group)
@@ -401,9 +412,10 @@ def generate(
     params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
     tokenizer: Tokenizer | None = None,
     hooks: Sequence[str] | None = None,
+    edits: EditSpec | None = None,
 ) -> list[Completion]:
     """Run a `Generation` to the end and return its completions."""
-    generation = Generation(model, prompts, params, tokenizer, hooks)
+    generation = Generation(model, prompts, params, tokenizer, hooks, edits)
     for _ in generation:
         pass
     return generation.results

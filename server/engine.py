@@ -231,7 +231,7 @@ class Engine:
     def _admit(self, request: _Request) -> None:
         seq = request.seq
         if seq.capture is not None:
-            batch = DecodeBatch(self.model, 1, len(seq.prompt) + seq.params.max_new_tokens, self.prefill_chunk)
+            batch = DecodeBatch(self.model, 1, len(seq.prompt) + seq.params.max_new_tokens)  # prompt in one pass
             self._solo.append(batch)
         else:
             batch = self._batch

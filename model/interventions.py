@@ -1,0 +1,274 @@
+"""Editing activations during a run: interventions at hook points, and residual ablation.
+
+Both are `Hooks` (see `model/hooks.py`) passed with the forward call, so the network itself stays the
+plain Pre-LN math and nothing is left registered on it. They hold per-sequence state (how many positions
+each hook has seen, a mean, the sub-layer output to keep), so each sequence gets its own instance and
+runs alone (not batched with others), like a capture.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from .config import GPTConfig
+from .hooks import Hooks, describe_hook_names, hook_names, is_attention_square
+
+Op = Literal["zero", "mean", "scale", "add", "set"]
+OPS = ("zero", "mean", "scale", "add", "set")
+
+
+class InterventionError(ValueError):
+    """An edit that cannot be applied: unknown hook, wrong shape, head or position out of range."""
+
+
+@dataclass(frozen=True)
+class Edit:
+    """One change to the values at matching hook points.
+
+    `zero`: set to 0. `mean`: replace by the mean over the prompt's positions. `scale`: multiply by
+    `factor`. `add`: add `value` (broadcast over the selected positions). `set`: replace by `value`, either
+    one position's worth (broadcast) or a whole sequence's, [pos, ...] (for instance from a dump: patching).
+    `layers`, `heads` (for per-head hooks) and `positions` (query positions for attention squares)
+    restrict where; None means everywhere.
+    """
+
+    hook: str
+    op: Op
+    factor: float | None = None
+    value: torch.Tensor | None = None
+    layers: tuple[int, ...] | None = None
+    heads: tuple[int, ...] | None = None
+    positions: tuple[int, ...] | None = None
+
+
+_PER_HEAD = ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z")
+
+
+def site_shape(name: str, config: GPTConfig) -> tuple[int, ...]:
+    """The shape of one position's value at hook `name` (without batch and position)."""
+    if is_attention_square(name):
+        return (config.n_head,)  # then [query, key]: handled separately
+    if name.endswith(_PER_HEAD):
+        return (config.n_head, config.d_head)
+    if name.endswith(("mlp.hook_pre", "mlp.hook_post")):
+        return (config.d_mlp,)
+    if name == "logits":
+        return (config.vocab_size,)
+    return (config.n_embd,)
+
+
+@dataclass
+class _Target:
+    """An edit resolved to one hook point."""
+
+    edit: Edit
+    name: str
+    per_head: bool
+    square: bool
+    seen: int = 0  # positions this hook has seen so far
+    mean: torch.Tensor | None = field(default=None, repr=False)
+
+
+class Interventions:
+    """Applies `edits` to one sequence of `n_tokens` positions at most (prompt plus new tokens)."""
+
+    def __init__(self, edits: Sequence[Edit], config: GPTConfig, n_tokens: int) -> None:
+        self.config = config
+        self.n_tokens = n_tokens
+        self._targets: dict[str, list[_Target]] = {}
+        all_names = hook_names(config.n_layer)
+        for i, edit in enumerate(edits):
+            where = f"edit {i} ({edit.hook!r})"
+            names = [n for n in all_names if fnmatch.fnmatchcase(n, edit.hook)]
+            if edit.layers is not None:
+                _check_range(edit.layers, config.n_layer, f"{where}: layer")
+                names = [n for n in names if _layer(n) in edit.layers]
+            if not names:
+                raise InterventionError(
+                    f"{where} matches no hook point; valid names are {describe_hook_names(config.n_layer)}"
+                )
+            for name in names:
+                target = _Target(edit, name, name.endswith(_PER_HEAD), is_attention_square(name))
+                self._check(target, where)
+                self._targets.setdefault(name, []).append(target)
+
+    def _check(self, t: _Target, where: str) -> None:
+        e = t.edit
+        if e.op not in OPS:
+            raise InterventionError(f"{where}: unknown op {e.op!r}; use one of {', '.join(OPS)}")
+        if e.heads is not None:
+            if not (t.per_head or t.square):
+                raise InterventionError(f"{where}: heads apply only to per-head hooks (q, k, v, z, scores, pattern)")
+            _check_range(e.heads, self.config.n_head, f"{where}: head")
+        if e.positions is not None:
+            _check_range(e.positions, self.n_tokens, f"{where}: position")
+        if e.op == "scale" and e.factor is None:
+            raise InterventionError(f"{where}: scale needs a factor")
+        if e.op in ("add", "set"):
+            if e.value is None:
+                raise InterventionError(f"{where}: {e.op} needs a value")
+            if t.square:
+                raise InterventionError(f"{where}: {e.op} is not supported on attention scores or patterns")
+            site = self._selected_site(t)
+            v = e.value
+            if _broadcasts(tuple(v.shape), site):
+                return
+            full = site_shape(t.name, self.config)
+            if e.op == "set" and tuple(v.shape[1:]) == full:  # a whole sequence's values, [pos, ...]
+                need = 1 + max(e.positions) if e.positions is not None else 1
+                if v.shape[0] < need:
+                    raise InterventionError(f"{where}: value covers {v.shape[0]} positions, position {need - 1} needed")
+                return
+            raise InterventionError(
+                f"{where}: value of shape {list(v.shape)} does not fit {t.name}: give {list(site)} (one "
+                "position's selected values, broadcast to every selected position)"
+                + (f" or [pos, {', '.join(map(str, full))}] (a whole sequence's)" if e.op == "set" else "")
+            )
+
+    def _selected_site(self, t: _Target) -> tuple[int, ...]:
+        site = site_shape(t.name, self.config)
+        if t.per_head and t.edit.heads is not None:
+            return (len(t.edit.heads), site[1])
+        return site
+
+    def active(self, name: str) -> bool:
+        return name in self._targets
+
+    def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        targets = self._targets.get(name)
+        if not targets:
+            return x
+        x = x.clone()
+        for t in targets:
+            self._apply(t, x)
+        return x
+
+    def _apply(self, t: _Target, x: torch.Tensor) -> None:
+        e = t.edit
+        if t.square:  # [B, head, q, k]: the queries are the last q of the k positions
+            start, n = x.shape[3] - x.shape[2], x.shape[2]
+            pos_dim, head_dim = 2, 1
+        else:  # [B, pos, ...]
+            start, n = t.seen, x.shape[1]
+            t.seen += n
+            pos_dim, head_dim = 1, 2
+        wanted = e.positions if e.positions is not None else range(start, start + n)
+        here = [p - start for p in wanted if start <= p < start + n]  # this pass's share, relative
+        if not here:
+            return
+        pos = torch.tensor(here, device=x.device)
+        heads = torch.tensor(e.heads, device=x.device) if e.heads is not None else None
+
+        def select(dim_pos: torch.Tensor) -> tuple[slice | torch.Tensor, ...]:
+            index: list[slice | torch.Tensor] = [slice(None)] * x.dim()
+            if heads is None:
+                index[pos_dim] = dim_pos
+            elif pos_dim < head_dim:  # positions [P, 1] and heads [1, H] broadcast to the block of both
+                index[pos_dim], index[head_dim] = dim_pos[:, None], heads[None, :]
+            else:
+                index[head_dim], index[pos_dim] = heads[:, None], dim_pos[None, :]
+            return tuple(index)
+
+        index = select(pos)
+        region = x[index]
+        if e.op == "zero":
+            new = torch.zeros_like(region)
+        elif e.op == "scale":
+            new = region * float(e.factor or 0.0)
+        elif e.op == "mean":
+            if t.mean is None:  # the first pass is the prompt's: its mean over positions is kept
+                t.mean = x.mean(dim=pos_dim, keepdim=True)
+            new = t.mean.expand_as(x)[index]
+        else:
+            assert e.value is not None
+            value = e.value.to(device=x.device, dtype=x.dtype)
+            if _broadcasts(tuple(value.shape), self._selected_site(t)):
+                value = value.expand_as(region)
+            else:  # a whole sequence's values [pos, ...]: pick this pass's positions and the heads, as from x
+                value = value[None][select(pos + start)]
+            new = value if e.op == "set" else region + value
+        x[index] = new
+
+
+class ResidualAblation:
+    """Runs the chosen sub-layers without their skip connection: `x -> sublayer(ln(x))` in place of
+    `x + sublayer(ln(x))`. It keeps each ablated sub-layer's output (`hook_attn_out`, `hook_mlp_out`)
+    and hands it on as the residual stream (`hook_resid_mid`, `hook_resid_post`): exact, no subtraction."""
+
+    def __init__(self, attn: Sequence[int], mlp: Sequence[int], n_layer: int) -> None:
+        _check_range(attn, n_layer, "residual.attn: layer")
+        _check_range(mlp, n_layer, "residual.mlp: layer")
+        self._replace: dict[str, str] = {}  # resid hook -> the sub-layer output that replaces it
+        for layer in attn:
+            self._replace[f"blocks.{layer}.hook_resid_mid"] = f"blocks.{layer}.hook_attn_out"
+        for layer in mlp:
+            self._replace[f"blocks.{layer}.hook_resid_post"] = f"blocks.{layer}.hook_mlp_out"
+        self._sources = set(self._replace.values())
+        self._kept: dict[str, torch.Tensor] = {}
+
+    def active(self, name: str) -> bool:
+        return name in self._replace or name in self._sources
+
+    def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        if name in self._sources:
+            self._kept[name] = x
+        if name in self._replace:
+            return self._kept.pop(self._replace[name])
+        return x
+
+
+class HookChain:
+    """Several `Hooks` in order: each sees the value the previous one returned."""
+
+    def __init__(self, *hooks: Hooks) -> None:
+        self.hooks = hooks
+
+    def active(self, name: str) -> bool:
+        return any(h.active(name) for h in self.hooks)
+
+    def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        for h in self.hooks:
+            x = h(name, x)
+        return x
+
+
+def _layer(name: str) -> int | None:
+    m = re.match(r"blocks\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
+def _check_range(values: Sequence[int], n: int, what: str) -> None:
+    for v in values:
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < n:
+            raise InterventionError(f"{what} {v!r} is out of range 0..{n - 1}")
+
+
+def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    try:
+        return torch.broadcast_shapes(shape, target) == target
+    except RuntimeError:
+        return False
+
+
+@dataclass(frozen=True)
+class EditSpec:
+    """What to change in a run: interventions, and sub-layers to run without their skip connection.
+    It makes fresh per-sequence `Hooks` with `hooks`, since those keep state."""
+
+    edits: tuple[Edit, ...] = ()
+    ablate_attn: tuple[int, ...] = ()  # layers whose attention runs without its residual add
+    ablate_mlp: tuple[int, ...] = ()  # layers whose MLP runs without its residual add
+
+    def hooks(self, config: GPTConfig, n_tokens: int) -> Hooks | None:
+        parts: list[Hooks] = []
+        if self.edits:
+            parts.append(Interventions(self.edits, config, n_tokens))
+        if self.ablate_attn or self.ablate_mlp:
+            parts.append(ResidualAblation(self.ablate_attn, self.ablate_mlp, config.n_layer))
+        return HookChain(*parts) if parts else None
