@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.staticfiles import StaticFiles
 
 from model.loading import LoadedModel, load
 
@@ -21,7 +22,7 @@ from .engine import Engine
 from .errors import install_error_handlers
 from .metrics import Metrics
 from .middleware import RequestGuard
-from .routes import native, openai, ops, tokenizer
+from .routes import lab, native, openai, ops, tokenizer
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,9 @@ def create_app(
     app.state.metrics = metrics
     app.state.engine = None
     install_error_handlers(app)
-    for router in (ops.router, native.router, openai.router, tokenizer.router):
+    for router in (ops.router, native.router, openai.router, tokenizer.router, lab.router):
         app.include_router(router)
+    app.mount("/static", StaticFiles(directory=lab.STATIC), name="static")
     app.add_middleware(RequestGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes, metrics=metrics)
     if settings.cors_origins:  # outermost, so that preflight requests need no API key
         app.add_middleware(

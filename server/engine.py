@@ -3,8 +3,9 @@
 No model code runs on the event loop. Requests wait in a bounded queue; the worker admits them into a
 continuous batch (`model.generate.DecodeBatch`) as rows free up, runs one decode step for every active
 sequence at a time, and hands each token to its request's asyncio queue as it is produced. A request
-that arrives while others decode joins at the next step. A request that captures activations runs in a
-batch of its own (hooks see the whole batch), interleaved step by step with the shared batch. A
+that arrives while others decode joins at the next step. A request with hooks (activations to capture,
+interventions) runs in a batch of its own (hooks see the whole batch), interleaved step by step with the
+shared batch. A
 cancelled request (client gone) leaves the batch at the next step and frees its row.
 """
 
@@ -32,6 +33,7 @@ from model.generate import (
 )
 from model.gpt import GPT
 from model.hooks import select_hooks
+from model.interventions import EditSpec
 from model.loading import LoadedModel
 
 from .metrics import Metrics
@@ -155,12 +157,13 @@ class Engine:
         prompts: Sequence[Sequence[int]],
         params: Sequence[SamplingParams],
         hooks: Sequence[str] | None = None,
+        edits: EditSpec | None = None,
     ) -> list[RequestStream]:
         """Queue one sequence per prompt (all or none: raises `QueueFull` when they do not fit, and
         `GenerationError`/`UnknownHookError` for an invalid request, before anything is queued)."""
         names = select_hooks(list(hooks), self.model.config.n_layer) if hooks else None
         seqs = [
-            new_sequence(self.model, i, prompt, p, self.tokenizer, names)
+            new_sequence(self.model, i, prompt, p, self.tokenizer, names, edits)
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
         ]
         loop = asyncio.get_running_loop()
@@ -230,7 +233,7 @@ class Engine:
 
     def _admit(self, request: _Request) -> None:
         seq = request.seq
-        if seq.capture is not None:
+        if seq.hooks is not None:
             batch = DecodeBatch(self.model, 1, len(seq.prompt) + seq.params.max_new_tokens)  # prompt in one pass
             self._solo.append(batch)
         else:

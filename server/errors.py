@@ -12,6 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from model.generate import GenerationError
 from model.hooks import UnknownHookError
+from model.interventions import InterventionError
 
 from .engine import EngineStopped, QueueFull
 
@@ -56,6 +57,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(UnknownHookError)
     async def unknown_hook(_: Request, e: UnknownHookError) -> JSONResponse:
         return error_response(400, str(e), "activations.hooks")
+
+    @app.exception_handler(InterventionError)
+    async def bad_edit(_: Request, e: InterventionError) -> JSONResponse:
+        return error_response(400, str(e), "interventions")
 
     @app.exception_handler(QueueFull)
     async def queue_full(_: Request, e: QueueFull) -> JSONResponse:

@@ -20,7 +20,7 @@ from .metrics import Metrics
 
 log = logging.getLogger("server.access")
 
-OPEN_PATHS = frozenset({"/health"})  # answered without an API key
+OPEN_PATHS = frozenset({"/health", "/"})  # answered without an API key (with /static/: the viewer's files)
 
 
 class RequestGuard:
@@ -69,7 +69,7 @@ class RequestGuard:
             log.info(json.dumps(line))
 
     def _check_key(self, path: str, headers: dict[str, str]) -> Any:
-        if self.api_key is None or path in OPEN_PATHS:
+        if self.api_key is None or path in OPEN_PATHS or path.startswith("/static/"):
             return None
         given = headers.get("authorization", "").removeprefix("Bearer ").strip() or headers.get("x-api-key", "")
         if given and hmac.compare_digest(given.encode(), self.api_key.encode()):

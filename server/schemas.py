@@ -3,11 +3,14 @@ the engine's plain parameter objects; the values themselves are checked by `Samp
 
 from __future__ import annotations
 
+import base64
 from typing import Any, Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from model.generate import GenerationError, SamplingParams
+from model.interventions import Edit, EditSpec, InterventionError
 
 PromptText = str | list[str]
 PromptIds = list[int] | list[list[int]]
@@ -25,7 +28,91 @@ class ActivationSpec(Strict):
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
 
 
-class GenerateRequest(Strict):
+class DumpValue(Strict):
+    """A tensor taken from an activation dump the client sends (what /v1/activations returned)."""
+
+    safetensors_base64: str
+    name: str | None = Field(default=None, description="tensor name in the dump (default: the edit's hook)")
+
+
+class InterventionSpec(Strict):
+    hook: str = Field(description="hook name or glob, e.g. blocks.3.hook_attn_out or blocks.*.attn.hook_z")
+    op: Literal["zero", "mean", "scale", "add", "set"]
+    factor: float | None = Field(default=None, description="for scale")
+    value: float | list[Any] | DumpValue | None = Field(default=None, description="for add and set")
+    layers: list[int] | None = None
+    heads: list[int] | None = None
+    positions: list[int] | None = None
+
+    def edit(self) -> Edit:
+        value = None
+        if isinstance(self.value, DumpValue):
+            value = _tensor_from_dump(self.value, self.hook)
+        elif self.value is not None:
+            try:
+                value = torch.tensor(self.value, dtype=torch.float32)
+            except (TypeError, ValueError) as e:
+                raise InterventionError(f"value for {self.hook!r} is not a rectangular array of numbers: {e}") from None
+        return Edit(
+            self.hook,
+            self.op,
+            self.factor,
+            value,
+            _tuple(self.layers),
+            _tuple(self.heads),
+            _tuple(self.positions),
+        )
+
+
+class ResidualSpec(Strict):
+    """Sub-layers to run without their skip connection: layer lists, or "all"."""
+
+    attn: list[int] | Literal["all"] = Field(default_factory=list)
+    mlp: list[int] | Literal["all"] = Field(default_factory=list)
+
+
+class Edits(Strict):
+    """Interventions and residual ablation, accepted by /v1/generate, /v1/activations, /v1/next-token."""
+
+    interventions: list[InterventionSpec] | None = None
+    residual: ResidualSpec | None = None
+
+    def edit_spec(self, n_layer: int) -> EditSpec | None:
+        if not self.interventions and self.residual is None:
+            return None
+        return edit_spec(self.interventions or [], self.residual, n_layer)
+
+
+def edit_spec(interventions: list[InterventionSpec], residual: ResidualSpec | None, n_layer: int) -> EditSpec:
+    def layers(spec: list[int] | Literal["all"]) -> tuple[int, ...]:
+        return tuple(range(n_layer)) if spec == "all" else tuple(spec)
+
+    return EditSpec(
+        tuple(i.edit() for i in interventions),
+        layers(residual.attn) if residual else (),
+        layers(residual.mlp) if residual else (),
+    )
+
+
+def _tuple(values: list[int] | None) -> tuple[int, ...] | None:
+    return tuple(values) if values is not None else None
+
+
+def _tensor_from_dump(dump: DumpValue, hook: str) -> torch.Tensor:
+    from safetensors.torch import load
+
+    name = dump.name or hook
+    try:
+        tensors = load(base64.b64decode(dump.safetensors_base64, validate=True))
+    except Exception:
+        raise InterventionError(f"value for {hook!r}: the dump is not base64 of a safetensors file") from None
+    if name not in tensors:
+        raise InterventionError(f"value for {hook!r}: the dump has no tensor {name!r} (it has {', '.join(tensors)})")
+    t = tensors[name].float()
+    return t[0] if t.dim() > 1 and t.shape[0] == 1 else t  # a dump's batch dimension of 1
+
+
+class GenerateRequest(Edits):
     prompt: PromptText | None = None
     input_ids: PromptIds | None = None
     max_new_tokens: int = 32
@@ -64,10 +151,17 @@ class ActivationsRequest(GenerateRequest):
     activations: ActivationSpec = Field(default_factory=lambda: ActivationSpec(hooks=["*"]))
 
 
-class NextTokenRequest(Strict):
+class NextTokenRequest(Edits):
     prompt: str | None = None
     input_ids: list[int] | None = None
     top_k: int = Field(default=10, description="how many of the most likely next tokens to return")
+
+
+class AnalyzeRequest(Edits):
+    prompt: str | None = None
+    input_ids: list[int] | None = None
+    top_k: int = Field(default=5, description="tokens per position in the logit lens")
+    compare_ablated: bool = Field(default=True, description="also run with every residual connection removed")
 
 
 class TokenizeRequest(BaseModel):

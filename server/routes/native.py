@@ -51,7 +51,8 @@ async def generate(req: GenerateRequest, engine: EngineDep, settings: SettingsDe
     prompts = token_ids(engine, req.prompt, req.input_ids)
     params = req.sampling_params(settings.max_new_tokens)
     hooks = _checked_hooks(engine, settings, req.activations, prompts, params.max_new_tokens)
-    streams = engine.submit(prompts, [params] * len(prompts), hooks)
+    edits = req.edit_spec(engine.model.config.n_layer)
+    streams = engine.submit(prompts, [params] * len(prompts), hooks, edits)
     reply = _Reply(engine, req.activations)
     if req.stream:
         return sse(reply.stream(merged(streams)))
@@ -65,7 +66,8 @@ async def activations(req: ActivationsRequest, engine: EngineDep, settings: Sett
     prompts = token_ids(engine, req.prompt, req.input_ids)
     params = req.sampling_params(settings.max_new_tokens)
     hooks = _checked_hooks(engine, settings, req.activations, prompts, params.max_new_tokens)
-    (completion,) = await results(engine.submit(prompts, [params], hooks))
+    edits = req.edit_spec(engine.model.config.n_layer)
+    (completion,) = await results(engine.submit(prompts, [params], hooks, edits))
     reply = _Reply(engine, None)
     choice = reply.choice(completion)
     meta = {
@@ -86,10 +88,12 @@ async def next_token(req: NextTokenRequest, engine: EngineDep) -> dict[str, Any]
     if not 1 <= req.top_k <= vocab:
         raise GenerationError(f"top_k must be in 1..{vocab}, got {req.top_k}", "top_k")
     validate_prompt(engine.model, ids, 0, "input_ids" if req.input_ids is not None else "prompt")
+    edits = req.edit_spec(engine.model.config.n_layer)
+    hooks = edits.hooks(engine.model.config, len(ids)) if edits is not None else None
 
     def distribution(model: GPT) -> tuple[list[float], list[int], float]:
         idx = torch.tensor([ids], device=model.wte.weight.device)
-        logprobs = torch.log_softmax(model(idx, last_only=True)[0, -1].float(), dim=-1)  # [vocab]
+        logprobs = torch.log_softmax(model(idx, hooks=hooks, last_only=True)[0, -1].float(), dim=-1)  # [vocab]
         entropy = -(logprobs.exp() * logprobs).nan_to_num().sum()
         top = torch.topk(logprobs, req.top_k)
         return top.values.tolist(), top.indices.tolist(), float(entropy)

@@ -1,0 +1,68 @@
+"""The residual-stream lab: layer-by-layer analysis, with and without residual connections, and the
+viewer page that draws it (static files; it talks only to the public API)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import FileResponse
+
+from model.analysis import LayerStats, analyze
+from model.generate import GenerationError, validate_prompt
+from model.gpt import GPT
+from model.interventions import EditSpec
+
+from ..schemas import AnalyzeRequest
+from .deps import EngineDep, token_ids
+
+router = APIRouter(tags=["lab"])
+STATIC = Path(__file__).resolve().parents[1] / "static"
+
+
+@router.get("/", include_in_schema=False)
+async def viewer() -> FileResponse:
+    return FileResponse(STATIC / "index.html")
+
+
+@router.post("/v1/analyze")
+async def analyze_prompt(req: AnalyzeRequest, engine: EngineDep) -> dict[str, Any]:
+    (ids,) = token_ids(engine, req.prompt, req.input_ids)
+    config = engine.model.config
+    validate_prompt(engine.model, ids, 0, "input_ids" if req.input_ids is not None else "prompt")
+    if not 1 <= req.top_k <= 100:
+        raise GenerationError(f"top_k must be in 1..100, got {req.top_k}", "top_k")
+    edits = req.edit_spec(config.n_layer)
+    everything = tuple(range(config.n_layer))
+    no_residual = EditSpec(edits.edits if edits else (), everything, everything)
+
+    def run(model: GPT) -> tuple[list[LayerStats], list[LayerStats] | None]:
+        main = analyze(model, ids, req.top_k, edits.hooks(config, len(ids)) if edits else None)
+        ablated = analyze(model, ids, req.top_k, no_residual.hooks(config, len(ids))) if req.compare_ablated else None
+        return main, ablated
+
+    main, ablated = await engine.call(run)
+    text = engine.tokenizer.token_text
+
+    def layers(stats: list[LayerStats]) -> list[dict[str, Any]]:
+        return [
+            {
+                "layer": s.layer,
+                "norms": s.norms,
+                "effective_rank": s.effective_rank,
+                "collapse": s.collapse,
+                "mean_cosine": s.mean_cosine,
+                "attention_entropy": s.attention_entropy,
+                "logit_lens": [[{"id": i, "token": text(i), "prob": p} for i, p in top] for top in s.logit_lens],
+            }
+            for s in stats
+        ]
+
+    return {
+        "model": engine.loaded.name,
+        "input_ids": ids,
+        "tokens": [text(t) for t in ids],
+        "layers": layers(main),
+        "ablated": layers(ablated) if ablated is not None else None,
+    }
