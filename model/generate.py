@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .cuda_graph import StaticDecode
 from .gpt import GPT
 from .hooks import Capture, Hooks, select_hooks
 from .interventions import EditSpec, HookChain
@@ -125,11 +126,15 @@ class SequenceState:
     _clean_tokens: int = 0
     finish_reason: str | None = None
 
-    def accept(self, logits: torch.Tensor) -> TokenEvent:
-        """Choose the next token from `logits` [vocab] and update text and stop state."""
+    def accept(self, logits: torch.Tensor, argmax: int | None = None) -> TokenEvent:
+        """Choose the next token from `logits` [vocab] (`argmax`: its argmax, if already known) and update
+        text and stop state."""
         p = self.params
         logits = logits.float()
-        token = sample(logits, p.temperature, p.top_k, p.top_p, self.generator)
+        if p.temperature == 0 and argmax is not None:
+            token = argmax
+        else:
+            token = sample(logits, p.temperature, p.top_k, p.top_p, self.generator)
         self.tokens.append(token)
         lp = None
         if p.logprobs is not None:
@@ -262,12 +267,24 @@ class DecodeBatch:
     since hooks see the whole batch.
     """
 
-    def __init__(self, model: GPT, capacity: int, max_len: int, prefill_chunk: int | None = None) -> None:
+    def __init__(
+        self,
+        model: GPT,
+        capacity: int,
+        max_len: int,
+        prefill_chunk: int | None = None,
+        static: bool = False,
+    ) -> None:
+        """`static`: decode at fixed shapes, replayed as CUDA graphs on a GPU (captured here, so make the
+        batch before serving)."""
         self.model = model
         w = model.wte.weight
         self.cache = KVCache.empty(model.config, capacity, max_len, dtype=w.dtype, device=w.device)
         self.seqs: list[SequenceState] = []  # seqs[b] owns cache row b
         self.prefill_chunk = prefill_chunk
+        self.static = StaticDecode(model, self.cache) if static else None
+        if self.static is not None:
+            self.static.capture()
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -322,12 +339,16 @@ class DecodeBatch:
         """One token for each of `rows`. Rows still prefilling ride along with a dummy token, whose key and
         value the next chunk overwrites (their length does not move)."""
         hooks = self.seqs[0].hooks if self.cache.capacity == 1 else None
-        device = self.model.wte.weight.device
         wanted = set(rows)
-        tokens = [[s.tokens[-1] if b in wanted else 0] for b, s in enumerate(self.seqs)]
-        logits = self.model(torch.tensor(tokens, device=device), self.cache, hooks, last_only=True)[:, -1]  # [B, V]
+        tokens = [s.tokens[-1] if b in wanted else 0 for b, s in enumerate(self.seqs)]
+        if self.static is not None and hooks is None:
+            logits = self.static(tokens, list(self.cache.lengths))  # [B, vocab]
+        else:
+            idx = torch.tensor(tokens, device=self.model.wte.weight.device)[:, None]  # [B, 1]
+            logits = self.model(idx, self.cache, hooks, last_only=True)[:, -1]  # [B, vocab]
         self.cache.advance([1 if b in wanted else 0 for b in range(len(self.seqs))])
-        return [(self.seqs[b], self.seqs[b].accept(logits[b])) for b in rows]
+        argmax = logits.argmax(dim=-1).tolist()  # one device sync for every greedy row
+        return [(self.seqs[b], self.seqs[b].accept(logits[b], argmax[b])) for b in rows]
 
     def cancel(self, seq: SequenceState) -> None:
         """Take `seq` out of the batch now (its row is free for the next sequence)."""

@@ -64,7 +64,8 @@ class CausalSelfAttention(nn.Module):
             allowed = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.d_head)  # [B, H, T, S]
         scores = self.hook_attn_scores(scores.masked_fill(~allowed, float("-inf")), hooks)
-        pattern = F.softmax(scores.float(), dim=-1).to(q.dtype)
+        # softmax in at least float32 (float16/bfloat16 are upcast; float64 stays float64)
+        pattern = F.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
         pattern = self.hook_pattern(pattern, hooks)  # [B, H, T, S], rows sum to 1
         return pattern @ v  # [B, H, T, D]
 
@@ -133,14 +134,18 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
         hooks: Hooks | None = None,
         last_only: bool = False,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B, T, vocab] for token ids `idx` [B, T] (only the last position's, [B, 1, vocab], if
-        `last_only`). With a `cache`, `idx` continues each row's sequence and its keys and values are stored."""
+        `last_only`). With a `cache`, `idx` continues each row's sequence and its keys and values are stored;
+        `positions` [B, 1] (a device tensor) makes that a fixed-shape decode step, as CUDA graphs need."""
         B, T = idx.shape
         if cache is None:
             if T > self.config.n_positions:
                 raise ValueError(f"sequence of {T} tokens exceeds the context of {self.config.n_positions}")
             pos = torch.arange(T, device=idx.device).expand(B, T)
+        elif positions is not None:
+            pos = cache.begin_static(positions)  # [B, 1]
         else:
             pos = cache.begin(T)  # [B, T]: each row goes on from its own length
         tok_emb = self.hook_embed(self.wte(idx), hooks)  # [B, T, C]

@@ -109,6 +109,15 @@ class KVCache:
         self._step = _Step(start if uniform else None, positions, n_keys, allowed)
         return positions
 
+    def begin_static(self, positions: torch.Tensor) -> torch.Tensor:
+        """Start a decode pass of fixed shape (what a CUDA graph replays): `positions` [B, 1] is a device
+        tensor of where each of the first B rows writes its token, and every query attends over the whole
+        `max_len` keys, masked. No Python-side bookkeeping: the caller tracks the lengths."""
+        keys = torch.arange(self.max_len, device=positions.device)
+        allowed = (keys[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, 1, max_len]
+        self._step = _Step(None, positions, self.max_len, allowed)
+        return positions
+
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -119,7 +128,7 @@ class KVCache:
         """
         step = self._step
         assert step is not None, "call begin() before update()"
-        n = self.batch_size
+        n = k.shape[0]  # the rows of this pass: the first n
         k_layer, v_layer = self.k[layer, :n], self.v[layer, :n]  # [B, H, max_len, D]
         if step.uniform_start is not None:
             s = step.uniform_start

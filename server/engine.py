@@ -126,7 +126,9 @@ class Engine:
         if prefill_chunk is None:  # long enough to use the matrix units well, short enough not to stall decoding
             prefill_chunk = 512 if loaded.device.type == "cuda" else 64
         self.prefill_chunk = prefill_chunk
-        self._batch = DecodeBatch(self.model, max_batch_size, config.n_positions, prefill_chunk)
+        # On a GPU the decode step is captured as CUDA graphs, here, before serving.
+        static = loaded.device.type == "cuda"
+        self._batch = DecodeBatch(self.model, max_batch_size, config.n_positions, prefill_chunk, static)
         self._solo: list[DecodeBatch] = []  # capturing sequences, one batch each
         self._requests: dict[int, _Request] = {}  # id(seq) -> request, for every admitted sequence
         self._waiting: deque[_Request] = deque()
