@@ -1,0 +1,243 @@
+"""Server benchmark: concurrent streaming clients against a real `gpt2-serve` process.
+
+For each level of concurrency (default 1, 4, 16, 32, 64 clients) it sends the same kind of requests
+(mixed prompt and output lengths, greedy, streamed from /v1/generate) and measures throughput
+(generated tokens per second), time to first token and inter-token latency (p50 and p99). The baseline
+is the same requests served one at a time; throughput is reported as a ratio to it, and p99 inter-token
+latency as a ratio to the batch-1 latency.
+
+    python scripts/bench_server.py                       # a random gpt2-small-shaped checkpoint
+    python scripts/bench_server.py --model ./gpt2 --levels 1 4 16 --json server.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_TOKENIZER = ROOT.parent / "shared" / "gpt2-tokenizer"
+
+
+@dataclass
+class Request:
+    input_ids: list[int]
+    max_new_tokens: int
+
+
+@dataclass
+class Outcome:
+    ttft: float
+    gaps: list[float] = field(default_factory=list)
+    tokens: int = 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Concurrent streaming clients against a real gpt2-serve process.")
+    p.add_argument("--model", help="checkpoint directory (default: a random gpt2-small-shaped one, made here)")
+    p.add_argument("--tokenizer", default=str(SHARED_TOKENIZER), help="tokenizer directory")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16, 32, 64], help="concurrent clients")
+    p.add_argument("--requests", type=int, default=0, help="requests per level (default: max(2 x clients, 16))")
+    p.add_argument("--prompt-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
+    p.add_argument("--new-tokens", type=int, nargs=2, default=[16, 64], metavar=("MIN", "MAX"))
+    p.add_argument("--baseline-requests", type=int, default=8, help="requests served one at a time for the baseline")
+    p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--quick", action="store_true", help="small levels and short requests (a smoke run)")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.levels, args.prompt_len, args.new_tokens, args.baseline_requests = [1, 4], [8, 32], [4, 12], 4
+    return args
+
+
+def make_requests(n: int, args: argparse.Namespace, seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    return [
+        Request(
+            [rng.randrange(50000) for _ in range(rng.randint(*args.prompt_len))],
+            rng.randint(*args.new_tokens),
+        )
+        for _ in range(n)
+    ]
+
+
+async def stream_one(client: httpx.AsyncClient, req: Request) -> Outcome:
+    body = {
+        "input_ids": req.input_ids,
+        "max_new_tokens": req.max_new_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    start = last = time.perf_counter()
+    outcome: Outcome | None = None
+    async with client.stream("POST", "/v1/generate", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "token_id" not in event:
+                continue
+            now = time.perf_counter()
+            if outcome is None:
+                outcome = Outcome(ttft=now - start)
+            else:
+                outcome.gaps.append(now - last)
+            outcome.tokens += 1
+            last = now
+    assert outcome is not None and outcome.tokens == req.max_new_tokens, "incomplete answer"
+    return outcome
+
+
+async def run_level(url: str, requests: list[Request], clients: int) -> dict[str, Any]:
+    queue: asyncio.Queue[Request] = asyncio.Queue()
+    for r in requests:
+        queue.put_nowait(r)
+    outcomes: list[Outcome] = []
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+
+        async def worker() -> None:
+            while not queue.empty():
+                outcomes.append(await stream_one(client, queue.get_nowait()))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(clients)))
+        wall = time.perf_counter() - start
+    tokens = sum(o.tokens for o in outcomes)
+    gaps = sorted(g for o in outcomes for g in o.gaps)
+    ttfts = sorted(o.ttft for o in outcomes)
+    return {
+        "clients": clients,
+        "requests": len(requests),
+        "tokens": tokens,
+        "seconds": wall,
+        "tokens_per_s": tokens / wall,
+        "ttft_p50_ms": 1000 * percentile(ttfts, 50),
+        "ttft_p99_ms": 1000 * percentile(ttfts, 99),
+        "itl_p50_ms": 1000 * percentile(gaps, 50),
+        "itl_p99_ms": 1000 * percentile(gaps, 99),
+    }
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    k = min(len(sorted_values) - 1, max(0, round(q / 100 * (len(sorted_values) - 1))))
+    return sorted_values[k]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(args: argparse.Namespace, model: str, port: int) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "server",
+        "--model",
+        model,
+        "--tokenizer",
+        args.tokenizer,
+        "--port",
+        str(port),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--max-batch-size",
+        str(args.max_batch_size),
+        "--max-queue",
+        "4096",
+        "--log-level",
+        "warning",
+    ]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited: {proc.stderr.read().decode() if proc.stderr else ''}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("the server did not become ready within 300 s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    load_before = os.getloadavg()[0]
+    if load_before > 0.5:
+        print(f"warning: 1-minute load average is {load_before:.2f}: other processes compete for the CPUs")
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model
+        if model is None:
+            from gpt2_scripts.bench import make_random_checkpoint
+
+            model = str(Path(tmp) / "gpt2-small-random")
+            make_random_checkpoint(Path(model))
+        port = free_port()
+        server = start_server(args, model, port)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            asyncio.run(run_level(url, make_requests(2, args, seed=99), 2))  # warm-up
+            baseline = asyncio.run(run_level(url, make_requests(args.baseline_requests, args, seed=0), 1))
+            levels = []
+            for clients in args.levels:
+                n = args.requests or max(2 * clients, 16)
+                levels.append(asyncio.run(run_level(url, make_requests(n, args, seed=clients), clients)))
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+    report = {
+        "baseline_one_at_a_time": baseline,
+        "levels": levels,
+        "load_average_at_start": load_before,
+        "load_average_at_end": os.getloadavg()[0],
+        "cpus": os.cpu_count(),
+    }
+    print(
+        f"\nbaseline, one request at a time: {baseline['tokens_per_s']:.1f} tokens/s, "
+        f"inter-token p50 {baseline['itl_p50_ms']:.1f} ms"
+    )
+    print(
+        f"{'clients':>7} {'tok/s':>8} {'x 1-at-a-time':>14} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'ITL p50':>8} {'ITL p99':>8} {'ITL p99 / batch-1':>18}"
+    )
+    for lv in levels:
+        lv["throughput_ratio"] = lv["tokens_per_s"] / baseline["tokens_per_s"]
+        lv["itl_p99_over_batch1"] = lv["itl_p99_ms"] / baseline["itl_p50_ms"]
+        print(
+            f"{lv['clients']:>7} {lv['tokens_per_s']:>8.1f} {lv['throughput_ratio']:>14.2f} "
+            f"{lv['ttft_p50_ms']:>7.0f}ms {lv['ttft_p99_ms']:>7.0f}ms {lv['itl_p50_ms']:>6.1f}ms "
+            f"{lv['itl_p99_ms']:>6.1f}ms {lv['itl_p99_over_batch1']:>18.2f}"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
