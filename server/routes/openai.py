@@ -88,7 +88,12 @@ class _Reply:
             if lp is None:
                 top.append(None)
             else:  # the n most likely, and the chosen token (so up to n + 1 entries, as OpenAI does)
-                top.append({text(i): v for i, v in lp.top} | {text(lp.id): lp.logprob})
+                # Tokens can share a text (lone pieces of one character all show as U+FFFD): a key keeps the
+                # larger logprob, so that "chosen == max(values)" still means the chosen token was the argmax.
+                entries_by_text: dict[str, float] = {}
+                for i, v in [*lp.top, (lp.id, lp.logprob)]:  # lp.top is most likely first
+                    entries_by_text.setdefault(text(i), v)
+                top.append(entries_by_text)
         return {
             "tokens": tokens,
             "token_logprobs": [None if lp is None else lp.logprob for lp in entries],
