@@ -1,0 +1,52 @@
+# gpt2-serve in a container. CPU by default:
+#   docker build -t gpt2-server .
+#   docker run -p 8000:8000 -v gpt2-hf:/data/hf gpt2-server                 # gpt2, downloaded once into the volume
+#   docker run -p 8000:8000 -v gpt2-hf:/data/hf gpt2-server --model gpt2-medium
+# Arguments after the image name are gpt2-serve's flags (gpt2-serve --help); each also reads GPT2_<NAME>.
+# To listen on another port, set GPT2_PORT (the health check reads it) rather than --port.
+#
+# GPU: a CUDA base image whose python (3.10+) and pip can install packages, and the matching torch wheels:
+#   docker build -t gpt2-server:cuda \
+#     --build-arg BASE_IMAGE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime \
+#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+#   docker run --gpus all -p 8000:8000 -v gpt2-hf:/data/hf gpt2-server:cuda
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
+
+# Where torch comes from: CPU-only wheels by default (PyPI's default Linux wheel pulls in CUDA, ~3 GB more).
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HF_HOME=/data/hf \
+    GPT2_PORT=8000
+
+# torch first, alone, from TORCH_INDEX_URL (its own layer: it changes least and weighs most). The range is
+# pyproject.toml's, which tests/test_docker.py checks; a base image that already has such a torch keeps it.
+RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch>=2.2,<2.15"
+
+WORKDIR /opt/gpt2-server
+COPY pyproject.toml README* ./
+COPY model ./model
+COPY server ./server
+COPY scripts ./scripts
+# The package and its other dependencies from PyPI (no test extras); torch is satisfied already.
+RUN pip install --no-cache-dir . \
+    && rm -rf build ./*.egg-info
+
+# A numeric non-root user (so that Kubernetes' runAsNonRoot can check it) owning the weight cache.
+RUN groupadd --gid 10001 app \
+    && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /data --shell /usr/sbin/nologin app \
+    && mkdir -p /data/hf \
+    && chown -R 10001:10001 /data
+USER 10001:10001
+VOLUME ["/data/hf"]
+
+EXPOSE 8000
+# 503 while the model loads (a first run downloads it: hence the long start period), 200 once it serves.
+HEALTHCHECK --interval=30s --timeout=5s --start-period=5m --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('GPT2_PORT', '8000') + '/health', timeout=4)"]
+
+ENTRYPOINT ["gpt2-serve", "--host", "0.0.0.0"]
