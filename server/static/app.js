@@ -1,0 +1,696 @@
+// The residual-stream lab's viewer. It talks only to the public API: GET /v1/model, POST /v1/generate
+// (attention patterns as JSON activations) and POST /v1/analyze (per-layer statistics and the logit lens,
+// with and without residual connections). Charts are drawn on <canvas>; nothing is fetched from elsewhere.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+
+const COLORS = {
+  with: "#1f5fa8", // blue, solid line, circles
+  without: "#d0590b", // orange, dashed line, squares
+  axis: "#444",
+  grid: "#e3e6ea",
+  text: "#222",
+};
+
+// Viridis (perceptually uniform, readable in greyscale and by colour-blind readers), 9 stops.
+const VIRIDIS = [
+  [68, 1, 84], [71, 44, 122], [59, 81, 139], [44, 113, 142], [33, 144, 141],
+  [39, 173, 129], [92, 200, 99], [170, 220, 50], [253, 231, 37],
+];
+
+const state = {
+  model: null, // /v1/model
+  tokens: [], // labels of prompt + generated positions (attention axes)
+  patterns: [], // per layer: [head][query][key]
+  analysis: null, // /v1/analyze
+};
+
+// ---------------------------------------------------------------- API
+
+class APIError extends Error {}
+
+async function api(method, path, body) {
+  const headers = { Accept: "application/json" };
+  const key = $("api-key").value.trim();
+  if (key) headers.Authorization = `Bearer ${key}`;
+  if (body !== undefined) headers["Content-Type"] = "application/json";
+  let response;
+  try {
+    response = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
+  } catch (e) {
+    throw new APIError(`${method} ${path}: cannot reach the server (${e.message})`);
+  }
+  const text = await response.text();
+  let data = null;
+  try {
+    data = JSON.parse(text);
+  } catch {
+    // not JSON: reported below if the status is an error
+  }
+  if (!response.ok) {
+    const err = data && data.error;
+    const message = err && err.message ? err.message : text.slice(0, 300) || response.statusText;
+    const kind = err && err.type ? ` ${err.type}` : "";
+    throw new APIError(`${method} ${path} failed (${response.status}${kind}): ${message}`);
+  }
+  if (data === null) throw new APIError(`${method} ${path}: the answer is not JSON`);
+  return data;
+}
+
+// ---------------------------------------------------------------- page state
+
+function setStatus(text, stateName) {
+  const el = $("status");
+  el.textContent = text;
+  el.dataset.state = stateName;
+}
+
+function showErrors(messages) {
+  const box = $("errors");
+  box.replaceChildren();
+  if (!messages.length) {
+    box.hidden = true;
+    return;
+  }
+  const title = document.createElement("strong");
+  title.textContent = messages.length === 1 ? "Error" : `${messages.length} errors`;
+  const list = document.createElement("ul");
+  for (const m of messages) {
+    const li = document.createElement("li");
+    li.textContent = m;
+    list.append(li);
+  }
+  box.append(title, list);
+  box.hidden = false;
+}
+
+// How a token is shown: spaces and control characters made visible.
+function tokenLabel(t) {
+  return String(t).replace(/ /g, "␣").replace(/\n/g, "↵").replace(/\t/g, "⇥").replace(/\r/g, "␍");
+}
+
+function shorten(s, n) {
+  return s.length > n ? `${s.slice(0, n - 1)}…` : s;
+}
+
+function layerName(layer) {
+  return layer < 0 ? "emb" : String(layer);
+}
+
+async function loadModel() {
+  const m = await api("GET", "/v1/model");
+  state.model = m;
+  $("model-info").textContent =
+    `Model: ${m.name} · ${m.n_layer} layers · ${m.n_head} heads · d_model ${m.d_model} · ` +
+    `context ${m.n_ctx} · ${m.dtype} on ${m.device}`;
+  return m;
+}
+
+// ---------------------------------------------------------------- run
+
+async function run(event) {
+  event.preventDefault();
+  const button = $("run");
+  button.disabled = true;
+  showErrors([]);
+  setStatus("Running…", "running");
+  const started = performance.now();
+  const errors = [];
+  try {
+    if (!state.model) await loadModel();
+  } catch (e) {
+    errors.push(e.message);
+  }
+  if (state.model) {
+    const prompt = $("prompt").value;
+    const seedText = $("seed").value.trim();
+    const genBody = {
+      prompt,
+      max_new_tokens: Number($("max-new-tokens").value),
+      temperature: Number($("temperature").value),
+      activations: { hooks: ["blocks.*.attn.hook_pattern"], format: "json" },
+    };
+    if (seedText !== "") genBody.seed = Number(seedText);
+    const [gen, analysis] = await Promise.allSettled([
+      api("POST", "/v1/generate", genBody),
+      api("POST", "/v1/analyze", { prompt, compare_ablated: true }),
+    ]);
+    const promptTokens = analysis.status === "fulfilled" ? analysis.value.tokens : null;
+    for (const [result, render] of [
+      [gen, (g) => renderGeneration(prompt, promptTokens, g)],
+      [analysis, renderAnalysis],
+    ]) {
+      if (result.status === "rejected") {
+        errors.push(result.reason.message);
+        continue;
+      }
+      try {
+        render(result.value);
+      } catch (e) {
+        errors.push(`cannot draw the answer: ${e.message}`);
+        console.error(e);
+      }
+    }
+  }
+  showErrors(errors);
+  const seconds = ((performance.now() - started) / 1000).toFixed(1);
+  setStatus(errors.length ? `Finished with errors in ${seconds} s.` : `Done in ${seconds} s.`, errors.length ? "error" : "done");
+  button.disabled = false;
+}
+
+// ---------------------------------------------------------------- generated text and attention
+
+function renderGeneration(prompt, promptTokens, gen) {
+  const choice = gen.choices[0];
+  $("prompt-echo").textContent = prompt;
+  $("generated-text").textContent = choice.text;
+  const u = gen.usage;
+  $("output-meta").textContent =
+    `${u.prompt_tokens} prompt tokens, ${u.completion_tokens} generated · finish reason: ${choice.finish_reason}`;
+
+  const acts = choice.activations || {};
+  const n = state.model.n_layer;
+  state.patterns = [];
+  for (let layer = 0; layer < n; layer++) {
+    const a = acts[`blocks.${layer}.attn.hook_pattern`];
+    if (!a) throw new Error(`the answer has no blocks.${layer}.attn.hook_pattern`);
+    state.patterns.push(a.shape.length === 4 ? a.data[0] : a.data); // [head][query][key]
+  }
+  const T = state.patterns[0][0].length;
+  const labels = (promptTokens || Array.from({ length: u.prompt_tokens }, (_, i) => `#${i}`)).concat(choice.tokens);
+  state.tokens = Array.from({ length: T }, (_, i) => (i < labels.length ? labels[i] : `#${i}`));
+  state.promptLength = u.prompt_tokens;
+
+  fillSelect($("attn-layer"), n, (i) => `layer ${i}`);
+  fillSelect($("attn-head"), state.model.n_head, (i) => `head ${i}`);
+  drawAttention();
+}
+
+function fillSelect(select, count, label) {
+  const keep = Number(select.value) || 0;
+  select.replaceChildren();
+  for (let i = 0; i < count; i++) select.add(new Option(label(i), String(i)));
+  select.value = String(Math.min(keep, count - 1));
+  select.disabled = false;
+}
+
+function attentionView() {
+  return document.querySelector('input[name="attn-view"]:checked').value;
+}
+
+function drawAttention() {
+  const container = $("attn-view");
+  if (!state.patterns.length) return;
+  $("attn-tooltip").hidden = true;
+  const layer = Number($("attn-layer").value);
+  const grid = attentionView() === "grid";
+  $("attn-head-label").hidden = grid;
+  container.replaceChildren();
+  container.classList.toggle("grid", grid);
+  const heads = state.patterns[layer];
+  const width = container.clientWidth || 800;
+  if (!grid) {
+    const head = Number($("attn-head").value);
+    const canvas = heatmapCanvas(`Attention, layer ${layer}, head ${head}`);
+    container.append(canvas);
+    drawHeatmap(canvas, heads[head], state.tokens, {
+      size: Math.min(width - 180, 640),
+      title: `layer ${layer} · head ${head}`,
+      labels: true,
+      legend: true,
+      tooltip: true,
+    });
+    return;
+  }
+  const cols = width >= 900 ? 4 : width >= 600 ? 3 : 2;
+  const size = Math.floor((width - 90) / cols) - 56; // room for each tile's margins and the colour scale
+  heads.forEach((pattern, head) => {
+    const canvas = heatmapCanvas(`Attention, layer ${layer}, head ${head}; click to enlarge`);
+    canvas.tabIndex = 0;
+    canvas.classList.add("clickable");
+    const open = () => {
+      $("attn-head").value = String(head);
+      document.querySelector('input[name="attn-view"][value="head"]').checked = true;
+      drawAttention();
+    };
+    canvas.addEventListener("click", open);
+    canvas.addEventListener("keydown", (e) => {
+      if (e.key === "Enter" || e.key === " ") {
+        e.preventDefault();
+        open();
+      }
+    });
+    container.append(canvas);
+    drawHeatmap(canvas, pattern, state.tokens, { size, title: `head ${head}`, labels: size / pattern.length >= 9, legend: false });
+  });
+  const legend = document.createElement("canvas");
+  legend.setAttribute("role", "img");
+  legend.setAttribute("aria-label", "Colour scale: attention weight from 0 to 1");
+  legend.classList.add("grid-legend");
+  container.append(legend);
+  drawColorbar(legend);
+}
+
+function heatmapCanvas(label) {
+  const canvas = document.createElement("canvas");
+  canvas.className = "heatmap";
+  canvas.setAttribute("role", "img");
+  canvas.setAttribute("aria-label", label);
+  return canvas;
+}
+
+function viridis(v) {
+  const x = Math.max(0, Math.min(1, v)) * (VIRIDIS.length - 1);
+  const i = Math.min(Math.floor(x), VIRIDIS.length - 2);
+  const f = x - i;
+  const [a, b] = [VIRIDIS[i], VIRIDIS[i + 1]];
+  return [0, 1, 2].map((k) => Math.round(a[k] + (b[k] - a[k]) * f));
+}
+
+// A canvas sized in CSS pixels, drawn at the device's resolution.
+function prepare(canvas, width, height) {
+  const dpr = window.devicePixelRatio || 1;
+  canvas.width = Math.round(width * dpr);
+  canvas.height = Math.round(height * dpr);
+  canvas.style.width = `${width}px`;
+  canvas.style.height = `${height}px`;
+  const ctx = canvas.getContext("2d");
+  ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+  ctx.fillStyle = "#fff";
+  ctx.fillRect(0, 0, width, height);
+  return ctx;
+}
+
+function drawHeatmap(canvas, matrix, tokens, opts) {
+  const T = matrix.length;
+  const labelChars = opts.labels ? Math.min(12, Math.max(...tokens.map((t) => tokenLabel(t).length), 2)) : 0;
+  const labelSpace = opts.labels ? 12 + labelChars * 6.6 : 14;
+  const left = labelSpace + 22; // query labels and the y axis title
+  const top = 24; // title
+  const bottom = labelSpace + 24; // key labels and the x axis title
+  const right = opts.legend ? 78 : 8;
+  const side = Math.min(Math.max(opts.size, 60, 2 * T), 32 * T); // cells of 2 to 32 pixels
+  const cell = side / T;
+  const width = left + side + right;
+  const height = top + side + bottom;
+  const ctx = prepare(canvas, width, height);
+  canvas.dataset.positions = String(T);
+
+  const image = ctx.createImageData(T, T);
+  for (let q = 0; q < T; q++) {
+    for (let k = 0; k < T; k++) {
+      const v = matrix[q][k];
+      const o = (q * T + k) * 4;
+      if (k > q || v === null) {
+        image.data.set([246, 246, 246, 255], o); // masked: a query never sees later keys
+      } else {
+        image.data.set([...viridis(v), 255], o);
+      }
+    }
+  }
+  // Scale the T × T image up without smoothing: one block per weight.
+  const tmp = document.createElement("canvas");
+  tmp.width = T;
+  tmp.height = T;
+  tmp.getContext("2d").putImageData(image, 0, 0);
+  ctx.imageSmoothingEnabled = false;
+  ctx.drawImage(tmp, left, top, side, side);
+  ctx.strokeStyle = COLORS.axis;
+  ctx.lineWidth = 1;
+  ctx.strokeRect(left - 0.5, top - 0.5, side + 1, side + 1);
+
+  ctx.fillStyle = COLORS.text;
+  ctx.font = "600 13px system-ui, sans-serif";
+  ctx.textAlign = "center";
+  ctx.textBaseline = "alphabetic";
+  ctx.fillText(opts.title, left + side / 2, 16);
+
+  ctx.font = "11px ui-monospace, SFMono-Regular, Menlo, Consolas, monospace";
+  if (opts.labels) {
+    const every = Math.max(1, Math.ceil(11 / cell));
+    for (let i = 0; i < T; i += every) {
+      const text = shorten(tokenLabel(tokens[i]), 12);
+      const generated = state.promptLength !== undefined && i >= state.promptLength;
+      ctx.fillStyle = generated ? COLORS.without : COLORS.text;
+      ctx.textAlign = "right";
+      ctx.textBaseline = "middle";
+      ctx.fillText(text, left - 5, top + (i + 0.5) * cell);
+      ctx.save();
+      ctx.translate(left + (i + 0.5) * cell, top + side + 5);
+      ctx.rotate(-Math.PI / 2);
+      ctx.fillText(text, 0, 0);
+      ctx.restore();
+    }
+  }
+  ctx.fillStyle = COLORS.text;
+  ctx.font = "12px system-ui, sans-serif";
+  ctx.textAlign = "center";
+  ctx.textBaseline = "alphabetic";
+  ctx.fillText("key position (attended to)", left + side / 2, height - 6);
+  ctx.save();
+  ctx.translate(12, top + side / 2);
+  ctx.rotate(-Math.PI / 2);
+  ctx.fillText("query position (attending)", 0, 0);
+  ctx.restore();
+
+  if (opts.legend) drawColorbarAt(ctx, left + side + 22, top, Math.min(side, 220));
+
+  canvas.onmousemove = null;
+  canvas.onmouseleave = null;
+  if (opts.tooltip) {
+    const tip = $("attn-tooltip");
+    canvas.onmousemove = (e) => {
+      const r = canvas.getBoundingClientRect();
+      const k = Math.floor((e.clientX - r.left - left) / cell);
+      const q = Math.floor((e.clientY - r.top - top) / cell);
+      if (q < 0 || k < 0 || q >= T || k >= T || k > q) {
+        tip.hidden = true;
+        return;
+      }
+      tip.textContent = `query ${q} “${tokenLabel(tokens[q])}” → key ${k} “${tokenLabel(tokens[k])}”: weight ${matrix[q][k].toFixed(3)}`;
+      tip.style.left = `${e.pageX + 12}px`;
+      tip.style.top = `${e.pageY + 12}px`;
+      tip.hidden = false;
+    };
+    canvas.onmouseleave = () => {
+      tip.hidden = true;
+    };
+  }
+}
+
+function drawColorbar(canvas) {
+  const ctx = prepare(canvas, 90, 180);
+  drawColorbarAt(ctx, 10, 24, 140);
+}
+
+function drawColorbarAt(ctx, x, y, h) {
+  const w = 14;
+  for (let i = 0; i < h; i++) {
+    const [r, g, b] = viridis(1 - i / (h - 1));
+    ctx.fillStyle = `rgb(${r},${g},${b})`;
+    ctx.fillRect(x, y + i, w, 1);
+  }
+  ctx.strokeStyle = COLORS.axis;
+  ctx.strokeRect(x - 0.5, y - 0.5, w + 1, h + 1);
+  ctx.fillStyle = COLORS.text;
+  ctx.font = "11px system-ui, sans-serif";
+  ctx.textAlign = "left";
+  ctx.textBaseline = "middle";
+  for (const v of [0, 0.25, 0.5, 0.75, 1]) ctx.fillText(v.toFixed(2), x + w + 5, y + (1 - v) * (h - 1));
+  ctx.textBaseline = "alphabetic";
+  ctx.fillText("weight", x - 6, y - 8);
+}
+
+// ---------------------------------------------------------------- residual-stream curves
+
+const CHARTS = [
+  { id: "chart-norm", title: "Residual norm (mean over positions)", y: "‖x‖", value: (s) => mean(s.norms) },
+  { id: "chart-rank", title: "Effective rank", y: "effective rank", value: (s) => s.effective_rank },
+  { id: "chart-collapse", title: "Rank-collapse measure", y: "‖X − 1x̄ᵀ‖ / ‖X‖", value: (s) => s.collapse },
+  { id: "chart-cosine", title: "Mean pairwise cosine similarity", y: "cosine", value: (s) => s.mean_cosine },
+];
+
+function mean(xs) {
+  return xs.reduce((a, b) => a + b, 0) / xs.length;
+}
+
+function renderAnalysis(analysis) {
+  state.analysis = analysis;
+  drawCurves();
+  renderNumbers();
+  renderLens();
+}
+
+function drawCurves() {
+  const a = state.analysis;
+  if (!a) return;
+  const log = $("log-scale").checked;
+  for (const c of CHARTS) {
+    const canvas = $(c.id);
+    const series = [{ name: "with residual connections", key: "with", values: a.layers.map(c.value) }];
+    if (a.ablated) series.push({ name: "without residual connections", key: "without", values: a.ablated.map(c.value) });
+    const width = canvas.parentElement.clientWidth || 480;
+    lineChart(canvas, {
+      width,
+      height: 260,
+      title: c.title,
+      xLabels: a.layers.map((s) => layerName(s.layer)),
+      xTitle: "layer (emb = embeddings)",
+      yTitle: c.y + (log ? " (log scale)" : ""),
+      series,
+      log,
+    });
+    const describe = (s) => `${s.name}: ${s.values.map((v) => fmt(v)).join(", ")}`;
+    canvas.setAttribute("aria-label", `${c.title} by layer. ${series.map(describe).join(". ")}`);
+  }
+}
+
+function fmt(v) {
+  if (v === null || v === undefined || Number.isNaN(v)) return "–";
+  const a = Math.abs(v);
+  return a !== 0 && (a < 0.01 || a >= 1e4) ? v.toExponential(2) : v.toFixed(a < 10 ? 3 : 1);
+}
+
+// Round tick values covering [lo, hi], about `count` of them, and the decimals their step needs.
+function niceTicks(lo, hi, count) {
+  const span = hi - lo || Math.abs(hi) || 1;
+  const step0 = span / count;
+  const mag = 10 ** Math.floor(Math.log10(step0));
+  const step = [1, 2, 2.5, 5, 10].map((m) => m * mag).find((s) => s >= step0 * (1 - 1e-9));
+  const first = Math.floor(lo / step + 1e-9);
+  const last = Math.ceil(hi / step - 1e-9);
+  const ticks = [];
+  for (let i = first; i <= last; i++) ticks.push(Number((i * step).toPrecision(12)));
+  const decimals = Math.max(0, -Math.floor(Math.log10(step) + 1e-9) + (step / mag === 2.5 ? 1 : 0));
+  return { ticks, decimals };
+}
+
+// Ticks of a log10 axis over [lo, hi] (log10 units): at 1-2-5 × 10^k, or denser or sparser as the span needs.
+function logTicks(lo, hi) {
+  for (const mantissas of [[1], [1, 2, 5], [1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 9]]) {
+    const ticks = [];
+    for (let k = Math.floor(lo) - 1; k <= Math.ceil(hi); k++) {
+      for (const m of mantissas) {
+        const t = Math.log10(m) + k;
+        if (t >= lo && t <= hi) ticks.push(t);
+      }
+    }
+    if (ticks.length >= 3 && (mantissas.length > 1 || ticks.length <= 8)) return ticks.length > 9 ? ticks.filter((_, i) => i % 2 === 0) : ticks;
+  }
+  return [lo, (lo + hi) / 2, hi];
+}
+
+function lineChart(canvas, o) {
+  const ctx = prepare(canvas, o.width, o.height);
+  const m = { left: 64, right: 16, top: 30, bottom: 46 };
+  const w = o.width - m.left - m.right;
+  const h = o.height - m.top - m.bottom;
+  const all = o.series.flatMap((s) => s.values).filter((v) => Number.isFinite(v) && (!o.log || v > 0));
+  if (!all.length) return;
+  const tf = o.log ? Math.log10 : (v) => v;
+  let lo = tf(Math.min(...all));
+  let hi = tf(Math.max(...all));
+  if (!o.log) lo = Math.min(lo, 0); // linear axes start at 0 when the data allow, so heights compare honestly
+  if (hi - lo < 1e-9) {
+    hi += o.log ? 0.15 : 0.5;
+    lo -= o.log ? 0.15 : 0.5;
+  }
+  let ticks;
+  let tickLabel;
+  if (o.log) {
+    const pad = (hi - lo) * 0.06;
+    lo -= pad;
+    hi += pad;
+    ticks = logTicks(lo, hi);
+    tickLabel = (t) => String(Number((10 ** t).toPrecision(3)));
+  } else {
+    const nice = niceTicks(lo, hi, 5);
+    ticks = nice.ticks;
+    lo = ticks[0];
+    hi = ticks[ticks.length - 1];
+    tickLabel = (t) => t.toFixed(nice.decimals);
+  }
+  const n = o.xLabels.length;
+  const X = (i) => m.left + (n === 1 ? w / 2 : (i / (n - 1)) * w);
+  const Y = (v) => m.top + h - ((tf(v) - lo) / (hi - lo)) * h;
+
+  ctx.font = "11px system-ui, sans-serif";
+  ctx.lineWidth = 1;
+  ctx.fillStyle = COLORS.text;
+  ctx.textAlign = "right";
+  ctx.textBaseline = "middle";
+  let lastY = Infinity;
+  for (const t of ticks) {
+    const y = m.top + h - ((t - lo) / (hi - lo)) * h;
+    if (lastY - y < 20) continue; // labels never crowd (dense log ticks)
+    lastY = y;
+    ctx.strokeStyle = COLORS.grid;
+    ctx.beginPath();
+    ctx.moveTo(m.left, Math.round(y) + 0.5);
+    ctx.lineTo(m.left + w, Math.round(y) + 0.5);
+    ctx.stroke();
+    ctx.fillText(tickLabel(t), m.left - 6, y);
+  }
+  ctx.textAlign = "center";
+  ctx.textBaseline = "top";
+  const every = Math.max(1, Math.ceil(n / Math.max(1, Math.floor(w / 28))));
+  for (let i = 0; i < n; i += every) ctx.fillText(o.xLabels[i], X(i), m.top + h + 6);
+  ctx.strokeStyle = COLORS.axis;
+  ctx.beginPath();
+  ctx.moveTo(m.left + 0.5, m.top);
+  ctx.lineTo(m.left + 0.5, m.top + h + 0.5);
+  ctx.lineTo(m.left + w, m.top + h + 0.5);
+  ctx.stroke();
+
+  ctx.font = "600 13px system-ui, sans-serif";
+  ctx.textBaseline = "alphabetic";
+  ctx.fillText(o.title, m.left + w / 2, 18);
+  ctx.font = "12px system-ui, sans-serif";
+  ctx.fillText(o.xTitle, m.left + w / 2, o.height - 8);
+  ctx.save();
+  ctx.translate(14, m.top + h / 2);
+  ctx.rotate(-Math.PI / 2);
+  ctx.fillText(o.yTitle, 0, 0);
+  ctx.restore();
+
+  for (const s of o.series) {
+    const color = COLORS[s.key];
+    ctx.strokeStyle = color;
+    ctx.fillStyle = color;
+    ctx.lineWidth = 2;
+    ctx.setLineDash(s.key === "without" ? [6, 4] : []);
+    ctx.beginPath();
+    let pen = false;
+    s.values.forEach((v, i) => {
+      if (!Number.isFinite(v) || (o.log && v <= 0)) {
+        pen = false;
+        return;
+      }
+      if (pen) ctx.lineTo(X(i), Y(v));
+      else ctx.moveTo(X(i), Y(v));
+      pen = true;
+    });
+    ctx.stroke();
+    ctx.setLineDash([]);
+    s.values.forEach((v, i) => {
+      if (!Number.isFinite(v) || (o.log && v <= 0)) return;
+      ctx.beginPath();
+      if (s.key === "without") ctx.rect(X(i) - 3.5, Y(v) - 3.5, 7, 7);
+      else ctx.arc(X(i), Y(v), 3.5, 0, 2 * Math.PI);
+      ctx.fill();
+    });
+  }
+}
+
+function renderNumbers() {
+  const a = state.analysis;
+  const table = $("resid-table");
+  table.replaceChildren();
+  const caption = table.createCaption();
+  caption.textContent = "Per-layer statistics of the residual stream (with / without residual connections)";
+  const head = table.createTHead().insertRow();
+  const columns = ["layer", ...CHARTS.flatMap((c) => [`${c.title}, with`, "without"])];
+  for (const name of columns) {
+    const th = document.createElement("th");
+    th.scope = "col";
+    th.textContent = name;
+    head.append(th);
+  }
+  const body = table.createTBody();
+  a.layers.forEach((s, i) => {
+    const row = body.insertRow();
+    const th = document.createElement("th");
+    th.scope = "row";
+    th.textContent = layerName(s.layer);
+    row.append(th);
+    for (const c of CHARTS) {
+      row.insertCell().textContent = fmt(c.value(s));
+      row.insertCell().textContent = a.ablated ? fmt(c.value(a.ablated[i])) : "–";
+    }
+  });
+}
+
+// ---------------------------------------------------------------- logit lens
+
+function renderLens() {
+  const a = state.analysis;
+  if (!a) return;
+  const which = document.querySelector('input[name="lens-run"]:checked').value;
+  const stats = (which === "ablated" && a.ablated) || a.layers;
+  const table = $("lens-table");
+  table.replaceChildren();
+  const caption = table.createCaption();
+  caption.textContent =
+    `Logit lens ${stats === a.ablated ? "without" : "with"} residual connections: ` +
+    "top next token and its probability, per layer (rows) and prompt position (columns)";
+  const head = table.createTHead().insertRow();
+  const corner = document.createElement("th");
+  corner.scope = "col";
+  corner.textContent = "layer \\ position";
+  head.append(corner);
+  a.tokens.forEach((t, i) => {
+    const th = document.createElement("th");
+    th.scope = "col";
+    th.innerHTML = `<span class="pos">${i}</span>`;
+    const tok = document.createElement("span");
+    tok.className = "tok";
+    tok.textContent = tokenLabel(t);
+    th.append(tok);
+    head.append(th);
+  });
+  const body = table.createTBody();
+  for (const s of stats) {
+    const row = body.insertRow();
+    const th = document.createElement("th");
+    th.scope = "row";
+    th.textContent = layerName(s.layer);
+    row.append(th);
+    s.logit_lens.forEach((top, pos) => {
+      const cell = row.insertCell();
+      const best = top[0];
+      const tok = document.createElement("span");
+      tok.className = "tok";
+      tok.textContent = tokenLabel(best.token);
+      const prob = document.createElement("span");
+      prob.className = "prob";
+      prob.textContent = best.prob >= 0.995 ? "1.00" : best.prob.toFixed(2);
+      cell.append(tok, prob);
+      cell.style.backgroundColor = `rgba(31, 95, 168, ${(0.06 + 0.5 * best.prob).toFixed(3)})`;
+      cell.title =
+        `layer ${layerName(s.layer)}, position ${pos} (${tokenLabel(a.tokens[pos])}):\n` +
+        top.map((c) => `${tokenLabel(c.token)}  ${(100 * c.prob).toFixed(1)}%`).join("\n");
+      if (pos + 1 < a.tokens.length && best.id === a.input_ids[pos + 1]) cell.classList.add("hit");
+    });
+  }
+}
+
+// ---------------------------------------------------------------- wiring
+
+function debounce(fn, ms) {
+  let timer;
+  return () => {
+    clearTimeout(timer);
+    timer = setTimeout(fn, ms);
+  };
+}
+
+window.addEventListener("DOMContentLoaded", () => {
+  $("run-form").addEventListener("submit", run);
+  $("prompt").addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) $("run-form").requestSubmit();
+  });
+  $("attn-layer").addEventListener("change", drawAttention);
+  $("attn-head").addEventListener("change", drawAttention);
+  for (const r of document.querySelectorAll('input[name="attn-view"]')) r.addEventListener("change", drawAttention);
+  for (const r of document.querySelectorAll('input[name="lens-run"]')) r.addEventListener("change", renderLens);
+  $("log-scale").addEventListener("change", drawCurves);
+  window.addEventListener(
+    "resize",
+    debounce(() => {
+      drawAttention();
+      drawCurves();
+    }, 150),
+  );
+  loadModel().catch((e) => showErrors([e.message]));
+});
