@@ -1,0 +1,295 @@
+"""The decode loop: stop strings and streaming, stop tokens, EOS, length, log-probabilities, chunked
+prefill, and the refusal of requests that cannot be generated.
+
+Text-level behaviour is checked twice: on the tiny random model with the real tokenizer, and on a scripted
+model whose next token is fixed in advance, so that a stop string can be made to span tokens or a
+character to be split across tokens on purpose.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import Checkpoint, load_ours
+from torch import nn
+
+from model.config import GPTConfig
+from model.generate import (
+    Completion,
+    DecodeBatch,
+    Generation,
+    GenerationError,
+    SamplingParams,
+    TokenEvent,
+    generate,
+    new_sequence,
+)
+from model.gpt import GPT
+from model.kv_cache import KVCache
+from model.tokenizer import EOT, EOT_ID, Tokenizer, _bytes_to_unicode
+
+PROMPT = [464, 2068, 7586, 21831, 18045, 625]
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+def run(
+    model: nn.Module, prompts: list[list[int]], params: SamplingParams, tokenizer: Tokenizer | None = None
+) -> tuple[list[Completion], list[TokenEvent]]:
+    generation = Generation(model, prompts, params, tokenizer)  # type: ignore[arg-type]
+    events = list(generation)
+    return generation.results, events
+
+
+def streamed_text(events: list[TokenEvent], index: int = 0) -> str:
+    return "".join(e.text for e in events if e.index == index)
+
+
+def full_logprobs(model: GPT, sequence: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([sequence]))[0].float(), dim=-1)  # [T, vocab]
+
+
+class ScriptedModel(nn.Module):
+    """Stands in for GPT in the decode loop: after a prompt of `prompt_len` tokens it produces `script`,
+    one token per position, whatever the tokens fed (and EOS after the script)."""
+
+    def __init__(self, prompt_len: int, script: list[int]) -> None:
+        super().__init__()
+        self.config = GPTConfig(n_layer=1, n_head=1, n_embd=4, n_positions=64)
+        self.wte = nn.Embedding(1, 4)
+        self.prompt_len, self.script = prompt_len, script
+
+    def forward(self, idx: torch.Tensor, cache: KVCache, hooks: object = None, last_only: bool = False) -> torch.Tensor:
+        B, T = idx.shape
+        positions = cache.begin(T)  # [B, T]
+        logits = torch.full((B, T, self.config.vocab_size), -30.0)
+        for b in range(B):
+            for t in range(T):
+                k = int(positions[b, t]) + 1 - self.prompt_len  # which scripted token comes next
+                if 0 <= k:
+                    logits[b, t, self.script[k] if k < len(self.script) else EOT_ID] = 30.0
+        return logits[:, -1:] if last_only else logits
+
+
+def byte_token(tokenizer: Tokenizer, byte: int) -> int:
+    token = tokenizer._tok.token_to_id(_bytes_to_unicode()[byte])
+    assert token is not None
+    return token
+
+
+# --- stop strings and streaming --------------------------------------------------------------------
+
+
+def test_stop_string_on_the_real_model(tiny_model: GPT, tokenizer: Tokenizer) -> None:
+    [full], _ = run(tiny_model, [PROMPT], SamplingParams(max_new_tokens=40, **GREEDY), tokenizer)
+    assert full.text == tokenizer.decode(full.token_ids) and full.finish_reason == "length"
+    start = len(full.text) // 2
+    stop = full.text[start : start + 3]
+    assert "\ufffd" not in stop and len(stop) == 3
+    [result], events = run(tiny_model, [PROMPT], SamplingParams(max_new_tokens=40, stop=(stop,), **GREEDY), tokenizer)
+    assert result.finish_reason == "stop"
+    assert result.text == full.text[: full.text.find(stop)]
+    assert stop not in result.text
+    assert streamed_text(events) == result.text
+    assert result.token_ids == full.token_ids[: len(result.token_ids)] and len(result.token_ids) < 40
+    assert [e.finish_reason for e in events] == [None] * (len(events) - 1) + ["stop"]
+
+
+def test_stop_string_spanning_tokens_is_held_back_while_unsure(tokenizer: Tokenizer) -> None:
+    script = [18435, 476, 335, 0]  # " Hello", " wor", "ld", "!"
+    model = ScriptedModel(1, script)
+    [result], events = run(model, [[50]], SamplingParams(max_new_tokens=10, stop=("world",), **GREEDY), tokenizer)
+    assert result.text == " Hello "
+    assert result.finish_reason == "stop" and result.token_ids == [18435, 476, 335]
+    assert [e.text for e in events] == [" Hello", " ", ""]  # " wor" could begin "world": held back
+    # the earliest of several stop strings wins, whatever their order
+    [result], _ = run(model, [[50]], SamplingParams(max_new_tokens=10, stop=("!", "llo w"), **GREEDY), tokenizer)
+    assert result.text == " He"
+    # a held-back prefix that does not become the stop string is released
+    [result], events = run(model, [[50]], SamplingParams(max_new_tokens=10, stop=("word",), temperature=0), tokenizer)
+    assert result.text == " Hello world!" and result.finish_reason == "eos"
+    assert [e.text for e in events] == [" Hello", " ", "world", "!", ""]
+
+
+def test_a_character_split_across_tokens_is_streamed_whole(tokenizer: Tokenizer) -> None:
+    e_acute = [byte_token(tokenizer, b) for b in "é".encode()]  # two byte tokens
+    script = [64, *e_acute, 65, byte_token(tokenizer, "€".encode()[0])]  # "a", "é", "b", then half a "€"
+    [result], events = run(ScriptedModel(1, script), [[50]], SamplingParams(max_new_tokens=5, **GREEDY), tokenizer)
+    assert [e.text for e in events] == ["a", "", "é", "b", "\ufffd"]  # the unfinished one shows once finished
+    assert streamed_text(events) == result.text == "aéb\ufffd"
+
+
+def test_stop_token_ids(tiny_model: GPT, tokenizer: Tokenizer) -> None:
+    [full], _ = run(tiny_model, [PROMPT], SamplingParams(max_new_tokens=20, **GREEDY), tokenizer)
+    stop_token = full.token_ids[6]
+    first = full.token_ids.index(stop_token)
+    [result], events = run(
+        tiny_model, [PROMPT], SamplingParams(max_new_tokens=20, stop_token_ids=(stop_token,), **GREEDY), tokenizer
+    )
+    assert result.token_ids == full.token_ids[: first + 1]  # the stop token is in the ids...
+    assert result.text == tokenizer.decode(full.token_ids[:first])  # ...not in the text
+    assert result.finish_reason == "stop" and events[-1].finish_reason == "stop"
+    assert streamed_text(events) == result.text
+
+
+@pytest.fixture(scope="module")
+def eos_model(tiny: Checkpoint) -> GPT:
+    """The tiny model changed so that <|endoftext|> always wins: ln_f outputs the (enlarged) EOT embedding."""
+    model = load_ours(tiny)
+    with torch.no_grad():
+        model.wte.weight[EOT_ID] *= 20
+        model.ln_f.weight.zero_()
+        model.ln_f.bias.copy_(model.wte.weight[EOT_ID])
+    return model
+
+
+def test_eos_ends_generation_unless_ignored(eos_model: GPT, tokenizer: Tokenizer) -> None:
+    for temperature in (0.0, 1.0):
+        [result], events = run(eos_model, [PROMPT], SamplingParams(max_new_tokens=5, temperature=temperature, seed=0))
+        assert result.token_ids == [EOT_ID] and result.finish_reason == "eos"
+        assert result.text == "" and len(events) == 1 and events[0].finish_reason == "eos"
+    [result], _ = run(eos_model, [PROMPT], SamplingParams(max_new_tokens=5, temperature=0.0), tokenizer)
+    assert result.text == "" and result.finish_reason == "eos"
+    [result], events = run(eos_model, [PROMPT], SamplingParams(max_new_tokens=5, **GREEDY), tokenizer)
+    assert result.token_ids == [EOT_ID] * 5 and result.finish_reason == "length"
+    assert result.text == EOT * 5 == streamed_text(events)
+    [result], _ = run(
+        eos_model, [PROMPT], SamplingParams(max_new_tokens=5, stop_token_ids=(EOT_ID,), **GREEDY), tokenizer
+    )
+    assert result.token_ids == [EOT_ID] and result.finish_reason == "stop"
+
+
+def test_max_new_tokens_ends_with_length(tiny_model: GPT) -> None:
+    results, events = run(
+        tiny_model, [PROMPT, PROMPT[:2]], [SamplingParams(max_new_tokens=n, **GREEDY) for n in (7, 0)]
+    )
+    assert len(results[0].token_ids) == 7 and results[0].finish_reason == "length"
+    assert results[1].token_ids == [] and results[1].finish_reason == "length" and results[1].text == ""
+    assert [e.token_id for e in events if e.index == 0] == results[0].token_ids
+    assert [e.finish_reason for e in events] == [None] * 6 + ["length"]
+    assert [r.prompt_ids for r in results] == [PROMPT, PROMPT[:2]] and [r.index for r in results] == [0, 1]
+
+
+# --- log-probabilities -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_logprobs_equal_the_full_forward(tiny_model: GPT, temperature: float) -> None:
+    params = SamplingParams(max_new_tokens=12, temperature=temperature, seed=5, ignore_eos=True, logprobs=5)
+    [result], events = run(tiny_model, [PROMPT], params)
+    assert result.logprobs is not None and len(result.logprobs) == 12
+    assert [e.logprob for e in events] == result.logprobs
+    expected = full_logprobs(tiny_model, PROMPT + result.token_ids)
+    for i, (token, lp) in enumerate(zip(result.token_ids, result.logprobs, strict=True)):
+        row = expected[len(PROMPT) - 1 + i]  # the position that predicts token i
+        assert lp.id == token
+        assert lp.logprob == pytest.approx(row[token].item(), abs=1e-4)
+        values, ids = row.topk(5)
+        assert [t for t, _ in lp.top] == ids.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=1e-4)
+        if temperature == 0:
+            assert lp.top[0][0] == token
+    [plain], _ = run(tiny_model, [PROMPT], SamplingParams(max_new_tokens=3, **GREEDY))
+    assert plain.logprobs is None
+    [zero], _ = run(tiny_model, [PROMPT], SamplingParams(max_new_tokens=3, logprobs=0, **GREEDY))
+    assert zero.logprobs is not None and all(lp.top == [] for lp in zero.logprobs)
+
+
+def test_prompt_logprobs_equal_the_full_forward(tiny_model: GPT) -> None:
+    params = SamplingParams(max_new_tokens=2, prompt_logprobs=3, **GREEDY)
+    results, _ = run(tiny_model, [PROMPT, PROMPT[:3]], params)
+    for result in results:
+        prompt = result.prompt_ids
+        assert result.prompt_logprobs is not None and len(result.prompt_logprobs) == len(prompt)
+        assert result.prompt_logprobs[0] is None
+        expected = full_logprobs(tiny_model, prompt)
+        for t in range(1, len(prompt)):
+            lp = result.prompt_logprobs[t]
+            assert lp is not None and lp.id == prompt[t]
+            assert lp.logprob == pytest.approx(expected[t - 1, prompt[t]].item(), abs=1e-4)
+            assert [i for i, _ in lp.top] == expected[t - 1].topk(3).indices.tolist()
+    [plain], _ = run(tiny_model, [PROMPT], SamplingParams(max_new_tokens=2, **GREEDY))
+    assert plain.prompt_logprobs is None
+
+
+def test_chunked_prefill_gives_the_same_tokens_and_logprobs(tiny_model: GPT) -> None:
+    prompts = [PROMPT * 3, PROMPT[:4], PROMPT[:1]]
+    params = SamplingParams(max_new_tokens=6, logprobs=2, prompt_logprobs=2, **GREEDY)
+    expected, _ = run(tiny_model, prompts, params)
+    with torch.inference_mode():
+        batch = DecodeBatch(tiny_model, 3, 32, prefill_chunk=4)
+        seqs = [new_sequence(tiny_model, i, p, params, None) for i, p in enumerate(prompts)]
+        for seq in seqs:
+            batch.add(seq)
+        while batch:
+            batch.step()
+    for seq, want in zip(seqs, expected, strict=True):
+        got = seq.result()
+        assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+        assert got.prompt_logprobs is not None and want.prompt_logprobs is not None
+        assert len(got.prompt_logprobs) == len(want.prompt_logprobs) == len(want.prompt_ids)
+        for a, b in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:], strict=True):
+            assert a is not None and b is not None
+            assert a.id == b.id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert got.logprobs is not None and want.logprobs is not None
+        assert [lp.logprob for lp in got.logprobs] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
+
+
+# --- refusals --------------------------------------------------------------------------------------
+
+
+def test_prompt_plus_max_new_tokens_beyond_the_context(tiny_model: GPT) -> None:
+    n_ctx = tiny_model.config.n_positions  # 128
+    prompt = (PROMPT * 20)[:100]
+    assert len(generate(tiny_model, [prompt], SamplingParams(max_new_tokens=n_ctx - 100, **GREEDY))[0].token_ids) == 28
+    with pytest.raises(GenerationError) as info:
+        generate(tiny_model, [prompt], SamplingParams(max_new_tokens=n_ctx - 99))
+    assert info.value.param == "max_new_tokens"
+    assert "the prompt (100 tokens) plus max_new_tokens (29) exceeds the context of 128 tokens" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ([], "the prompt is empty"),
+        ([1, 50257], "token id 50257 is outside the vocabulary (0..50256)"),
+        ([-1], "token id -1 is outside the vocabulary"),
+        ([1, True], "token id True is outside the vocabulary"),
+        ([1.0], "token id 1.0 is outside the vocabulary"),
+    ],
+)
+def test_bad_prompts(tiny_model: GPT, prompt: list, message: str) -> None:
+    with pytest.raises(GenerationError) as info:
+        generate(tiny_model, [PROMPT, prompt], SamplingParams(max_new_tokens=2))
+    assert info.value.param == "prompt"
+    assert message in str(info.value)
+
+
+def test_bad_requests(tiny_model: GPT) -> None:
+    with pytest.raises(GenerationError, match="no prompts given"):
+        generate(tiny_model, [])
+    with pytest.raises(GenerationError, match="2 parameter sets for 1 prompts"):
+        generate(tiny_model, [PROMPT], [SamplingParams(), SamplingParams()])
+    with pytest.raises(GenerationError, match="stop strings need a tokenizer") as info:
+        generate(tiny_model, [PROMPT], SamplingParams(stop=("x",)))
+    assert info.value.param == "stop"
+    generation = Generation(tiny_model, [PROMPT], SamplingParams(max_new_tokens=1))
+    with pytest.raises(RuntimeError, match="iterate it to the end first"):
+        _ = generation.results
+
+
+def test_each_prompt_keeps_its_own_settings_in_a_batch(tiny_model: GPT, tokenizer: Tokenizer) -> None:
+    params = [
+        SamplingParams(max_new_tokens=4, **GREEDY),
+        SamplingParams(max_new_tokens=9, temperature=0.9, seed=1, ignore_eos=True, logprobs=1),
+        SamplingParams(max_new_tokens=2, **GREEDY),
+    ]
+    prompts = [PROMPT, PROMPT[:3], PROMPT[2:]]
+    results, events = run(tiny_model, prompts, params, tokenizer)
+    assert [len(r.token_ids) for r in results] == [4, 9, 2]
+    assert [r.logprobs is not None for r in results] == [False, True, False]
+    for i, r in enumerate(results):
+        assert [e.token_id for e in events if e.index == i] == r.token_ids
+        assert streamed_text(events, i) == r.text == tokenizer.decode(r.token_ids)
+        alone, _ = run(tiny_model, [prompts[i]], params[i], tokenizer)
+        assert alone[0].token_ids == r.token_ids
