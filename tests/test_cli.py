@@ -1,0 +1,215 @@
+"""`gpt2-generate` end to end, as a user runs it: a separate process on a local checkpoint.
+
+Each process pays for importing torch, so the runs of one fixture are started together and awaited together.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SHARED_TOKENIZER, Checkpoint, load_ours, write_byte_tokenizer
+from gpt2_scripts.generate import main
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from model.generate import SamplingParams, generate
+from model.hooks import Capture
+from model.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "Hello world"
+
+
+@dataclass(frozen=True)
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_all(commands: dict[str, list[str]]) -> dict[str, Run]:
+    """Run `python -m gpt2_scripts.generate ARGS` for each entry, all at once."""
+    env = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "gpt2_scripts.generate", *args],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, args in commands.items()
+    }
+    runs = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        runs[name] = Run(proc.returncode, stdout, stderr)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def runs(tiny: Checkpoint, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Run], Path]:
+    """Every subprocess run of this file, started together: end to end with the real tokenizer (when its
+    files are there), and bad inputs on a copy of the tiny checkpoint that ships a byte-level tokenizer."""
+    tmp = tmp_path_factory.mktemp("cli")
+    dump = tmp / "acts.safetensors"
+    ckpt = Path(shutil.copytree(tiny.path, tmp / "ckpt"))
+    write_byte_tokenizer(ckpt)
+    model = ["--model", str(ckpt)]
+    commands = {
+        "bad model path": ["hi", "--model", str(tmp / "no-such-checkpoint")],
+        "unknown hook": ["hi", *model, "--dump-activations", str(tmp / "x.safetensors"), "--hooks", "blocks.*.nope"],
+        "context overflow": ["hi", *model, "--max-new-tokens", "500"],
+        "empty prompt": ["", *model],
+    }
+    if (SHARED_TOKENIZER / "tokenizer.json").is_file():
+        base = [PROMPT, "--model", str(tiny.path), "--tokenizer", str(SHARED_TOKENIZER), "--max-new-tokens", "8"]
+        hooks = ["--hooks", "blocks.*.hook_resid_post", "--hooks", "blocks.0.attn.hook_pattern"]
+        commands["dump"] = [*base, "--greedy", "--dump-activations", str(dump), *hooks]
+        commands["greedy"] = [*base, "--greedy", "--device", "cpu", "--dtype", "float32"]
+    return run_all(commands), dump
+
+
+@pytest.fixture
+def e2e(runs: tuple[dict[str, Run], Path], tokenizer_dir: Path) -> tuple[dict[str, Run], Path]:
+    """The end-to-end runs (skipped without the real tokenizer files)."""
+    return runs
+
+
+def test_generates_text_after_the_prompt(
+    e2e: tuple[dict[str, Run], Path], tiny: Checkpoint, tokenizer: Tokenizer
+) -> None:
+    runs, _ = e2e
+    run = runs["greedy"]
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith(PROMPT) and run.stdout.endswith("\n")
+    assert run.stderr.splitlines()[-1] == "[8 tokens, finish reason: length]"
+    # the same continuation as the library's greedy generation
+    [expected] = generate(load_ours(tiny), [tokenizer.encode(PROMPT)], SamplingParams(max_new_tokens=8, temperature=0))
+    assert run.stdout == PROMPT + tokenizer.decode(expected.token_ids) + "\n"
+
+
+def test_greedy_is_reproducible(e2e: tuple[dict[str, Run], Path]) -> None:
+    runs, _ = e2e
+    assert runs["dump"].returncode == 0, runs["dump"].stderr
+    assert runs["dump"].stdout == runs["greedy"].stdout
+
+
+def test_dump_activations(e2e: tuple[dict[str, Run], Path], tiny: Checkpoint, tokenizer: Tokenizer) -> None:
+    runs, dump = e2e
+    run = runs["dump"]
+    assert run.returncode == 0, run.stderr
+    tensors = load_file(dump)
+    with safe_open(str(dump), framework="pt") as f:
+        metadata = f.metadata()
+    token_ids = json.loads(metadata["token_ids"])
+    assert token_ids[:2] == tokenizer.encode(PROMPT) and len(token_ids) == 2 + 8
+    assert metadata["model"] == str(tiny.path)
+    assert metadata["text"] + "\n" == run.stdout
+    assert f"wrote 3 activations over 10 tokens to {dump}" in run.stderr
+    assert sorted(tensors) == ["blocks.0.attn.hook_pattern", "blocks.0.hook_resid_post", "blocks.1.hook_resid_post"]
+    assert tensors["blocks.1.hook_resid_post"].shape == (1, 10, 64)
+    assert tensors["blocks.0.attn.hook_pattern"].shape == (1, 4, 10, 10)
+    # the activations are those of one forward pass over the tokens
+    capture = Capture(list(tensors))
+    with torch.no_grad():
+        load_ours(tiny)(torch.tensor([token_ids]), hooks=capture)
+    for name, t in capture.tensors().items():
+        torch.testing.assert_close(tensors[name], t, atol=1e-4, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("bad model path", "no checkpoint at"),
+        ("unknown hook", "unknown hook 'blocks.*.nope'"),
+        ("context overflow", "plus max_new_tokens (500) exceeds the context of 128 tokens"),
+        ("empty prompt", "the prompt is empty"),
+    ],
+)
+def test_bad_input_exits_with_one_line(runs: tuple[dict[str, Run], Path], case: str, message: str) -> None:
+    run = runs[0][case]
+    assert run.returncode != 0
+    assert run.stdout == ""
+    lines = run.stderr.splitlines()
+    assert len(lines) == 1, run.stderr
+    assert lines[0].startswith("gpt2-generate: error: ") and message in lines[0]
+
+
+# --- in-process, for the cheap cases ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ckpt_with_tokenizer(tiny: Checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    ckpt = Path(shutil.copytree(tiny.path, tmp_path_factory.mktemp("cli_in") / "ckpt"))
+    write_byte_tokenizer(ckpt)
+    return ckpt
+
+
+def test_hooks_need_a_dump_file(ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["hi", "--model", str(ckpt_with_tokenizer), "--hooks", "logits"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err == "gpt2-generate: error: --hooks needs --dump-activations FILE\n"
+
+
+def test_prompt_from_stdin(
+    ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("from stdin"))
+    assert main(["-", "--model", str(ckpt_with_tokenizer), "--greedy", "--max-new-tokens", "3", "--ignore-eos"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("from stdin")
+    assert err.splitlines() == ["[3 tokens, finish reason: length]"]
+
+
+def test_unwritable_dump_file(ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["hi", "--model", str(ckpt_with_tokenizer), "--max-new-tokens", "1", "--dump-activations"]
+    target = ckpt_with_tokenizer / "missing-dir" / "acts.safetensors"
+    assert main([*base, str(target)]) == 1  # refused before loading and generating
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.splitlines() == [f"gpt2-generate: error: cannot write {target}: no directory {target.parent}"]
+    assert main([*base, str(ckpt_with_tokenizer)]) == 1  # a directory: found out when writing
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(f"gpt2-generate: error: cannot write {ckpt_with_tokenizer}: ")
+
+
+def test_bad_dtype(ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["hi", "--model", str(ckpt_with_tokenizer), "--dtype", "int4"]) == 1
+    err = capsys.readouterr().err
+    assert err == "gpt2-generate: error: unknown dtype 'int4'; use auto, float32, float16 or bfloat16\n"
+
+
+def test_bad_top_p(ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["hi", "--model", str(ckpt_with_tokenizer), "--top-p", "1.5"]) == 1
+    assert capsys.readouterr().err == "gpt2-generate: error: top_p must be a number in (0, 1], got 1.5\n"
+
+
+def test_show_logprobs(ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["hi", "--model", str(ckpt_with_tokenizer), "--seed", "7", "--max-new-tokens", "4", "--ignore-eos"]
+    assert main([*args, "--show-logprobs", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("hi")
+    table = out.split("\ntoken\tlogprob\talternatives\n")[1].splitlines()
+    assert len(table) == 4
+    for line in table:
+        token, logprob, alternatives = line.split("\t")
+        assert token.startswith(("'", '"')) and float(logprob) <= 0
+        assert len(alternatives.split("  ")) == 3
+    # seeded sampling is reproducible
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out == first

@@ -1,0 +1,70 @@
+"""Activation dumps: one safetensors file (or the same bytes in memory) that loads in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.numpy import load_file as load_numpy
+from safetensors.torch import load, load_file
+
+from model.dump import dump_bytes, load_dump, save_dump
+from model.generate import SamplingParams, generate
+from model.gpt import GPT
+
+
+@pytest.fixture(scope="module")
+def activations(tiny_model: GPT) -> tuple[dict[str, torch.Tensor], list[int]]:
+    [c] = generate(
+        tiny_model,
+        [[464, 2068, 7586]],
+        SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True),
+        hooks=["blocks.0.attn.hook_pattern", "blocks.*.hook_resid_post", "logits"],
+    )
+    assert c.activations is not None
+    return c.activations, c.prompt_ids + c.token_ids
+
+
+def test_save_and_load(activations: tuple[dict[str, torch.Tensor], list[int]], tmp_path: Path) -> None:
+    tensors, token_ids = activations
+    path = tmp_path / "dump.safetensors"
+    meta = {"model": "tiny", "token_ids": token_ids, "text": "The quick brown…", "n": 3}
+    save_dump(path, tensors, meta)
+    loaded, metadata = load_dump(path)
+    assert loaded.keys() == tensors.keys()
+    assert all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+    assert metadata == {"model": "tiny", "token_ids": json.dumps(token_ids), "text": "The quick brown…", "n": "3"}
+    assert json.loads(metadata["token_ids"]) == token_ids
+    # and it is a plain safetensors file: one line in torch or numpy
+    assert all(torch.equal(load_file(path)[k], tensors[k]) for k in tensors)
+    arrays = load_numpy(path)
+    assert arrays["logits"].shape == (1, 7, 50257) and (arrays["logits"] == tensors["logits"].numpy()).all()
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata()["model"] == "tiny"
+
+
+def test_bytes_are_the_file(activations: tuple[dict[str, torch.Tensor], list[int]], tmp_path: Path) -> None:
+    tensors, token_ids = activations
+    meta = {"token_ids": token_ids}
+    data = dump_bytes(tensors, meta)
+    path = tmp_path / "dump.safetensors"
+    save_dump(path, tensors, meta)
+    assert data == path.read_bytes()
+    assert all(torch.equal(load(data)[k], tensors[k]) for k in tensors)
+
+
+def test_non_contiguous_and_low_precision_tensors(tmp_path: Path) -> None:
+    tensors = {
+        "transposed": torch.arange(12.0).view(3, 4).t(),
+        "bf16": torch.randn(2, 3).to(torch.bfloat16),
+        "f16": torch.randn(5).half(),
+    }
+    path = tmp_path / "d.safetensors"
+    save_dump(path, tensors, {})
+    loaded, metadata = load_dump(path)
+    assert metadata == {}
+    for name, t in tensors.items():
+        assert loaded[name].dtype == t.dtype and torch.equal(loaded[name], t)
