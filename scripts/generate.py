@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+from safetensors import SafetensorError
 
 from model.config import PRESETS
 from model.dump import save_dump
@@ -56,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.hooks and not args.dump_activations:
         return fail("--hooks needs --dump-activations FILE")
+    if args.dump_activations and not Path(args.dump_activations).parent.is_dir():  # before the long part
+        return fail(f"cannot write {args.dump_activations}: no directory {Path(args.dump_activations).parent}")
     prompt = sys.stdin.read() if args.prompt in (None, "-") else args.prompt
     try:
         params = SamplingParams(
@@ -103,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             save_dump(args.dump_activations, result.activations, meta)
         except OSError as e:
             return fail(f"cannot write {args.dump_activations}: {e.strerror or e}")
+        except SafetensorError as e:  # safetensors reports its I/O failures as its own error
+            return fail(f"cannot write {args.dump_activations}: {e}")
         print(
             f"wrote {len(result.activations)} activations over {len(token_ids)} tokens to {args.dump_activations}",
             file=sys.stderr,
