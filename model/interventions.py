@@ -35,7 +35,8 @@ class Edit:
     `factor`. `add`: add `value` (broadcast over the selected positions). `set`: replace by `value`, either
     one position's worth (broadcast) or a whole sequence's, [pos, ...] (for instance from a dump: patching).
     `layers`, `heads` (for per-head hooks) and `positions` (query positions for attention squares)
-    restrict where; None means everywhere.
+    restrict where; None means everywhere. On attention scores and patterns only `zero` and `scale` apply,
+    and only to the keys a query may see: the causal mask stays as it was.
     """
 
     hook: str
@@ -110,6 +111,10 @@ class Interventions:
             _check_range(e.positions, self.n_tokens, f"{where}: position")
         if e.op == "scale" and e.factor is None:
             raise InterventionError(f"{where}: scale needs a factor")
+        if e.op == "mean" and t.square:  # each query sees its own set of keys: no common mean to take
+            raise InterventionError(
+                f"{where}: mean is not supported on attention scores or patterns; use zero or scale"
+            )
         if e.op in ("add", "set"):
             if e.value is None:
                 raise InterventionError(f"{where}: {e.op} needs a value")
@@ -121,7 +126,7 @@ class Interventions:
                 return
             full = site_shape(t.name, self.config)
             if e.op == "set" and tuple(v.shape[1:]) == full:  # a whole sequence's values, [pos, ...]
-                need = 1 + max(e.positions) if e.positions is not None else 1
+                need = 1 + max(e.positions) if e.positions is not None else self.n_tokens
                 if v.shape[0] < need:
                     raise InterventionError(f"{where}: value covers {v.shape[0]} positions, position {need - 1} needed")
                 return
@@ -193,15 +198,20 @@ class Interventions:
             else:  # a whole sequence's values [pos, ...]: pick this pass's positions and the heads, as from x
                 value = value[None][select(pos + start)]
             new = value if e.op == "set" else region + value
+        if t.square:  # a query's future keys stay masked (-inf scores, 0 pattern): the edit stays causal
+            allowed = torch.arange(x.shape[3], device=x.device) <= (pos + start)[:, None]  # [P, k]
+            new = torch.where(allowed, new, region)
         x[index] = new
 
 
 class ResidualAblation:
     """Runs the chosen sub-layers without their skip connection: `x -> sublayer(ln(x))` in place of
     `x + sublayer(ln(x))`. It keeps each ablated sub-layer's output (`hook_attn_out`, `hook_mlp_out`)
-    and hands it on as the residual stream (`hook_resid_mid`, `hook_resid_post`): exact, no subtraction."""
+    and hands it on as the residual stream (`hook_resid_mid`, `hook_resid_post`): exact, no subtraction.
+    `edits` (interventions) run in between, so that they see and change the stream as ablated: an edit of
+    `hook_attn_out` is carried on, an edit of `hook_resid_mid` applies to what replaced it."""
 
-    def __init__(self, attn: Sequence[int], mlp: Sequence[int], n_layer: int) -> None:
+    def __init__(self, attn: Sequence[int], mlp: Sequence[int], n_layer: int, edits: Hooks | None = None) -> None:
         _check_range(attn, n_layer, "residual.attn: layer")
         _check_range(mlp, n_layer, "residual.mlp: layer")
         self._replace: dict[str, str] = {}  # resid hook -> the sub-layer output that replaces it
@@ -211,15 +221,18 @@ class ResidualAblation:
             self._replace[f"blocks.{layer}.hook_resid_post"] = f"blocks.{layer}.hook_mlp_out"
         self._sources = set(self._replace.values())
         self._kept: dict[str, torch.Tensor] = {}
+        self.edits = edits
 
     def active(self, name: str) -> bool:
-        return name in self._replace or name in self._sources
+        return name in self._replace or name in self._sources or (self.edits is not None and self.edits.active(name))
 
     def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        if name in self._replace:
+            x = self._kept.pop(self._replace[name])
+        if self.edits is not None:
+            x = self.edits(name, x)
         if name in self._sources:
             self._kept[name] = x
-        if name in self._replace:
-            return self._kept.pop(self._replace[name])
         return x
 
 
@@ -266,9 +279,7 @@ class EditSpec:
     ablate_mlp: tuple[int, ...] = ()  # layers whose MLP runs without its residual add
 
     def hooks(self, config: GPTConfig, n_tokens: int) -> Hooks | None:
-        parts: list[Hooks] = []
-        if self.edits:
-            parts.append(Interventions(self.edits, config, n_tokens))
+        interventions = Interventions(self.edits, config, n_tokens) if self.edits else None
         if self.ablate_attn or self.ablate_mlp:
-            parts.append(ResidualAblation(self.ablate_attn, self.ablate_mlp, config.n_layer))
-        return HookChain(*parts) if parts else None
+            return ResidualAblation(self.ablate_attn, self.ablate_mlp, config.n_layer, interventions)
+        return interventions
