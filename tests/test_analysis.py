@@ -1,0 +1,202 @@
+"""The residual-stream measures against numpy on matrices whose answer is known, `analyze` against the
+activations it measures, and the rank collapse without skip connections (Dong et al. 2021) on a random
+gpt2-small-shaped checkpoint."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import Checkpoint, load_ours
+
+from model.analysis import (
+    analyze,
+    attention_entropy,
+    collapse,
+    effective_rank,
+    logit_lens,
+    mean_cosine,
+    residual_norms,
+)
+from model.gpt import GPT
+from model.hooks import Capture
+from model.interventions import EditSpec
+
+RNG = np.random.default_rng(0)
+PROMPT = [464, 3797, 3332, 319, 262, 2603, 780, 340]  # "The cat sat on the mat because it"
+
+
+def np_effective_rank(x: np.ndarray) -> float:
+    s = np.linalg.svd(x, compute_uv=False)
+    p = s / s.sum()
+    p = p[p > 0]
+    return float(np.exp(-(p * np.log(p)).sum()))
+
+
+def np_collapse(x: np.ndarray) -> float:
+    return float(np.linalg.norm(x - x.mean(axis=0, keepdims=True)) / np.linalg.norm(x))
+
+
+def np_mean_cosine(x: np.ndarray) -> float:
+    u = x / np.linalg.norm(x, axis=1, keepdims=True)
+    sim = u @ u.T
+    n = len(x)
+    return float(sim[~np.eye(n, dtype=bool)].mean())
+
+
+def t(x: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(x)
+
+
+# --- the measures on known matrices -------------------------------------------------------------------
+
+
+def test_identical_rows_have_collapse_0_and_effective_rank_1() -> None:
+    x = np.tile(RNG.normal(size=16), (5, 1))  # 1 vᵀ: the mean token repeated
+    assert collapse(t(x)) == pytest.approx(0, abs=1e-12)
+    assert effective_rank(t(x)) == pytest.approx(1, abs=1e-6)
+    assert mean_cosine(t(x)) == pytest.approx(1)
+
+
+def test_a_rank_1_matrix_has_effective_rank_1_and_collapse_of_its_row_scales() -> None:
+    """u vᵀ is rank 1 but its rows differ in length: collapse measures the distance from *identical* rows,
+    ‖u - ū‖/‖u‖, which is 0 only when u is constant."""
+    u, v = RNG.normal(size=6), RNG.normal(size=16)
+    x = np.outer(u, v)
+    assert effective_rank(t(x)) == pytest.approx(1, abs=1e-6)
+    assert collapse(t(x)) == pytest.approx(np.linalg.norm(u - u.mean()) / np.linalg.norm(u))
+    assert collapse(t(x)) == pytest.approx(np_collapse(x))
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 32])
+def test_an_identity_has_effective_rank_n(n: int) -> None:
+    x = np.eye(n)
+    assert effective_rank(t(x)) == pytest.approx(n)
+    assert collapse(t(x)) == pytest.approx(math.sqrt((n - 1) / n))  # ‖I − J/n‖ / ‖I‖
+    assert mean_cosine(t(x)) == pytest.approx(1.0 if n == 1 else 0.0)  # orthogonal tokens
+
+
+@pytest.mark.parametrize("shape", [(8, 64), (64, 8), (5, 5)])
+def test_measures_match_numpy_on_random_matrices(shape: tuple[int, int]) -> None:
+    x = RNG.normal(size=shape) * RNG.uniform(0.1, 10, size=(shape[0], 1)) + RNG.normal(size=shape[1])
+    assert effective_rank(t(x)) == pytest.approx(np_effective_rank(x), rel=1e-9)
+    assert collapse(t(x)) == pytest.approx(np_collapse(x), rel=1e-9)
+    assert mean_cosine(t(x)) == pytest.approx(np_mean_cosine(x), rel=1e-9, abs=1e-12)
+    np.testing.assert_allclose(residual_norms(t(x)).numpy(), np.linalg.norm(x, axis=1))
+    # float32 input (what the model gives) is measured in float64
+    assert effective_rank(t(x).float()) == pytest.approx(np_effective_rank(x), rel=1e-5)
+
+
+def test_orthogonal_and_opposite_tokens() -> None:
+    q, _ = np.linalg.qr(RNG.normal(size=(16, 16)))
+    assert mean_cosine(t(q[:5] * np.arange(1, 6)[:, None])) == pytest.approx(0, abs=1e-12)  # lengths don't matter
+    v = RNG.normal(size=16)
+    assert mean_cosine(t(np.stack([v, -v]))) == pytest.approx(-1)
+    assert mean_cosine(t(v[None])) == 1.0  # one token: nothing to compare
+
+
+def test_the_zero_matrix() -> None:
+    x = torch.zeros(4, 8)
+    assert effective_rank(x) == 0.0
+    assert collapse(x) == 0.0
+
+
+def test_attention_entropy_of_known_patterns() -> None:
+    k = 6
+    causal_uniform = np.tril(np.ones((k, k))) / np.arange(1, k + 1)[:, None]  # query q: 1/(q+1) over 0..q
+    full_uniform = np.full((k, k), 1 / k)
+    one_hot = np.eye(k)
+    pattern = t(np.stack([causal_uniform, full_uniform, one_hot]))  # [H=3, T, T]
+    want = [np.log(np.arange(1, k + 1)).mean(), np.log(k), 0.0]  # mean over queries of each row's entropy
+    np.testing.assert_allclose(attention_entropy(pattern).numpy(), want, atol=1e-12)
+
+    logits = RNG.normal(size=(2, k, k))
+    p = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    np.testing.assert_allclose(attention_entropy(t(p)).numpy(), (-(p * np.log(p)).sum(-1)).mean(-1))
+
+
+def test_logit_lens_is_ln_final_then_the_unembedding(tiny_model: GPT) -> None:
+    x = torch.randn(3, tiny_model.config.n_embd, generator=torch.Generator().manual_seed(0))
+    lens = logit_lens(tiny_model, x, 4)
+    with torch.inference_mode():
+        probs = torch.softmax(tiny_model.ln_f(x) @ tiny_model.wte.weight.T, dim=-1)
+    for pos, top in enumerate(lens):
+        assert len(top) == 4
+        assert [i for i, _ in top] == probs[pos].topk(4).indices.tolist()
+        np.testing.assert_allclose([p for _, p in top], probs[pos].topk(4).values.numpy(), rtol=1e-6)
+
+
+# --- analyze on the model -------------------------------------------------------------------------
+
+
+def test_analyze_measures_the_stream_after_every_block(tiny_model: GPT) -> None:
+    L, H = tiny_model.config.n_layer, tiny_model.config.n_head
+    stats = analyze(tiny_model, PROMPT, top_k=3)
+    assert [s.layer for s in stats] == list(range(-1, L))
+
+    names = ["blocks.0.hook_resid_pre"] + [f"blocks.{i}.hook_resid_post" for i in range(L)]
+    capture = Capture(names + [f"blocks.{i}.attn.hook_pattern" for i in range(L)] + ["logits"])
+    with torch.inference_mode():
+        tiny_model(torch.tensor([PROMPT]), hooks=capture)
+    acts = {k: v[0] for k, v in capture.tensors().items()}
+    for s, name in zip(stats, names, strict=True):
+        x = acts[name].double().numpy()
+        np.testing.assert_allclose(s.norms, np.linalg.norm(x, axis=1), rtol=1e-5)
+        assert s.effective_rank == pytest.approx(np_effective_rank(x), rel=1e-5)
+        assert s.collapse == pytest.approx(np_collapse(x), rel=1e-5)
+        assert s.mean_cosine == pytest.approx(np_mean_cosine(x), rel=1e-4, abs=1e-6)
+        assert len(s.logit_lens) == len(PROMPT) and all(len(top) == 3 for top in s.logit_lens)
+        if s.layer == -1:
+            assert s.attention_entropy is None
+        else:
+            assert s.attention_entropy is not None and len(s.attention_entropy) == H
+            pattern = acts[f"blocks.{s.layer}.attn.hook_pattern"]
+            np.testing.assert_allclose(s.attention_entropy, attention_entropy(pattern).numpy())
+    # the lens on the last layer's stream is the model's own next-token distribution
+    probs = torch.softmax(acts["logits"], dim=-1)
+    for pos, top in enumerate(stats[-1].logit_lens):
+        assert [i for i, _ in top] == probs[pos].topk(3).indices.tolist()
+
+
+def test_analyze_without_skip_connections_measures_the_stream_without_them(tiny_model: GPT) -> None:
+    every = tuple(range(tiny_model.config.n_layer))
+    stats = analyze(tiny_model, PROMPT, 1, EditSpec((), every, every).hooks(tiny_model.config, len(PROMPT)))
+    with torch.inference_mode():  # the last stream, by hand: x -> sublayer(ln(x)), no addition
+        x = tiny_model.wte(torch.tensor(PROMPT)) + tiny_model.wpe(torch.arange(len(PROMPT)))
+        for block in tiny_model.h:
+            x = block.attn(block.ln_1(x[None]), None, None)[0]
+            x = block.mlp(block.ln_2(x[None]), None)[0]
+    np.testing.assert_allclose(stats[-1].norms, x.norm(dim=-1).numpy(), rtol=1e-6)
+    assert stats[-1].collapse == pytest.approx(collapse(x))
+    normal = analyze(tiny_model, PROMPT, 1)
+    assert stats[0].norms == normal[0].norms  # the embeddings are the same
+    assert stats[-1].norms != normal[-1].norms
+
+
+# --- rank collapse on the gpt2-small shape -----------------------------------------------------------
+
+
+def test_without_skip_connections_the_stream_collapses_to_one_token(small: Checkpoint) -> None:
+    """Pure attention (with its MLPs, but no skip connections) drives the token vectors together; with
+    the skips they stay apart. Random weights, gpt2-small's shape, a 32-token prompt."""
+    model = load_ours(small)
+    L = model.config.n_layer
+    ids = torch.randint(0, model.config.vocab_size, (32,), generator=torch.Generator().manual_seed(0)).tolist()
+    every = tuple(range(L))
+    normal = analyze(model, ids, 1)
+    ablated = analyze(model, ids, 1, EditSpec((), every, every).hooks(model.config, len(ids)))
+
+    print("\nlayer  collapse with / without skips   effective rank with / without   mean cosine with / without")
+    for a, b in zip(normal, ablated, strict=True):
+        print(
+            f"{a.layer:>5}  {a.collapse:8.4f} / {b.collapse:8.4f}"
+            f"   {a.effective_rank:7.2f} / {b.effective_rank:7.2f}   {a.mean_cosine:6.3f} / {b.mean_cosine:6.3f}"
+        )
+    last, last_ablated = normal[-1], ablated[-1]
+    print(f"last layer: collapse {last.collapse:.4f} with skips, {last_ablated.collapse:.4f} without")
+    assert last_ablated.collapse < 0.1 * last.collapse
+    assert last_ablated.effective_rank < 1.5 < 0.5 * last.effective_rank
+    assert last_ablated.mean_cosine > 0.99
+    assert ablated[0].collapse > ablated[L // 2].collapse > last_ablated.collapse  # it falls with depth

@@ -1,0 +1,315 @@
+"""The lab over HTTP: interventions and residual ablation on /v1/next-token, /v1/generate and
+/v1/activations (patching with a dump the client sends back), bad edits as 400s that say why, and the
+shape of /v1/analyze. In process, on the tiny random checkpoint with the real tokenizer."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import Checkpoint
+from fastapi.testclient import TestClient
+from safetensors.torch import load as load_safetensors
+
+from model.analysis import analyze
+from model.generate import SamplingParams, generate
+from model.gpt import GPT
+from model.interventions import Edit, EditSpec
+from model.loading import load
+from server.app import create_app
+from server.settings import Settings
+
+CLEAN = [464, 3797, 3332, 319, 262, 2603, 780, 340]  # "The cat sat on the mat because it"
+CORRUPTED = [464, 3290, 3332, 319, 262, 2603, 780, 340]  # "The dog sat on the mat because it"
+T = len(CLEAN)
+
+
+@pytest.fixture(scope="module")
+def client(tiny: Checkpoint, tokenizer_dir: Path) -> Iterator[TestClient]:
+    app = create_app(Settings(), loaded=load(tiny.path, tokenizer_dir=tokenizer_dir, device="cpu"))
+    with TestClient(app) as c:
+        yield c
+
+
+def next_token(client: TestClient, ids: list[int], **edits: Any) -> dict[str, Any]:
+    r = client.post("/v1/next-token", json={"input_ids": ids, "top_k": 5, **edits})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def dump(client: TestClient, ids: list[int], hooks: list[str], **edits: Any) -> bytes:
+    r = client.post("/v1/activations", json={"input_ids": ids, "activations": {"hooks": hooks}, **edits})
+    assert r.status_code == 200, r.text
+    return r.content
+
+
+def logits(client: TestClient, ids: list[int], **edits: Any) -> torch.Tensor:
+    return load_safetensors(dump(client, ids, ["logits"], **edits))["logits"][0]  # [T, vocab]
+
+
+# --- interventions take effect, as at model level -----------------------------------------------------
+
+
+def test_next_token_with_edits_equals_the_model_with_the_same_edits(client: TestClient, tiny_model: GPT) -> None:
+    body = next_token(client, CLEAN, interventions=[{"hook": "blocks.0.hook_attn_out", "op": "zero"}])
+    spec = EditSpec((Edit("blocks.0.hook_attn_out", "zero"),))
+    with torch.inference_mode():
+        expected = torch.log_softmax(
+            tiny_model(torch.tensor([CLEAN]), hooks=spec.hooks(tiny_model.config, T))[0, -1], -1
+        )
+    top = expected.topk(5)
+    assert [t["id"] for t in body["top"]] == top.indices.tolist()
+    torch.testing.assert_close(torch.tensor([t["logprob"] for t in body["top"]]), top.values, rtol=1e-5, atol=1e-5)
+    assert body["top"] != next_token(client, CLEAN)["top"]
+
+
+def test_activations_with_edits_and_ablation(client: TestClient) -> None:
+    v = [0.5] * 64
+    edits = {
+        "interventions": [{"hook": "blocks.1.hook_mlp_out", "op": "add", "value": v, "positions": [2]}],
+        "residual": {"attn": [0]},
+    }
+    names = ["blocks.0.hook_attn_out", "blocks.0.hook_resid_mid", "blocks.1.hook_mlp_out", "blocks.1.hook_resid_post"]
+    acts = load_safetensors(dump(client, CLEAN, names, **edits))
+    plain = load_safetensors(dump(client, CLEAN, names))
+    assert torch.equal(acts["blocks.0.hook_resid_mid"], acts["blocks.0.hook_attn_out"])  # no skip at layer 0
+    assert not torch.equal(plain["blocks.0.hook_resid_mid"], plain["blocks.0.hook_attn_out"])
+    without_add = load_safetensors(dump(client, CLEAN, ["blocks.1.hook_mlp_out"], residual=edits["residual"]))
+    added = acts["blocks.1.hook_mlp_out"][0] - without_add["blocks.1.hook_mlp_out"][0]  # [T, C]
+    torch.testing.assert_close(added[2], torch.full((64,), 0.5))  # the add landed at position 2 only
+    assert torch.equal(added[[0, 1, 3, 4, 5, 6, 7]], torch.zeros(T - 1, 64))
+
+
+def test_generate_with_edits_equals_model_level_generation(client: TestClient, tiny_model: GPT) -> None:
+    interventions = [{"hook": "blocks.*.attn.hook_z", "op": "scale", "factor": -1.0, "heads": [0, 3]}]
+    body = {"input_ids": CLEAN, "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    r = client.post("/v1/generate", json=body | {"interventions": interventions, "residual": {"mlp": "all"}})
+    assert r.status_code == 200, r.text
+    spec = EditSpec((Edit("blocks.*.attn.hook_z", "scale", factor=-1.0, heads=(0, 3)),), (), (0, 1))
+    (c,) = generate(tiny_model, [CLEAN], SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True), edits=spec)
+    assert r.json()["choices"][0]["token_ids"] == c.token_ids
+
+
+def test_generate_streams_with_edits(client: TestClient) -> None:
+    body = {"input_ids": CLEAN, "max_new_tokens": 4, "temperature": 0, "ignore_eos": True, "residual": {"attn": "all"}}
+    whole = client.post("/v1/generate", json=body).json()["choices"][0]["token_ids"]
+    with client.stream("POST", "/v1/generate", json=body | {"stream": True}) as r:
+        assert r.status_code == 200
+        events = [json.loads(line.removeprefix("data: ")) for line in r.iter_lines() if line.startswith("data: {")]
+    streamed = [e["token_id"] for e in events if "token_id" in e]
+    assert streamed == whole
+
+
+# --- patching a clean run's activation into a corrupted run --------------------------------------------
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_patching_a_clean_dump_restores_the_clean_logits(client: TestClient, layer: int) -> None:
+    hook = f"blocks.{layer}.hook_resid_post"
+    clean_dump = dump(client, CLEAN, [hook, "logits"])
+    clean_logits = load_safetensors(clean_dump)["logits"][0]
+    corrupted_logits = logits(client, CORRUPTED)
+    assert not torch.allclose(corrupted_logits, clean_logits)
+
+    value = {"safetensors_base64": base64.b64encode(clean_dump).decode()}
+    patched = logits(client, CORRUPTED, interventions=[{"hook": hook, "op": "set", "value": value}])
+    torch.testing.assert_close(patched, clean_logits, rtol=0, atol=0)  # float32 dumps: exact
+
+
+def test_patching_the_last_position_at_the_last_layer_restores_the_prediction(client: TestClient) -> None:
+    value = {"safetensors_base64": base64.b64encode(dump(client, CLEAN, ["blocks.1.hook_resid_post"])).decode()}
+    patch = {"hook": "blocks.1.hook_resid_post", "op": "set", "positions": [T - 1], "value": value}
+    assert next_token(client, CORRUPTED)["top"] != next_token(client, CLEAN)["top"]
+    assert next_token(client, CORRUPTED, interventions=[patch])["top"] == next_token(client, CLEAN)["top"]
+
+
+def test_a_dump_tensor_is_chosen_by_name(client: TestClient) -> None:
+    """The stream entering block 1 is the one leaving block 0: patching it with the clean dump's
+    `blocks.0.hook_resid_post`, named, restores the clean logits."""
+    clean_dump = dump(client, CLEAN, ["blocks.0.hook_resid_post", "logits"])
+    value = {"safetensors_base64": base64.b64encode(clean_dump).decode(), "name": "blocks.0.hook_resid_post"}
+    patch = {"hook": "blocks.1.hook_resid_pre", "op": "set", "value": value}
+    patched = logits(client, CORRUPTED, interventions=[patch])
+    torch.testing.assert_close(patched, load_safetensors(clean_dump)["logits"][0], rtol=0, atol=0)
+
+
+# --- bad edits: 400s that say why ---------------------------------------------------------------------
+
+NOT_SAFETENSORS = base64.b64encode(b"hello, not a safetensors file").decode()
+BAD_EDITS: dict[str, tuple[dict[str, Any], str]] = {
+    "unknown hook": (
+        {"interventions": [{"hook": "blocks.0.hook_nope", "op": "zero"}]},
+        "edit 0 ('blocks.0.hook_nope') matches no hook point; valid names are",
+    ),
+    "unknown op": ({"interventions": [{"hook": "hook_embed", "op": "divide"}]}, "interventions.0.op"),
+    "wrong shape": (
+        {"interventions": [{"hook": "blocks.0.hook_resid_post", "op": "add", "value": [1.0, 2.0, 3.0]}]},
+        "value of shape [3] does not fit blocks.0.hook_resid_post: give [64]",
+    ),
+    "ragged value": (
+        {"interventions": [{"hook": "blocks.0.hook_resid_post", "op": "set", "value": [[1.0, 2.0], [3.0]]}]},
+        "not a rectangular array of numbers",
+    ),
+    "head out of range": (
+        {"interventions": [{"hook": "blocks.0.attn.hook_z", "op": "zero", "heads": [4]}]},
+        "head 4 is out of range 0..3",
+    ),
+    "position out of range": (
+        {"interventions": [{"hook": "blocks.0.hook_attn_out", "op": "zero", "positions": [99]}]},
+        "position 99 is out of range",
+    ),
+    "layer out of range": (
+        {"interventions": [{"hook": "blocks.*.hook_attn_out", "op": "zero", "layers": [2]}]},
+        "layer 2 is out of range 0..1",
+    ),
+    "scale without factor": (
+        {"interventions": [{"hook": "blocks.0.hook_attn_out", "op": "scale"}]},
+        "scale needs a factor",
+    ),
+    "set without value": ({"interventions": [{"hook": "blocks.0.hook_attn_out", "op": "set"}]}, "set needs a value"),
+    "heads on a whole-stream hook": (
+        {"interventions": [{"hook": "blocks.0.hook_resid_pre", "op": "zero", "heads": [0]}]},
+        "heads apply only to per-head hooks",
+    ),
+    "mean of a pattern": (
+        {"interventions": [{"hook": "blocks.0.attn.hook_pattern", "op": "mean"}]},
+        "mean is not supported on attention scores or patterns",
+    ),
+    "non-base64 dump": (
+        {"interventions": [{"hook": "hook_embed", "op": "set", "value": {"safetensors_base64": "not base64!"}}]},
+        "the dump is not base64 of a safetensors file",
+    ),
+    "base64 of something else": (
+        {"interventions": [{"hook": "hook_embed", "op": "set", "value": {"safetensors_base64": NOT_SAFETENSORS}}]},
+        "the dump is not base64 of a safetensors file",
+    ),
+    "residual layer out of range": ({"residual": {"attn": [5]}}, "residual.attn: layer 5 is out of range 0..1"),
+    "residual neither list nor all": ({"residual": {"mlp": "some"}}, "residual.mlp"),
+}
+ROUTES = {
+    "/v1/next-token": {},
+    "/v1/generate": {"max_new_tokens": 2},
+    "/v1/activations": {"activations": {"hooks": ["logits"]}},
+    "/v1/analyze": {},
+}
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("case", BAD_EDITS.values(), ids=BAD_EDITS.keys())
+def test_bad_edits_are_400s_that_say_why(client: TestClient, route: str, case: tuple[dict[str, Any], str]) -> None:
+    edits, says = case
+    r = client.post(route, json={"input_ids": CLEAN[:3]} | ROUTES[route] | edits)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert says in error["message"], error["message"]
+
+
+def test_a_dump_without_the_tensor_names_what_it_has(client: TestClient) -> None:
+    value = {"safetensors_base64": base64.b64encode(dump(client, CLEAN, ["hook_embed"])).decode()}
+    r = client.post(
+        "/v1/next-token",
+        json={"input_ids": CLEAN, "interventions": [{"hook": "hook_pos_embed", "op": "set", "value": value}]},
+    )
+    assert r.status_code == 400
+    assert "the dump has no tensor 'hook_pos_embed' (it has hook_embed)" in r.json()["error"]["message"]
+
+
+def test_a_dump_of_a_shorter_prompt_is_refused(client: TestClient) -> None:
+    value = {"safetensors_base64": base64.b64encode(dump(client, CLEAN[:3], ["hook_embed"])).decode()}
+    r = client.post(
+        "/v1/next-token",
+        json={"input_ids": CLEAN, "interventions": [{"hook": "hook_embed", "op": "set", "value": value}]},
+    )
+    assert r.status_code == 400
+    assert "value covers 3 positions, position 7 needed" in r.json()["error"]["message"]
+
+
+def test_the_server_still_serves_after_bad_edits_and_keeps_nothing(client: TestClient) -> None:
+    before = next_token(client, CLEAN)
+    for edits, _ in BAD_EDITS.values():
+        assert client.post("/v1/next-token", json={"input_ids": CLEAN} | edits).status_code == 400
+    next_token(client, CLEAN, interventions=[{"hook": "blocks.*.hook_resid_post", "op": "scale", "factor": 0.0}])
+    assert client.get("/health").status_code == 200
+    assert next_token(client, CLEAN) == before  # no edit left behind on the shared model
+    r = client.post("/v1/generate", json={"input_ids": CLEAN, "max_new_tokens": 3})
+    assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 3
+
+
+# --- /v1/analyze ----------------------------------------------------------------------------------------
+
+
+def test_analyze_response_shape(client: TestClient) -> None:
+    r = client.post("/v1/analyze", json={"prompt": "The cat sat on the mat", "top_k": 3})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    n = len(body["input_ids"])
+    assert body["tokens"] == ["The", " cat", " sat", " on", " the", " mat"]
+    for side in ("layers", "ablated"):
+        layers = body[side]
+        assert [layer["layer"] for layer in layers] == [-1, 0, 1]
+        for layer in layers:
+            assert len(layer["norms"]) == n
+            assert isinstance(layer["effective_rank"], float) and 0 < layer["effective_rank"] <= n
+            assert 0 <= layer["collapse"] <= 1 and -1 <= layer["mean_cosine"] <= 1
+            entropy = layer["attention_entropy"]
+            assert entropy is None if layer["layer"] == -1 else len(entropy) == 4
+            assert len(layer["logit_lens"]) == n
+            for top in layer["logit_lens"]:
+                assert len(top) == 3 and set(top[0]) == {"id", "token", "prob"}
+                assert [e["prob"] for e in top] == sorted((e["prob"] for e in top), reverse=True)
+    assert body["layers"][0] == body["ablated"][0]  # the embeddings: before any skip connection
+    assert body["layers"][-1]["collapse"] != body["ablated"][-1]["collapse"]
+
+
+def test_analyze_matches_the_model_and_its_ablated_side(client: TestClient, tiny_model: GPT) -> None:
+    body = client.post("/v1/analyze", json={"input_ids": CLEAN, "top_k": 2}).json()
+    every = (0, 1)
+    for side, spec in (("layers", None), ("ablated", EditSpec((), every, every))):
+        stats = analyze(tiny_model, CLEAN, 2, spec.hooks(tiny_model.config, T) if spec else None)
+        for got, want in zip(body[side], stats, strict=True):
+            assert got["collapse"] == pytest.approx(want.collapse)
+            assert got["effective_rank"] == pytest.approx(want.effective_rank)
+            assert [[e["id"] for e in top] for top in got["logit_lens"]] == [
+                [i for i, _ in top] for top in want.logit_lens
+            ]
+    no_skips = client.post(
+        "/v1/analyze", json={"input_ids": CLEAN, "top_k": 2, "residual": {"attn": "all", "mlp": "all"}}
+    )
+    assert no_skips.json()["layers"] == body["ablated"]
+
+
+def test_analyze_with_edits_and_without_the_ablated_side(client: TestClient) -> None:
+    body = {"input_ids": CLEAN, "compare_ablated": False}
+    plain = client.post("/v1/analyze", json=body).json()
+    edited = client.post(
+        "/v1/analyze", json=body | {"interventions": [{"hook": "blocks.0.hook_attn_out", "op": "zero"}]}
+    )
+    assert edited.status_code == 200
+    assert plain["ablated"] is None and edited.json()["ablated"] is None
+    assert edited.json()["layers"][0] == plain["layers"][0]
+    assert edited.json()["layers"][1]["norms"] != plain["layers"][1]["norms"]
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ({"prompt": ""}, "the prompt is empty"),
+        ({"input_ids": []}, "input_ids is empty"),
+        ({"prompt": "Hi", "input_ids": [1]}, "give exactly one of prompt and input_ids"),
+        ({"input_ids": [50257]}, "token id 50257 is outside the vocabulary"),
+        ({"prompt": "Hi", "top_k": 0}, "top_k must be in 1..100, got 0"),
+        ({"prompt": "Hi", "top_k": 101}, "top_k must be in 1..100, got 101"),
+        ({"prompt": "Hi", "top_k": "5"}, "top_k"),
+        ({"prompt": "Hi", "compare_ablated": "yes"}, "compare_ablated"),
+    ],
+)
+def test_analyze_errors(client: TestClient, body: dict[str, Any], says: str) -> None:
+    r = client.post("/v1/analyze", json=body)
+    assert r.status_code == 400, r.text
+    assert says in r.json()["error"]["message"]
