@@ -1,0 +1,93 @@
+"""gpt2-analyze, run as a user runs it (a subprocess) on the tiny checkpoint with the real tokenizer:
+the table, the plot, and one-line errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import Checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "The cat sat on the mat because it"
+
+
+def gpt2_analyze(*args: str, prelude: str = "") -> subprocess.CompletedProcess[str]:
+    """Run the CLI's main in a fresh interpreter (`prelude` runs first, e.g. to hide a package)."""
+    code = f"{prelude}\nimport sys\nfrom gpt2_scripts.analyze import main\nsys.exit(main(sys.argv[1:]))"
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+@pytest.fixture(scope="module")
+def model_args(tiny: Checkpoint, tokenizer_dir: Path) -> list[str]:
+    return ["--model", str(tiny.path), "--tokenizer", str(tokenizer_dir), "--device", "cpu"]
+
+
+def test_prints_the_table_and_writes_the_plot(model_args: list[str], tmp_path: Path) -> None:
+    png = tmp_path / "out.png"
+    r = gpt2_analyze(PROMPT, *model_args, "--plot", str(png))
+    assert r.returncode == 0, r.stderr
+    print(r.stdout)
+    lines = r.stdout.splitlines()
+    assert lines[0].endswith("8 tokens; layer -1 is the embeddings, layer L the stream after block L")
+    assert "with residual connections" in lines[1] and "without residual connections" in lines[1]
+    columns = ["norm", "eff_rank", "collapse", "mean_cos", "attn_ent", "lens@last"]
+    assert lines[2].split() == ["layer", *columns, "|", *columns]
+    bar = lines[2].index(" | ")  # fixed-width columns: each side of the bar is one run
+    rows = [(line[:5].strip(), line[5:bar].split()[:5], line[bar + 3 :].split()[:5]) for line in lines[3:]]
+    assert [layer for layer, _, _ in rows] == ["-1", "0", "1"]
+    assert rows[0][1] == rows[0][2] and rows[0][1][4] == "-"  # the embeddings, before any attention
+    (_, with_skips, without) = rows[-1]
+    assert float(without[2]) < float(with_skips[2])  # the collapse measure falls without the skips
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and png.stat().st_size > 10_000
+    assert r.stderr.strip() == f"wrote {png}"
+
+
+def test_no_ablated_top_k_and_the_prompt_from_stdin(model_args: list[str]) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "gpt2_scripts.analyze", *model_args, "--no-ablated", "--top-k", "1"],
+        input=PROMPT,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "8 tokens" in r.stdout
+    assert "without residual connections" not in r.stdout and "|" not in r.stdout
+    assert len(r.stdout.splitlines()) == 3 + 3  # title, two header lines, layers -1..1
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["", "{model}"], "the prompt is empty"),
+        ([PROMPT, "{model}", "--top-k", "0"], "--top-k must be in 1..100, got 0"),
+        ([PROMPT, "--model", "/nonexistent/checkpoint", "--device", "cpu"], "/nonexistent/checkpoint"),
+        ([PROMPT, "{model}", "--plot", "/nonexistent/dir/out.png"], "cannot write /nonexistent/dir/out.png"),
+    ],
+    ids=["empty prompt", "bad top-k", "missing model", "unwritable plot"],
+)
+def test_bad_input_is_one_line_on_stderr_and_exit_1(model_args: list[str], args: list[str], says: str) -> None:
+    argv: list[str] = []
+    for a in args:
+        argv += model_args if a == "{model}" else [a]
+    r = gpt2_analyze(*argv)
+    assert r.returncode == 1
+    assert r.stderr.startswith("gpt2-analyze: error: ") and says in r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
+
+
+def test_plot_without_matplotlib_says_so(model_args: list[str], tmp_path: Path) -> None:
+    hide_matplotlib = "import sys; sys.modules['matplotlib'] = None"  # its import then raises ImportError
+    r = gpt2_analyze(PROMPT, *model_args, "--plot", str(tmp_path / "out.png"), prelude=hide_matplotlib)
+    assert r.returncode == 1
+    assert r.stderr == (
+        "gpt2-analyze: error: --plot needs matplotlib, which is not installed: pip install 'gpt2-server[plot]'\n"
+    )
+    assert not (tmp_path / "out.png").exists()
