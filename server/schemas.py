@@ -235,5 +235,7 @@ def stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
 
 
 def check_cap(value: int, cap: int, param: str) -> None:
+    if value < 0:  # checked here too, so that the error names the field of this API (max_tokens)
+        raise GenerationError(f"{param} must be an integer >= 0, got {value}", param)
     if value > cap:
         raise GenerationError(f"{param} must be at most {cap} (the server's limit), got {value}", param)

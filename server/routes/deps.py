@@ -12,7 +12,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 from fastapi.responses import StreamingResponse
 
-from model.generate import Completion, GenerationError, TokenEvent
+from model.generate import Completion, GenerationError, TokenEvent, validate_prompt
 
 from ..engine import Engine, RequestStream
 from ..errors import APIError
@@ -45,7 +45,10 @@ def token_ids(engine: Engine, prompt: str | Sequence[Any] | None, input_ids: Seq
         ids = list(input_ids)
         if not ids:
             raise GenerationError("input_ids is empty", "input_ids")
-        return [list(x) for x in ids] if isinstance(ids[0], list) else [ids]
+        prompts = [list(x) for x in ids] if isinstance(ids[0], list) else [ids]
+        for p in prompts:  # empty or out-of-vocabulary ids: name the field they came in
+            validate_prompt(engine.model, p, 0, "input_ids")
+        return prompts
     return openai_prompt_ids(engine, prompt)
 
 
