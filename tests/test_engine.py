@@ -1,0 +1,275 @@
+"""The engine on its own (asyncio, no HTTP): continuous batching admits a request at the next step, a
+cancelled request frees its row, the queue is bounded, jobs run on the engine's thread, a failing batch
+ends only its own sequences, and stopping fails what is pending."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import torch
+from contract import greedy
+
+from model.generate import Completion, SamplingParams, TokenEvent
+from model.loading import LoadedModel, load
+from server.engine import Engine, EngineStopped, QueueFull, RequestStream
+
+T = TypeVar("T")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """A tiny model gains nothing from intra-op threads, and on a shared 2-core machine they mostly wait on
+    each other: run these tests on one."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny: Any, tokenizer_dir: Path) -> LoadedModel:
+    return load(tiny.path, tokenizer_dir=tokenizer_dir, device="cpu", dtype="float32")
+
+
+def run(coro: Coroutine[Any, Any, T], timeout: float = 60) -> T:
+    """Run a test's coroutine, failing it (instead of hanging) after `timeout` seconds."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+@contextmanager
+def running(loaded: LoadedModel, **kwargs: Any) -> Iterator[Engine]:
+    engine = Engine(loaded, **kwargs)
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+def greedy_params(max_new_tokens: int, **kwargs: Any) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, **kwargs)
+
+
+def tokens_generated(engine: Engine) -> float:
+    return engine.metrics.registry.get_sample_value("gpt2_tokens_generated_total") or 0.0
+
+
+async def wait_for(condition: Any, timeout: float = 20) -> None:
+    async def poll() -> None:
+        while not condition():
+            await asyncio.sleep(0.005)
+
+    await asyncio.wait_for(poll(), timeout)
+
+
+@asynccontextmanager
+async def held(engine: Engine) -> AsyncIterator[asyncio.Task[str]]:
+    """Hold the engine's thread in a job, so that submitted requests wait in the queue until the block ends."""
+    started, release = threading.Event(), threading.Event()
+
+    def hold(_: Any) -> str:
+        started.set()
+        release.wait(30)
+        return "held"
+
+    task = asyncio.ensure_future(engine.call(hold))
+    try:
+        await wait_for(started.is_set)
+        yield task
+    finally:
+        release.set()
+
+
+async def first_event(stream: RequestStream) -> tuple[TokenEvent, AsyncIterator[TokenEvent]]:
+    events = stream.__aiter__()
+    return await events.__anext__(), events
+
+
+LONG = 120  # tokens: the context is 128
+
+
+def test_request_joins_at_the_next_step(loaded: LoadedModel) -> None:
+    """A short request submitted while a long one decodes is served beside it and finishes first."""
+    long_prompt, short_prompt = [464], loaded.tokenizer.encode("The quick brown fox")
+    finished: list[str] = []
+
+    async def main() -> tuple[Completion, Completion, int]:
+        with running(loaded, max_batch_size=4) as engine:
+            (long,) = engine.submit([long_prompt], [greedy_params(LONG, ignore_eos=True)])
+            first, rest = await first_event(long)
+            long_events = [first]
+
+            async def drain() -> None:
+                async for event in rest:
+                    long_events.append(event)
+                finished.append("long")
+
+            draining = asyncio.create_task(drain())
+            (short,) = engine.submit([short_prompt], [greedy_params(3, ignore_eos=True)])
+            short_result = await short.result()
+            finished.append("short")
+            long_so_far = len(long_events)
+            await draining
+            assert long.completion is not None
+            return long.completion, short_result, long_so_far
+
+    long_result, short_result, long_so_far = run(main())
+    assert finished == ["short", "long"]
+    assert long_so_far < LONG
+    assert long_result.token_ids == greedy(loaded, long_prompt, LONG, ignore_eos=True).token_ids
+    assert short_result.token_ids == greedy(loaded, short_prompt, 3, ignore_eos=True).token_ids
+
+
+def test_cancel_frees_the_row(loaded: LoadedModel) -> None:
+    """With one row, a request waiting behind a long one runs as soon as the long one is cancelled."""
+    prompt = loaded.tokenizer.encode("Hello world")
+
+    async def main() -> None:
+        with running(loaded, max_batch_size=1, max_queue=4) as engine:
+            (long,) = engine.submit([[464]], [greedy_params(LONG, ignore_eos=True)])
+            await first_event(long)
+            assert engine._active() == 1
+            (waiting,) = engine.submit([prompt], [greedy_params(3, ignore_eos=True)])
+            long.cancel()
+            result = await waiting.result()
+            assert result.token_ids == greedy(loaded, prompt, 3, ignore_eos=True).token_ids
+            # the one row served the long request, then the waiting one: the long one was cut short
+            assert tokens_generated(engine) < LONG + 3
+            await wait_for(lambda: engine._active() == 0)
+            long.cancel()  # again, after the end: harmless
+            (after,) = engine.submit([prompt], [greedy_params(2)])
+            assert len((await after.result()).token_ids) == 2
+
+    run(main())
+
+
+def test_cancel_while_waiting(loaded: LoadedModel) -> None:
+    """A request cancelled before it got a row is never run."""
+
+    async def main() -> None:
+        with running(loaded, max_batch_size=1) as engine:
+            async with held(engine) as job:
+                (gone,) = engine.submit([[464]], [greedy_params(50, ignore_eos=True)])
+                (kept,) = engine.submit([[464]], [greedy_params(2, ignore_eos=True)])
+                gone.cancel()
+            assert await job == "held"
+            assert len((await kept.result()).token_ids) == 2
+            await wait_for(lambda: engine._active() == 0)
+            assert tokens_generated(engine) == 2
+
+    run(main())
+
+
+def test_queue_bound(loaded: LoadedModel) -> None:
+    async def main() -> None:
+        with running(loaded, max_batch_size=1, max_queue=2) as engine:
+            async with held(engine) as job:
+                (a,) = engine.submit([[464]], [greedy_params(2)])
+                with pytest.raises(QueueFull):  # all or none: 1 + 2 > 2
+                    engine.submit([[464], [464]], [greedy_params(2)] * 2)
+                (b,) = engine.submit([[464]], [greedy_params(2)])
+                with pytest.raises(QueueFull):
+                    engine.submit([[464]], [greedy_params(2)])
+                assert engine.metrics.registry.get_sample_value("gpt2_queue_depth") == 2
+            assert await job == "held"
+            assert [len(c.token_ids) for c in await asyncio.gather(a.result(), b.result())] == [2, 2]
+            (c,) = engine.submit([[464]], [greedy_params(1)])  # room again
+            await c.result()
+
+    run(main())
+
+
+def test_call_runs_on_the_engine_thread(loaded: LoadedModel) -> None:
+    async def main() -> None:
+        with running(loaded) as engine:
+            name, model = await engine.call(lambda m: (threading.current_thread().name, m))
+            assert name == "gpt2-engine"
+            assert name != threading.current_thread().name
+            assert model is loaded.model
+            with pytest.raises(ZeroDivisionError):
+                await engine.call(lambda m: 1 / 0)
+            # between decode steps: a job submitted during a long generation returns before it ends
+            (long,) = engine.submit([[464]], [greedy_params(LONG, ignore_eos=True)])
+            await first_event(long)
+            assert await engine.call(lambda m: tokens_generated(engine)) < LONG
+            long.cancel()
+            assert await engine.call(lambda m: 42) == 42
+
+    run(main())
+
+
+def test_failing_batch_ends_only_its_sequences(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward pass that raises for a capturing request (a batch of its own) fails that request with the
+    error; the shared batch decoding beside it is untouched, and the engine goes on serving."""
+    prompt = loaded.tokenizer.encode("Hello world")
+    forward = loaded.model.forward
+
+    def fails_with_hooks(*args: Any, **kwargs: Any) -> torch.Tensor:
+        hooks = kwargs.get("hooks", args[2] if len(args) > 2 else None)
+        if hooks is not None:
+            raise RuntimeError("injected failure")
+        return forward(*args, **kwargs)
+
+    async def main() -> None:
+        with running(loaded, max_batch_size=4) as engine:
+            (plain,) = engine.submit([prompt], [greedy_params(40, ignore_eos=True)])
+            await first_event(plain)
+            monkeypatch.setattr(loaded.model, "forward", fails_with_hooks)
+            (capturing,) = engine.submit([prompt], [greedy_params(3)], hooks=["blocks.0.hook_resid_post"])
+            with pytest.raises(RuntimeError, match="injected failure"):
+                await capturing.result()
+            monkeypatch.setattr(loaded.model, "forward", forward)
+            result = await plain.result()
+            assert result.token_ids == greedy(loaded, prompt, 40, ignore_eos=True).token_ids
+            (again,) = engine.submit([prompt], [greedy_params(3)], hooks=["blocks.0.hook_resid_post"])
+            assert (await again.result()).activations is not None
+
+    run(main())
+
+
+def test_chunked_prefill_equals_whole(loaded: LoadedModel) -> None:
+    """Long prompts prefilled a few tokens per step, while another sequence decodes, give the same tokens
+    and prompt log-probabilities as in one pass."""
+    prompts = [[(7 * i + 3) % 50000 for i in range(90)], loaded.tokenizer.encode("The quick brown fox jumps")]
+
+    async def main() -> list[Completion]:
+        with running(loaded, max_batch_size=4, prefill_chunk=16) as engine:
+            (decoding,) = engine.submit([[464]], [greedy_params(30, ignore_eos=True)])
+            await first_event(decoding)
+            streams = engine.submit(prompts, [greedy_params(8, ignore_eos=True, prompt_logprobs=1)] * 2)
+            return list(await asyncio.gather(*(s.result() for s in streams), decoding.result()))
+
+    *results, _ = run(main())
+    for prompt, result in zip(prompts, results, strict=True):
+        ref = greedy(loaded, prompt, 8, ignore_eos=True, prompt_logprobs=1)
+        assert result.token_ids == ref.token_ids
+        assert result.prompt_logprobs is not None and ref.prompt_logprobs is not None
+        assert result.prompt_logprobs[0] is None
+        got = [lp.logprob for lp in result.prompt_logprobs[1:] if lp is not None]
+        want = [lp.logprob for lp in ref.prompt_logprobs[1:] if lp is not None]
+        assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_stop_fails_pending_requests(loaded: LoadedModel) -> None:
+    async def main() -> None:
+        engine = Engine(loaded, max_batch_size=1)
+        engine.start()
+        (running_one,) = engine.submit([[464]], [greedy_params(LONG, ignore_eos=True)])
+        (waiting,) = engine.submit([[464]], [greedy_params(LONG, ignore_eos=True)])
+        await first_event(running_one)
+        await asyncio.to_thread(engine.stop)
+        for stream in (running_one, waiting):
+            with pytest.raises(EngineStopped):
+                await stream.result()
+        with pytest.raises(EngineStopped):
+            engine.submit([[464]], [greedy_params(1)])
+        with pytest.raises(EngineStopped):
+            await engine.call(lambda m: None)
+
+    run(main())

@@ -1,0 +1,784 @@
+"""The HTTP server in process: every endpoint and every error of issue 3, through `create_app` around an
+already-loaded `tiny` model, checked against the same model run directly (generation, log-probabilities,
+activations)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+from contract import (
+    CASES,
+    CMPL,
+    GEN,
+    HARMLESS_OPENAI_FIELDS,
+    LIMITS,
+    NEXT,
+    Bad,
+    assert_error,
+    assert_same,
+    full_capture,
+    full_logprobs,
+    greedy,
+    safetensors_metadata,
+    sse_events,
+)
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+import server.app as app_module
+from model.hooks import hook_names
+from model.loading import LoadedModel, load
+from server.app import create_app
+from server.settings import Settings
+
+PROMPTS = ["Hello world", "The quick brown fox jumps over", "In 1905, Einstein", "Ünïcödé ✓ text"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """A tiny model gains nothing from intra-op threads, and on a shared 2-core machine they mostly wait on
+    each other (100x slower decode steps): run these tests on one."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny: Any, tokenizer_dir: Path) -> LoadedModel:
+    return load(tiny.path, tokenizer_dir=tokenizer_dir, device="cpu", dtype="float32")
+
+
+def settings(**overrides: Any) -> Settings:
+    return Settings(**{"model": "tiny", **LIMITS, **overrides})
+
+
+@contextmanager
+def serve(loaded: LoadedModel, **overrides: Any) -> Iterator[TestClient]:
+    app = create_app(settings(**overrides), loaded=loaded)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(loaded: LoadedModel) -> Iterator[TestClient]:
+    with serve(loaded) as c:
+        yield c
+
+
+def ids_of(loaded: LoadedModel, text: str) -> list[int]:
+    return loaded.tokenizer.encode(text)
+
+
+def post_ok(client: TestClient, path: str, body: dict[str, Any]) -> Any:
+    r = client.post(path, json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def assert_still_serving(client: TestClient) -> None:
+    body = post_ok(client, GEN, {"prompt": "Hello", "max_new_tokens": 2, "temperature": 0, "ignore_eos": True})
+    assert len(body["choices"][0]["token_ids"]) == 2
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)
+
+
+def metric(client: TestClient, name: str, **labels: str) -> float:
+    value = client.app.state.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+@contextmanager
+def engine_held(client: TestClient) -> Iterator[None]:
+    """Hold the engine's thread in a job (`Engine.call`), so that requests queue up until the block ends."""
+    engine = client.app.state.engine
+    started, release = threading.Event(), threading.Event()
+
+    def hold(_: Any) -> None:
+        started.set()
+        release.wait(30)
+
+    assert client.portal is not None
+    job = client.portal.start_task_soon(engine.call, hold)
+    assert started.wait(10), "the engine did not run the job"
+    try:
+        yield
+    finally:
+        release.set()
+        job.result(10)
+
+
+# --- operations and model information ---------------------------------------------------------
+
+
+def test_health(client: TestClient) -> None:
+    r = client.get("/health")
+    assert r.status_code == 200
+    assert r.json() == {"status": "ok"}
+
+
+def test_model_info(client: TestClient, loaded: LoadedModel) -> None:
+    info = client.get("/v1/model").json()
+    assert info["name"] == loaded.name
+    assert info["revision"] is None
+    assert (info["dtype"], info["device"]) == ("float32", "cpu")
+    assert (info["n_layer"], info["n_head"], info["d_model"], info["n_ctx"]) == (2, 4, 64, 128)
+    assert info["vocab_size"] == 50257
+    assert info["hook_names"] == hook_names(2)
+    assert len(info["hook_names"]) == 2 + 15 * 2 + 2
+    assert {"hook_embed", "blocks.1.attn.hook_pattern", "blocks.0.mlp.hook_post", "logits"} <= set(info["hook_names"])
+
+
+def test_models_list(client: TestClient, loaded: LoadedModel) -> None:
+    body = client.get("/v1/models").json()
+    assert body["object"] == "list"
+    (entry,) = body["data"]
+    assert entry["id"] == loaded.name
+    assert entry["object"] == "model"
+    assert isinstance(entry["created"], int) and isinstance(entry["owned_by"], str)
+
+
+def test_tokenize_detokenize(client: TestClient, loaded: LoadedModel) -> None:
+    text = "Hello world, ünïcödé ✓ <|endoftext|>"
+    body = post_ok(client, "/tokenize", {"prompt": text, "add_special_tokens": True, "model": "ignored"})
+    assert body["tokens"] == loaded.tokenizer.encode(text)
+    assert body["tokens"][-1] == 50256
+    assert body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == 128
+    assert post_ok(client, "/detokenize", {"tokens": body["tokens"]}) == {"prompt": text}
+
+
+def test_tokenizer_info(client: TestClient) -> None:
+    info = client.get("/tokenizer_info").json()
+    assert info["eos_token"] == "<|endoftext|>"
+    assert info["eos_token_id"] == 50256
+    assert info["model_max_length"] == 128
+
+
+# --- native API ---------------------------------------------------------------------------------
+
+
+def test_next_token(client: TestClient, loaded: LoadedModel) -> None:
+    ids = ids_of(loaded, "The quick brown fox")
+    body = post_ok(client, NEXT, {"prompt": "The quick brown fox", "top_k": 7})
+    assert body["input_ids"] == ids
+    assert body["tokens"] == [loaded.tokenizer.token_text(t) for t in ids]
+    logprobs = full_logprobs(loaded, ids)[-1]
+    probs = logprobs.exp()
+    top = torch.topk(probs, 7)
+    assert [t["id"] for t in body["top"]] == top.indices.tolist()
+    for entry, p, i in zip(body["top"], top.values.tolist(), top.indices.tolist(), strict=True):
+        assert entry["token"] == loaded.tokenizer.token_text(i)
+        assert entry["prob"] == pytest.approx(p, rel=1e-4, abs=1e-7)
+        assert entry["logprob"] == pytest.approx(float(logprobs[i]), abs=1e-4)
+    entropy = float(-(probs * logprobs).sum())
+    assert body["entropy"] == pytest.approx(entropy, rel=1e-4)
+    assert post_ok(client, NEXT, {"input_ids": ids, "top_k": 7})["top"] == body["top"]
+
+
+def test_generate_greedy_equals_in_process(client: TestClient, loaded: LoadedModel) -> None:
+    body = post_ok(client, GEN, {"prompt": PROMPTS, "max_new_tokens": 12, "temperature": 0})
+    assert body["id"] and body["model"] == loaded.name
+    assert [c["index"] for c in body["choices"]] == list(range(len(PROMPTS)))
+    prompt_tokens = completion_tokens = 0
+    for text, choice in zip(PROMPTS, body["choices"], strict=True):
+        ids = ids_of(loaded, text)
+        ref = greedy(loaded, ids, 12)
+        assert choice["token_ids"] == ref.token_ids
+        assert choice["text"] == ref.text
+        assert choice["tokens"] == [loaded.tokenizer.token_text(t) for t in ref.token_ids]
+        assert choice["finish_reason"] == ref.finish_reason
+        prompt_tokens += len(ids)
+        completion_tokens += len(ref.token_ids)
+    assert body["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    # the same prompts as token ids
+    ids_body = post_ok(
+        client, GEN, {"input_ids": [ids_of(loaded, p) for p in PROMPTS], "max_new_tokens": 12, "temperature": 0}
+    )
+    assert [c["token_ids"] for c in ids_body["choices"]] == [c["token_ids"] for c in body["choices"]]
+    single = post_ok(client, GEN, {"input_ids": ids_of(loaded, PROMPTS[1]), "max_new_tokens": 12, "temperature": 0})
+    assert single["choices"][0]["token_ids"] == body["choices"][1]["token_ids"]
+
+
+def test_generate_stop_token_ids(client: TestClient, loaded: LoadedModel) -> None:
+    ids = ids_of(loaded, "Hello world")
+    ref = greedy(loaded, ids, 5, ignore_eos=True)
+    stop_id = ref.token_ids[2]
+    body = post_ok(client, GEN, {"input_ids": ids, "max_new_tokens": 5, "temperature": 0, "stop_token_ids": [stop_id]})
+    choice = body["choices"][0]
+    first = ref.token_ids.index(stop_id)
+    assert choice["token_ids"] == ref.token_ids[: first + 1]
+    assert choice["finish_reason"] == "stop"
+    body = post_ok(client, GEN, {"input_ids": ids, "max_new_tokens": 5, "temperature": 0, "ignore_eos": True})
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_generate_logprobs(client: TestClient, loaded: LoadedModel) -> None:
+    ids = ids_of(loaded, PROMPTS[1])
+    body = post_ok(client, GEN, {"input_ids": ids, "max_new_tokens": 6, "temperature": 0, "logprobs": 3})
+    choice = body["choices"][0]
+    generated = choice["token_ids"]
+    ref = full_logprobs(loaded, ids + generated)
+    assert len(choice["logprobs"]) == len(generated)
+    for i, (token, lp) in enumerate(zip(generated, choice["logprobs"], strict=True)):
+        row = ref[len(ids) - 1 + i]
+        assert lp["id"] == token and lp["token"] == loaded.tokenizer.token_text(token)
+        assert lp["logprob"] == pytest.approx(float(row[token]), abs=1e-4)
+        top = torch.topk(row, 3)
+        assert [t["id"] for t in lp["top"]] == top.indices.tolist()
+        assert [t["logprob"] for t in lp["top"]] == pytest.approx(top.values.tolist(), abs=1e-4)
+        assert [t["token"] for t in lp["top"]] == [loaded.tokenizer.token_text(t) for t in top.indices.tolist()]
+    zero = post_ok(client, GEN, {"input_ids": ids, "max_new_tokens": 2, "temperature": 0, "logprobs": 0})
+    assert [lp["top"] for lp in zero["choices"][0]["logprobs"]] == [[], []]
+    assert "logprobs" not in post_ok(client, GEN, {"input_ids": ids, "max_new_tokens": 1})["choices"][0]
+
+
+def test_generate_stop_strings(client: TestClient, loaded: LoadedModel) -> None:
+    prompt = PROMPTS[2]
+    ref = greedy(loaded, ids_of(loaded, prompt), 20, ignore_eos=True)
+    full = ref.text
+    stop = loaded.tokenizer.token_text(ref.token_ids[4])[:3]
+    assert stop and full.find(stop) > 0, "pick another stop string"
+    expected = full[: full.find(stop)]
+    request = {"prompt": prompt, "max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
+    for stop_field in ([stop, "never appears here"], stop):
+        choice = post_ok(client, GEN, {**request, "stop": stop_field})["choices"][0]
+        assert choice["text"] == expected
+        assert choice["finish_reason"] == "stop"
+        assert choice["token_ids"] == ref.token_ids[: len(choice["token_ids"])]
+    streamed = sse_events(client.post(GEN, json={**request, "stop": [stop], "stream": True}).text)
+    assert "".join(e["text"] for e in streamed) == expected
+    assert streamed[-1]["finish_reason"] == "stop"
+    choice = post_ok(client, GEN, {**request, "stop": ["never appears here"]})["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == (full, "length")
+
+
+def test_generate_stream(client: TestClient, loaded: LoadedModel) -> None:
+    request = {"prompt": PROMPTS[:2], "max_new_tokens": 10, "temperature": 0, "logprobs": 1}
+    whole = post_ok(client, GEN, request)
+    r = client.post(GEN, json={**request, "stream": True})
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    for choice in whole["choices"]:
+        mine = [e for e in events if e["index"] == choice["index"]]
+        tokens, final = mine[:-1], mine[-1]
+        assert [e["token_id"] for e in tokens] == choice["token_ids"]
+        assert "".join(e["text"] for e in tokens) == choice["text"]
+        assert [e["logprob"] for e in tokens] == pytest.approx([lp["logprob"] for lp in choice["logprobs"]])
+        assert all(e["finish_reason"] is None for e in tokens)
+        assert final["finish_reason"] == choice["finish_reason"]
+        n_prompt = len(ids_of(loaded, PROMPTS[choice["index"]]))
+        assert final["usage"] == {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": len(choice["token_ids"]),
+            "total_tokens": n_prompt + len(choice["token_ids"]),
+        }
+
+
+ACTIVATION_HOOKS = ["blocks.0.hook_resid_post", "blocks.*.attn.hook_pattern", "blocks.1.attn.hook_attn_scores"]
+
+
+def _generated_with_activations(client: TestClient, loaded: LoadedModel, fmt: str, dtype: str) -> tuple[Any, Any]:
+    ids = ids_of(loaded, PROMPTS[0])
+    request = {
+        "input_ids": ids,
+        "max_new_tokens": 5,
+        "temperature": 0,
+        "ignore_eos": True,
+        "activations": {"hooks": ACTIVATION_HOOKS, "format": fmt, "dtype": dtype},
+    }
+    choice = post_ok(client, GEN, request)["choices"][0]
+    assert choice["token_ids"] == greedy(loaded, ids, 5, ignore_eos=True).token_ids
+    names = [
+        "blocks.0.hook_resid_post",
+        "blocks.0.attn.hook_pattern",
+        "blocks.1.attn.hook_attn_scores",
+        "blocks.1.attn.hook_pattern",
+    ]
+    ref = full_capture(loaded, ids + choice["token_ids"], names)
+    return choice, ref
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_generate_activations_json(client: TestClient, loaded: LoadedModel, dtype: str) -> None:
+    choice, ref = _generated_with_activations(client, loaded, "json", dtype)
+    acts = choice["activations"]
+    assert set(acts) == set(ref)
+    n_positions = len(ids_of(loaded, PROMPTS[0])) + 5
+    tolerance = 1e-4 if dtype == "float32" else 2e-3
+    for name, expected in ref.items():
+        entry = acts[name]
+        assert entry["dtype"] == dtype
+        assert entry["shape"] == list(expected.shape)
+        assert n_positions in expected.shape
+        if name.endswith("hook_attn_scores"):  # JSON has no -inf: masked scores come as null
+            data = [
+                [[[float("-inf") if x is None else x for x in row] for row in head] for head in b]
+                for b in entry["data"]
+            ]
+        else:
+            data = entry["data"]
+        got = torch.tensor(data)
+        want = expected.to(getattr(torch, dtype)).float()
+        assert torch.equal(torch.isinf(got), torch.isinf(want))
+        finite = torch.isfinite(want)
+        torch.testing.assert_close(got[finite], want[finite], atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_generate_activations_safetensors(client: TestClient, loaded: LoadedModel, dtype: str) -> None:
+    choice, ref = _generated_with_activations(client, loaded, "safetensors_base64", dtype)
+    blob = base64.b64decode(choice["activations"])
+    tensors = safetensors.torch.load(blob)
+    assert set(tensors) == set(ref)
+    torch_dtype = getattr(torch, dtype)
+    tolerance = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 2e-2}[dtype]
+    for name, expected in ref.items():
+        assert tensors[name].dtype == torch_dtype
+        torch.testing.assert_close(
+            tensors[name].float(), expected.to(torch_dtype).float(), atol=tolerance, rtol=tolerance
+        )
+    meta = safetensors_metadata(blob)
+    assert json.loads(meta["token_ids"]) == ids_of(loaded, PROMPTS[0]) + choice["token_ids"]
+
+
+def test_generate_activations_stream(client: TestClient, loaded: LoadedModel) -> None:
+    request = {
+        "prompt": PROMPTS[0],
+        "max_new_tokens": 3,
+        "temperature": 0,
+        "ignore_eos": True,
+        "activations": {"hooks": ["blocks.1.hook_resid_post"]},
+    }
+    whole = post_ok(client, GEN, request)["choices"][0]
+    events = sse_events(client.post(GEN, json={**request, "stream": True}).text)
+    assert events[-1]["activations"] == whole["activations"]
+
+
+def test_activations_endpoint(client: TestClient, loaded: LoadedModel) -> None:
+    ids = ids_of(loaded, PROMPTS[1])
+    r = client.post("/v1/activations", json={"input_ids": ids})
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "application/octet-stream"
+    tensors = safetensors.torch.load(r.content)
+    assert sorted(tensors) == sorted(hook_names(2))
+    ref = full_capture(loaded, ids, hook_names(2))
+    for name, expected in ref.items():
+        got = tensors[name]
+        assert got.dtype == torch.float32 and got.shape == expected.shape, name
+        assert torch.equal(torch.isinf(got), torch.isinf(expected)), name
+        finite = torch.isfinite(expected)
+        torch.testing.assert_close(got[finite], expected[finite], atol=1e-5, rtol=1e-5)
+    meta = safetensors_metadata(r.content)
+    assert json.loads(meta["token_ids"]) == ids
+    result = json.loads(meta["result"])
+    assert result["model"] == meta["model"] == loaded.name
+    assert result["choices"][0]["token_ids"] == [] and result["choices"][0]["text"] == ""
+
+
+def test_activations_endpoint_with_generation(client: TestClient, loaded: LoadedModel) -> None:
+    request = {
+        "prompt": PROMPTS[0],
+        "max_new_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+        "activations": {"hooks": ["blocks.*.hook_resid_post", "logits"], "dtype": "float16"},
+    }
+    r = client.post("/v1/activations", json=request)
+    assert r.status_code == 200, r.text
+    tensors = safetensors.torch.load(r.content)
+    meta = safetensors_metadata(r.content)
+    ids = ids_of(loaded, PROMPTS[0])
+    ref = greedy(loaded, ids, 4, ignore_eos=True)
+    result = json.loads(meta["result"])
+    assert result["choices"][0]["token_ids"] == ref.token_ids
+    assert result["choices"][0]["text"] == ref.text
+    assert json.loads(meta["token_ids"]) == ids + ref.token_ids
+    assert meta["text"] == PROMPTS[0] + ref.text
+    names = ["blocks.0.hook_resid_post", "blocks.1.hook_resid_post", "logits"]
+    expected = full_capture(loaded, ids + ref.token_ids, names)
+    assert sorted(tensors) == sorted(names)
+    for name in names:
+        assert tensors[name].dtype == torch.float16
+        torch.testing.assert_close(tensors[name], expected[name].half(), atol=2e-2, rtol=2e-3)
+
+
+# --- OpenAI-compatible API ----------------------------------------------------------------------
+
+
+def test_completions_shape_and_greedy(client: TestClient, loaded: LoadedModel) -> None:
+    body = post_ok(client, CMPL, {"model": "gpt2", "prompt": PROMPTS[1], "max_tokens": 7, "temperature": 0})
+    assert body["id"].startswith("cmpl-")
+    assert body["object"] == "text_completion"
+    assert isinstance(body["created"], int) and abs(body["created"] - time.time()) < 600
+    assert body["model"] == "gpt2"
+    (choice,) = body["choices"]
+    assert set(choice) == {"text", "index", "logprobs", "finish_reason"}
+    ref = greedy(loaded, ids_of(loaded, PROMPTS[1]), 7)
+    assert choice == {"text": ref.text, "index": 0, "logprobs": None, "finish_reason": "length"}
+    n = len(ids_of(loaded, PROMPTS[1]))
+    assert body["usage"] == {"prompt_tokens": n, "completion_tokens": 7, "total_tokens": n + 7}
+    default = post_ok(client, CMPL, {"prompt": PROMPTS[1], "temperature": 0})  # max_tokens defaults to 16
+    assert default["choices"][0]["text"] == greedy(loaded, ids_of(loaded, PROMPTS[1]), 16).text
+    assert default["model"] == loaded.name
+
+
+def test_completions_prompt_forms(client: TestClient, loaded: LoadedModel) -> None:
+    refs = [greedy(loaded, ids_of(loaded, p), 5).text for p in PROMPTS]
+    base = {"max_tokens": 5, "temperature": 0}
+    forms = [PROMPTS, [ids_of(loaded, p) for p in PROMPTS]]
+    for prompt in forms:
+        body = post_ok(client, CMPL, {**base, "prompt": prompt})
+        assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+        assert [c["text"] for c in body["choices"]] == refs
+    body = post_ok(client, CMPL, {**base, "prompt": ids_of(loaded, PROMPTS[2])})
+    assert body["choices"][0]["text"] == refs[2]
+
+
+def test_completions_n(client: TestClient, loaded: LoadedModel) -> None:
+    body = post_ok(client, CMPL, {"prompt": PROMPTS[0], "n": 3, "max_tokens": 4, "temperature": 0})
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    ref = greedy(loaded, ids_of(loaded, PROMPTS[0]), 4).text
+    assert [c["text"] for c in body["choices"]] == [ref] * 3
+    n = len(ids_of(loaded, PROMPTS[0]))
+    assert body["usage"] == {"prompt_tokens": n, "completion_tokens": 12, "total_tokens": n + 12}
+    # n prompts x n samples, seeded: choices in prompt order, each sample with its own seed, reproducible
+    sampled = {"prompt": PROMPTS[:2], "n": 2, "max_tokens": 6, "temperature": 1.0, "seed": 11}
+    first = post_ok(client, CMPL, sampled)
+    assert [c["index"] for c in first["choices"]] == [0, 1, 2, 3]
+    assert post_ok(client, CMPL, sampled)["choices"] == first["choices"]
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_completions_echo_logprobs_equal_log_softmax(client: TestClient, loaded: LoadedModel, max_tokens: int) -> None:
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs, temperature 0, max_tokens 0 or 1."""
+    context, continuation = "The capital of France is", " Paris, of course"
+    prompt = context + continuation
+    ids = ids_of(loaded, prompt)
+    all_ids = ids + greedy(loaded, ids, max_tokens).token_ids
+    ref = full_logprobs(loaded, all_ids)
+    request = {"prompt": prompt, "max_tokens": max_tokens, "echo": True, "logprobs": 1, "temperature": 0}
+    (choice,) = post_ok(client, CMPL, request)["choices"]
+    assert choice["text"] == loaded.tokenizer.decode(all_ids)
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [loaded.tokenizer.token_text(t) for t in all_ids]
+    assert lp["token_logprobs"][0] is None
+    assert lp["top_logprobs"][0] is None
+    for i in range(1, len(all_ids)):
+        assert lp["token_logprobs"][i] == pytest.approx(float(ref[i - 1, all_ids[i]]), abs=1e-5), i
+        top = lp["top_logprobs"][i]
+        assert isinstance(top, dict) and 1 <= len(top) <= 2
+        assert all(isinstance(k, str) and isinstance(v, float) for k, v in top.items())
+        best = int(ref[i - 1].argmax())
+        assert top[loaded.tokenizer.token_text(best)] == pytest.approx(float(ref[i - 1, best]), abs=1e-5)
+        assert top[lp["tokens"][i]] == pytest.approx(lp["token_logprobs"][i])
+    offsets = lp["text_offset"]
+    assert offsets[0] == 0
+    assert offsets[1:] == [offsets[i] + len(lp["tokens"][i]) for i in range(len(offsets) - 1)]
+    # what the harness reads: the continuation's log-likelihood, token_logprobs[ctxlen:len(prompt)]
+    n_ctx = len(ids_of(loaded, context))
+    expected = float(sum(ref[i - 1, ids[i]] for i in range(n_ctx, len(ids))))
+    assert sum(lp["token_logprobs"][n_ctx : len(ids)]) == pytest.approx(expected, abs=1e-4)
+
+
+def test_completions_logprobs_without_echo(client: TestClient, loaded: LoadedModel) -> None:
+    ids = ids_of(loaded, PROMPTS[1])
+    request = {"prompt": PROMPTS[1], "max_tokens": 4, "logprobs": 2, "temperature": 0}
+    (choice,) = post_ok(client, CMPL, request)["choices"]
+    ref = greedy(loaded, ids, 4)
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [loaded.tokenizer.token_text(t) for t in ref.token_ids]
+    full = full_logprobs(loaded, ids + ref.token_ids)
+    for i, token in enumerate(ref.token_ids):
+        assert lp["token_logprobs"][i] == pytest.approx(float(full[len(ids) - 1 + i, token]), abs=1e-4)
+        assert 2 <= len(lp["top_logprobs"][i]) <= 3
+    assert lp["text_offset"][0] == len(PROMPTS[1])
+
+
+def test_completions_harmless_fields_accepted(client: TestClient, loaded: LoadedModel) -> None:
+    request = {"prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0, **HARMLESS_OPENAI_FIELDS}
+    body = post_ok(client, CMPL, request)
+    assert body["choices"][0]["text"] == greedy(loaded, ids_of(loaded, PROMPTS[0]), 3).text
+
+
+def test_completions_stream(client: TestClient, loaded: LoadedModel) -> None:
+    request = {"prompt": PROMPTS[:2], "max_tokens": 6, "temperature": 0}
+    whole = post_ok(client, CMPL, request)
+    r = client.post(CMPL, json={**request, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    chunks = sse_events(r.text)
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("cmpl-")
+    for c in chunks:
+        assert c["object"] == "text_completion"
+        assert isinstance(c["created"], int) and c["model"] == loaded.name
+    *token_chunks, usage = chunks
+    assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+    for choice in whole["choices"]:
+        mine = [c["choices"][0] for c in token_chunks if c["choices"][0]["index"] == choice["index"]]
+        assert all(len(c["choices"]) == 1 for c in token_chunks)
+        assert all(set(c) == {"text", "index", "logprobs", "finish_reason"} for c in mine)
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        assert [c["finish_reason"] for c in mine if c["finish_reason"]] == ["length"]
+        assert mine[-1]["finish_reason"] == "length"
+    without_usage = sse_events(client.post(CMPL, json={**request, "stream": True}).text)
+    assert all("usage" not in c or c["usage"] is None for c in without_usage)
+
+
+def test_completions_stream_echo_logprobs(client: TestClient) -> None:
+    request = {"prompt": PROMPTS[1], "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1}
+    (whole,) = post_ok(client, CMPL, request)["choices"]
+    chunks = [c["choices"][0] for c in sse_events(client.post(CMPL, json={**request, "stream": True}).text)]
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    token_logprobs = [x for c in chunks if c["logprobs"] for x in c["logprobs"]["token_logprobs"]]
+    assert token_logprobs == pytest.approx(whole["logprobs"]["token_logprobs"])
+
+
+# --- metrics and request ids ----------------------------------------------------------------------
+
+
+def test_metrics(client: TestClient) -> None:
+    before = {
+        name: metric(client, name)
+        for name in (
+            "gpt2_tokens_generated_total",
+            "gpt2_time_to_first_token_seconds_count",
+            "gpt2_inter_token_latency_seconds_count",
+            "gpt2_batch_size_count",
+        )
+    }
+    generated_ok = metric(client, "gpt2_requests_total", route="/v1/generate", status="200")
+    post_ok(client, GEN, {"prompt": "Hello", "max_new_tokens": 5, "ignore_eos": True})
+    client.post(GEN, json={"prompt": ""})
+    r = client.get("/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    assert {
+        "gpt2_requests",
+        "gpt2_tokens_generated",
+        "gpt2_queue_depth",
+        "gpt2_batch_size",
+        "gpt2_time_to_first_token_seconds",
+        "gpt2_inter_token_latency_seconds",
+    } <= set(families)
+    assert families["gpt2_time_to_first_token_seconds"].type == "histogram"
+    assert families["gpt2_inter_token_latency_seconds"].type == "histogram"
+    assert families["gpt2_requests"].type == "counter"
+    assert metric(client, "gpt2_requests_total", route="/v1/generate", status="200") == generated_ok + 1
+    assert metric(client, "gpt2_requests_total", route="/v1/generate", status="400") >= 1
+    assert metric(client, "gpt2_tokens_generated_total") == before["gpt2_tokens_generated_total"] + 5
+    ttft = metric(client, "gpt2_time_to_first_token_seconds_count")
+    assert ttft == before["gpt2_time_to_first_token_seconds_count"] + 1
+    itl = metric(client, "gpt2_inter_token_latency_seconds_count")
+    assert itl == before["gpt2_inter_token_latency_seconds_count"] + 4
+    assert metric(client, "gpt2_batch_size_count") >= before["gpt2_batch_size_count"] + 4
+    assert metric(client, "gpt2_queue_depth") == 0
+
+
+def test_request_id(client: TestClient) -> None:
+    r = client.get("/health", headers={"X-Request-ID": "trace-42"})
+    assert r.headers["x-request-id"] == "trace-42"
+    generated = [client.get("/v1/models").headers["x-request-id"] for _ in range(2)]
+    assert all(re.fullmatch(r"[0-9a-f]{32}", g) for g in generated) and generated[0] != generated[1]
+    assert client.post(GEN, json={"prompt": ""}, headers={"X-Request-ID": "bad-1"}).headers["x-request-id"] == "bad-1"
+    assert client.get("/nowhere", headers={"X-Request-ID": "lost-1"}).headers["x-request-id"] == "lost-1"
+    streamed = client.post(
+        GEN, json={"prompt": "Hi", "max_new_tokens": 2, "stream": True}, headers={"X-Request-ID": "s"}
+    )
+    assert streamed.headers["x-request-id"] == "s"
+
+
+# --- errors ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_request(client: TestClient, case: Bad) -> None:
+    assert_error(case.send(client), case.status, case.param)
+    assert_still_serving(client)
+
+
+def test_body_over_limit_without_content_length(client: TestClient) -> None:
+    def chunks() -> Iterator[bytes]:
+        yield b'{"prompt": "'
+        for _ in range(100):
+            yield b"a" * 1000
+        yield b'"}'
+
+    assert_error(client.post(GEN, content=chunks(), headers={"content-type": "application/json"}), 413)
+    assert_still_serving(client)
+
+
+def test_api_key(loaded: LoadedModel) -> None:
+    with serve(loaded, api_key="s3cret") as c:
+        assert c.get("/health").status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cre"}):
+            r = c.get("/v1/models", headers=headers)
+            assert_error(r, 401, None)
+            assert r.headers["www-authenticate"] == "Bearer"
+            assert_error(c.post(GEN, json={"prompt": "Hi", "max_new_tokens": 1}, headers=headers), 401)
+        auth = {"Authorization": "Bearer s3cret"}
+        assert c.get("/v1/models", headers=auth).status_code == 200
+        r = c.post(GEN, json={"prompt": "Hi", "max_new_tokens": 1}, headers=auth)
+        assert r.status_code == 200, r.text
+
+
+def test_queue_full_is_429(loaded: LoadedModel) -> None:
+    request = {"prompt": "Hello", "max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    with serve(loaded, max_queue=1, max_batch_size=1) as c:
+        with ThreadPoolExecutor(1) as pool, engine_held(c):
+            waiting = pool.submit(c.post, GEN, json=request)
+            wait_until(lambda: metric(c, "gpt2_queue_depth") == 1)
+            for path, body in ((GEN, request), (CMPL, {"prompt": "Hi", "max_tokens": 1})):
+                r = c.post(path, json=body)
+                assert_error(r, 429, None)
+                assert int(r.headers["retry-after"]) >= 1
+            assert_error(c.post(GEN, json={**request, "stream": True}), 429)
+        assert waiting.result(20).status_code == 200
+        assert metric(c, "gpt2_queue_depth") == 0
+        assert_still_serving(c)
+
+
+def test_not_ready_is_503(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    release = threading.Event()
+
+    def slow_load(*args: Any, **kwargs: Any) -> LoadedModel:
+        release.wait(30)
+        return loaded
+
+    monkeypatch.setattr(app_module, "load", slow_load)
+    with TestClient(create_app(settings()), raise_server_exceptions=False) as c:
+        try:
+            r = c.get("/health")
+            assert (r.status_code, r.json()) == (503, {"status": "loading"})
+            for method, path, body in (
+                ("POST", GEN, {"prompt": "Hi"}),
+                ("POST", CMPL, {"prompt": "Hi"}),
+                ("POST", NEXT, {"prompt": "Hi"}),
+                ("GET", "/v1/model", None),
+                ("GET", "/v1/models", None),
+                ("POST", "/tokenize", {"prompt": "Hi"}),
+            ):
+                r = c.request(method, path, json=body)
+                assert_error(r, 503)
+                assert int(r.headers["retry-after"]) >= 1
+        finally:
+            release.set()
+        wait_until(lambda: c.get("/health").status_code == 200)
+        assert_still_serving(c)
+
+
+def test_load_failure_reported(tmp_path: Path) -> None:
+    errors: list[Exception] = []
+    app = create_app(settings(model=str(tmp_path / "missing")), on_load_error=errors.append)
+    with TestClient(app, raise_server_exceptions=False) as c:
+        wait_until(lambda: bool(errors))
+        assert "missing" in str(errors[0])
+        assert c.get("/health").status_code == 503
+
+
+class Boom(RuntimeError):
+    pass
+
+
+SECRET = "secret detail at /srv/model/weights.py line 7"
+
+
+def test_internal_error_leaks_nothing(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward pass that raises on the engine's thread: 500 (or an error event in a stream), no traceback
+    or exception text, and the engine keeps serving."""
+    original = loaded.model.forward
+
+    def broken(*args: Any, **kwargs: Any) -> torch.Tensor:
+        raise Boom(SECRET)
+
+    with serve(loaded) as c, ThreadPoolExecutor(1) as pool:
+
+        def call(method: str, path: str, body: Any, **kwargs: Any) -> Any:
+            return pool.submit(c.request, method, path, json=body, **kwargs).result(30)  # a hang fails the test
+
+        monkeypatch.setattr(loaded.model, "forward", broken)
+        for path, body in (
+            (GEN, {"prompt": "Hi", "max_new_tokens": 3}),
+            (CMPL, {"prompt": "Hi", "max_tokens": 3}),
+            (NEXT, {"prompt": "Hi"}),
+            ("/v1/activations", {"prompt": "Hi"}),
+        ):
+            r = call("POST", path, body, headers={"X-Request-ID": "boom-1"})
+            error = assert_error(r, 500, None)
+            assert SECRET not in r.text and "Boom" not in r.text
+            assert "boom-1" in error["message"]
+        for path, body in ((GEN, {"prompt": "Hi", "max_new_tokens": 3}), (CMPL, {"prompt": "Hi", "max_tokens": 3})):
+            r = call("POST", path, {**body, "stream": True})
+            assert r.status_code == 200
+            events = sse_events(r.text)
+            assert "error" in events[-1] and set(events[-1]["error"]) >= {"type", "message"}
+            assert SECRET not in r.text and "Traceback" not in r.text
+        monkeypatch.setattr(loaded.model, "forward", original)
+        assert_still_serving(c)
+        body = call("POST", GEN, {"prompt": PROMPTS, "max_new_tokens": 4, "temperature": 0}).json()
+        for text, choice in zip(PROMPTS, body["choices"], strict=True):
+            assert choice["token_ids"] == greedy(loaded, ids_of(loaded, text), 4).token_ids
+
+
+# --- batching ---------------------------------------------------------------------------------------
+
+
+def test_greedy_same_alone_and_batched(loaded: LoadedModel) -> None:
+    """Requests queued while the engine is held are admitted together: ragged prompts in one batch (and
+    one capturing request beside it) must give what they give alone."""
+    requests: list[tuple[str, dict[str, Any]]] = [
+        (GEN, {"prompt": p, "max_new_tokens": 4 + 3 * i, "temperature": 0}) for i, p in enumerate(PROMPTS)
+    ]
+    requests += [
+        (GEN, {"input_ids": [464] * 40, "max_new_tokens": 9, "temperature": 0, "ignore_eos": True}),
+        (CMPL, {"prompt": PROMPTS[2], "max_tokens": 10, "temperature": 0, "echo": True, "logprobs": 2}),
+        (GEN, {"prompt": PROMPTS[1], "max_new_tokens": 8, "temperature": 0.9, "top_k": 40, "seed": 5}),
+        (
+            GEN,
+            {
+                "prompt": PROMPTS[3],
+                "max_new_tokens": 4,
+                "temperature": 0,
+                "activations": {"hooks": ["blocks.1.hook_resid_post"]},
+            },
+        ),
+    ]
+    with serve(loaded, max_batch_size=8) as c:
+        alone = [post_ok(c, path, body) for path, body in requests]
+        steps, rows = metric(c, "gpt2_batch_size_count"), metric(c, "gpt2_batch_size_sum")
+        with ThreadPoolExecutor(len(requests)) as pool:
+            with engine_held(c):
+                futures = [pool.submit(c.post, path, json=body) for path, body in requests]
+                wait_until(lambda: metric(c, "gpt2_queue_depth") == len(requests))
+            batched = [f.result(30) for f in futures]
+        assert (metric(c, "gpt2_batch_size_sum") - rows) / (metric(c, "gpt2_batch_size_count") - steps) > 2
+    for (_, body), one, many in zip(requests, alone, batched, strict=True):
+        assert many.status_code == 200, many.text
+        assert_same(many.json()["choices"], one["choices"], where=str(body))
+    for (_, body), one in zip(requests[:4], alone[:4], strict=True):
+        assert (
+            one["choices"][0]["token_ids"]
+            == greedy(loaded, ids_of(loaded, body["prompt"]), body["max_new_tokens"]).token_ids
+        )
