@@ -39,11 +39,12 @@ class RequestGuard:
         request_id = headers.get("x-request-id") or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
         status = 500
+        started = False
 
         async def send_with_id(message: Message) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started = message["status"], True
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1"))]
             await send(message)
 
@@ -54,7 +55,15 @@ class RequestGuard:
             if rejection is not None:
                 await rejection(scope, receive, send_with_id)
             else:
-                await self.app(scope, receive, send_with_id)
+                try:
+                    await self.app(scope, receive, send_with_id)
+                except Exception:
+                    if started:
+                        raise
+                    # Answered here rather than by the app's outermost handler, so the 500 carries the id too.
+                    log.exception("internal error (request %s)", request_id)
+                    failed = error_response(500, f"internal server error (request id {request_id})")
+                    await failed(scope, receive, send_with_id)
         finally:
             route = scope.get("route")
             label = getattr(route, "path", "unmatched")

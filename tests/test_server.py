@@ -729,6 +729,7 @@ def test_internal_error_leaks_nothing(loaded: LoadedModel, monkeypatch: pytest.M
             error = assert_error(r, 500, None)
             assert SECRET not in r.text and "Boom" not in r.text
             assert "boom-1" in error["message"]
+            assert r.headers["x-request-id"] == "boom-1"
         for path, body in ((GEN, {"prompt": "Hi", "max_new_tokens": 3}), (CMPL, {"prompt": "Hi", "max_tokens": 3})):
             r = call("POST", path, {**body, "stream": True})
             assert r.status_code == 200
