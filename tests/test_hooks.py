@@ -243,11 +243,17 @@ def test_generation_refuses_unknown_hooks(tiny_model: GPT) -> None:
 
 
 def test_a_capture_leaves_nothing_on_the_model(tiny_model: GPT, ids: torch.Tensor) -> None:
+    def attributes() -> dict[str, list[str]]:
+        return {name: sorted(vars(m)) for name, m in tiny_model.named_modules()}
+
     with torch.no_grad():
         before = tiny_model(ids)
         state_before = {k: v.clone() for k, v in tiny_model.state_dict().items()}
+        attributes_before = attributes()
         capture = Capture(tiny_model.hook_names)
         tiny_model(ids, hooks=capture)
+        for module in tiny_model.modules():  # no module kept a reference to the capture
+            assert not any(v is capture for v in vars(module).values())
         n_chunks = {n: len(c) for n, c in capture._chunks.items()}
         after = tiny_model(ids)
     for module in tiny_model.modules():
@@ -260,6 +266,7 @@ def test_a_capture_leaves_nothing_on_the_model(tiny_model: GPT, ids: torch.Tenso
     assert {n: len(c) for n, c in capture._chunks.items()} == n_chunks  # it saw nothing of the later pass
     assert all(torch.equal(v, state_before[k]) for k, v in tiny_model.state_dict().items())
     assert sorted(vars(tiny_model.h[0].hook_resid_pre)) == sorted(vars(HookPoint("x")))
+    assert attributes() == attributes_before
 
 
 def test_two_captures_do_not_see_each_other(tiny_model: GPT, ids: torch.Tensor) -> None:
