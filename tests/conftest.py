@@ -1,8 +1,9 @@
 """Shared fixtures: random-weight GPT-2 checkpoints in the official format, made locally (no download).
 
 transformers' default initialisation leaves biases at 0 and LayerNorm at 1/0, which would hide a
-dropped or misplaced bias, so every tensor is randomised here. The token embedding gets a larger scale
-so that logits are peaked: near-ties between random logits would make greedy comparisons flaky.
+dropped or misplaced bias, so every tensor is randomised here. The token embedding's scale (0.15) makes
+logits peaked enough that greedy comparisons do not hinge on near-ties (median top-2 gap ~0.7 on
+gpt2-small's shape) while keeping them small enough (|logit| up to ~23) for float32 to agree to 1e-4.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
             if name.endswith("wte.weight"):
-                p.copy_(noise * 0.5)
+                p.copy_(noise * 0.15)
             elif ".ln_" in name or "ln_f" in name:
                 p.copy_((1.0 if name.endswith("weight") else 0.0) + noise * 0.2)
             else:
