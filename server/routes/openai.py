@@ -75,27 +75,30 @@ class _Reply:
             "choices": choices,
         }
 
+    def _token(self, token_id: int) -> str:
+        """A token as OpenAI shows it: its text, or `bytes:\\xNN...` for a piece of a multi-byte character
+        (so distinct tokens never share a name)."""
+        text = self.engine.tokenizer.token_text(token_id)
+        if "\ufffd" not in text:
+            return text
+        raw = self.engine.tokenizer.token_bytes(token_id)
+        try:
+            return raw.decode("utf-8")  # a real U+FFFD
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
     def _logprobs(self, entries: list[TokenLogprob | None], ids: list[int], offset: int) -> dict[str, Any]:
         """OpenAI's logprobs object over tokens `ids` (`entries[i]` None where there is no logprob)."""
-        text = self.engine.tokenizer.token_text
-        tokens = [text(t) for t in ids]
-        offsets = []
-        for t in tokens:
-            offsets.append(offset)
-            offset += len(t)
+        decode = self.engine.tokenizer.decode
+        offsets = [offset + len(decode(ids[:i])) for i in range(len(ids))]  # where each token starts in the text
         top: list[dict[str, float] | None] = []
         for lp in entries:
             if lp is None:
                 top.append(None)
             else:  # the n most likely, and the chosen token (so up to n + 1 entries, as OpenAI does)
-                # Tokens can share a text (lone pieces of one character all show as U+FFFD): a key keeps the
-                # larger logprob, so that "chosen == max(values)" still means the chosen token was the argmax.
-                entries_by_text: dict[str, float] = {}
-                for i, v in [*lp.top, (lp.id, lp.logprob)]:  # lp.top is most likely first
-                    entries_by_text.setdefault(text(i), v)
-                top.append(entries_by_text)
+                top.append({self._token(i): v for i, v in [(lp.id, lp.logprob), *lp.top]})
         return {
-            "tokens": tokens,
+            "tokens": [self._token(t) for t in ids],
             "token_logprobs": [None if lp is None else lp.logprob for lp in entries],
             "top_logprobs": top,
             "text_offset": offsets,
