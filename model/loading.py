@@ -1,7 +1,7 @@
 """Official GPT-2 checkpoints (Hugging Face format) in and out of our modules.
 
 All knowledge of the official format lives here: where the files come from (hub, directory, single
-file), the tensor names, the Conv1D layout, the buffers to skip and the tied LM head.
+file), the tensor names and shapes, the buffers to skip and the tied LM head.
 """
 
 from __future__ import annotations
@@ -37,9 +37,11 @@ HUB_REPOS: dict[str, str] = {
 
 # --- the table: official tensor names and shapes --------------------------------------------
 
-# OpenAI's code (and transformers after it) stores these as Conv1D weights, [in, out]; nn.Linear keeps
-# [out, in], so they are transposed on the way in and back on the way out.
-CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# The projections (c_attn, c_proj, c_fc) are OpenAI's "Conv1D" weights, [in, out]; our `Conv1D` keeps
+# that layout, so they load as they are. The token embedding keeps its [vocab, C] shape but is stored
+# column-major (its transpose is contiguous): the LM head reads all of it every step as x @ wte.T, which
+# BLAS streams fastest that way, while an embedding lookup only gathers a few rows.
+COLUMN_MAJOR = "wte.weight"
 # The causal-mask buffers older checkpoints carry; the mask is rebuilt at run time.
 MASK_BUFFER = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")
 PREFIX = "transformer."  # what transformers' save_pretrained puts before every name
@@ -67,10 +69,6 @@ def official_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
             h + "mlp.c_proj.bias": (C,),
         }
     return shapes | {"ln_f.weight": (C,), "ln_f.bias": (C,)}
-
-
-def is_conv1d(name: str) -> bool:
-    return name.endswith(CONV1D_WEIGHTS)
 
 
 # --- where the files are ----------------------------------------------------------------------
@@ -257,10 +255,8 @@ def load_state(
             )
         if not entry.dtype.is_floating_point:
             raise LoadError(f"tensor {key!r} has dtype {entry.dtype}, expected a floating-point type")
-        t = _read(st, key)
-        if is_conv1d(name):
-            t = t.t()
-        state[name] = t.to(device=device, dtype=dtype).contiguous()
+        t = _read(st, key).to(device=device, dtype=dtype)
+        state[name] = t.t().contiguous().t() if name == COLUMN_MAJOR else t.contiguous()
         del t
     if lm_head is not None:
         st, key = lm_head
@@ -373,11 +369,8 @@ def _load(
 
 
 def official_state(model: GPT) -> dict[str, torch.Tensor]:
-    """Our parameters under their official names and in the Conv1D layout (no prefix, as on the hub)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, t in model.state_dict().items():
-        out[name] = (t.t() if is_conv1d(name) else t).detach().cpu().contiguous()
-    return out
+    """Our parameters under their official names and shapes (no prefix, as on the hub)."""
+    return {name: t.detach().cpu().contiguous() for name, t in model.state_dict().items()}
 
 
 def save_checkpoint(model: GPT, directory: str | Path, tokenizer: Tokenizer | None = None) -> Path:

@@ -75,11 +75,12 @@ def test_both_official_layouts_load(name: str, request: pytest.FixtureRequest) -
     hf = ck.hf.transformer
     assert not model.training and not any(p.requires_grad for p in model.parameters())
     assert set(model.state_dict()) == set(official_shapes(model.config))
-    # the four Conv1D weights are transposed into nn.Linear's [out, in]
-    assert torch.equal(model.h[1].attn.c_attn.weight, hf.h[1].attn.c_attn.weight.t())
-    assert torch.equal(model.h[0].mlp.c_proj.weight, hf.h[0].mlp.c_proj.weight.t())
+    # the Conv1D weights keep the checkpoint's [in, out]; wte keeps [vocab, C], stored column-major for the head
+    assert torch.equal(model.h[1].attn.c_attn.weight, hf.h[1].attn.c_attn.weight)
+    assert torch.equal(model.h[0].mlp.c_proj.weight, hf.h[0].mlp.c_proj.weight)
     assert torch.equal(model.h[0].attn.c_attn.bias, hf.h[0].attn.c_attn.bias)
     assert torch.equal(model.wpe.weight, hf.wpe.weight) and torch.equal(model.ln_f.bias, hf.ln_f.bias)
+    assert torch.equal(model.wte.weight, hf.wte.weight) and model.wte.weight.T.is_contiguous()
     with torch.no_grad():
         assert (logits(model) - ck.hf(IDS).logits).abs().max() <= 1e-4
 
@@ -118,7 +119,7 @@ def test_tensor_present_twice(tiny: Checkpoint, tmp_path: Path) -> None:
 
 
 def test_wrong_shape(tiny: Checkpoint, tmp_path: Path) -> None:
-    """A c_attn weight in nn.Linear's layout instead of the official Conv1D one."""
+    """A c_attn weight transposed ([out, in], nn.Linear's layout) instead of the official Conv1D [in, out]."""
     ckpt = copy_checkpoint(tiny, tmp_path)
     key = "transformer.h.0.attn.c_attn.weight"
     edit_weights(ckpt, lambda s: s.update({key: s[key].t().contiguous()}))
