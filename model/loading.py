@@ -6,15 +6,17 @@ file), the tensor names and shapes, the buffers to skip and the tied LM head.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from .config import ConfigError, GPTConfig, preset
+from .config import PRESETS, ConfigError, GPTConfig, preset
 from .gpt import GPT
 from .safetensors_file import SafetensorsError, SafetensorsFile
 from .tokenizer import Tokenizer, TokenizerError, tokenizer_files
@@ -345,6 +347,47 @@ def load(
     if tokenizer.vocab_size > model.config.vocab_size:
         raise LoadError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {model.config.vocab_size}")
     return LoadedModel(model, tokenizer, files.name, files.revision, dt, dev)
+
+
+class Checkpoint(Protocol):
+    """Where a command-line tool or the server's settings say the checkpoint is."""
+
+    @property
+    def model(self) -> str: ...
+    @property
+    def revision(self) -> str | None: ...
+    @property
+    def preset(self) -> str | None: ...
+    @property
+    def tokenizer(self) -> str | None: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+
+
+def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that choose a checkpoint, shared by the command-line tools (read back by `load_from`)."""
+    parser.add_argument(
+        "--model", default="gpt2", help="hub name or repo id, checkpoint directory, or .safetensors file"
+    )
+    parser.add_argument("--revision", help="hub revision (branch, tag or commit)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="shape of a bare .safetensors file")
+    parser.add_argument("--tokenizer", help="directory with the tokenizer, for checkpoints that ship none")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+
+
+def load_from(where: Checkpoint) -> LoadedModel:
+    """`load` with the options of a command line (`add_checkpoint_arguments`) or of the server's settings."""
+    return load(
+        where.model,
+        revision=where.revision,
+        dtype=where.dtype,
+        device=where.device,
+        preset_name=where.preset,
+        tokenizer_dir=where.tokenizer,
+    )
 
 
 def _load(

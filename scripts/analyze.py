@@ -18,10 +18,9 @@ import sys
 from typing import Any
 
 from model.analysis import LayerStats, analyze
-from model.config import PRESETS
 from model.generate import GenerationError, validate_prompt
 from model.interventions import EditSpec
-from model.loading import LoadError, load
+from model.loading import LoadError, add_checkpoint_arguments, load_from
 from model.tokenizer import Tokenizer
 
 MAX_TOP_K = 100
@@ -32,12 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="gpt2-analyze", description="Measure GPT-2's residual stream layer by layer, with and without skips."
     )
     p.add_argument("prompt", nargs="?", help="the prompt (read from standard input when omitted or '-')")
-    p.add_argument("--model", default="gpt2", help="hub name or repo id, checkpoint directory, or .safetensors file")
-    p.add_argument("--revision", help="hub revision (branch, tag or commit)")
-    p.add_argument("--preset", choices=sorted(PRESETS), help="shape of a bare .safetensors file")
-    p.add_argument("--tokenizer", help="directory with the tokenizer, for checkpoints that ship none")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    p.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    add_checkpoint_arguments(p)
     p.add_argument("--top-k", type=int, default=5, help=f"logit-lens tokens per position (1..{MAX_TOP_K})")
     p.add_argument("--no-ablated", action="store_true", help="skip the run without residual connections")
     p.add_argument("--plot", metavar="PNG", help="write norm, effective rank and collapse across layers here")
@@ -56,14 +50,7 @@ def main(argv: list[str] | None = None) -> int:
             return fail("--plot needs matplotlib, which is not installed: pip install 'gpt2-server[plot]'")
     prompt = sys.stdin.read() if args.prompt in (None, "-") else args.prompt
     try:
-        loaded = load(
-            args.model,
-            revision=args.revision,
-            dtype=args.dtype,
-            device=args.device,
-            preset_name=args.preset,
-            tokenizer_dir=args.tokenizer,
-        )
+        loaded = load_from(args)
         ids = validate_prompt(loaded.model, loaded.tokenizer.encode(prompt), 0)
     except (LoadError, GenerationError) as e:
         return fail(str(e))

@@ -13,22 +13,16 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
-from model.config import PRESETS
 from model.dump import save_dump
 from model.generate import Generation, GenerationError, SamplingParams
 from model.hooks import UnknownHookError
-from model.loading import LoadError, load
+from model.loading import LoadError, add_checkpoint_arguments, load_from
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="gpt2-generate", description="Continue a prompt with GPT-2.")
     p.add_argument("prompt", nargs="?", help="the prompt (read from standard input when omitted or '-')")
-    p.add_argument("--model", default="gpt2", help="hub name or repo id, checkpoint directory, or .safetensors file")
-    p.add_argument("--revision", help="hub revision (branch, tag or commit)")
-    p.add_argument("--preset", choices=sorted(PRESETS), help="shape of a bare .safetensors file")
-    p.add_argument("--tokenizer", help="directory with the tokenizer, for checkpoints that ship none")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    p.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    add_checkpoint_arguments(p)
     p.add_argument("--max-new-tokens", type=int, default=50)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
@@ -73,14 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             ignore_eos=args.ignore_eos,
             logprobs=args.show_logprobs,
         )
-        loaded = load(
-            args.model,
-            revision=args.revision,
-            dtype=args.dtype,
-            device=args.device,
-            preset_name=args.preset,
-            tokenizer_dir=args.tokenizer,
-        )
+        loaded = load_from(args)
         tok = loaded.tokenizer
         hooks = (args.hooks or ["*"]) if args.dump_activations else None
         generation = Generation(loaded.model, [tok.encode(prompt)], params, tok, hooks)

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.staticfiles import StaticFiles
 
-from model.loading import LoadedModel, load
+from model.loading import LoadedModel, load_from
 
 from .engine import Engine
 from .errors import install_error_handlers
@@ -49,14 +49,7 @@ def create_app(
 
     def _load_in_background(app: FastAPI) -> None:
         try:
-            model = load(
-                settings.model,
-                revision=settings.revision,
-                dtype=settings.dtype,
-                device=settings.device,
-                preset_name=settings.preset,
-                tokenizer_dir=settings.tokenizer,
-            )
+            model = load_from(settings)
             app.state.engine = _start_engine(model, settings, metrics)
         except Exception as e:
             log.error("cannot load the model: %s", e)
