@@ -1,23 +1,34 @@
-"""Benchmark: our GPT-2 against transformers' GPT2LMHeadModel on CPU, side by side (a benchmark, not a test).
+"""Benchmark: our GPT-2 against transformers' GPT2LMHeadModel, side by side (a benchmark, not a test).
 
-    python scripts/bench.py                        # gpt2-small-shaped random checkpoint, full run
+    python scripts/bench.py                        # gpt2-small-shaped random checkpoint, full run, CPU
     python scripts/bench.py --quick --json out.json
     python scripts/bench.py --model ./gpt2 --dtype bfloat16 --profile
+    python scripts/bench.py --device cuda --batches 1 8 32   # on a GPU, bfloat16 by default there
 
 Measures, on the same checkpoint in the official format:
-  1. greedy decode throughput at batch 1 and 8, prefill excluded (the time of N new tokens minus that of
-     one new token, so only the N - 1 one-token steps are left), as aggregate tokens/s;
+  1. greedy decode throughput at batch 1 and 8 (--batches), prefill excluded (the time of N new tokens minus
+     that of one new token, so only the N - 1 one-token steps are left), as aggregate tokens/s; on CUDA ours
+     decodes through DecodeBatch(static=True), the decode step replayed as CUDA graphs captured once per
+     batch size (untimed, as a server does at start-up);
   2. the time of one forward pass over 1024 tokens keeping only the last position's logits (prefill);
-  3. the peak resident memory added by loading our model, in a fresh process, against the weights' size.
+  3. the peak resident memory added by loading our model, in a fresh process, against the weights' size
+     (loading to the CPU); on CUDA also each contender's peak GPU memory in each benchmark;
+  4. the machine's limit in the same run: memory read bandwidth (best of passes of torch.sum and of a
+     matrix-vector product over a tensor far larger than the caches) and matmul FLOP/s (a large GEMM in the
+     benchmark's dtype), and from them the bound for batch-1 decode, bandwidth / the bytes of weights read
+     per token (every parameter once, the tied LM head included); each side's batch-1 speed is printed as a
+     fraction of it.
 The machine may be shared and noisy: the runs alternate reference and ours (A B A B ...) and the best of each
-is kept; both sides are timed at 1 and 2 torch threads (and --threads), and ours, at --threads and at its
-best, is compared with the reference's fastest setting. A 1-minute load average above 0.5 at the start is
-warned about. Ratios are speed ratios, ours / transformers: above 1 means we are faster.
+is kept; on CPU both sides are timed at 1 and 2 torch threads (and --threads), and ours, at --threads and at
+its best, is compared with the reference's fastest setting. A 1-minute load average above 0.5 at the start is
+warned about, and so is a share of the CPUs taken by other processes (from /proc/stat, less this process's
+own CPU time) during the timed runs. Ratios are speed ratios, ours / transformers: above 1 means we are faster.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -38,13 +49,18 @@ if str(ROOT) not in sys.path:  # run as `python scripts/bench.py` without the pa
     sys.path.insert(0, str(ROOT))
 
 from model.config import GPTConfig  # noqa: E402
-from model.generate import SamplingParams, generate  # noqa: E402
+from model.generate import DecodeBatch, SamplingParams, generate, new_sequence  # noqa: E402
 from model.gpt import GPT  # noqa: E402
 from model.loading import DTYPE_NAMES, load_weights  # noqa: E402
 from model.tokenizer import EOT_ID  # noqa: E402
 
 SMALL = GPTConfig(n_layer=12, n_head=12, n_embd=768, n_positions=1024, vocab_size=50257)  # gpt2-small's shape
 BUSY_LOAD = 0.5  # 1-minute load average above which other processes are competing for the cores
+BUSY_SHARE = 0.1  # share of all CPUs taken by other processes during the timed runs worth a warning
+CPU_READ_BYTES = 256 * 2**20  # bandwidth tensors: far larger than any last-level cache
+GPU_READ_BYTES = 2 * 2**30
+CPU_GEMM_N = 2048  # square GEMM of the FLOP/s figure
+GPU_GEMM_N = 8192
 OURS = "ours"
 REF = "transformers"
 MAKE_CHECKPOINT = "make-checkpoint"
@@ -52,7 +68,7 @@ CHILD_TASKS = [MAKE_CHECKPOINT, f"load-rss-{OURS}", f"load-rss-{REF}"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Benchmark our GPT-2 against transformers on CPU.")
+    p = argparse.ArgumentParser(description="Benchmark our GPT-2 against transformers on CPU or CUDA.")
     p.add_argument(
         "--model",
         help="checkpoint directory (config.json, model.safetensors); default: a random "
@@ -70,7 +86,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens for the decode runs")
     p.add_argument("--prefill-len", type=int, help="tokens of the prefill pass (default 1024, --quick 256)")
     p.add_argument("--reps", type=int, help="timed repetitions of each contender (default 3, --quick 2)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu", help="auto: cuda if available")
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on CUDA"
+    )
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="decode batch sizes (default: %(default)s)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--profile", action="store_true", help="also profile some of our batch-1 decode steps")
     p.add_argument("--child", choices=CHILD_TASKS, help=argparse.SUPPRESS)  # internal: see run_child
@@ -84,10 +104,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--reps must be at least 2 (runs alternate A B A B), got {args.reps}")
     if args.threads < 1:
         p.error(f"--threads must be at least 1, got {args.threads}")
+    if any(b < 1 for b in args.batches):
+        p.error(f"--batches must all be at least 1, got {args.batches}")
+    args.batches = sorted(set(args.batches))
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda, but torch sees no CUDA GPU (torch.cuda.is_available() is False)")
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     return args
 
 
 # --- timing ------------------------------------------------------------------------------------------
+
+
+def synchronize() -> None:
+    """Wait for queued GPU work, so that a timer read afterwards covers it (a no-op without CUDA in use)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 @dataclass
@@ -109,45 +143,70 @@ class Timing:
     def add(self, threads: int, fn: Callable[..., object], *args: Any) -> None:
         """Time `fn(*args)` with torch at `threads` threads."""
         torch.set_num_threads(threads)
+        synchronize()
         wall, cpu = time.perf_counter(), time.process_time()
         fn(*args)
+        synchronize()
         self.cpu_runs.append(time.process_time() - cpu)
         self.runs.append(time.perf_counter() - wall)
 
 
 @dataclass(frozen=True)
 class Contender:
-    """One side of the comparison at one thread count."""
+    """One side of the comparison at one thread count (on CUDA, one setting: threads do not matter)."""
 
     name: str  # OURS or REF
     threads: int
+    device: torch.device
     decode: Callable[[list[list[int]], int], None]  # generate n new tokens for each prompt
     prefill: Callable[[torch.Tensor], None]  # one forward pass over [1, T], last position's logits only
+    release: Callable[[], None] = lambda: None  # drop state kept between runs (our captured CUDA graphs)
 
     @property
     def label(self) -> str:
-        return f"{self.name} {self.threads}t"
+        return f"{self.name} {self.threads}t" if self.device.type == "cpu" else f"{self.name} {self.device.type}"
 
 
-def ours(model: GPT, threads: int) -> Contender:
+def ours(model: GPT, threads: int, max_len: int) -> Contender:
+    """On CPU, decode through `generate`; on CUDA, through a DecodeBatch whose decode step is replayed as CUDA
+    graphs, captured once per batch size in the warm-up (`max_len`: prompt plus new tokens) and reused."""
+    device = model.wte.weight.device
+    batches: dict[int, DecodeBatch] = {}  # batch size -> its batch, graphs captured
+
     def decode(prompts: list[list[int]], n: int) -> None:
         out = generate(model, prompts, SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True))
         assert all(len(c.token_ids) == n for c in out), "ours generated the wrong number of tokens"
+
+    def decode_graphed(prompts: list[list[int]], n: int) -> None:
+        params = SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
+        with torch.inference_mode():
+            batch = batches.get(len(prompts))
+            if batch is None:
+                batch = batches[len(prompts)] = DecodeBatch(model, len(prompts), max_len, static=True)
+            seqs = [new_sequence(model, i, p, params, None) for i, p in enumerate(prompts)]
+            for seq in seqs:
+                batch.add(seq)
+            while len(batch):
+                batch.step()
+        assert all(len(s.result().token_ids) == n for s in seqs), "ours generated the wrong number of tokens"
 
     def prefill(idx: torch.Tensor) -> None:
         with torch.inference_mode():
             model(idx, last_only=True)
 
-    return Contender(OURS, threads, decode, prefill)
+    if device.type == "cuda":
+        return Contender(OURS, threads, device, decode_graphed, prefill, batches.clear)
+    return Contender(OURS, threads, device, decode, prefill)
 
 
 def reference(hf: Any, threads: int) -> Contender:
     import inspect
 
     keep_one = "logits_to_keep" in inspect.signature(hf.forward).parameters
+    device = hf.device
 
     def decode(prompts: list[list[int]], n: int) -> None:
-        ids = torch.tensor(prompts)
+        ids = torch.tensor(prompts, device=device)
         with torch.inference_mode():
             out = hf.generate(
                 ids,
@@ -166,7 +225,7 @@ def reference(hf: Any, threads: int) -> Contender:
             else:
                 hf(input_ids=idx, use_cache=False)
 
-    return Contender(REF, threads, decode, prefill)
+    return Contender(REF, threads, device, decode, prefill)
 
 
 @dataclass
@@ -218,6 +277,98 @@ def bench_prefill(contenders: list[Contender], idx: torch.Tensor, reps: int) -> 
         for c in contenders:
             results[c.label].add(c.threads, c.prefill, idx)
     return results
+
+
+def peak_gpu_extra(c: Contender, fn: Callable[..., object], *args: Any) -> int:
+    """Bytes of GPU memory `fn(*args)` needs at its peak beyond what is allocated before it (both models'
+    weights): measured alone, after the timed runs, from a clean start (our graphs recaptured inside)."""
+    c.release()
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn(*args)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    c.release()
+    return peak
+
+
+# --- the machine's limit ----------------------------------------------------------------------------
+
+
+def read_bandwidth(device: torch.device, threads: int, reps: int = 8) -> float:
+    """Memory read bandwidth, bytes/s: the best of `reps` passes of each of two kernels that read a float32
+    tensor much larger than the caches once, with no writes to speak of: torch.sum, and a matrix-vector
+    product over it as a [4096, n / 4096] matrix (decode's own kind of kernel; on some CPUs one thread's
+    torch.sum is compute-bound at well under the memory's speed)."""
+    torch.set_num_threads(threads)
+    nbytes = GPU_READ_BYTES if device.type == "cuda" else CPU_READ_BYTES
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)  # written once: the pages exist
+    m = x.view(4096, -1)
+    v = torch.ones(m.shape[1], dtype=torch.float32, device=device)
+    best = float("inf")
+    for kernel in (x.sum, lambda: m @ v):
+        kernel()  # warm-up
+        for _ in range(reps):
+            synchronize()
+            start = time.perf_counter()
+            kernel()
+            synchronize()
+            best = min(best, time.perf_counter() - start)
+    return x.nbytes / best
+
+
+def matmul_flops(device: torch.device, dtype: torch.dtype, threads: int, reps: int = 3) -> float:
+    """FLOP/s of a square GEMM in `dtype` (2 n^3 per product), best of `reps` (on CUDA, each rep is 10
+    products in a row, so launch latency does not count)."""
+    torch.set_num_threads(threads)
+    n, inner = (GPU_GEMM_N, 10) if device.type == "cuda" else (CPU_GEMM_N, 1)
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, generator=g, device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=g, device=device, dtype=dtype)
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(reps):
+        synchronize()
+        start = time.perf_counter()
+        for _ in range(inner):
+            a @ b
+        synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 * inner / best
+
+
+def measure_limit(device: torch.device, dtype: torch.dtype, thread_counts: list[int]) -> dict[int, dict[str, float]]:
+    """Read bandwidth (bytes/s) and matmul FLOP/s at each thread count (on CUDA there is one entry)."""
+    return {
+        t: {"read_bytes_per_s": read_bandwidth(device, t), "matmul_flop_per_s": matmul_flops(device, dtype, t)}
+        for t in thread_counts
+    }
+
+
+def cpu_ticks() -> tuple[float, float] | None:
+    """Seconds all CPUs of the machine spent busy, and stolen by the hypervisor, since boot (Linux)."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq) / hz, steal / hz
+
+
+def others_share(start: tuple[float, float, tuple[float, float] | None]) -> dict[str, float] | None:
+    """The share of all CPUs that other processes took since `start` (wall, own CPU time, cpu_ticks()):
+    the machine's busy time less this process's own CPU time, and the time the hypervisor stole."""
+    wall0, own0, ticks0 = start
+    ticks1 = cpu_ticks()
+    if ticks0 is None or ticks1 is None:
+        return None
+    capacity = (time.perf_counter() - wall0) * (os.cpu_count() or 1)
+    others = max(ticks1[0] - ticks0[0] - (time.process_time() - own0), 0.0)
+    return {"others": others / capacity, "steal": (ticks1[1] - ticks0[1]) / capacity}
 
 
 # --- peak memory of loading, in a fresh process ------------------------------------------------------
@@ -373,28 +524,47 @@ def run(args: argparse.Namespace, path: str, load_start: tuple[float, float, flo
     print("measuring load memory (fresh subprocesses) ...")
     rss = {which: run_child(f"load-rss-{which}", path, args.dtype) for which in (OURS, REF)}
 
-    model = load_weights(path, dtype=args.dtype, device="cpu")
-    hf = load_reference(path, DTYPE_NAMES[args.dtype])
+    device, dtype = torch.device(args.device), DTYPE_NAMES[args.dtype]
+    model = load_weights(path, dtype=args.dtype, device=device)
+    hf = load_reference(path, dtype).to(device)
     cfg = model.config
     thread_counts = sorted({1, min(2, os.cpu_count() or 1), args.threads})
-    contenders = [c for t in thread_counts for c in (reference(hf, t), ours(model, t))]  # A B A B
-    ours_label = ours(model, args.threads).label
+    if device.type == "cuda":
+        thread_counts = [args.threads]  # the GPU does the work: one setting, no 1-vs-2-thread timing
+    max_len = args.prompt_len + args.new_tokens
+    contenders = [c for t in thread_counts for c in (reference(hf, t), ours(model, t, max_len))]  # A B A B
+    ours_label = ours(model, args.threads, max_len).label
+    print(f"machine limit: read bandwidth and {args.dtype} matmul FLOP/s at {thread_counts} threads ...")
+    limit_start = measure_limit(device, dtype, thread_counts)
 
     g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, cfg.vocab_size, (8, args.prompt_len), generator=g).tolist()
+    prompts = torch.randint(0, cfg.vocab_size, (max(args.batches), args.prompt_len), generator=g).tolist()
+    busy_start = (time.perf_counter(), time.process_time(), cpu_ticks())
     decode: dict[int, dict[str, DecodeResult]] = {}
-    for batch in (1, 8):
+    gpu_peak: dict[str, dict[str, int]] = {}
+    for batch in args.batches:
         print(f"decode, batch {batch}: {args.prompt_len} prompt + {args.new_tokens} new tokens, {args.reps} reps ...")
         decode[batch] = bench_decode(contenders, prompts[:batch], args.new_tokens, args.reps)
+        if device.type == "cuda":
+            gpu_peak[f"decode_b{batch}"] = {
+                c.label: peak_gpu_extra(c, c.decode, prompts[:batch], args.new_tokens) for c in contenders
+            }
     prefill_len = min(args.prefill_len, cfg.n_positions)
     print(f"prefill: {prefill_len} tokens, {args.reps} reps ...")
-    idx = torch.randint(0, cfg.vocab_size, (1, prefill_len), generator=g)
+    idx = torch.randint(0, cfg.vocab_size, (1, prefill_len), generator=g).to(device)
     prefill = bench_prefill(contenders, idx, args.reps)
+    if device.type == "cuda":
+        gpu_peak["prefill"] = {c.label: peak_gpu_extra(c, c.prefill, idx) for c in contenders}
+    share = others_share(busy_start)
     load_end = os.getloadavg()
+    limit_end = measure_limit(device, dtype, thread_counts)  # again: the bandwidth swings from minute to minute
+    limit = {t: {k: max(limit_start[t][k], limit_end[t][k]) for k in limit_start[t]} for t in thread_counts}
 
     report: dict[str, Any] = {
         "checkpoint": path if args.model else "random gpt2-small-shaped (temporary)",
         "shape": {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions")},
+        "device": args.device,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
         "dtype": args.dtype,
         "threads": {"ours": args.threads, "tried": thread_counts},
         "load_average_start": load_start,
@@ -407,6 +577,7 @@ def run(args: argparse.Namespace, path: str, load_start: tuple[float, float, flo
         },
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
+        "batches": args.batches,
         "reps": args.reps,
     }
     for batch, results in decode.items():
@@ -424,12 +595,97 @@ def run(args: argparse.Namespace, path: str, load_start: tuple[float, float, flo
         "runs_s": {k: asdict(t) for k, t in prefill.items()},
     }
     report["load_rss"] = rss | {"ratio_to_weights": rss[OURS]["increase"] / rss[OURS]["weights"]}
+    if device.type == "cuda":
+        weights = {OURS: _nbytes(model), REF: _nbytes(hf)}
+        report["gpu_memory"] = {
+            "unit": "bytes; peak_extra: torch.cuda.max_memory_allocated over what was allocated before the run",
+            "weights": weights,
+            "peak_extra": gpu_peak,
+            "peak": {k: {c.label: weights[c.name] + v[c.label] for c in contenders} for k, v in gpu_peak.items()},
+        }
+    report["limit"] = limit_report(limit, limit_start, limit_end, _nbytes(model), contenders, decode, ours_label)
+    report["busy"] = busy_report(share, contenders, decode, prefill, device)
 
     print_table(report, [c.label for c in contenders], ours_label)
     if args.profile:
         print(f"\nprofile of ours, batch 1, {args.new_tokens} decode steps, {args.threads} threads:")
         print(profile_decode(model, prompts[0], args.new_tokens, args.threads))
     return report
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _nbytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters, each once (a tied LM head is the embedding's parameter, counted once)."""
+    return sum(p.nbytes for p in model.parameters())
+
+
+def limit_report(
+    limit: dict[int, dict[str, float]],
+    start: dict[int, dict[str, float]],
+    end: dict[int, dict[str, float]],
+    weight_bytes: int,
+    contenders: list[Contender],
+    decode: dict[int, dict[str, DecodeResult]],
+    ours_label: str,
+) -> dict[str, Any]:
+    """The batch-1 decode bound, bandwidth / bytes of weights per token, at each thread count and at the
+    best one (the machine's), with each side's batch-1 speed as a fraction of it."""
+    bound = {t: v["read_bytes_per_s"] / weight_bytes for t, v in limit.items()}
+    best = max(limit, key=lambda t: limit[t]["read_bytes_per_s"])
+    out: dict[str, Any] = {
+        "method": "read: best pass of torch.sum and of a matrix-vector product over a float32 tensor far larger "
+        "than the caches, at the start and the end of the run; matmul: square GEMM in the benchmark's dtype; "
+        "bound: read bytes/s / weight bytes",
+        "weight_bytes_per_token": weight_bytes,
+        "read_bytes_per_s": limit[best]["read_bytes_per_s"],
+        "matmul_flop_per_s": max(v["matmul_flop_per_s"] for v in limit.values()),
+        "decode_b1_bound_tok_s": bound[best],
+        "best_threads": best,
+        "by_threads": {str(t): v | {"decode_b1_bound_tok_s": bound[t]} for t, v in limit.items()},
+        "start": {str(t): v for t, v in start.items()},
+        "end": {str(t): v for t, v in end.items()},
+        "by_label": {c.label: limit[c.threads] | {"decode_b1_bound_tok_s": bound[c.threads]} for c in contenders},
+    }
+    if 1 in decode:
+        speeds = {label: r.tokens_per_s for label, r in decode[1].items()}
+        for c in contenders:
+            out["by_label"][c.label]["fraction_of_own_bound"] = speeds[c.label] / bound[c.threads]
+        ref = best_label(speeds, REF)
+        out["fraction_of_bound"] = {label: v / bound[best] for label, v in speeds.items()}
+        out["ours"] = {"label": ours_label, "fraction": speeds[ours_label] / bound[best]}
+        best_ours = best_label(speeds, OURS)
+        out["best_ours"] = {"label": best_ours, "fraction": speeds[best_ours] / bound[best]}
+        out["reference"] = {"label": ref, "fraction": speeds[ref] / bound[best]}
+    return out
+
+
+def busy_report(
+    share: dict[str, float] | None,
+    contenders: list[Contender],
+    decode: dict[int, dict[str, DecodeResult]],
+    prefill: dict[str, Timing],
+    device: torch.device,
+) -> dict[str, Any]:
+    """Whether other processes competed for the CPUs during the timed runs: their share of all CPUs, and (on
+    CPU) this process's CPU time per wall second in its 1-thread runs, which is below 1 when it waited."""
+    timings = [t for r in decode.values() for k, d in r.items() for t in (d.full, d.one) if k.endswith(" 1t")]
+    timings += [t for k, t in prefill.items() if k.endswith(" 1t")]
+    one_thread = None
+    if device.type == "cpu" and timings:
+        one_thread = sum(sum(t.cpu_runs) for t in timings) / sum(sum(t.runs) for t in timings)
+    flagged = (share is not None and share["others"] + share["steal"] > BUSY_SHARE) or (
+        one_thread is not None and one_thread < 1 - BUSY_SHARE
+    )
+    return {"others_share": share, "one_thread_cpu_per_wall": one_thread, "flagged": flagged}
 
 
 def _transformers_version() -> str:
@@ -442,8 +698,9 @@ def print_table(report: dict[str, Any], labels: list[str], ours_label: str) -> N
     s = report["shape"]
     print(
         f"\nGPT-2 {s['n_layer']} layers, {s['n_head']} heads, d_model {s['n_embd']}, vocab {s['vocab_size']}, "
-        f"context {s['n_positions']}; {report['dtype']}; decode: {report['prompt_len']}-token prompts, "
-        f"{report['new_tokens']} new tokens, greedy; best of {report['reps']} alternating runs"
+        f"context {s['n_positions']}; {report['dtype']} on {report['device']} ({report['device_name']}); decode: "
+        f"{report['prompt_len']}-token prompts, {report['new_tokens']} new tokens, greedy; best of "
+        f"{report['reps']} alternating runs"
     )
     la, lb = report["load_average_start"], report["load_average_end"]
     print(
@@ -460,30 +717,73 @@ def print_table(report: dict[str, Any], labels: list[str], ours_label: str) -> N
         tail = f"{ratios['ratio']:>21.2f}x{ratios['ratio_best']:>10.2f}x" if ratios else ""
         print(f"{name:<24}{cells}{tail}")
 
-    for batch in (1, 8):
+    gpu = report.get("gpu_memory")
+    for batch in report["batches"]:
         d = report[f"decode_b{batch}"]
         row(f"decode b={batch}, tok/s", d["speeds"], ".1f", d)
         row(f"  ms per step (b={batch})", d["ms_per_step"], ".2f")
         row("  CPU ms per step", d["cpu_ms_per_step"], ".2f")
+        if gpu:
+            row("  peak GPU MiB", {k: v / 2**20 for k, v in gpu["peak"][f"decode_b{batch}"].items()}, ".0f")
     p = report["prefill"]
     row(f"prefill {p['tokens']} tok, ms", p["ms"], ".1f", p)
     row("  CPU ms", p["cpu_ms"], ".1f")
+    if gpu:
+        row("  peak GPU MiB", {k: v / 2**20 for k, v in gpu["peak"]["prefill"].items()}, ".0f")
+    lim = report["limit"]
+    by_label = lim["by_label"]
+    row("read bandwidth, GB/s", {k: v["read_bytes_per_s"] / 1e9 for k, v in by_label.items()}, ".1f")
+    row("matmul, GFLOP/s", {k: v["matmul_flop_per_s"] / 1e9 for k, v in by_label.items()}, ".0f")
+    row("b=1 bound, tok/s", {k: v["decode_b1_bound_tok_s"] for k, v in by_label.items()}, ".1f")
+    if "fraction_of_bound" in lim:
+        row("  b=1 / bound, %", {k: 100 * v["fraction_of_own_bound"] for k, v in by_label.items()}, ".1f")
     print("-" * len(head))
     r_ours, r_ref = report["load_rss"][OURS], report["load_rss"][REF]
     print(
-        f"load, peak RSS increase (ru_maxrss): ours {_mib(r_ours['increase'])} = "
+        f"load, peak RSS increase (ru_maxrss, loading to the CPU): ours {_mib(r_ours['increase'])} = "
         f"{report['load_rss']['ratio_to_weights']:.2f}x the weights ({_mib(r_ours['weights'])}); "
         f"transformers from_pretrained {_mib(r_ref['increase'])}"
     )
+    if gpu:
+        print(
+            f"peak GPU MiB: the contender's weights (ours {_mib(gpu['weights'][OURS])}, transformers "
+            f"{_mib(gpu['weights'][REF])}) + torch.cuda.max_memory_allocated over the allocation before the run"
+        )
+    print(
+        f"machine limit: read bandwidth {lim['read_bytes_per_s'] / 1e9:.1f} GB/s (best, at "
+        f"{lim['best_threads']} threads), {report['dtype']} matmul {lim['matmul_flop_per_s'] / 1e9:.0f} GFLOP/s; "
+        f"batch-1 decode bound {lim['decode_b1_bound_tok_s']:.1f} tok/s "
+        f"({_mib(lim['weight_bytes_per_token'])} of weights read per token)"
+    )
+    if "fraction_of_bound" in lim:
+        print(
+            f"batch-1 decode as a fraction of that bound: {lim['ours']['label']} {100 * lim['ours']['fraction']:.1f}% "
+            f"(ours at its best, {lim['best_ours']['label']}, {100 * lim['best_ours']['fraction']:.1f}%), "
+            f"{lim['reference']['label']} {100 * lim['reference']['fraction']:.1f}% (the table's row: each column "
+            "against the bound at its own thread count)"
+        )
+    fastest = ", ".join(f"b={b} {report[f'decode_b{b}']['reference']}" for b in report["batches"])
     print(
         "ratios: speed of ours / speed of the fastest transformers thread setting (>1: we are faster); "
-        f"fastest reference: decode b=1 {report['decode_b1']['reference']}, "
-        f"b=8 {report['decode_b8']['reference']}, prefill {p['reference']}"
+        f"fastest reference: decode {fastest}, prefill {p['reference']}"
     )
     print(
         "CPU ms: process CPU time, which waiting for a busy core does not inflate (at 2 threads it counts both "
         "threads, spin-waits included)"
     )
+    busy = report["busy"]
+    share, one = busy["others_share"], busy["one_thread_cpu_per_wall"]
+    if share is not None:
+        print(
+            f"other processes during the timed runs: {100 * share['others']:.0f}% of all CPUs, plus "
+            f"{100 * share['steal']:.0f}% stolen by the hypervisor"
+            + (f"; this process's 1-thread runs got {100 * one:.0f}% of a core" if one is not None else "")
+        )
+    if busy["flagged"]:
+        print(
+            f"WARNING: other processes took a noticeable share of the CPUs (> {100 * BUSY_SHARE:.0f}%) during "
+            "the timed runs: timings are noisy and ratios against the reference may be inflated or deflated."
+        )
 
 
 def _mib(n: int | None) -> str:
