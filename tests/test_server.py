@@ -669,7 +669,7 @@ def test_not_ready_is_503(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) 
         release.wait(30)
         return loaded
 
-    monkeypatch.setattr(app_module, "load", slow_load)
+    monkeypatch.setattr(app_module, "load_from", slow_load)
     with TestClient(create_app(settings()), raise_server_exceptions=False) as c:
         try:
             r = c.get("/health")
