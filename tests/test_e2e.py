@@ -8,10 +8,7 @@ from GPT2_API_KEY). Both are killed at the end, whatever happens.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -40,12 +37,11 @@ from contract import (
     safetensors_metadata,
     sse_events,
 )
+from serving import STARTUP_TIMEOUT, free_port, launch, shut_down, wait_ready
 
 from model.loading import LoadedModel, load
 
-ROOT = Path(__file__).resolve().parents[1]
 API_KEY = "e2e-secret"
-STARTUP_TIMEOUT = 180.0  # seconds: importing torch on a loaded 2-core machine can take a while
 
 
 @dataclass
@@ -75,52 +71,6 @@ class Server:
         raise AssertionError(f"no {name} in /metrics")
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def launch(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    # One intra-op thread: the tiny model gains nothing from more, and on a shared 2-core machine the
-    # threads mostly wait on each other.
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    with log.open("wb") as stderr:
-        return subprocess.Popen(
-            [sys.executable, "-m", "server", *args],
-            cwd=ROOT,
-            env=environment,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-        )
-
-
-def wait_ready(server: Server) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT
-    while True:
-        if server.process.poll() is not None:
-            pytest.fail(f"gpt2-serve exited with {server.process.returncode}:\n{server.stderr()}")
-        try:
-            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            pytest.fail(f"gpt2-serve not ready after {STARTUP_TIMEOUT:.0f} s:\n{server.stderr()}")
-        time.sleep(0.1)
-
-
-def shut_down(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=20)
-
-
 @pytest.fixture(scope="module")
 def servers(tiny: Any, tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
     logs = tmp_path_factory.mktemp("gpt2-serve")
@@ -137,7 +87,7 @@ def servers(tiny: Any, tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFac
             process = launch([*common, "--port", str(port), *extra], log, env)
             started[name] = Server(process, port, log, key)
         for server in started.values():  # started together, waited for in turn
-            wait_ready(server)
+            wait_ready(server.process, server.url, server.log)
         yield started
     finally:
         for server in started.values():

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from serving import free_port, launch, shut_down
 
 if TYPE_CHECKING:
     import torch
@@ -114,12 +114,6 @@ def write_tasks(directory: Path, ll_docs: list[dict[str, str]]) -> list[str]:
     return list(tasks)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def checkpoint_dir(tiny, tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`tiny` with the tokenizer files beside it, as lm-eval's hf model and tokenizer loader want."""
@@ -147,19 +141,12 @@ def server(checkpoint_dir: Path, tokenizer_dir: Path, tmp_path_factory: pytest.T
     it sends the server anything (`wait_until_healthy`)."""
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    command = [sys.executable, "-m", "server", "--model", str(checkpoint_dir), "--tokenizer", str(tokenizer_dir)]
-    command += ["--port", str(port), "--device", "cpu", "--dtype", "float32", "--log-level", "warning"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(command, cwd=ROOT, env=os.environ | OFFLINE, stdout=out, stderr=subprocess.STDOUT)
+    args = ["--model", str(checkpoint_dir), "--tokenizer", str(tokenizer_dir), "--port", str(port)]
+    process = launch([*args, "--device", "cpu", "--dtype", "float32", "--log-level", "warning"], log, OFFLINE)
     try:
         yield Server(f"http://127.0.0.1:{port}", log)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        shut_down(process)
 
 
 def wait_until_healthy(url: str, timeout: float = 120.0) -> None:

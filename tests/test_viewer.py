@@ -12,16 +12,12 @@ Playwright's own browser download is never used.
 from __future__ import annotations
 
 import re
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
+from serving import free_port, launch, shut_down, wait_ready
 
 CHROMIUM = Path("/usr/bin/chromium")
 if not CHROMIUM.is_file():
@@ -69,43 +65,19 @@ CANVAS_INK = """
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def base_url(tiny: Any, tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real server (its own process) on the tiny checkpoint, requiring an API key."""
     port = free_port()
-    log_path = tmp_path_factory.mktemp("viewer") / "server.log"
-    command = [sys.executable, "-m", "server", "--model", str(tiny.path), "--tokenizer", str(tokenizer_dir)]
-    command += ["--port", str(port), "--api-key", API_KEY]
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    log = tmp_path_factory.mktemp("viewer") / "server.log"
+    args = ["--model", str(tiny.path), "--tokenizer", str(tokenizer_dir), "--port", str(port), "--api-key", API_KEY]
+    process = launch(args, log)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"the server exited with {proc.returncode}:\n{log_path.read_text()}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"the server was not ready within 120 s:\n{log_path.read_text()}")
-            time.sleep(0.2)
+        wait_ready(process, url, log)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        shut_down(process)
 
 
 @pytest.fixture(scope="module")
