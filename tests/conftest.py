@@ -147,3 +147,11 @@ def tokenizer(tokenizer_dir: Path):
     from model.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny: Checkpoint, tokenizer_dir: Path):
+    """`tiny` with the real tokenizer, loaded as the server loads it (one per test module)."""
+    from model.loading import load
+
+    return load(tiny.path, tokenizer_dir=tokenizer_dir, device="cpu", dtype="float32")

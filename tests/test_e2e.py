@@ -39,7 +39,7 @@ from contract import (
 )
 from serving import STARTUP_TIMEOUT, free_port, launch, shut_down, wait_ready
 
-from model.loading import LoadedModel, load
+from model.loading import LoadedModel
 
 API_KEY = "e2e-secret"
 
@@ -108,11 +108,6 @@ def keyed(servers: dict[str, Server]) -> Server:
 def http(main: Server) -> Iterator[httpx.Client]:
     with main.client() as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny: Any, tokenizer_dir: Path) -> LoadedModel:
-    return load(tiny.path, tokenizer_dir=tokenizer_dir, device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -16,25 +15,10 @@ import torch
 from contract import greedy
 
 from model.generate import Completion, SamplingParams, TokenEvent
-from model.loading import LoadedModel, load
+from model.loading import LoadedModel
 from server.engine import Engine, EngineStopped, QueueFull, RequestStream
 
 T = TypeVar("T")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """A tiny model gains nothing from intra-op threads, and on a shared 2-core machine they mostly wait on
-    each other: run these tests on one."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny: Any, tokenizer_dir: Path) -> LoadedModel:
-    return load(tiny.path, tokenizer_dir=tokenizer_dir, device="cpu", dtype="float32")
 
 
 def run(coro: Coroutine[Any, Any, T], timeout: float = 60) -> T:

@@ -39,26 +39,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import server.app as app_module
 from model.hooks import hook_names
-from model.loading import LoadedModel, load
+from model.loading import LoadedModel
 from server.app import create_app
 from server.settings import Settings
 
 PROMPTS = ["Hello world", "The quick brown fox jumps over", "In 1905, Einstein", "Ünïcödé ✓ text"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """A tiny model gains nothing from intra-op threads, and on a shared 2-core machine they mostly wait on
-    each other (100x slower decode steps): run these tests on one."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny: Any, tokenizer_dir: Path) -> LoadedModel:
-    return load(tiny.path, tokenizer_dir=tokenizer_dir, device="cpu", dtype="float32")
 
 
 def settings(**overrides: Any) -> Settings:
