@@ -1,7 +1,8 @@
 """Autoregressive generation with a KV cache: prefill, one-token decode steps, stop conditions.
 
-Each prompt is prefilled alone into its row of a shared cache, then all unfinished rows decode together,
-one token per step; a finished row leaves the batch. Every sequence keeps its own sampling settings and
+Each prompt is prefilled into its row of a shared cache, then all unfinished rows decode together, one
+token per step, in the same forward passes as the prompts of rows that joined later; a finished row
+leaves the batch. Every sequence keeps its own sampling settings and
 random generator, so a row's tokens do not depend on what else is in the batch. Iterating a `Generation`
 yields a `TokenEvent` per token as it is produced; `generate` runs one to the end.
 """
@@ -18,11 +19,12 @@ from .cuda_graph import StaticDecode
 from .gpt import GPT
 from .hooks import Capture, Hooks, select_hooks
 from .interventions import EditSpec, HookChain
-from .kv_cache import KVCache
+from .kv_cache import KVCache, PackedBatch
 from .sampling import sample, top_logprobs
 from .tokenizer import EOT_ID, Tokenizer
 
 MAX_LOGPROBS = 20
+PREFILL_TOKENS = 4096  # prompt tokens per forward pass of a `Generation` (bounds its activations' memory)
 
 
 class GenerationError(ValueError):
@@ -261,10 +263,11 @@ class DecodeBatch:
     """Sequences generating together over one KV cache of `capacity` rows: continuous batching.
 
     A sequence joins with `add` and leaves as soon as it finishes or is `cancel`led, so a later one can
-    take its row. Each `step` prefills prompts alone into their rows (with `prefill_chunk`, only the next
-    chunk of one prompt, so a long prompt does not stall the others), then decodes one token for every
-    sequence past its prompt. A sequence that captures activations needs a batch of its own (capacity 1),
-    since hooks see the whole batch.
+    take its row. Each `step` is one forward pass: a decode token for every sequence past its prompt, packed
+    with the next prompt tokens of the sequences still prefilling (first come, first served; with
+    `prefill_chunk`, at most that many prompt tokens a step, so long prompts do not stall the others), so
+    the weights are read once for both (`PackedBatch`). A sequence that captures activations needs a batch
+    of its own (capacity 1), since hooks see the whole batch.
     """
 
     def __init__(
@@ -281,6 +284,8 @@ class DecodeBatch:
         w = model.wte.weight
         self.cache = KVCache.empty(model.config, capacity, max_len, dtype=w.dtype, device=w.device)
         self.seqs: list[SequenceState] = []  # seqs[b] owns cache row b
+        self.joined: list[int] = []  # joined[b]: when seqs[b] joined (prompts are prefilled in that order)
+        self._joins = 0
         self.prefill_chunk = prefill_chunk
         self.static = StaticDecode(model, self.cache) if static else None
         if self.static is not None:
@@ -298,57 +303,108 @@ class DecodeBatch:
         assert seq.hooks is None or self.cache.capacity == 1, "a sequence with hooks needs its own batch"
         self.cache.add_row()
         self.seqs.append(seq)
+        self.joined.append(self._joins)
+        self._joins += 1
 
     def step(self) -> list[tuple[SequenceState, TokenEvent | None]]:
-        """Advance the batch by one step. Returns each sequence that got a token with it, and each that
-        finished without one (it wanted none) with None."""
+        """Advance the batch by one forward pass. Returns each sequence that got a token with it, and each
+        that finished without one (it wanted none) with None."""
         decoding = [b for b, s in enumerate(self.seqs) if s.prefilled == len(s.prompt)]
-        out: list[tuple[SequenceState, TokenEvent | None]] = []
-        for b, seq in enumerate(self.seqs):
-            if seq.prefilled < len(seq.prompt):
-                out += self._prefill(b, seq)
-                if self.prefill_chunk is not None:
-                    break
-        if decoding:
-            out += self._decode(decoding)
+        chunks = self._chunks()
+        if not chunks:
+            out = self._decode() if decoding else []
+        elif len(chunks) == 1 and not decoding:
+            out = self._prefill(*chunks[0])  # one sequence alone: hooks see its own shapes
+        else:
+            out = self._packed(decoding, chunks)
         for b in reversed(range(len(self.seqs))):  # from the end: leaving moves the last row into b
             if self.seqs[b].finish_reason is not None:
                 self._leave(b)
         return out
 
-    def _prefill(self, b: int, seq: SequenceState) -> list[tuple[SequenceState, TokenEvent | None]]:
-        start, n = seq.prefilled, len(seq.prompt)
-        end = n if self.prefill_chunk is None else min(n, start + self.prefill_chunk)
+    def _chunks(self) -> list[tuple[int, int, int]]:
+        """The prompt tokens to prefill this step, as (row, start, end), in the order the rows joined."""
+        budget = self.prefill_chunk
+        chunks = []
+        for b in sorted(range(len(self.seqs)), key=self.joined.__getitem__):
+            seq = self.seqs[b]
+            if seq.prefilled < len(seq.prompt) and (budget is None or budget > 0):
+                end = len(seq.prompt) if budget is None else min(len(seq.prompt), seq.prefilled + budget)
+                chunks.append((b, seq.prefilled, end))
+                if budget is not None:
+                    budget -= end - seq.prefilled
+        return chunks
+
+    def _prefill(self, b: int, start: int, end: int) -> list[tuple[SequenceState, TokenEvent | None]]:
+        """Prompt tokens start..end of row `b`, alone in the pass (with its hooks)."""
+        seq = self.seqs[b]
         want_all = seq.params.prompt_logprobs is not None
         idx = torch.tensor([seq.prompt[start:end]], device=self.model.wte.weight.device)  # [1, T]
         logits = self.model(idx, self.cache.row(b), seq.hooks, last_only=not want_all)[0]  # [T or 1, vocab]
         self.cache.set_length(b, end)
+        return self._prefilled(seq, start, end, logits)
+
+    def _packed(
+        self, decoding: list[int], chunks: list[tuple[int, int, int]]
+    ) -> list[tuple[SequenceState, TokenEvent | None]]:
+        """A decode token for every row (a dummy for the rows still prefilling) and the prompt chunks,
+        in one pass; logits only where a token is wanted."""
+        tokens = [s.tokens[-1] if s.prefilled == len(s.prompt) else 0 for s in self.seqs] if decoding else []
+        outputs = list(decoding)
+        spans = []  # each chunk's logits, as a range of `outputs`
+        for b, start, end in chunks:
+            seq, first = self.seqs[b], len(tokens)
+            tokens += seq.prompt[start:end]
+            wanted = range(first, first + end - start) if seq.params.prompt_logprobs is not None else range(0)
+            if not wanted and end == len(seq.prompt):  # the last: it predicts the first new token
+                wanted = range(first + end - start - 1, first + end - start)
+            spans.append((len(outputs), len(outputs) + len(wanted)))
+            outputs += wanted
+        packed = PackedBatch(self.cache, bool(decoding), [(b, end - start) for b, start, end in chunks], outputs)
+        idx = torch.tensor([tokens], device=self.model.wte.weight.device)  # [1, N]
+        logits = self.model(idx, packed)[0]  # [len(outputs), vocab]
+        if decoding:
+            self.cache.advance([1 if s.prefilled == len(s.prompt) else 0 for s in self.seqs])
+        for b, _, end in chunks:
+            self.cache.set_length(b, end)
+
+        argmax = logits[: len(decoding)].argmax(dim=-1).tolist()  # one device sync for every greedy row
+        out: list[tuple[SequenceState, TokenEvent | None]] = [
+            (self.seqs[b], self.seqs[b].accept(logits[i], argmax[i])) for i, b in enumerate(decoding)
+        ]
+        for (b, start, end), (lo, hi) in zip(chunks, spans, strict=True):
+            out += self._prefilled(self.seqs[b], start, end, logits[lo:hi])
+        return out
+
+    def _prefilled(
+        self, seq: SequenceState, start: int, end: int, logits: torch.Tensor
+    ) -> list[tuple[SequenceState, TokenEvent | None]]:
+        """Book prompt tokens start..end as prefilled, given their logits [T or 1 or 0, vocab]: prompt
+        logprobs if asked for, and the first new token once the prompt is complete."""
         seq.prefilled = end
-        if want_all:
+        if seq.params.prompt_logprobs is not None:
             seq.prompt_logprobs = (seq.prompt_logprobs or [None]) + _prompt_logprobs(
                 logits, seq.prompt, start, seq.params.prompt_logprobs or 0
             )
-        if end < n:
+        if end < len(seq.prompt):
             return []
         if seq.params.max_new_tokens == 0:
             seq.finish_reason = "length"
             return [(seq, None)]
         return [(seq, seq.accept(logits[-1]))]
 
-    def _decode(self, rows: list[int]) -> list[tuple[SequenceState, TokenEvent | None]]:
-        """One token for each of `rows`. Rows still prefilling ride along with a dummy token, whose key and
-        value the next chunk overwrites (their length does not move)."""
+    def _decode(self) -> list[tuple[SequenceState, TokenEvent | None]]:
+        """One token for every row (all are past their prompts)."""
         hooks = self.seqs[0].hooks if self.cache.capacity == 1 else None
-        wanted = set(rows)
-        tokens = [s.tokens[-1] if b in wanted else 0 for b, s in enumerate(self.seqs)]
+        tokens = [s.tokens[-1] for s in self.seqs]
         if self.static is not None and hooks is None:
             logits = self.static(tokens, list(self.cache.lengths))  # [B, vocab]
         else:
             idx = torch.tensor(tokens, device=self.model.wte.weight.device)[:, None]  # [B, 1]
             logits = self.model(idx, self.cache, hooks, last_only=True)[:, -1]  # [B, vocab]
-        self.cache.advance([1 if b in wanted else 0 for b in range(len(self.seqs))])
+        self.cache.advance(1)
         argmax = logits.argmax(dim=-1).tolist()  # one device sync for every greedy row
-        return [(self.seqs[b], self.seqs[b].accept(logits[b], argmax[b])) for b in rows]
+        return [(s, s.accept(logits[b], argmax[b])) for b, s in enumerate(self.seqs)]
 
     def cancel(self, seq: SequenceState) -> None:
         """Take `seq` out of the batch now (its row is free for the next sequence)."""
@@ -365,8 +421,9 @@ class DecodeBatch:
             idx = torch.tensor([[seq.tokens[-1]]], device=self.model.wte.weight.device)
             self.model(idx, self.cache.row(b), seq.hooks, last_only=True)
         self.cache.remove_row(b)
-        self.seqs[b] = self.seqs[-1]
+        self.seqs[b], self.joined[b] = self.seqs[-1], self.joined[-1]
         self.seqs.pop()
+        self.joined.pop()
 
 
 class Generation:
@@ -413,7 +470,7 @@ class Generation:
         with torch.inference_mode():
             for group in groups:
                 max_len = max(len(s.prompt) + s.params.max_new_tokens for s in group)
-                batch = DecodeBatch(self.model, len(group), max_len)
+                batch = DecodeBatch(self.model, len(group), max_len, None if alone else PREFILL_TOKENS)
                 for seq in group:
                     batch.add(seq)
                 while batch:

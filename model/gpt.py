@@ -16,7 +16,7 @@ from torch import nn
 
 from .config import GPTConfig
 from .hooks import HookPoint, Hooks, hook_names
-from .kv_cache import KVCache
+from .kv_cache import KVCache, PackedBatch
 
 
 class Conv1D(nn.Module):
@@ -52,25 +52,39 @@ class CausalSelfAttention(nn.Module):
         self.hook_pattern = HookPoint(p + "hook_pattern")
         self.hook_z = HookPoint(p + "hook_z")
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None, hooks: Hooks | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | PackedBatch | None, hooks: Hooks | None) -> torch.Tensor:
         B, T, C = x.shape
         H, D = self.n_head, self.d_head
         q, k, v = self.c_attn(x).split(C, dim=2)
         q = self.hook_q(q.view(B, T, H, D), hooks)  # [B, T, H, D]
         k = self.hook_k(k.view(B, T, H, D), hooks)
         v = self.hook_v(v.view(B, T, H, D), hooks)
+        if isinstance(cache, PackedBatch):  # several sequences side by side along T: attend piece by piece
+            pieces = []
+            for s, n, piece in cache.pieces:  # the tokens of n rows, as [n, tokens per row, H, D]
+                qs, ks, vs = (t[:, s].view(n, -1, H, D) for t in (q, k, v))
+                pieces.append(self._attend(qs, ks, vs, piece, hooks).reshape(1, -1, H, D))
+            z = torch.cat(pieces, dim=1)
+        else:
+            z = self._attend(q, k, v, cache, hooks)
+        z = self.hook_z(z, hooks)  # [B, T, H, D]
+        return self.c_proj(z.reshape(B, T, C))
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None, hooks: Hooks | None
+    ) -> torch.Tensor:
+        """Each query's weighted mix of the values it may see: q, k, v [B, T, H, D] -> z [B, T, H, D]."""
+        T = q.shape[1]
         if cache is None:
             k, v, allowed = k.transpose(1, 2), v.transpose(1, 2), None  # [B, H, T, D]
         else:
             k, v, allowed = cache.update(self.layer, k, v)  # [B, H, S, D]: every key of the row so far
         q = q.transpose(1, 2)  # [B, H, T, D]
-
         if hooks is not None and (hooks.active(self.hook_attn_scores.name) or hooks.active(self.hook_pattern.name)):
             z = self._explicit_attention(q, k, v, allowed, hooks)
         else:  # fused kernel, same math
             z = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=allowed is None and T > 1)
-        z = self.hook_z(z.transpose(1, 2), hooks)  # [B, T, H, D]
-        return self.c_proj(z.reshape(B, T, C))
+        return z.transpose(1, 2)
 
     def _explicit_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, hooks: Hooks
@@ -118,7 +132,7 @@ class Block(nn.Module):
         self.hook_mlp_out = HookPoint(p + "hook_mlp_out")
         self.hook_resid_post = HookPoint(p + "hook_resid_post")
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None, hooks: Hooks | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | PackedBatch | None, hooks: Hooks | None) -> torch.Tensor:
         resid_pre = self.hook_resid_pre(x, hooks)  # [B, T, C]
         attn_out = self.hook_attn_out(self.attn(self.hook_ln1(self.ln_1(resid_pre), hooks), cache, hooks), hooks)
         resid_mid = self.hook_resid_mid(resid_pre + attn_out, hooks)
@@ -147,20 +161,23 @@ class GPT(nn.Module):
     def forward(
         self,
         idx: torch.Tensor,
-        cache: KVCache | None = None,
+        cache: KVCache | PackedBatch | None = None,
         hooks: Hooks | None = None,
         last_only: bool = False,
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B, T, vocab] for token ids `idx` [B, T] (only the last position's, [B, 1, vocab], if
         `last_only`). With a `cache`, `idx` continues each row's sequence and its keys and values are stored;
-        `positions` [B, 1] (a device tensor) makes that a fixed-shape decode step, as CUDA graphs need."""
+        `positions` [B, 1] (a device tensor) makes that a fixed-shape decode step, as CUDA graphs need. With a
+        `PackedBatch`, `idx` [1, N] is its tokens side by side and the logits [1, len(outputs), vocab] are
+        those at its `outputs`."""
         B, T = idx.shape
         if cache is None:
             if T > self.config.n_positions:
                 raise ValueError(f"sequence of {T} tokens exceeds the context of {self.config.n_positions}")
             pos = torch.arange(T, device=idx.device).expand(B, T)
         elif positions is not None:
+            assert isinstance(cache, KVCache)
             pos = cache.begin_static(positions)  # [B, 1]
         else:
             pos = cache.begin(T)  # [B, T]: each row goes on from its own length
@@ -169,7 +186,10 @@ class GPT(nn.Module):
         x = tok_emb + pos_emb
         for block in self.h:
             x = block(x, cache, hooks)
-        if last_only and not (hooks and (hooks.active(self.hook_ln_final.name) or hooks.active(self.hook_logits.name))):
+        if isinstance(cache, PackedBatch):
+            assert hooks is None, "hooks see one sequence's shapes: run a sequence with hooks unpacked"
+            x = x[:, cache.outputs]
+        elif last_only and not (hooks and any(hooks.active(h.name) for h in (self.hook_ln_final, self.hook_logits))):
             x = x[:, -1:]
         x = self.hook_ln_final(self.ln_f(x), hooks)
         logits = self.hook_logits(x @ self.wte.weight.T, hooks)  # LM head tied to wte: [B, T, vocab]

@@ -6,6 +6,7 @@ length: rows of different lengths decode together, each query seeing only its ow
 join (`add_row`) and leave (`remove_row`, which moves the last row into the gap) between forward passes,
 as continuous batching needs. A forward pass reads the rows' start positions with `begin`, each attention
 layer writes its new keys and values with `update`, and the caller moves the lengths on with `advance`.
+`PackedBatch` puts a decode step and prompt chunks of some rows into one forward pass.
 """
 
 from __future__ import annotations
@@ -157,3 +158,35 @@ class _Step:
         self.positions = positions
         self.n_keys = n_keys
         self.allowed = allowed
+
+
+class PackedBatch:
+    """Several pieces of work side by side in one forward pass over a [1, N] batch of tokens: a decode token
+    for each of the cache's rows in use, then prompt chunks, each of one row. This is continuous batching
+    with chunked prefill in one pass: the projections and the MLP see all N tokens as one matrix (the
+    weights are read once for all), while attention runs piece by piece, each piece against its own rows'
+    keys (`CausalSelfAttention`). Logits come out only at `outputs` (indices into the N tokens).
+
+    A row whose prompt is still being prefilled also takes part in the decode piece (every row does), with
+    a dummy token whose key and value its own chunk, written after, overwrites; the caller moves the
+    lengths on after the pass (`advance`, `set_length`).
+    """
+
+    def __init__(self, cache: KVCache, decode: bool, chunks: list[tuple[int, int]], outputs: list[int]) -> None:
+        """`decode`: begin with one token per row in use; `chunks`: (row, tokens) for each prompt chunk."""
+        self.cache = cache
+        self.pieces: list[tuple[slice, int, KVCache]] = []  # (its tokens among the N, its rows, its cache)
+        n = 0
+        if decode:
+            self.pieces.append((slice(0, cache.batch_size), cache.batch_size, cache))
+            n = cache.batch_size
+        for row, length in chunks:
+            self.pieces.append((slice(n, n + length), 1, cache.row(row)))
+            n += length
+        self.n_tokens = n
+        self.outputs = torch.tensor(outputs, dtype=torch.long, device=cache.k.device)
+
+    def begin(self, n_new: int) -> torch.Tensor:
+        """Start the pass over the `n_new` packed tokens; return their position ids [1, N]."""
+        assert n_new == self.n_tokens, f"the batch packs {self.n_tokens} tokens, got {n_new}"
+        return torch.cat([piece.begin((s.stop - s.start) // rows).view(1, -1) for s, rows, piece in self.pieces], dim=1)

@@ -3,8 +3,9 @@
 For each level of concurrency (default 1, 4, 16, 32, 64 clients) it sends the same kind of requests
 (mixed prompt and output lengths, greedy, streamed from /v1/generate) and measures throughput
 (generated tokens per second), time to first token and inter-token latency (p50 and p99). The baseline
-is the same requests served one at a time; throughput is reported as a ratio to it, and p99 inter-token
-latency as a ratio to the batch-1 latency.
+is the same kind of requests served one at a time, measured before and after each level (A B A B, so a
+change in the machine's speed between runs does not skew a ratio); throughput is reported as a ratio to
+the two baselines around it, and p99 inter-token latency as a ratio to their batch-1 latency (p50).
 
     python scripts/bench_server.py                       # a random gpt2-small-shaped checkpoint
     python scripts/bench_server.py --model ./gpt2 --levels 1 4 16 --json server.json
@@ -57,6 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, nargs=2, default=[16, 64], metavar=("MIN", "MAX"))
     p.add_argument("--baseline-requests", type=int, default=8, help="requests served one at a time for the baseline")
     p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--prefill-chunk", type=int, help="prompt tokens per engine step (default: the server's)")
     p.add_argument("--quick", action="store_true", help="small levels and short requests (a smoke run)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = p.parse_args(argv)
@@ -171,6 +173,8 @@ def start_server(args: argparse.Namespace, model: str, port: int) -> subprocess.
         "--log-level",
         "warning",
     ]
+    if args.prefill_chunk is not None:
+        cmd += ["--prefill-chunk", str(args.prefill_chunk)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE)
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -203,32 +207,39 @@ def main(argv: list[str] | None = None) -> int:
         url = f"http://127.0.0.1:{port}"
         try:
             asyncio.run(run_level(url, make_requests(2, args, seed=99), 2))  # warm-up
-            baseline = asyncio.run(run_level(url, make_requests(args.baseline_requests, args, seed=0), 1))
+            one_at_a_time = make_requests(args.baseline_requests, args, seed=0)
+            baselines = [asyncio.run(run_level(url, one_at_a_time, 1))]
             levels = []
-            for clients in args.levels:
+            for clients in args.levels:  # A B A B: a baseline before and after each level
                 n = args.requests or max(2 * clients, 16)
                 levels.append(asyncio.run(run_level(url, make_requests(n, args, seed=clients), clients)))
+                baselines.append(asyncio.run(run_level(url, one_at_a_time, 1)))
         finally:
             server.terminate()
             server.wait(timeout=30)
     report = {
-        "baseline_one_at_a_time": baseline,
+        "dtype": args.dtype,
+        "prefill_chunk": args.prefill_chunk,
+        "baselines_one_at_a_time": baselines,
         "levels": levels,
         "load_average_at_start": load_before,
         "load_average_at_end": os.getloadavg()[0],
         "cpus": os.cpu_count(),
     }
+    rates = [b["tokens_per_s"] for b in baselines]
     print(
-        f"\nbaseline, one request at a time: {baseline['tokens_per_s']:.1f} tokens/s, "
-        f"inter-token p50 {baseline['itl_p50_ms']:.1f} ms"
+        f"\nbaseline, the same kind of requests one at a time, measured before and after each level: "
+        f"{min(rates):.1f}-{max(rates):.1f} tokens/s, inter-token p50 "
+        f"{min(b['itl_p50_ms'] for b in baselines):.1f}-{max(b['itl_p50_ms'] for b in baselines):.1f} ms"
     )
     print(
         f"{'clients':>7} {'tok/s':>8} {'x 1-at-a-time':>14} {'TTFT p50':>9} {'TTFT p99':>9} "
         f"{'ITL p50':>8} {'ITL p99':>8} {'ITL p99 / batch-1':>18}"
     )
-    for lv in levels:
-        lv["throughput_ratio"] = lv["tokens_per_s"] / baseline["tokens_per_s"]
-        lv["itl_p99_over_batch1"] = lv["itl_p99_ms"] / baseline["itl_p50_ms"]
+    for i, lv in enumerate(levels):
+        before, after = baselines[i], baselines[i + 1]  # the baselines measured next to this level
+        lv["throughput_ratio"] = lv["tokens_per_s"] / ((before["tokens_per_s"] + after["tokens_per_s"]) / 2)
+        lv["itl_p99_over_batch1"] = lv["itl_p99_ms"] / ((before["itl_p50_ms"] + after["itl_p50_ms"]) / 2)
         print(
             f"{lv['clients']:>7} {lv['tokens_per_s']:>8.1f} {lv['throughput_ratio']:>14.2f} "
             f"{lv['ttft_p50_ms']:>7.0f}ms {lv['ttft_p99_ms']:>7.0f}ms {lv['itl_p50_ms']:>6.1f}ms "

@@ -1,8 +1,9 @@
 """The engine: owns the model and schedules every request onto it, from one worker thread.
 
 No model code runs on the event loop. Requests wait in a bounded queue; the worker admits them into a
-continuous batch (`model.generate.DecodeBatch`) as rows free up, runs one decode step for every active
-sequence at a time, and hands each token to its request's asyncio queue as it is produced. A request
+continuous batch (`model.generate.DecodeBatch`) as rows free up, runs one step at a time (a decode token
+for every active sequence and the next prompt chunks, in one forward pass), and hands each token to its
+request's asyncio queue as it is produced. A request
 that arrives while others decode joins at the next step. A request with hooks (activations to capture,
 interventions) runs in a batch of its own (hooks see the whole batch), interleaved step by step with the
 shared batch. A
@@ -113,7 +114,7 @@ class Engine:
         prefill_chunk: int | None = None,
         metrics: Metrics | None = None,
     ) -> None:
-        """`prefill_chunk`: prompt tokens prefilled per engine step, between decode steps (None: by device)."""
+        """`prefill_chunk`: prompt tokens per engine step, packed with the decode tokens (None: by device)."""
         if max_batch_size < 1 or max_queue < 1:
             raise ValueError("max_batch_size and max_queue must be at least 1")
         self.loaded = loaded
@@ -123,7 +124,7 @@ class Engine:
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
         config = self.model.config
-        if prefill_chunk is None:  # long enough to use the matrix units well, short enough not to stall decoding
+        if prefill_chunk is None:  # enough to use the matrix units well, few enough not to slow decoding much
             prefill_chunk = 512 if loaded.device.type == "cuda" else 64
         self.prefill_chunk = prefill_chunk
         # On a GPU the decode step is captured as CUDA graphs, here, before serving.

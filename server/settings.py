@@ -24,7 +24,7 @@ class Settings:
     max_batch_size: int = field(default=16, metadata={"help": "sequences decoded together"})
     max_queue: int = field(default=256, metadata={"help": "sequences allowed to wait; beyond it, 429"})
     prefill_chunk: int | None = field(
-        default=None, metadata={"help": "prompt tokens prefilled per engine step (default: 64 on CPU, 512 on GPU)"}
+        default=None, metadata={"help": "prompt tokens per step, packed with decode tokens (default: 64 CPU, 512 GPU)"}
     )
     max_new_tokens: int = field(default=1024, metadata={"help": "server-wide cap on tokens per completion"})
     max_activation_bytes: int = field(default=256 * 2**20, metadata={"help": "largest activation dump (bytes)"})

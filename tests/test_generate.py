@@ -235,6 +235,44 @@ def test_chunked_prefill_gives_the_same_tokens_and_logprobs(tiny_model: GPT) -> 
         assert [lp.logprob for lp in got.logprobs] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
 
 
+def test_joining_a_running_batch_changes_no_tokens(tiny_model: GPT) -> None:
+    """Continuous batching: sequences join a 2-row batch as rows free up, their prompt chunks packed into
+    the same passes as the others' decode tokens; each gets the tokens and log-probabilities it gets alone."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 50257, (n,), generator=g).tolist() for n in (7, 2, 11, 5, 9)]
+    params = [
+        SamplingParams(max_new_tokens=n, logprobs=1, prompt_logprobs=1 if n == 4 else None, **GREEDY)
+        for n in (3, 8, 4, 6, 2)
+    ]
+    alone = [run(tiny_model, [p], q)[0][0] for p, q in zip(prompts, params, strict=True)]
+    with torch.inference_mode():
+        batch = DecodeBatch(tiny_model, 2, 32, prefill_chunk=3)
+        seqs = [new_sequence(tiny_model, i, p, q, None) for i, (p, q) in enumerate(zip(prompts, params, strict=True))]
+        waiting, packed_steps = list(seqs), 0
+        while waiting or batch:
+            while waiting and batch.has_room:
+                batch.add(waiting.pop(0))
+            decoding = any(s.prefilled == len(s.prompt) for s in batch.seqs)
+            prefilling = any(s.prefilled < len(s.prompt) for s in batch.seqs)
+            packed_steps += decoding and prefilling
+            batch.step()
+    assert packed_steps >= 3  # the case under test did happen
+    for seq, want in zip(seqs, alone, strict=True):
+        got = seq.result()
+        assert got.token_ids == want.token_ids
+        assert got.logprobs is not None and want.logprobs is not None
+        assert [x.logprob for x in got.logprobs] == pytest.approx([x.logprob for x in want.logprobs], abs=1e-4)
+        if want.prompt_logprobs is not None:
+            assert got.prompt_logprobs is not None
+            assert (
+                [x.logprob for x in got.prompt_logprobs[1:]]
+                == pytest.approx(  # type: ignore[union-attr]
+                    [x.logprob for x in want.prompt_logprobs[1:]],
+                    abs=1e-4,  # type: ignore[union-attr]
+                )
+            )
+
+
 # --- refusals --------------------------------------------------------------------------------------
 
 

@@ -22,7 +22,7 @@ from conftest import Checkpoint, load_ours
 from model.generate import SamplingParams, generate
 from model.gpt import GPT
 from model.hooks import Capture, hook_names
-from model.kv_cache import KVCache
+from model.kv_cache import KVCache, PackedBatch
 
 CHECKPOINTS = ["tiny", "tiny_hub", "distil", "small"]
 EXACT = 1e-9  # float64 agreement
@@ -199,6 +199,43 @@ def test_kv_cache_with_ragged_rows_matches_full_forward(tiny_model: GPT) -> None
             for b, (seq, n) in enumerate(zip(seqs, lengths, strict=True)):
                 full = tiny_model(seq[None, : n + step + 1])[0, -1]
                 assert max_diff(logits[b], full) <= F32, (b, step)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_packed_pass_equals_separate_passes(tiny: Checkpoint, dtype: torch.dtype) -> None:
+    """One PackedBatch pass (a decode token for each of three ragged rows, a dummy for the row still
+    prefilling, then prompt chunks of two rows, one of them starting its prompt) gives each wanted position
+    the logits of a full forward over that row's sequence, and leaves the cache as separate passes would."""
+    model = load_ours(tiny, dtype)
+    tol = EXACT if dtype == torch.float64 else F32
+    seqs = [random_ids(1, 20, seed=40 + i)[0] for i in range(4)]
+    lengths = [5, 11, 8, 0]  # rows 0-2 have a prefix cached; row 3 is empty
+    with torch.no_grad():
+        cache = KVCache(model.config, 4, 20, dtype=dtype, device="cpu")
+        for b, n in enumerate(lengths[:3]):
+            model(seqs[b][None, :n], cache.row(b))
+            cache.set_length(b, n)
+        # row 0 and 1 decode; row 2 continues its prompt with 4 tokens (and rides the decode piece with a
+        # dummy); row 3 starts its prompt with 6 tokens (dummy too)
+        dummy = torch.tensor(0)
+        tokens = [seqs[0][5], seqs[1][11], dummy, dummy, *seqs[2][8:12], *seqs[3][:6]]
+        outputs = [0, 1, *range(4, 8), 13]
+        packed = PackedBatch(cache, True, [(2, 4), (3, 6)], outputs)
+        logits = model(torch.stack(tokens)[None], packed)[0]
+        cache.advance([1, 1, 0, 0])
+        cache.set_length(2, 12)
+        cache.set_length(3, 6)
+        assert cache.lengths == [6, 12, 12, 6]
+        full = [model(seq[None, :n])[0] for seq, n in zip(seqs, cache.lengths, strict=True)]
+        assert max_diff(logits[0], full[0][5]) <= tol
+        assert max_diff(logits[1], full[1][11]) <= tol
+        assert max_diff(logits[2:6], full[2][8:12]) <= tol
+        assert max_diff(logits[6], full[3][5]) <= tol
+        # the cache holds what one more decode step of every row needs: the next tokens agree too
+        nxt = torch.stack([seq[n] for seq, n in zip(seqs, cache.lengths, strict=True)])[:, None]
+        step = model(nxt, cache)[:, -1]
+        for b, (seq, n) in enumerate(zip(seqs, cache.lengths, strict=True)):
+            assert max_diff(step[b], model(seq[None, : n + 1])[0, -1]) <= tol, b
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny_hub"])
