@@ -3,14 +3,16 @@
     python scripts/bench.py                        # gpt2-small-shaped random checkpoint, full run, CPU
     python scripts/bench.py --quick --json out.json
     python scripts/bench.py --model ./gpt2 --dtype bfloat16 --profile
-    python scripts/bench.py --device cuda --batches 1 8 32   # on a GPU, bfloat16 by default there
+    python scripts/bench.py --device cuda --batches 1 8 32 64   # on a GPU, bfloat16 by default there
+    python scripts/bench.py --prefill-lens 128 512 1024 --plot ratios.png
 
 Measures, on the same checkpoint in the official format:
-  1. greedy decode throughput at batch 1 and 8 (--batches), prefill excluded (the time of N new tokens minus
+  1. greedy decode throughput at batch 1, 8 and 32 (--batches), prefill excluded (the time of N new tokens minus
      that of one new token, so only the N - 1 one-token steps are left), as aggregate tokens/s; on CUDA ours
      decodes through DecodeBatch(static=True), the decode step replayed as CUDA graphs captured once per
      batch size (untimed, as a server does at start-up);
-  2. the time of one forward pass over 1024 tokens keeping only the last position's logits (prefill);
+  2. the time of one forward pass over 128 and over 1024 tokens (--prefill-lens) keeping only the last
+     position's logits (prefill);
   3. the peak resident memory added by loading our model, in a fresh process, against the weights' size
      (loading to the CPU); on CUDA also each contender's peak GPU memory in each benchmark;
   4. the machine's limit in the same run: memory read bandwidth (best of passes of torch.sum and of a
@@ -22,7 +24,8 @@ The machine may be shared and noisy: the runs alternate reference and ours (A B 
 is kept; on CPU both sides are timed at 1 and 2 torch threads (and --threads), and ours, at --threads and at
 its best, is compared with the reference's fastest setting. A 1-minute load average above 0.5 at the start is
 warned about, and so is a share of the CPUs taken by other processes (from /proc/stat, less this process's
-own CPU time) during the timed runs. Ratios are speed ratios, ours / transformers: above 1 means we are faster.
+own CPU time) during the timed runs. Ratios are speed ratios, ours / transformers: above 1 means we are faster;
+--plot draws them as a bar chart (needs matplotlib).
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="checkpoint directory (config.json, model.safetensors); default: a random "
         "gpt2-small-shaped one made in a temporary directory",
     )
-    p.add_argument("--quick", action="store_true", help="fewer tokens and a shorter prefill (a smoke run)")
+    p.add_argument("--quick", action="store_true", help="fewer tokens and shorter prefills (a smoke run)")
     p.add_argument(
         "--threads",
         type=int,
@@ -84,19 +87,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--new-tokens", type=int, help="new tokens per decode run (default 128, --quick 16)")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens for the decode runs")
-    p.add_argument("--prefill-len", type=int, help="tokens of the prefill pass (default 1024, --quick 256)")
+    p.add_argument(
+        "--prefill-lens", type=int, nargs="+", help="tokens of each prefill pass (default 128 1024, --quick 64 128)"
+    )
     p.add_argument("--reps", type=int, help="timed repetitions of each contender (default 3, --quick 2)")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu", help="auto: cuda if available")
     p.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on CUDA"
     )
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="decode batch sizes (default: %(default)s)")
+    p.add_argument(
+        "--batches", type=int, nargs="+", default=[1, 8, 32], help="decode batch sizes (default: %(default)s)"
+    )
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--plot", metavar="PNG", help="also draw the ours / transformers ratios as a bar chart")
     p.add_argument("--profile", action="store_true", help="also profile some of our batch-1 decode steps")
     p.add_argument("--child", choices=CHILD_TASKS, help=argparse.SUPPRESS)  # internal: see run_child
     args = p.parse_args(argv)
     args.new_tokens = args.new_tokens or (16 if args.quick else 128)
-    args.prefill_len = args.prefill_len or (256 if args.quick else 1024)
+    args.prefill_lens = args.prefill_lens or ([64, 128] if args.quick else [128, 1024])
     args.reps = args.reps or (2 if args.quick else 3)
     if args.new_tokens < 2:
         p.error(f"--new-tokens must be at least 2 (decode time is N tokens minus 1), got {args.new_tokens}")
@@ -107,6 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if any(b < 1 for b in args.batches):
         p.error(f"--batches must all be at least 1, got {args.batches}")
     args.batches = sorted(set(args.batches))
+    if any(n < 1 for n in args.prefill_lens):
+        p.error(f"--prefill-lens must all be at least 1, got {args.prefill_lens}")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -549,12 +559,14 @@ def run(args: argparse.Namespace, path: str, load_start: tuple[float, float, flo
             gpu_peak[f"decode_b{batch}"] = {
                 c.label: peak_gpu_extra(c, c.decode, prompts[:batch], args.new_tokens) for c in contenders
             }
-    prefill_len = min(args.prefill_len, cfg.n_positions)
-    print(f"prefill: {prefill_len} tokens, {args.reps} reps ...")
-    idx = torch.randint(0, cfg.vocab_size, (1, prefill_len), generator=g).to(device)
-    prefill = bench_prefill(contenders, idx, args.reps)
-    if device.type == "cuda":
-        gpu_peak["prefill"] = {c.label: peak_gpu_extra(c, c.prefill, idx) for c in contenders}
+    prefill_lens = sorted({min(n, cfg.n_positions) for n in args.prefill_lens})  # at most the context
+    prefill: dict[int, dict[str, Timing]] = {}
+    for n in prefill_lens:
+        print(f"prefill: {n} tokens, {args.reps} reps ...")
+        idx = torch.randint(0, cfg.vocab_size, (1, n), generator=g).to(device)
+        prefill[n] = bench_prefill(contenders, idx, args.reps)
+        if device.type == "cuda":
+            gpu_peak[f"prefill_{n}"] = {c.label: peak_gpu_extra(c, c.prefill, idx) for c in contenders}
     share = others_share(busy_start)
     load_end = os.getloadavg()
     limit_end = measure_limit(device, dtype, thread_counts)  # again: the bandwidth swings from minute to minute
@@ -567,6 +579,7 @@ def run(args: argparse.Namespace, path: str, load_start: tuple[float, float, flo
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
         "dtype": args.dtype,
         "threads": {"ours": args.threads, "tried": thread_counts},
+        "ours_label": ours_label,
         "load_average_start": load_start,
         "load_average_end": load_end,
         "cpu_count": os.cpu_count(),
@@ -578,6 +591,7 @@ def run(args: argparse.Namespace, path: str, load_start: tuple[float, float, flo
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "batches": args.batches,
+        "prefill_lens": prefill_lens,
         "reps": args.reps,
     }
     for batch, results in decode.items():
@@ -587,13 +601,14 @@ def run(args: argparse.Namespace, path: str, load_start: tuple[float, float, flo
             "cpu_ms_per_step": {k: r.cpu_ms_per_step for k, r in results.items()},
             "runs_s": {k: {"new_tokens": asdict(r.full), "one_token": asdict(r.one)} for k, r in results.items()},
         }
-    report["prefill"] = compare({k: 1 / t.best for k, t in prefill.items()}, ours_label) | {
-        "unit": "passes/s",
-        "tokens": prefill_len,
-        "ms": {k: 1000 * t.best for k, t in prefill.items()},
-        "cpu_ms": {k: 1000 * t.best_cpu for k, t in prefill.items()},
-        "runs_s": {k: asdict(t) for k, t in prefill.items()},
-    }
+    for n, timings in prefill.items():
+        report[f"prefill_{n}"] = compare({k: 1 / t.best for k, t in timings.items()}, ours_label) | {
+            "unit": "passes/s",
+            "tokens": n,
+            "ms": {k: 1000 * t.best for k, t in timings.items()},
+            "cpu_ms": {k: 1000 * t.best_cpu for k, t in timings.items()},
+            "runs_s": {k: asdict(t) for k, t in timings.items()},
+        }
     report["load_rss"] = rss | {"ratio_to_weights": rss[OURS]["increase"] / rss[OURS]["weights"]}
     if device.type == "cuda":
         weights = {OURS: _nbytes(model), REF: _nbytes(hf)}
@@ -672,13 +687,13 @@ def busy_report(
     share: dict[str, float] | None,
     contenders: list[Contender],
     decode: dict[int, dict[str, DecodeResult]],
-    prefill: dict[str, Timing],
+    prefill: dict[int, dict[str, Timing]],
     device: torch.device,
 ) -> dict[str, Any]:
     """Whether other processes competed for the CPUs during the timed runs: their share of all CPUs, and (on
     CPU) this process's CPU time per wall second in its 1-thread runs, which is below 1 when it waited."""
     timings = [t for r in decode.values() for k, d in r.items() for t in (d.full, d.one) if k.endswith(" 1t")]
-    timings += [t for k, t in prefill.items() if k.endswith(" 1t")]
+    timings += [t for r in prefill.values() for k, t in r.items() if k.endswith(" 1t")]
     one_thread = None
     if device.type == "cpu" and timings:
         one_thread = sum(sum(t.cpu_runs) for t in timings) / sum(sum(t.runs) for t in timings)
@@ -725,11 +740,12 @@ def print_table(report: dict[str, Any], labels: list[str], ours_label: str) -> N
         row("  CPU ms per step", d["cpu_ms_per_step"], ".2f")
         if gpu:
             row("  peak GPU MiB", {k: v / 2**20 for k, v in gpu["peak"][f"decode_b{batch}"].items()}, ".0f")
-    p = report["prefill"]
-    row(f"prefill {p['tokens']} tok, ms", p["ms"], ".1f", p)
-    row("  CPU ms", p["cpu_ms"], ".1f")
-    if gpu:
-        row("  peak GPU MiB", {k: v / 2**20 for k, v in gpu["peak"]["prefill"].items()}, ".0f")
+    for n in report["prefill_lens"]:
+        p = report[f"prefill_{n}"]
+        row(f"prefill {n} tok, ms", p["ms"], ".1f", p)
+        row("  CPU ms", p["cpu_ms"], ".1f")
+        if gpu:
+            row("  peak GPU MiB", {k: v / 2**20 for k, v in gpu["peak"][f"prefill_{n}"].items()}, ".0f")
     lim = report["limit"]
     by_label = lim["by_label"]
     row("read bandwidth, GB/s", {k: v["read_bytes_per_s"] / 1e9 for k, v in by_label.items()}, ".1f")
@@ -763,9 +779,10 @@ def print_table(report: dict[str, Any], labels: list[str], ours_label: str) -> N
             "against the bound at its own thread count)"
         )
     fastest = ", ".join(f"b={b} {report[f'decode_b{b}']['reference']}" for b in report["batches"])
+    fastest_prefill = ", ".join(f"{n} {report[f'prefill_{n}']['reference']}" for n in report["prefill_lens"])
     print(
         "ratios: speed of ours / speed of the fastest transformers thread setting (>1: we are faster); "
-        f"fastest reference: decode {fastest}, prefill {p['reference']}"
+        f"fastest reference: decode {fastest}, prefill {fastest_prefill}"
     )
     print(
         "CPU ms: process CPU time, which waiting for a busy core does not inflate (at 2 threads it counts both "
@@ -784,6 +801,32 @@ def print_table(report: dict[str, Any], labels: list[str], ours_label: str) -> N
             f"WARNING: other processes took a noticeable share of the CPUs (> {100 * BUSY_SHARE:.0f}%) during "
             "the timed runs: timings are noisy and ratios against the reference may be inflated or deflated."
         )
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    """A bar chart of the speed ratios: ours at --threads (on CPU also ours at its best) against the fastest
+    reference setting, one group of bars per decode batch size and per prefill length."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    keys = [f"decode_b{b}" for b in report["batches"]] + [f"prefill_{n}" for n in report["prefill_lens"]]
+    names = [f"decode b={b}" for b in report["batches"]] + [f"prefill {n}" for n in report["prefill_lens"]]
+    bars = {report["ours_label"]: "ratio"} | ({"ours at its best": "ratio_best"} if report["device"] == "cpu" else {})
+    width = 0.8 / len(bars)
+    fig, ax = plt.subplots(figsize=(1.2 * len(keys) + 2, 4))
+    for j, (label, ratio) in enumerate(bars.items()):
+        offset = (j - (len(bars) - 1) / 2) * width
+        ax.bar([i + offset for i in range(len(keys))], [report[k][ratio] for k in keys], width, label=label)
+    ax.axhline(1, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(keys)), names)
+    ax.set_ylabel("speed, ours / fastest transformers")
+    ax.set_title(f"{report['dtype']} on {report['device']}: above 1, ours is faster")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _mib(n: int | None) -> str:
@@ -806,6 +849,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")
+    if args.plot:
+        plot(report, args.plot)
+        print(f"wrote {args.plot}")
     return 0
 
 

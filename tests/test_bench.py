@@ -1,0 +1,83 @@
+"""Smoke tests of the benchmark scripts: quick runs on the tiny checkpoint, their JSON checked (not their speed)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gpt2_scripts import bench
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(script: str, *args: str) -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / script), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_bench_defaults() -> None:
+    args = bench.parse_args([])
+    assert (args.batches, args.prefill_lens) == ([1, 8, 32], [128, 1024])
+    assert bench.parse_args(["--quick"]).prefill_lens == [64, 128]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--prefill-lens", "0"])
+
+
+def test_bench_quick(tiny, tmp_path: Path) -> None:
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    # 500 is past the tiny context (128): measured at 128; the batches come back sorted
+    quick = ["--quick", "--batches", "3", "1", "--prefill-lens", "16", "500", "--new-tokens", "4"]
+    run_script("bench.py", *quick, "--model", str(tiny.path), "--json", str(out), "--plot", str(png))
+    report = json.loads(out.read_text())
+    assert report["batches"] == [1, 3]
+    assert report["prefill_lens"] == [16, 128]
+    labels = {f"{name} {t}t" for name in (bench.OURS, bench.REF) for t in report["threads"]["tried"]}
+    keys = [f"decode_b{b}" for b in (1, 3)] + [f"prefill_{n}" for n in (16, 128)]
+    assert {k for k in report if k.startswith(("decode_b", "prefill_"))} == {*keys, "prefill_lens"}
+    for key in keys:
+        entry = report[key]
+        assert set(entry["speeds"]) == labels, key
+        assert all(positive(v) for v in entry["speeds"].values()), entry["speeds"]
+        assert positive(entry["ratio"]) and positive(entry["ratio_best"]), key
+        assert entry["ratio"] == entry["speeds"][report["ours_label"]] / entry["speeds"][entry["reference"]]
+    for n in (16, 128):
+        p = report[f"prefill_{n}"]
+        assert p["tokens"] == n
+        assert all(positive(v) for v in p["ms"].values()), p["ms"]
+        assert all(len(r["runs"]) == report["reps"] for r in p["runs_s"].values())
+    assert all(positive(v) for v in report["decode_b3"]["ms_per_step"].values())
+    assert positive(report["load_rss"][bench.OURS]["weights"]) and positive(report["load_rss"]["ratio_to_weights"])
+    assert positive(report["limit"]["read_bytes_per_s"]) and positive(report["limit"]["decode_b1_bound_tok_s"])
+    assert png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_bench_server_quick(tiny, tokenizer_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "server.json"
+    model = ["--model", str(tiny.path), "--tokenizer", str(tokenizer_dir), "--device", "cpu", "--dtype", "float32"]
+    run_script("bench_server.py", "--quick", *model, "--json", str(out))
+    report = json.loads(out.read_text())
+    levels = report["levels"]
+    assert [lv["clients"] for lv in levels] == [1, 4]
+    for lv in levels:
+        assert lv["tokens"] > 0 and positive(lv["tokens_per_s"]), lv
+        assert positive(lv["throughput_ratio"]) and positive(lv["itl_p99_over_batch1"]), lv
+        assert positive(lv["ttft_p50_ms"]) and lv["ttft_p99_ms"] >= lv["ttft_p50_ms"], lv
+    baselines = report["baselines_one_at_a_time"]
+    assert len(baselines) == len(levels) + 1  # one before the first level and one after each
+    assert all(b["clients"] == 1 and positive(b["tokens_per_s"]) for b in baselines)
