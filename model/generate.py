@@ -2,8 +2,8 @@
 
 Each prompt is prefilled into its row of a shared cache, then all unfinished rows decode together, one
 token per step, in the same forward passes as the prompts of rows that joined later; a finished row
-leaves the batch. Every sequence keeps its own sampling settings and
-random generator, so a row's tokens do not depend on what else is in the batch. Iterating a `Generation`
+leaves the batch. Every sequence keeps its own sampling settings and random generator, so a row's tokens
+do not depend on what else is in the batch. Iterating a `Generation`
 yields a `TokenEvent` per token as it is produced; `generate` runs one to the end.
 """
 
@@ -24,7 +24,6 @@ from .sampling import sample, top_logprobs
 from .tokenizer import EOT_ID, Tokenizer
 
 MAX_LOGPROBS = 20
-PREFILL_TOKENS = 4096  # prompt tokens per forward pass of a `Generation` (bounds its activations' memory)
 
 
 class GenerationError(ValueError):
@@ -280,6 +279,8 @@ class DecodeBatch:
     ) -> None:
         """`static`: decode at fixed shapes, replayed as CUDA graphs on a GPU (captured here, so make the
         batch before serving)."""
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
         self.model = model
         w = model.wte.weight
         self.cache = KVCache.empty(model.config, capacity, max_len, dtype=w.dtype, device=w.device)
@@ -363,15 +364,13 @@ class DecodeBatch:
         packed = PackedBatch(self.cache, bool(decoding), [(b, end - start) for b, start, end in chunks], outputs)
         idx = torch.tensor([tokens], device=self.model.wte.weight.device)  # [1, N]
         logits = self.model(idx, packed)[0]  # [len(outputs), vocab]
+        out: list[tuple[SequenceState, TokenEvent | None]] = []
         if decoding:
-            self.cache.advance([1 if s.prefilled == len(s.prompt) else 0 for s in self.seqs])
+            self.cache.advance([int(b in decoding) for b in range(len(self.seqs))])
+            argmax = logits[: len(decoding)].argmax(dim=-1).tolist()  # one device sync for every greedy row
+            out += [(self.seqs[b], self.seqs[b].accept(logits[i], argmax[i])) for i, b in enumerate(decoding)]
         for b, _, end in chunks:
             self.cache.set_length(b, end)
-
-        argmax = logits[: len(decoding)].argmax(dim=-1).tolist()  # one device sync for every greedy row
-        out: list[tuple[SequenceState, TokenEvent | None]] = [
-            (self.seqs[b], self.seqs[b].accept(logits[i], argmax[i])) for i, b in enumerate(decoding)
-        ]
         for (b, start, end), (lo, hi) in zip(chunks, spans, strict=True):
             out += self._prefilled(self.seqs[b], start, end, logits[lo:hi])
         return out
@@ -394,7 +393,7 @@ class DecodeBatch:
         return [(seq, seq.accept(logits[-1]))]
 
     def _decode(self) -> list[tuple[SequenceState, TokenEvent | None]]:
-        """One token for every row (all are past their prompts)."""
+        """One token for every row (a step with no prompt chunk: every row is past its prompt)."""
         hooks = self.seqs[0].hooks if self.cache.capacity == 1 else None
         tokens = [s.tokens[-1] for s in self.seqs]
         if self.static is not None and hooks is None:
@@ -470,7 +469,9 @@ class Generation:
         with torch.inference_mode():
             for group in groups:
                 max_len = max(len(s.prompt) + s.params.max_new_tokens for s in group)
-                batch = DecodeBatch(self.model, len(group), max_len, None if alone else PREFILL_TOKENS)
+                # prompt tokens per pass: at most a context's worth (bounds the memory of its logits)
+                chunk = None if alone else self.model.config.n_positions
+                batch = DecodeBatch(self.model, len(group), max_len, chunk)
                 for seq in group:
                     batch.add(seq)
                 while batch:

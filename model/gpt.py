@@ -172,6 +172,8 @@ class GPT(nn.Module):
         `PackedBatch`, `idx` [1, N] is its tokens side by side and the logits [1, len(outputs), vocab] are
         those at its `outputs`."""
         B, T = idx.shape
+        if isinstance(cache, PackedBatch):
+            assert hooks is None and not last_only, "a packed pass takes no hooks and picks its own outputs"
         if cache is None:
             if T > self.config.n_positions:
                 raise ValueError(f"sequence of {T} tokens exceeds the context of {self.config.n_positions}")
@@ -187,7 +189,6 @@ class GPT(nn.Module):
         for block in self.h:
             x = block(x, cache, hooks)
         if isinstance(cache, PackedBatch):
-            assert hooks is None, "hooks see one sequence's shapes: run a sequence with hooks unpacked"
             x = x[:, cache.outputs]
         elif last_only and not (hooks and any(hooks.active(h.name) for h in (self.hook_ln_final, self.hook_logits))):
             x = x[:, -1:]

@@ -168,13 +168,13 @@ class PackedBatch:
     keys (`CausalSelfAttention`). Logits come out only at `outputs` (indices into the N tokens).
 
     A row whose prompt is still being prefilled also takes part in the decode piece (every row does), with
-    a dummy token whose key and value its own chunk, written after, overwrites; the caller moves the
-    lengths on after the pass (`advance`, `set_length`).
+    a dummy token written at its length: its own chunk, if it has one in this pass, comes after and
+    overwrites it; if not, it lies past the row's length, seen by no query, until the row's next chunk
+    overwrites it. The caller moves the lengths on after the pass (`advance`, `set_length`).
     """
 
     def __init__(self, cache: KVCache, decode: bool, chunks: list[tuple[int, int]], outputs: list[int]) -> None:
         """`decode`: begin with one token per row in use; `chunks`: (row, tokens) for each prompt chunk."""
-        self.cache = cache
         self.pieces: list[tuple[slice, int, KVCache]] = []  # (its tokens among the N, its rows, its cache)
         n = 0
         if decode:

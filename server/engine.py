@@ -3,11 +3,10 @@
 No model code runs on the event loop. Requests wait in a bounded queue; the worker admits them into a
 continuous batch (`model.generate.DecodeBatch`) as rows free up, runs one step at a time (a decode token
 for every active sequence and the next prompt chunks, in one forward pass), and hands each token to its
-request's asyncio queue as it is produced. A request
-that arrives while others decode joins at the next step. A request with hooks (activations to capture,
-interventions) runs in a batch of its own (hooks see the whole batch), interleaved step by step with the
-shared batch. A
-cancelled request (client gone) leaves the batch at the next step and frees its row.
+request's asyncio queue as it is produced. A request that arrives while others decode joins at the next
+step. A request with hooks (activations to capture, interventions) runs in a batch of its own (hooks see
+the whole batch), interleaved step by step with the shared batch. A cancelled request (client gone)
+leaves the batch at the next step and frees its row.
 """
 
 from __future__ import annotations

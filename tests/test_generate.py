@@ -236,44 +236,64 @@ def test_chunked_prefill_gives_the_same_tokens_and_logprobs(tiny_model: GPT) -> 
 
 
 def test_joining_a_running_batch_changes_no_tokens(tiny_model: GPT) -> None:
-    """Continuous batching: sequences join a 2-row batch as rows free up, their prompt chunks packed into
-    the same passes as the others' decode tokens; each gets the tokens and log-probabilities it gets alone."""
+    """Continuous batching: sequences join a 3-row batch as rows free up, their prompt chunks packed into
+    the same passes as the others' decode tokens (2 prompt tokens a step, so a row may wait for its turn
+    with only a dummy token in the pass); each gets the tokens and log-probabilities it gets alone."""
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 50257, (n,), generator=g).tolist() for n in (7, 2, 11, 5, 9)]
+    prompts = [torch.randint(0, 50257, (n,), generator=g).tolist() for n in (7, 2, 11, 5, 9, 4)]
     params = [
         SamplingParams(max_new_tokens=n, logprobs=1, prompt_logprobs=1 if n == 4 else None, **GREEDY)
-        for n in (3, 8, 4, 6, 2)
+        for n in (3, 8, 4, 6, 2, 5)
     ]
     alone = [run(tiny_model, [p], q)[0][0] for p, q in zip(prompts, params, strict=True)]
     with torch.inference_mode():
-        batch = DecodeBatch(tiny_model, 2, 32, prefill_chunk=3)
+        batch = DecodeBatch(tiny_model, 3, 32, prefill_chunk=2)
         seqs = [new_sequence(tiny_model, i, p, q, None) for i, (p, q) in enumerate(zip(prompts, params, strict=True))]
-        waiting, packed_steps = list(seqs), 0
+        waiting, packed, waited = list(seqs), 0, 0
         while waiting or batch:
             while waiting and batch.has_room:
                 batch.add(waiting.pop(0))
             decoding = any(s.prefilled == len(s.prompt) for s in batch.seqs)
-            prefilling = any(s.prefilled < len(s.prompt) for s in batch.seqs)
-            packed_steps += decoding and prefilling
+            chunked = {b for b, _, _ in batch._chunks()}
+            prefilling = {b for b, s in enumerate(batch.seqs) if s.prefilled < len(s.prompt)}
+            packed += decoding and bool(chunked)
+            waited += decoding and bool(prefilling - chunked)  # a prefilling row with no chunk this pass
             batch.step()
-    assert packed_steps >= 3  # the case under test did happen
+    assert packed >= 3 and waited >= 1  # the cases under test did happen
     for seq, want in zip(seqs, alone, strict=True):
         got = seq.result()
         assert got.token_ids == want.token_ids
         assert got.logprobs is not None and want.logprobs is not None
         assert [x.logprob for x in got.logprobs] == pytest.approx([x.logprob for x in want.logprobs], abs=1e-4)
         if want.prompt_logprobs is not None:
-            assert got.prompt_logprobs is not None
-            assert (
-                [x.logprob for x in got.prompt_logprobs[1:]]
-                == pytest.approx(  # type: ignore[union-attr]
-                    [x.logprob for x in want.prompt_logprobs[1:]],
-                    abs=1e-4,  # type: ignore[union-attr]
-                )
-            )
+            assert got.prompt_logprobs is not None and len(got.prompt_logprobs) == len(want.prompt_logprobs)
+            for a, b in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:], strict=True):
+                assert a is not None and b is not None
+                assert a.id == b.id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
+def test_prompts_are_prefilled_in_the_order_they_joined(tiny_model: GPT) -> None:
+    """The prompt-token budget of a step goes to the earliest sequence first, even after a sequence that
+    left moved a later one into a lower row."""
+    params = SamplingParams(max_new_tokens=1, **GREEDY)
+    with torch.inference_mode():
+        batch = DecodeBatch(tiny_model, 3, 32, prefill_chunk=2)
+        first, second, third = (new_sequence(tiny_model, i, PROMPT[:n], params, None) for i, n in enumerate((1, 6, 6)))
+        for seq in (first, second, third):
+            batch.add(seq)
+        batch.step()  # first: its 1 token, done and gone (third moves into row 0); second: 1 token
+        assert first.finish_reason == "length" and batch.seqs == [third, second]
+        assert (second.prefilled, third.prefilled) == (1, 0)
+        batch.step()
+        assert (second.prefilled, third.prefilled) == (3, 0)
 
 
 # --- refusals --------------------------------------------------------------------------------------
+
+
+def test_a_batch_refuses_a_prefill_chunk_below_one(tiny_model: GPT) -> None:
+    with pytest.raises(ValueError, match="prefill_chunk must be at least 1, got 0"):
+        DecodeBatch(tiny_model, 2, 32, prefill_chunk=0)
 
 
 def test_prompt_plus_max_new_tokens_beyond_the_context(tiny_model: GPT) -> None:
