@@ -40,10 +40,8 @@ HUB_REPOS: dict[str, str] = {
 # --- the table: official tensor names and shapes --------------------------------------------
 
 # The projections (c_attn, c_proj, c_fc) are OpenAI's "Conv1D" weights, [in, out]; our `Conv1D` keeps
-# that layout, so they load as they are. The token embedding keeps its [vocab, C] shape but is stored
-# column-major (its transpose is contiguous): the LM head reads all of it every step as x @ wte.T, which
-# BLAS streams fastest that way, while an embedding lookup only gathers a few rows.
-COLUMN_MAJOR = "wte.weight"
+# that shape, so they load as they are. Their memory layout, and that of the token embedding (which the
+# LM head reads as x @ wte.T), is chosen for the matrix kernels that will read them (see `_stored`).
 # The causal-mask buffers older checkpoints carry; the mask is rebuilt at run time.
 MASK_BUFFER = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")
 PREFIX = "transformer."  # what transformers' save_pretrained puts before every name
@@ -258,7 +256,7 @@ def load_state(
         if not entry.dtype.is_floating_point:
             raise LoadError(f"tensor {key!r} has dtype {entry.dtype}, expected a floating-point type")
         t = _read(st, key).to(device=device, dtype=dtype)
-        state[name] = t.t().contiguous().t() if name == COLUMN_MAJOR else t.contiguous()
+        state[name] = _stored(name, t)
         del t
     if lm_head is not None:
         st, key = lm_head
@@ -268,6 +266,22 @@ def load_state(
         if not torch.equal(head, state["wte.weight"]):
             raise LoadError(f"tensor {key!r} differs from wte.weight: untied LM heads are not supported")
     return state
+
+
+def _stored(name: str, t: torch.Tensor) -> torch.Tensor:
+    """`t` laid out in memory as the matrix kernels of its dtype and device read fastest (same shape and values).
+
+    Every weight matrix is the right-hand side W of some x @ W. MKL's float32 GEMM on a CPU streams W fastest
+    row-major ([in, out] contiguous) for the few rows of a decode step, so there the projections stay as the
+    file has them and wte ([vocab, C], used as wte.T) is stored column-major. oneDNN's bfloat16/float16
+    kernels and cuBLAS prefer W column-major (nn.Linear's [out, in] contiguous): there the projections are
+    stored column-major and wte as it is. An embedding lookup only gathers a few rows either way.
+    """
+    if t.ndim != 2 or name == "wpe.weight":
+        return t.contiguous()
+    w_row_major = t.device.type == "cpu" and t.dtype == torch.float32  # how W should lie in memory
+    is_w = name != "wte.weight"  # a projection is W; wte is W transposed (the LM head is x @ wte.T)
+    return t.contiguous() if w_row_major == is_w else t.t().contiguous().t()
 
 
 def _read(st: SafetensorsFile, key: str) -> torch.Tensor:

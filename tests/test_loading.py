@@ -81,8 +81,22 @@ def test_both_official_layouts_load(name: str, request: pytest.FixtureRequest) -
     assert torch.equal(model.h[0].attn.c_attn.bias, hf.h[0].attn.c_attn.bias)
     assert torch.equal(model.wpe.weight, hf.wpe.weight) and torch.equal(model.ln_f.bias, hf.ln_f.bias)
     assert torch.equal(model.wte.weight, hf.wte.weight) and model.wte.weight.T.is_contiguous()
+    assert model.h[1].attn.c_attn.weight.is_contiguous()
     with torch.no_grad():
         assert (logits(model) - ck.hf(IDS).logits).abs().max() <= 1e-4
+
+
+def test_low_precision_weights_are_laid_out_for_their_kernels(tiny: Checkpoint) -> None:
+    """In bfloat16 the projections are stored column-major (nn.Linear's [out, in] contiguous) and wte as it
+    is, the layout oneDNN's bfloat16 kernels read fastest; shapes and values are the checkpoint's."""
+    model = load_weights(tiny.path, device="cpu", dtype="bfloat16")
+    hf = tiny.hf.transformer
+    for w, ref in [
+        (model.h[0].attn.c_attn.weight, hf.h[0].attn.c_attn.weight),
+        (model.h[1].mlp.c_proj.weight, hf.h[1].mlp.c_proj.weight),
+    ]:
+        assert w.shape == ref.shape and w.T.is_contiguous() and torch.equal(w, ref.to(torch.bfloat16))
+    assert model.wte.weight.is_contiguous() and torch.equal(model.wte.weight, hf.wte.weight.to(torch.bfloat16))
 
 
 # --- refusals, each naming what is wrong -----------------------------------------------------
