@@ -295,6 +295,19 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(self.seqs)
 
+    def warm_up(self) -> None:
+        """Run one pass of every token count a step of this batch can carry, so that the matrix kernels for
+        each shape exist before the first request: oneDNN, behind bfloat16 and float16 on a CPU, compiles
+        one per shape the first time it sees it, which would cost that step tens of milliseconds. (float32
+        on a CPU goes to MKL, which compiles nothing; on a GPU the decode step is captured as CUDA graphs.)"""
+        w = self.model.wte.weight
+        if w.device.type != "cpu" or w.dtype == torch.float32:
+            return
+        most = self.cache.capacity + (self.prefill_chunk or self.cache.max_len)
+        with torch.inference_mode():
+            for n in range(1, min(most, self.model.config.n_positions) + 1):
+                self.model(torch.zeros(1, n, dtype=torch.long, device=w.device))  # every logit: the head too
+
     @property
     def has_room(self) -> bool:
         return len(self.seqs) < self.cache.capacity

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -80,6 +81,7 @@ def create_app(
 
 
 def _start_engine(loaded: LoadedModel, settings: Settings, metrics: Metrics) -> Engine:
+    start = time.perf_counter()
     engine = Engine(
         loaded,
         max_batch_size=settings.max_batch_size,
@@ -89,11 +91,12 @@ def _start_engine(loaded: LoadedModel, settings: Settings, metrics: Metrics) -> 
     )
     engine.start()
     log.info(
-        "serving %s (%s, %s): %d sequences at once, KV cache %.1f MiB",
+        "serving %s (%s, %s): %d sequences at once, KV cache %.1f MiB, engine ready in %.1f s",
         loaded.name,
         loaded.device,
         str(loaded.dtype).removeprefix("torch."),
         settings.max_batch_size,
         engine.kv_cache_bytes / 2**20,
+        time.perf_counter() - start,
     )
     return engine

@@ -126,9 +126,11 @@ class Engine:
         if prefill_chunk is None:  # enough to use the matrix units well, few enough not to slow decoding much
             prefill_chunk = 512 if loaded.device.type == "cuda" else 64
         self.prefill_chunk = prefill_chunk
-        # On a GPU the decode step is captured as CUDA graphs, here, before serving.
+        # Before serving: on a GPU the decode step is captured as CUDA graphs; on a CPU in bfloat16, every
+        # shape of a step is run once (see DecodeBatch.warm_up).
         static = loaded.device.type == "cuda"
         self._batch = DecodeBatch(self.model, max_batch_size, config.n_positions, prefill_chunk, static)
+        self._batch.warm_up()
         self._solo: list[DecodeBatch] = []  # capturing sequences, one batch each
         self._requests: dict[int, _Request] = {}  # id(seq) -> request, for every admitted sequence
         self._waiting: deque[_Request] = deque()

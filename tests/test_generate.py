@@ -288,6 +288,21 @@ def test_prompts_are_prefilled_in_the_order_they_joined(tiny_model: GPT) -> None
         assert (second.prefilled, third.prefilled) == (3, 0)
 
 
+def test_warm_up_runs_every_step_size_in_bfloat16_on_cpu(tiny: Checkpoint) -> None:
+    """oneDNN compiles a kernel per shape on first use: a bfloat16 batch runs each token count a step can
+    carry (1 .. rows + prompt-token budget) once; float32 (MKL) needs no warm-up."""
+
+    def pass_sizes(dtype: torch.dtype) -> list[int]:
+        model = load_ours(tiny, dtype)
+        seen: list[int] = []
+        model.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[1]))
+        DecodeBatch(model, 3, 32, prefill_chunk=4).warm_up()
+        return seen
+
+    assert pass_sizes(torch.bfloat16) == list(range(1, 3 + 4 + 1))
+    assert pass_sizes(torch.float32) == []
+
+
 # --- refusals --------------------------------------------------------------------------------------
 
 
