@@ -77,6 +77,7 @@ def test_bench_server_quick(tiny, tokenizer_dir: Path, tmp_path: Path) -> None:
     for lv in levels:
         assert lv["tokens"] > 0 and positive(lv["tokens_per_s"]), lv
         assert positive(lv["throughput_ratio"]) and positive(lv["itl_p99_over_batch1"]), lv
+        assert positive(lv["itl_p99_over_batch1_p99"]), lv
         assert positive(lv["ttft_p50_ms"]) and lv["ttft_p99_ms"] >= lv["ttft_p50_ms"], lv
     baselines = report["baselines_one_at_a_time"]
     assert len(baselines) == len(levels) + 1  # one before the first level and one after each
