@@ -3,12 +3,13 @@
 Each prompt is prefilled into its row of a shared cache, then all unfinished rows decode together, one
 token per step, in the same forward passes as the prompts of rows that joined later; a finished row
 leaves the batch. Every sequence keeps its own sampling settings and random generator, so a row's tokens
-do not depend on what else is in the batch. Iterating a `Generation`
-yields a `TokenEvent` per token as it is produced; `generate` runs one to the end.
+do not depend on what else is in the batch. Iterating a `Generation` yields a `TokenEvent` per token as
+it is produced; `generate` runs one to the end.
 """
 
 from __future__ import annotations
 
+import itertools
 import secrets
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -286,7 +287,7 @@ class DecodeBatch:
         self.cache = KVCache.empty(model.config, capacity, max_len, dtype=w.dtype, device=w.device)
         self.seqs: list[SequenceState] = []  # seqs[b] owns cache row b
         self.joined: list[int] = []  # joined[b]: when seqs[b] joined (prompts are prefilled in that order)
-        self._joins = 0
+        self._tickets = itertools.count()
         self.prefill_chunk = prefill_chunk
         self.static = StaticDecode(model, self.cache) if static else None
         if self.static is not None:
@@ -317,8 +318,7 @@ class DecodeBatch:
         assert seq.hooks is None or self.cache.capacity == 1, "a sequence with hooks needs its own batch"
         self.cache.add_row()
         self.seqs.append(seq)
-        self.joined.append(self._joins)
-        self._joins += 1
+        self.joined.append(next(self._tickets))
 
     def step(self) -> list[tuple[SequenceState, TokenEvent | None]]:
         """Advance the batch by one forward pass. Returns each sequence that got a token with it, and each
@@ -363,7 +363,8 @@ class DecodeBatch:
     ) -> list[tuple[SequenceState, TokenEvent | None]]:
         """A decode token for every row (a dummy for the rows still prefilling) and the prompt chunks,
         in one pass; logits only where a token is wanted."""
-        tokens = [s.tokens[-1] if s.prefilled == len(s.prompt) else 0 for s in self.seqs] if decoding else []
+        steps = [int(b in decoding) for b in range(len(self.seqs))]  # 1 for a decoding row, 0 for a dummy
+        tokens = [s.tokens[-1] if n else 0 for s, n in zip(self.seqs, steps, strict=True)] if decoding else []
         outputs = list(decoding)
         spans = []  # each chunk's logits, as a range of `outputs`
         for b, start, end in chunks:
@@ -379,7 +380,7 @@ class DecodeBatch:
         logits = self.model(idx, packed)[0]  # [len(outputs), vocab]
         out: list[tuple[SequenceState, TokenEvent | None]] = []
         if decoding:
-            self.cache.advance([int(b in decoding) for b in range(len(self.seqs))])
+            self.cache.advance(steps)
             argmax = logits[: len(decoding)].argmax(dim=-1).tolist()  # one device sync for every greedy row
             out += [(self.seqs[b], self.seqs[b].accept(logits[i], argmax[i])) for i, b in enumerate(decoding)]
         for b, _, end in chunks:

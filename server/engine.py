@@ -183,7 +183,7 @@ class Engine:
         return [RequestStream(self, r) for r in requests]
 
     async def call(self, fn: Callable[[GPT], T]) -> T:
-        """Run `fn(model)` on the engine's thread, between decode steps, and return its result."""
+        """Run `fn(model)` on the engine's thread, between engine steps, and return its result."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         with self._cv:
