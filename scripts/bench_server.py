@@ -63,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill-chunk", type=int, help="prompt tokens per engine step (default: the server's)")
     p.add_argument("--quick", action="store_true", help="small levels and short requests (a smoke run)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument(
+        "--server-log", metavar="FILE", help="keep the server's log (stderr) here (default: a temporary file)"
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.levels, args.prompt_len, args.new_tokens, args.baseline_requests = [1, 4], [8, 32], [4, 12], 4
@@ -153,7 +156,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(args: argparse.Namespace, model: str, port: int) -> subprocess.Popen[bytes]:
+def log_tail(path: Path, lines: int = 40) -> str:
+    """The last `lines` lines of the server's log, to show why it failed."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return "(no server log)"
+    return "\n".join(text[-lines:])
+
+
+def start_server(args: argparse.Namespace, model: str, port: int, log: Path) -> subprocess.Popen[bytes]:
+    """Start `gpt2-serve` with its log (stderr) going to `log`, a file: a pipe nobody reads would fill and
+    block the server's threads the moment it logs a burst of errors."""
     cmd = [
         sys.executable,
         "-m",
@@ -177,11 +191,12 @@ def start_server(args: argparse.Namespace, model: str, port: int) -> subprocess.
     ]
     if args.prefill_chunk is not None:
         cmd += ["--prefill-chunk", str(args.prefill_chunk)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE)
+    with log.open("wb") as stderr:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stderr=stderr)
     deadline = time.time() + 300
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"the server exited: {proc.stderr.read().decode() if proc.stderr else ''}")
+            raise SystemExit(f"the server exited with status {proc.returncode}; its log ends:\n{log_tail(log)}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                 return proc
@@ -189,7 +204,7 @@ def start_server(args: argparse.Namespace, model: str, port: int) -> subprocess.
             pass
         time.sleep(0.5)
     proc.kill()
-    raise SystemExit("the server did not become ready within 300 s")
+    raise SystemExit(f"the server did not become ready within 300 s; its log ends:\n{log_tail(log)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
             model = str(Path(tmp) / "gpt2-small-random")
             make_random_checkpoint(Path(model))
         port = free_port()
-        server = start_server(args, model, port)
+        log = Path(args.server_log) if args.server_log else Path(tmp) / "server.log"
+        server = start_server(args, model, port, log)
         url = f"http://127.0.0.1:{port}"
         try:
             asyncio.run(run_level(url, make_requests(2, args, seed=99), 2))  # warm-up
@@ -216,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
                 n = args.requests or max(2 * clients, 16)
                 levels.append(asyncio.run(run_level(url, make_requests(n, args, seed=clients), clients)))
                 baselines.append(asyncio.run(run_level(url, one_at_a_time, 1)))
+        except BaseException:
+            print(f"the benchmark failed; the server's log ends:\n{log_tail(log)}", file=sys.stderr)
+            raise
         finally:
             server.terminate()
             server.wait(timeout=30)

@@ -3,6 +3,8 @@ themselves and parity with transformers in float32 and bfloat16 (skipped without
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -10,7 +12,10 @@ from model.cuda_graph import buckets
 from model.generate import Completion, DecodeBatch, SamplingParams, new_sequence
 from model.loading import load_weights
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+if os.environ.get("GPT2_REQUIRE_CUDA") and not torch.cuda.is_available():  # set by scripts/gpu_check.sh
+    cuda = pytest.mark.xfail(reason="GPT2_REQUIRE_CUDA is set but no CUDA GPU is visible", strict=True, run=False)
+else:
+    cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def test_buckets() -> None:
@@ -66,13 +71,17 @@ def test_cuda_graph_equals_eager(tiny) -> None:
 
 
 @cuda
-@pytest.mark.parametrize(("dtype", "tolerance"), [("float32", 1e-3), ("bfloat16", 0.25)])
-def test_gpu_parity_with_transformers(small, dtype: str, tolerance: float) -> None:
-    """Logits on the GPU against transformers in float32 on the CPU (TF32 matmuls allow 1e-3 on GPU in
-    float32; bfloat16 keeps 8 bits of mantissa, so logits of magnitude ~10 move by up to ~0.1)."""
+@pytest.mark.parametrize(("dtype", "max_tol", "mean_tol"), [("float32", 1e-3, 1e-4), ("bfloat16", 1.5, 0.2)])
+def test_gpu_parity_with_transformers(small, dtype: str, max_tol: float, mean_tol: float) -> None:
+    """Logits on the GPU against transformers in float32 on the CPU. float32: cuBLAS and the fused attention
+    kernels sum in another order than the CPU. bfloat16 keeps 8 bits of mantissa: on the CPU, this 12-layer
+    checkpoint's bfloat16 logits (magnitudes up to ~22) are off by 0.77 at most and 0.09 on average, so the
+    bounds are about twice that (the same margin as test_gpt's LOW_PRECISION table)."""
     model = load_weights(small.path, device="cuda", dtype=dtype)
     idx = torch.randint(0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         ours = model(idx.cuda()).float().cpu()
         ref = small.hf(idx).logits
-    assert (ours - ref).abs().max().item() < tolerance
+    diff = (ours - ref).abs()
+    assert diff.max().item() <= max_tol
+    assert diff.mean().item() <= mean_tol
