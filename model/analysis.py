@@ -8,13 +8,14 @@ vector. Effective rank: Roy & Vetterli 2007. Logit lens: nostalgebraist 2020.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from .gpt import GPT
 from .hooks import Capture, Hooks
-from .interventions import HookChain
+from .interventions import HookChain, NonFiniteActivations
 
 
 def residual_norms(x: torch.Tensor) -> torch.Tensor:
@@ -24,7 +25,9 @@ def residual_norms(x: torch.Tensor) -> torch.Tensor:
 
 def effective_rank(x: torch.Tensor) -> float:
     """exp of the entropy of the normalised singular values of x [T, C]: n for an n x n identity, 1 for
-    a rank-1 matrix."""
+    a rank-1 matrix; NaN when x holds inf or NaN (no SVD exists)."""
+    if not x.isfinite().all():
+        return math.nan
     s = torch.linalg.svdvals(x.double())
     if s.sum() == 0:
         return 0.0
@@ -69,10 +72,16 @@ class LayerStats:
     attention_entropy: list[float] | None  # per head; None for the embeddings
     logit_lens: list[list[tuple[int, float]]]  # per position: the top (token id, probability)
 
+    def finite(self) -> bool:
+        numbers = [*self.norms, self.effective_rank, self.collapse, self.mean_cosine, *(self.attention_entropy or [])]
+        numbers += [p for top in self.logit_lens for _, p in top]
+        return all(math.isfinite(v) for v in numbers)
+
 
 def analyze(model: GPT, ids: list[int], top_k: int = 5, edits: Hooks | None = None) -> list[LayerStats]:
     """One forward pass over `ids` (with `edits`, e.g. residual ablation, applied), measured after the
-    embeddings and after every block."""
+    embeddings and after every block. Raises `NonFiniteActivations` when the edits drove a layer's
+    stream to inf or NaN, or too large for its measures (norms, the logit lens) to be finite."""
     L = model.config.n_layer
     names = ["blocks.0.hook_resid_pre"]
     names += [f"blocks.{i}.{site}" for i in range(L) for site in ("attn.hook_pattern", "hook_resid_post")]
@@ -86,17 +95,21 @@ def analyze(model: GPT, ids: list[int], top_k: int = 5, edits: Hooks | None = No
         for i, x in enumerate(streams):
             layer = i - 1
             pattern = acts.get(f"blocks.{layer}.attn.hook_pattern")
-            out.append(
-                LayerStats(
-                    layer,
-                    residual_norms(x).tolist(),
-                    effective_rank(x),
-                    collapse(x),
-                    mean_cosine(x),
-                    attention_entropy(pattern).tolist() if pattern is not None else None,
-                    logit_lens(model, x, top_k),
-                )
+            stats = LayerStats(
+                layer,
+                residual_norms(x).tolist(),
+                effective_rank(x),
+                collapse(x),
+                mean_cosine(x),
+                attention_entropy(pattern).tolist() if pattern is not None else None,
+                logit_lens(model, x, top_k),
             )
+            if not stats.finite():
+                where = "after the embeddings" if layer == -1 else f"at layer {layer}"
+                raise NonFiniteActivations(
+                    f"the edits made the activations non-finite (inf or NaN, or too large to measure) {where}"
+                )
+            out.append(stats)
     return out
 
 

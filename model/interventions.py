@@ -21,10 +21,20 @@ from .hooks import Hooks, describe_hook_names, hook_names, is_attention_square
 
 Op = Literal["zero", "mean", "scale", "add", "set"]
 OPS = ("zero", "mean", "scale", "add", "set")
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class InterventionError(ValueError):
-    """An edit that cannot be applied: unknown hook, wrong shape, head or position out of range."""
+    """An edit that cannot be applied: unknown hook, wrong shape, head or position out of range, a factor
+    or value that is not finite. `param` names the request field it came in (the server's 400 says it)."""
+
+    def __init__(self, message: str, param: str = "interventions") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class NonFiniteActivations(InterventionError):
+    """The edits drove the activations to inf or NaN (a huge factor, say), so there is nothing to measure."""
 
 
 @dataclass(frozen=True)
@@ -35,8 +45,9 @@ class Edit:
     `factor`. `add`: add `value` (broadcast over the selected positions). `set`: replace by `value`, either
     one position's worth (broadcast) or a whole sequence's, [pos, ...] (for instance from a dump: patching).
     `layers`, `heads` (for per-head hooks) and `positions` (query positions for attention squares)
-    restrict where; None means everywhere. On attention scores and patterns only `zero` and `scale` apply,
-    and only to the keys a query may see: the causal mask stays as it was.
+    restrict where; None means everywhere, an empty `heads` or `positions` nowhere (the edit does nothing).
+    On attention scores and patterns only `zero` and `scale` apply, and only to the keys a query may see:
+    the causal mask stays as it was. `factor` and `value` must be finite in float32.
     """
 
     hook: str
@@ -111,6 +122,10 @@ class Interventions:
             _check_range(e.positions, self.n_tokens, f"{where}: position")
         if e.op == "scale" and e.factor is None:
             raise InterventionError(f"{where}: scale needs a factor")
+        if e.factor is not None and not abs(e.factor) <= FLOAT32_MAX:  # also false for NaN
+            raise InterventionError(f"{where}: factor {e.factor!r} is not a finite float32 number")
+        if e.value is not None and not bool(e.value.to(torch.float32).isfinite().all()):
+            raise InterventionError(f"{where}: value holds numbers that are not finite in float32 (inf, NaN, > 3.4e38)")
         if e.op == "mean" and t.square:  # each query sees its own set of keys: no common mean to take
             raise InterventionError(
                 f"{where}: mean is not supported on attention scores or patterns; use zero or scale"
@@ -165,7 +180,7 @@ class Interventions:
             pos_dim, head_dim = 1, 2
         wanted = e.positions if e.positions is not None else range(start, start + n)
         here = [p - start for p in wanted if start <= p < start + n]  # this pass's share, relative
-        if not here:
+        if not here or (e.heads is not None and not e.heads):  # nothing selected in this pass
             return
         pos = torch.tensor(here, device=x.device)
         heads = torch.tensor(e.heads, device=x.device) if e.heads is not None else None
@@ -212,8 +227,8 @@ class ResidualAblation:
     `hook_attn_out` is carried on, an edit of `hook_resid_mid` applies to what replaced it."""
 
     def __init__(self, attn: Sequence[int], mlp: Sequence[int], n_layer: int, edits: Hooks | None = None) -> None:
-        _check_range(attn, n_layer, "residual.attn: layer")
-        _check_range(mlp, n_layer, "residual.mlp: layer")
+        _check_range(attn, n_layer, "residual.attn: layer", "residual")
+        _check_range(mlp, n_layer, "residual.mlp: layer", "residual")
         self._replace: dict[str, str] = {}  # resid hook -> the sub-layer output that replaces it
         for layer in attn:
             self._replace[f"blocks.{layer}.hook_resid_mid"] = f"blocks.{layer}.hook_attn_out"
@@ -256,10 +271,10 @@ def _layer(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _check_range(values: Sequence[int], n: int, what: str) -> None:
+def _check_range(values: Sequence[int], n: int, what: str, param: str = "interventions") -> None:
     for v in values:
         if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < n:
-            raise InterventionError(f"{what} {v!r} is out of range 0..{n - 1}")
+            raise InterventionError(f"{what} {v!r} is out of range 0..{n - 1}", param)
 
 
 def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:

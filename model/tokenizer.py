@@ -20,6 +20,16 @@ class TokenizerError(ValueError):
     """Tokenizer files that are missing or unreadable."""
 
 
+class InvalidTextError(ValueError):
+    """Text that is not valid Unicode: it holds a lone surrogate (half of a UTF-16 pair, as JSON's
+    `"\\udc80"` can give), which has no UTF-8 bytes, so byte-level BPE cannot encode it. `item` is the
+    text's place in a batch, `index` the surrogate's place in the text."""
+
+    def __init__(self, item: int, index: int, char: str) -> None:
+        super().__init__(f"not valid Unicode: it holds a lone surrogate (U+{ord(char):04X}) at index {index}")
+        self.item, self.index = item, index
+
+
 def tokenizer_files(directory: Path) -> list[str] | None:
     """The tokenizer files a directory holds, in the order we prefer them, or None if it holds none."""
     if (directory / "tokenizer.json").is_file():
@@ -58,9 +68,14 @@ class Tokenizer:
             raise TokenizerError(f"cannot read the tokenizer in {directory}: {e}") from None
 
     def encode(self, text: str, special: bool = True) -> list[int]:
+        check_unicode(text)
         return (self._tok if special else self._plain).encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str], special: bool = True) -> list[list[int]]:
+        """Like `encode` for each text. Unlike `encode`, the library releases the GIL while it works, so
+        a long text encoded on another thread does not stall this process's other threads."""
+        for i, text in enumerate(texts):
+            check_unicode(text, i)
         tok = self._tok if special else self._plain
         return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
 
@@ -82,6 +97,14 @@ class Tokenizer:
 
     def save(self, directory: str | Path) -> None:
         self._tok.save(str(Path(directory) / "tokenizer.json"))
+
+
+def check_unicode(text: str, item: int = 0) -> None:
+    """Raise `InvalidTextError` if `text` (number `item` of a batch) is not valid Unicode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidTextError(item, e.start, text[e.start]) from None
 
 
 def _byte_level_bpe(vocab_path: Path, merges_path: Path) -> _HFTokenizer:
