@@ -25,6 +25,7 @@ _TYPES = {
     405: "method_not_allowed",
     413: "request_too_large",
     429: "rate_limit_error",
+    499: "client_closed_request",
     500: "internal_error",
     503: "service_unavailable",
 }
@@ -41,8 +42,15 @@ class APIError(Exception):
 def error_response(
     status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
 ) -> JSONResponse:
-    body = {"error": {"type": _TYPES.get(status, "error"), "message": message, "param": param}}
+    param = None if param is None else _printable(param)
+    body = {"error": {"type": _TYPES.get(status, "error"), "message": _printable(message), "param": param}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _printable(text: str) -> str:
+    """`text` with any lone surrogate (from a client's JSON, echoed in a message) as a `\\udc80` escape:
+    it has no UTF-8 bytes, so the answer could not be sent otherwise."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -60,7 +68,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InterventionError)
     async def bad_edit(_: Request, e: InterventionError) -> JSONResponse:
-        return error_response(400, str(e), "interventions")
+        return error_response(400, str(e), e.param)
 
     @app.exception_handler(QueueFull)
     async def queue_full(_: Request, e: QueueFull) -> JSONResponse:
@@ -71,20 +79,21 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(503, str(e))
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def invalid_body(request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
         if first.get("type") == "json_invalid":
             return error_response(
                 400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": ")
             )
-        where = ".".join(loc) or "body"
-        return error_response(400, f"{where}: {first.get('msg', 'invalid value')}", loc[0] if loc else None)
+        if not loc:
+            return error_response(400, _body_problem(first.get("type"), request.headers.get("content-type")))
+        return error_response(400, f"{'.'.join(loc)}: {first.get('msg', 'invalid value')}", loc[0])
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         messages = {
-            400: "the body could not be parsed: send JSON encoded as UTF-8",
+            400: _unparsable(e.__cause__),  # FastAPI's "error parsing the body", raised from the real cause
             404: "no such route",
             405: "method not allowed on this route",
         }
@@ -95,3 +104,29 @@ def install_error_handlers(app: FastAPI) -> None:
         request_id = request.scope.get("state", {}).get("request_id", "?")
         log.exception("internal error (request %s)", request_id, exc_info=e)
         return error_response(500, f"internal server error (request id {request_id})")
+
+
+def _body_problem(error_type: str | None, content_type: str | None) -> str:
+    """What is wrong with a body that failed validation as a whole."""
+    if not _is_json(content_type):  # FastAPI did not read it as JSON at all
+        given = f"it is {content_type!r}" if content_type else "there is none"
+        return f"send the body as JSON with Content-Type: application/json ({given})"
+    if error_type == "missing":
+        return "the body is empty: send a JSON object"
+    if error_type == "string_unicode":  # pydantic refuses keys that hold a lone surrogate
+        return "the body holds a field name that is not valid Unicode (a lone surrogate)"
+    return "the body must be a JSON object"
+
+
+def _is_json(content_type: str | None) -> bool:
+    """What FastAPI reads as JSON: application/json or application/*+json, with any parameters."""
+    kind = (content_type or "").split(";")[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+
+def _unparsable(cause: BaseException | None) -> str:
+    if isinstance(cause, RecursionError):
+        return "the body is nested too deeply to parse"
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the body is not UTF-8: {cause.reason} at byte {cause.start}; send JSON encoded as UTF-8"
+    return "the body could not be parsed: send JSON encoded as UTF-8"

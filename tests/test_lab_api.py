@@ -188,6 +188,18 @@ BAD_EDITS: dict[str, tuple[dict[str, Any], str]] = {
         {"interventions": [{"hook": "hook_embed", "op": "set", "value": {"safetensors_base64": NOT_SAFETENSORS}}]},
         "the dump is not base64 of a safetensors file",
     ),
+    "factor beyond float32": (
+        {"interventions": [{"hook": "blocks.0.hook_attn_out", "op": "scale", "factor": 1e39}]},
+        "factor 1e+39 is not a finite float32 number",
+    ),
+    "value beyond float32": (
+        {"interventions": [{"hook": "blocks.0.hook_attn_out", "op": "add", "value": [1e39] * 64}]},
+        "value holds numbers that are not finite in float32",
+    ),
+    "value beyond float64": (
+        {"interventions": [{"hook": "blocks.0.hook_attn_out", "op": "add", "value": [10**400]}]},
+        "holds a number not finite in float32",
+    ),
     "residual layer out of range": ({"residual": {"attn": [5]}}, "residual.attn: layer 5 is out of range 0..1"),
     "residual neither list nor all": ({"residual": {"mlp": "some"}}, "residual.mlp"),
 }
@@ -208,6 +220,8 @@ def test_bad_edits_are_400s_that_say_why(client: TestClient, route: str, case: t
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error"
     assert says in error["message"], error["message"]
+    (field,) = edits  # the field the bad edit came in: interventions or residual
+    assert error["param"] == field, error
 
 
 def test_a_dump_without_the_tensor_names_what_it_has(client: TestClient) -> None:
