@@ -78,10 +78,15 @@ class RequestGuard:
             log.info(json.dumps(line))
 
     def _check_key(self, path: str, headers: dict[str, str]) -> Any:
+        """`Authorization: Bearer KEY` (the scheme in any case, RFC 7235) or `X-API-Key: KEY`. The key is
+        compared as UTF-8 bytes, so a non-ASCII key matches when the client sends it UTF-8 encoded."""
         if self.api_key is None or path in OPEN_PATHS or path.startswith("/static/"):
             return None
-        given = headers.get("authorization", "").removeprefix("Bearer ").strip() or headers.get("x-api-key", "")
-        if given and hmac.compare_digest(given.encode(), self.api_key.encode()):
+        authorization = headers.get("authorization", "").strip()
+        scheme, _, token = authorization.partition(" ")
+        given = (token.strip() if scheme.lower() == "bearer" else authorization) or headers.get("x-api-key", "")
+        # Headers were decoded as latin-1, byte for byte: encoding back gives the bytes that were sent.
+        if given and hmac.compare_digest(given.encode("latin-1"), self.api_key.encode("utf-8")):
             return None
         message = "invalid API key" if given else "missing API key: send Authorization: Bearer <key>"
         return error_response(401, message, headers={"WWW-Authenticate": "Bearer"})

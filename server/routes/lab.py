@@ -21,7 +21,7 @@ router = APIRouter(tags=["lab"])
 STATIC = Path(__file__).resolve().parents[1] / "static"
 
 
-@router.get("/", include_in_schema=False)
+@router.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
 async def viewer() -> FileResponse:
     return FileResponse(STATIC / "index.html")
 

@@ -9,7 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 router = APIRouter(tags=["operations"])
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])  # health checkers often send HEAD
 async def health(request: Request) -> JSONResponse:
     if request.app.state.engine is None:
         return JSONResponse({"status": "loading"}, status_code=503)
