@@ -10,10 +10,15 @@ import torch
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator) -> int:
-    """One token id from `logits` [vocab] (float32). temperature 0 is greedy; top_k 0 and top_p 1 are off."""
+    """One token id from `logits` [vocab] (float32, finite). temperature 0 is greedy; top_k 0 and top_p 1 are
+    off. Every valid setting gives a distribution: however small the temperature or top_p, at least the most
+    likely token keeps its chance."""
     if temperature == 0:
         return int(logits.argmax())
-    logits = logits / temperature
+    # Shifted so that the best token is at 0: dividing by a tiny temperature then gives -inf at worst, never
+    # +inf (softmax would be NaN), so the limit is greedy. A temperature below float32's smallest normal
+    # number would round to 0 (0 / 0 = NaN), so it counts as that number.
+    logits = (logits - logits.max()) / max(temperature, torch.finfo(logits.dtype).tiny)
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -24,10 +29,12 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, g
 
 
 def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability adds up to at least `top_p`."""
+    """Keep the smallest set of most likely tokens whose probability adds up to at least `top_p` (always the
+    most likely one, also for a top_p that rounds to 0 in float32)."""
     sorted_logits, order = torch.sort(logits, descending=True)
     probs = torch.softmax(sorted_logits, dim=-1)
     drop_sorted = probs.cumsum(dim=-1) - probs >= top_p  # the more likely tokens already reach top_p
+    drop_sorted[0] = False  # the most likely token always stays
     drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 

@@ -366,3 +366,25 @@ def test_each_prompt_keeps_its_own_settings_in_a_batch(tiny_model: GPT, tokenize
         assert streamed_text(events, i) == r.text == tokenizer.decode(r.token_ids)
         alone, _ = run(tiny_model, [prompts[i]], params[i], tokenizer)
         assert alone[0].token_ids == r.token_ids
+
+
+# --- sampling at its limits, and a row that fails alone ---------------------------------------------
+
+
+def test_a_tiny_temperature_or_top_p_samples_the_best_token(tiny_model: GPT) -> None:
+    """Temperatures and top_p values that vanish in float32 are greedy in the limit, in a batch beside a
+    greedy row and a seeded row that get the tokens they get alone."""
+    sampled = SamplingParams(max_new_tokens=6, temperature=0.9, seed=5, ignore_eos=True)
+    params = [
+        SamplingParams(max_new_tokens=6, **GREEDY),
+        SamplingParams(max_new_tokens=6, temperature=1e-300, ignore_eos=True),
+        SamplingParams(max_new_tokens=6, temperature=1e-45, ignore_eos=True),
+        SamplingParams(max_new_tokens=6, temperature=1.0, top_p=1e-46, ignore_eos=True),
+        SamplingParams(max_new_tokens=6, temperature=1e-300, top_k=3, top_p=1e-46, ignore_eos=True),
+        sampled,
+    ]
+    prompts = [PROMPT, PROMPT[:2], PROMPT[1:], PROMPT[:4], PROMPT[3:], PROMPT[:5]]
+    results, _ = run(tiny_model, prompts, params)
+    for prompt, result in zip(prompts[:5], results[:5], strict=True):
+        assert result.token_ids == run(tiny_model, [prompt], params[0])[0][0].token_ids
+    assert results[5].token_ids == run(tiny_model, [prompts[5]], sampled)[0][0].token_ids
