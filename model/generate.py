@@ -126,13 +126,13 @@ class SequenceState:
     emitted: int = 0  # characters of `text` already handed out
     _clean_text: str = ""  # the text of tokens[:_clean_tokens], which ends on a whole character
     _clean_tokens: int = 0
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "error" when it failed alone (`error`)
+    error: Exception | None = None
 
     def accept(self, logits: torch.Tensor, argmax: int | None = None) -> TokenEvent:
-        """Choose the next token from `logits` [vocab] (`argmax`: its argmax, if already known) and update
-        text and stop state."""
+        """Choose the next token from `logits` [vocab] (float32; `argmax`: its argmax, if already known) and
+        update text and stop state."""
         p = self.params
-        logits = logits.float()
         if p.temperature == 0 and argmax is not None:
             token = argmax
         else:
@@ -322,7 +322,7 @@ class DecodeBatch:
 
     def step(self) -> list[tuple[SequenceState, TokenEvent | None]]:
         """Advance the batch by one forward pass. Returns each sequence that got a token with it, and each
-        that finished without one (it wanted none) with None."""
+        that finished without one (it wanted none, or failed: its `error`) with None."""
         decoding = [b for b, s in enumerate(self.seqs) if s.prefilled == len(s.prompt)]
         chunks = self._chunks()
         if not chunks:
@@ -381,8 +381,7 @@ class DecodeBatch:
         out: list[tuple[SequenceState, TokenEvent | None]] = []
         if decoding:
             self.cache.advance(steps)
-            argmax = logits[: len(decoding)].argmax(dim=-1).tolist()  # one device sync for every greedy row
-            out += [(self.seqs[b], self.seqs[b].accept(logits[i], argmax[i])) for i, b in enumerate(decoding)]
+            out += self._accept([self.seqs[b] for b in decoding], logits[: len(decoding)])
         for b, _, end in chunks:
             self.cache.set_length(b, end)
         for (b, start, end), (lo, hi) in zip(chunks, spans, strict=True):
@@ -404,7 +403,7 @@ class DecodeBatch:
         if seq.params.max_new_tokens == 0:
             seq.finish_reason = "length"
             return [(seq, None)]
-        return [(seq, seq.accept(logits[-1]))]
+        return self._accept([seq], logits[-1:])
 
     def _decode(self) -> list[tuple[SequenceState, TokenEvent | None]]:
         """One token for every row (a step with no prompt chunk: every row is past its prompt)."""
@@ -416,8 +415,28 @@ class DecodeBatch:
             idx = torch.tensor(tokens, device=self.model.wte.weight.device)[:, None]  # [B, 1]
             logits = self.model(idx, self.cache, hooks, last_only=True)[:, -1]  # [B, vocab]
         self.cache.advance(1)
-        argmax = logits.argmax(dim=-1).tolist()  # one device sync for every greedy row
-        return [(s, s.accept(logits[b], argmax[b])) for b, s in enumerate(self.seqs)]
+        return self._accept(self.seqs, logits)
+
+    def _accept(self, seqs: list[SequenceState], logits: torch.Tensor) -> list[tuple[SequenceState, TokenEvent | None]]:
+        """Each of `seqs` takes its next token from its row of `logits` [len(seqs), vocab]. One that cannot
+        (its logits are not finite, say because its edits blew up the activations) fails alone: it finishes
+        with `error` set, and every other row gets the token it would get without it."""
+        logits = logits.float()  # [len(seqs), vocab], converted once for the whole step
+        checks = torch.stack([logits.argmax(dim=-1), logits.isfinite().all(dim=-1).long()])  # [2, len(seqs)]
+        argmax, finite = checks.tolist()  # one device sync for every row
+        out: list[tuple[SequenceState, TokenEvent | None]] = []
+        for seq, row, best, ok in zip(seqs, logits, argmax, finite, strict=True):
+            try:
+                if not ok:
+                    raise GenerationError(
+                        f"the logits became non-finite (inf or NaN) at generated token {len(seq.tokens) + 1}: "
+                        "the activations overflowed, e.g. because of the request's edits"
+                    )
+                out.append((seq, seq.accept(row, best)))
+            except Exception as e:  # this row's problem: the others go on
+                seq.finish_reason, seq.error = "error", e
+                out.append((seq, None))
+        return out
 
     def cancel(self, seq: SequenceState) -> None:
         """Take `seq` out of the batch now (its row is free for the next sequence)."""
@@ -429,7 +448,7 @@ class DecodeBatch:
 
     def _leave(self, b: int) -> None:
         seq = self.seqs[b]
-        if seq.capture is not None and seq.tokens and seq.finish_reason != "cancelled":
+        if seq.capture is not None and seq.tokens and seq.finish_reason not in ("cancelled", "error"):
             # The last token was sampled, never fed: feed it, so activations cover every position.
             idx = torch.tensor([[seq.tokens[-1]]], device=self.model.wte.weight.device)
             self.model(idx, self.cache.row(b), seq.hooks, last_only=True)
@@ -489,7 +508,11 @@ class Generation:
                 for seq in group:
                     batch.add(seq)
                 while batch:
-                    yield from (event for _, event in batch.step() if event is not None)
+                    for seq, event in batch.step():
+                        if seq.error is not None:
+                            raise seq.error
+                        if event is not None:
+                            yield event
         self._done = True
 
 

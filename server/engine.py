@@ -6,7 +6,8 @@ for every active sequence and the next prompt chunks, in one forward pass), and 
 request's asyncio queue as it is produced. A request that arrives while others decode joins at the next
 step. A request with hooks (activations to capture, interventions) runs in a batch of its own (hooks see
 the whole batch), interleaved step by step with the shared batch. A cancelled request (client gone)
-leaves the batch at the next step and frees its row.
+leaves the batch at the next step and frees its row; a sequence that fails on its own (non-finite
+logits, say) ends with its error, and its batch goes on.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from model.generate import (
     Completion,
     DecodeBatch,
+    GenerationError,
     SamplingParams,
     SequenceState,
     TokenEvent,
@@ -256,6 +258,9 @@ class Engine:
                 continue
             for seq, event in events:
                 request = self._requests[id(seq)]
+                if seq.error is not None:
+                    self._end_with(request, seq.error)
+                    continue
                 if event is not None:
                     self._deliver(request, event)
                 if seq.finish_reason is not None:
@@ -275,6 +280,15 @@ class Engine:
     def _finish(self, request: _Request) -> None:
         del self._requests[id(request.seq)]
         request.loop.call_soon_threadsafe(request.queue.put_nowait, request.seq.result())
+
+    def _end_with(self, request: _Request, error: Exception) -> None:
+        """One sequence failed on its own (its batch goes on): hand its request the error."""
+        if isinstance(error, GenerationError):
+            log.info("sequence ended: %s", error)
+        else:
+            log.exception("sequence failed", exc_info=error)
+        del self._requests[id(request.seq)]
+        request.loop.call_soon_threadsafe(request.queue.put_nowait, error)
 
     def _drop_cancelled(self) -> None:
         for request in [r for r in self._requests.values() if r.cancelled]:

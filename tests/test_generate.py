@@ -388,3 +388,50 @@ def test_a_tiny_temperature_or_top_p_samples_the_best_token(tiny_model: GPT) -> 
     for prompt, result in zip(prompts[:5], results[:5], strict=True):
         assert result.token_ids == run(tiny_model, [prompt], params[0])[0][0].token_ids
     assert results[5].token_ids == run(tiny_model, [prompts[5]], sampled)[0][0].token_ids
+
+
+def poisoned(tiny: Checkpoint, position: int) -> GPT:
+    """The tiny model with an infinite position embedding at `position`: a sequence that reaches it gets
+    NaN logits, one that stays before it is unaffected."""
+    model = load_ours(tiny)
+    with torch.no_grad():
+        model.wpe.weight[position] = float("inf")
+    return model
+
+
+def test_a_row_with_non_finite_logits_fails_alone(tiny: Checkpoint) -> None:
+    """Two rows (one greedy, one sampled) whose second token comes from non-finite logits end with a clear
+    error and leave the batch; the rows beside them get the tokens and log-probabilities they get alone."""
+    model = poisoned(tiny, 20)
+    bad = [SamplingParams(max_new_tokens=5, **GREEDY), SamplingParams(max_new_tokens=5, temperature=1.0, seed=1)]
+    good = [
+        SamplingParams(max_new_tokens=12, logprobs=1, **GREEDY),
+        SamplingParams(max_new_tokens=12, temperature=0.9, seed=2, ignore_eos=True, logprobs=1),
+    ]
+    good_prompts = [PROMPT, PROMPT[:3]]
+    with torch.inference_mode():
+        batch = DecodeBatch(model, 4, 32)
+        bad_seqs = [new_sequence(model, i, (PROMPT * 4)[:20], p, None) for i, p in enumerate(bad)]
+        good_seqs = [
+            new_sequence(model, 2 + i, q, p, None) for i, (q, p) in enumerate(zip(good_prompts, good, strict=True))
+        ]
+        for seq in (good_seqs[0], bad_seqs[0], good_seqs[1], bad_seqs[1]):
+            batch.add(seq)
+        batch.step()  # every prompt, and a first token each (from finite logits: position 19)
+        assert len(batch) == 4
+        events = batch.step()  # the bad rows decode at position 20
+        assert len(batch) == 2 and set(map(id, batch.seqs)) == set(map(id, good_seqs))
+        while batch:
+            batch.step()
+    assert {id(s) for s, e in events if e is None} == set(map(id, bad_seqs))
+    for seq in bad_seqs:
+        assert isinstance(seq.error, GenerationError) and seq.finish_reason == "error"
+        assert "logits became non-finite" in str(seq.error) and "edits" in str(seq.error)
+        assert len(seq.tokens) == 1
+    for seq, prompt, params in zip(good_seqs, good_prompts, good, strict=True):
+        got, want = seq.result(), run(model, [prompt], params)[0][0]
+        assert got.token_ids == want.token_ids
+        assert got.logprobs is not None and want.logprobs is not None
+        assert [x.logprob for x in got.logprobs] == pytest.approx([x.logprob for x in want.logprobs], abs=1e-4)
+    with pytest.raises(GenerationError, match="logits became non-finite"):  # the library raises it
+        generate(model, [(PROMPT * 4)[:20]], bad[0])
