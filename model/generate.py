@@ -25,6 +25,7 @@ from .sampling import sample, top_logprobs
 from .tokenizer import EOT_ID, Tokenizer
 
 MAX_LOGPROBS = 20
+SEED_RANGE = range(-(2**63), 2**63)  # an int64, as torch's generators take it (and vLLM accepts)
 
 
 class GenerationError(ValueError):
@@ -57,7 +58,11 @@ class SamplingParams:
         check(_is_num(self.temperature) and self.temperature >= 0, "temperature", "must be a number >= 0")
         check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be an integer >= 0 (0 = no limit)")
         check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be a number in (0, 1]")
-        check(self.seed is None or _is_int(self.seed), "seed", "must be an integer")
+        check(
+            self.seed is None or (_is_int(self.seed) and self.seed in SEED_RANGE),
+            "seed",
+            f"must be an integer in {SEED_RANGE.start}..{SEED_RANGE.stop - 1} (an int64)",
+        )
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         check(all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids", "must be integers")
         for name in ("logprobs", "prompt_logprobs"):

@@ -435,3 +435,17 @@ def test_a_row_with_non_finite_logits_fails_alone(tiny: Checkpoint) -> None:
         assert [x.logprob for x in got.logprobs] == pytest.approx([x.logprob for x in want.logprobs], abs=1e-4)
     with pytest.raises(GenerationError, match="logits became non-finite"):  # the library raises it
         generate(model, [(PROMPT * 4)[:20]], bad[0])
+
+
+@pytest.mark.parametrize("seed", [2**63, 2**64, 2**64 - 1, 10**30, -(2**63) - 1])
+def test_a_seed_outside_int64_is_refused(seed: int) -> None:
+    with pytest.raises(GenerationError) as info:
+        SamplingParams(seed=seed)
+    assert info.value.param == "seed"
+    assert str(seed) in str(info.value) and "int64" in str(info.value)
+
+
+def test_the_ends_of_the_seed_range_generate(tiny_model: GPT) -> None:
+    for seed in (2**63 - 1, -(2**63)):
+        params = SamplingParams(max_new_tokens=3, seed=seed, ignore_eos=True)
+        assert len(generate(tiny_model, [PROMPT], params)[0].token_ids) == 3
