@@ -26,6 +26,8 @@ from .tokenizer import EOT_ID, Tokenizer
 
 MAX_LOGPROBS = 20
 SEED_RANGE = range(-(2**63), 2**63)  # an int64, as torch's generators take it (and vLLM accepts)
+MAX_STOPS = 16  # stop strings per request: each is looked for after every token
+MAX_STOP_CHARS = 256  # characters per stop string
 
 
 class GenerationError(ValueError):
@@ -63,6 +65,15 @@ class SamplingParams:
             "seed",
             f"must be an integer in {SEED_RANGE.start}..{SEED_RANGE.stop - 1} (an int64)",
         )
+        # Stop strings are looked for after every token, so their number and length are bounded (checked
+        # first, so that no message repeats a huge value).
+        if len(self.stop) > MAX_STOPS:
+            raise GenerationError(f"stop must hold at most {MAX_STOPS} strings, got {len(self.stop)}", "stop")
+        longest = max((len(s) for s in self.stop if isinstance(s, str)), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise GenerationError(
+                f"stop strings must be at most {MAX_STOP_CHARS} characters each, got one of {longest}", "stop"
+            )
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         check(all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids", "must be integers")
         for name in ("logprobs", "prompt_logprobs"):
@@ -197,13 +208,18 @@ class SequenceState:
 
 
 def _longest_stop_prefix(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest end of `text` that is the start of a stop string (it may still grow into one)."""
+    """Length of the longest end of `text` that is the start of a stop string (it may still grow into one).
+    Runs after every token: only the places in the tail where a stop string's first character occurs are
+    tried, earliest (longest) first."""
     best = 0
     for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
+        tail = text[max(0, len(text) - len(s) + 1) :]  # its last len(s) - 1 characters: a proper start at most
+        at = tail.find(s[0])
+        while at != -1 and len(tail) - at > best:
+            if s.startswith(tail[at:]):
+                best = len(tail) - at
                 break
+            at = tail.find(s[0], at + 1)
     return best
 
 

@@ -8,6 +8,8 @@ character to be split across tokens on purpose.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from conftest import Checkpoint, load_ours
@@ -21,6 +23,7 @@ from model.generate import (
     GenerationError,
     SamplingParams,
     TokenEvent,
+    _longest_stop_prefix,
     generate,
     new_sequence,
 )
@@ -449,3 +452,29 @@ def test_the_ends_of_the_seed_range_generate(tiny_model: GPT) -> None:
     for seed in (2**63 - 1, -(2**63)):
         params = SamplingParams(max_new_tokens=3, seed=seed, ignore_eos=True)
         assert len(generate(tiny_model, [PROMPT], params)[0].token_ids) == 3
+
+
+def test_stop_strings_are_limited_in_number_and_length() -> None:
+    SamplingParams(stop=tuple(f"{i:02}" + "x" * 254 for i in range(16)))  # 16 of 256 characters: the most
+    for stop, message in (
+        (("x",) * 17, "stop must hold at most 16 strings, got 17"),
+        (("x" * 257,), "stop strings must be at most 256 characters each, got one of 257"),
+        (("x" * 1000,) * 1000, "stop must hold at most 16 strings, got 1000"),
+    ):
+        with pytest.raises(GenerationError) as info:
+            SamplingParams(stop=stop)
+        assert info.value.param == "stop" and str(info.value) == message
+
+
+def test_longest_stop_prefix_equals_trying_every_length() -> None:
+    """The tail that may still grow into a stop string (held back from the stream), found by trying only
+    where a stop string's first character occurs: the same as trying every length."""
+
+    def every_length(text: str, stops: tuple[str, ...]) -> int:
+        return max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+
+    g = random.Random(0)
+    for _ in range(20_000):
+        text = "".join(g.choices("ab\ufffd", k=g.randint(0, 12)))
+        stops = tuple("".join(g.choices("ab\ufffd", k=g.randint(1, 8))) for _ in range(g.randint(0, 3)))
+        assert _longest_stop_prefix(text, stops) == every_length(text, stops), (text, stops)
