@@ -7,7 +7,9 @@ request's asyncio queue as it is produced. A request that arrives while others d
 step. A request with hooks (activations to capture, interventions) runs in a batch of its own (hooks see
 the whole batch), interleaved step by step with the shared batch. A cancelled request (client gone)
 leaves the batch at the next step and frees its row; a sequence that fails on its own (non-finite
-logits, say) ends with its error, and its batch goes on.
+logits, say) ends with its error, and its batch goes on. Jobs (`call`: one forward pass for an
+analysis) wait in a queue bounded like the requests' and run one between two steps, so that a burst of
+them does not stall the sequences decoding.
 """
 
 from __future__ import annotations
@@ -165,8 +167,16 @@ class Engine:
         hooks: Sequence[str] | None = None,
         edits: EditSpec | None = None,
     ) -> list[RequestStream]:
-        """Queue one sequence per prompt (all or none: raises `QueueFull` when they do not fit, and
-        `GenerationError`/`UnknownHookError` for an invalid request, before anything is queued)."""
+        """Queue one sequence per prompt (all or none: raises `QueueFull` when they do not fit now, and
+        `GenerationError`/`UnknownHookError` for an invalid request or one that could never fit, before
+        anything is queued). The queue is checked first, so a refused request costs nothing."""
+        if len(prompts) > self.max_queue:  # a retry would never help: not a 429
+            raise GenerationError(
+                f"the request asks for {len(prompts)} sequences (one per prompt and choice), more than the "
+                f"server queues at once ({self.max_queue}, its --max-queue): send at most {self.max_queue}"
+            )
+        with self._cv:
+            self._check_room(len(prompts))
         names = select_hooks(list(hooks), self.model.config.n_layer) if hooks else None
         seqs = [
             new_sequence(self.model, i, prompt, p, self.tokenizer, names, edits)
@@ -175,22 +185,29 @@ class Engine:
         loop = asyncio.get_running_loop()
         requests = [_Request(seq, loop, asyncio.Queue()) for seq in seqs]
         with self._cv:
-            if self._stopping:
-                raise EngineStopped("the server is shutting down")
-            if len(self._waiting) + len(requests) > self.max_queue:
-                raise QueueFull(f"{len(self._waiting)} requests are waiting (the limit is {self.max_queue})")
+            self._check_room(len(requests))  # again: the queue may have changed meanwhile
             self._waiting.extend(requests)
             self.metrics.queue_depth.set(len(self._waiting))
             self._cv.notify()
         return [RequestStream(self, r) for r in requests]
 
+    def _check_room(self, n: int) -> None:
+        """Raise unless `n` more sequences fit in the queue now (call it holding the lock)."""
+        if self._stopping:
+            raise EngineStopped("the server is shutting down")
+        if len(self._waiting) + n > self.max_queue:
+            raise QueueFull(f"{len(self._waiting)} requests are waiting (the limit is {self.max_queue})")
+
     async def call(self, fn: Callable[[GPT], T]) -> T:
-        """Run `fn(model)` on the engine's thread, between engine steps, and return its result."""
+        """Run `fn(model)` on the engine's thread, between engine steps, and return its result (raises
+        `QueueFull` when `max_queue` jobs are waiting already)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         with self._cv:
             if self._stopping:
                 raise EngineStopped("the server is shutting down")
+            if len(self._jobs) >= self.max_queue:
+                raise QueueFull(f"{len(self._jobs)} model calls are waiting (the limit is {self.max_queue})")
             self._jobs.append((fn, loop, future))
             self._cv.notify()
         return await future
@@ -213,15 +230,16 @@ class Engine:
                         self._cv.wait()
                     if self._stopping:
                         break
-                    jobs = list(self._jobs)
-                    self._jobs.clear()
+                    # One job between two steps, so that a burst of them does not stall the decoding
+                    # sequences (with nothing decoding, the jobs run back to back, one per turn).
+                    job = self._jobs.popleft() if self._jobs else None
                     admitted: list[_Request] = []
                     while self._waiting and self._active() + len(admitted) < self.max_batch_size:
                         request = self._waiting.popleft()
                         if not request.cancelled:
                             admitted.append(request)
                     self.metrics.queue_depth.set(len(self._waiting))
-                for job in jobs:
+                if job is not None:
                     self._run_job(*job)
                 self._drop_cancelled()
                 for request in admitted:

@@ -22,7 +22,10 @@ class Settings:
     port: int = field(default=8000, metadata={"help": "port to listen on"})
     api_key: str | None = field(default=None, metadata={"help": "require this key (Authorization: Bearer KEY)"})
     max_batch_size: int = field(default=16, metadata={"help": "sequences decoded together"})
-    max_queue: int = field(default=256, metadata={"help": "sequences allowed to wait; beyond it, 429"})
+    max_queue: int = field(
+        default=256,
+        metadata={"help": "sequences allowed to wait, and model calls (next-token, analyze) likewise; beyond it, 429"},
+    )
     prefill_chunk: int | None = field(
         default=None, metadata={"help": "prompt tokens per step, packed with decode tokens (default: 64 CPU, 512 GPU)"}
     )
