@@ -1,0 +1,274 @@
+"""Bad inputs against the engine and the in-process server: each gets a clear 4xx error of the contract's
+shape, fails no other request, and the server serves afterwards. Sampling at its limits (tiny temperature
+or top_p), a sequence whose logits blow up, seeds outside int64, more sequences than the queue holds,
+bursts of model calls (next-token, analyze) beside a stream, and stop strings beyond their limits."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from contract import CMPL, GEN, LIMITS, NEXT, assert_error, sse_events
+from fastapi.testclient import TestClient
+from test_engine import greedy_params, held, run, running, tokens_generated
+
+import server.engine as engine_module
+from model.generate import GenerationError, SequenceState
+from model.loading import LoadedModel
+from server.app import create_app
+from server.engine import Engine, QueueFull
+from server.settings import Settings
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@contextmanager
+def serve(loaded: LoadedModel, **overrides: Any) -> Iterator[TestClient]:
+    app = create_app(Settings(**{"model": "tiny", **LIMITS, **overrides}), loaded=loaded)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client
+
+
+def post_ok(client: TestClient, path: str, body: dict[str, Any]) -> Any:
+    r = client.post(path, json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def assert_still_serving(client: TestClient) -> None:
+    body = post_ok(client, GEN, {"prompt": "Hello", "max_new_tokens": 2, **GREEDY})
+    assert len(body["choices"][0]["token_ids"]) == 2
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.005)
+
+
+@contextmanager
+def engine_held(client: TestClient) -> Iterator[Engine]:
+    """Hold the engine's thread in a job, so that requests queue up until the block ends."""
+    engine: Engine = client.app.state.engine  # type: ignore[attr-defined]
+    started, release = threading.Event(), threading.Event()
+
+    def hold(_: Any) -> None:
+        started.set()
+        release.wait(30)
+
+    assert client.portal is not None
+    job = client.portal.start_task_soon(engine.call, hold)
+    assert started.wait(10), "the engine did not run the job"
+    try:
+        yield engine
+    finally:
+        release.set()
+        job.result(10)
+
+
+def greedy_ids(client: TestClient, prompt: str, n: int) -> list[int]:
+    body = post_ok(client, GEN, {"prompt": prompt, "max_new_tokens": n, **GREEDY})
+    ids: list[int] = body["choices"][0]["token_ids"]
+    return ids
+
+
+# --- sampling at its limits, and a sequence whose logits blow up ------------------------------------
+
+
+def test_a_tiny_temperature_or_top_p_shares_the_batch(loaded: LoadedModel) -> None:
+    """Requests whose temperature or top_p vanish in float32 queue up with a greedy one and a stream, run
+    in one batch, and all answer: greedy tokens (the limit) for the tiny ones, the same as alone for the
+    greedy one."""
+    tiny = [{"temperature": 1e-300}, {"temperature": 1e-45}, {"top_p": 1e-46}, {"temperature": 1e-300, "top_p": 1e-46}]
+    with serve(loaded) as c, ThreadPoolExecutor(6) as pool:
+        want = {p: greedy_ids(c, p, 5) for p in ("Hi", "Hello world")}
+        with engine_held(c) as engine:
+            plain = pool.submit(c.post, GEN, json={"prompt": "Hello world", "max_new_tokens": 5, **GREEDY})
+            small = [
+                pool.submit(c.post, GEN, json={"prompt": "Hi", "max_new_tokens": 5, "ignore_eos": True, **t})
+                for t in tiny
+            ]
+            streamed = {"prompt": "Hi", "max_new_tokens": 5, "temperature": 1e-300, "ignore_eos": True, "stream": True}
+            stream = pool.submit(c.post, GEN, json=streamed)
+            wait_until(lambda: len(engine._waiting) == 6)
+        assert plain.result(30).json()["choices"][0]["token_ids"] == want["Hello world"]
+        for r in (f.result(30) for f in small):
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == want["Hi"]
+        events = sse_events(stream.result(30).text)
+        assert all("error" not in e for e in events) and events[-1]["finish_reason"] == "length"
+        assert [e["token_id"] for e in events[:-1]] == want["Hi"]
+        assert_still_serving(c)
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_edits_that_blow_up_the_logits_are_a_400(loaded: LoadedModel, temperature: float) -> None:
+    """A request whose interventions overflow the activations gets a 400 saying so; a request running
+    beside it is untouched."""
+    blow_up = {"hook": "blocks.0.hook_resid_post", "op": "scale", "factor": 1e38}
+    with serve(loaded) as c, ThreadPoolExecutor(2) as pool:
+        want = greedy_ids(c, "Hello world", 20)
+        plain = pool.submit(c.post, GEN, json={"prompt": "Hello world", "max_new_tokens": 20, **GREEDY})
+        r = c.post(
+            GEN, json={"prompt": "Hi", "max_new_tokens": 5, "temperature": temperature, "interventions": [blow_up]}
+        )
+        error = assert_error(r, 400)
+        assert "logits became non-finite" in error["message"] and "edits" in error["message"]
+        assert plain.result(30).json()["choices"][0]["token_ids"] == want
+        assert_still_serving(c)
+
+
+def test_a_failing_sequence_ends_alone_in_the_shared_batch(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sequence whose own work fails (here: its stop-string check raises) gets that error; the others
+    in the same batch finish with the tokens they get alone, and the engine goes on serving."""
+    prompt = loaded.tokenizer.encode("Hello world")
+    release = SequenceState._release
+
+    def fails_for_index_1(self: SequenceState) -> str:
+        if self.index == 1 and len(self.tokens) == 3:
+            raise RuntimeError("injected failure")
+        return release(self)
+
+    async def main() -> None:
+        with running(loaded, max_batch_size=4) as engine:
+            async with held(engine):
+                ok_0, failing, ok_2 = engine.submit([prompt] * 3, [greedy_params(10, ignore_eos=True)] * 3)
+                monkeypatch.setattr(SequenceState, "_release", fails_for_index_1)
+            with pytest.raises(RuntimeError, match="injected failure"):
+                await failing.result()
+            got = await asyncio.gather(ok_0.result(), ok_2.result())
+            monkeypatch.setattr(SequenceState, "_release", release)
+            (alone,) = engine.submit([prompt], [greedy_params(10, ignore_eos=True)])
+            assert [c.token_ids for c in got] == [(await alone.result()).token_ids] * 2
+
+    run(main())
+
+
+# --- seeds -----------------------------------------------------------------------------------------
+
+
+def test_seeds_outside_int64_are_a_400(loaded: LoadedModel) -> None:
+    with serve(loaded) as c:
+        for seed in (2**64, 10**30, -(2**63) - 1, 2**63):
+            error = assert_error(c.post(GEN, json={"prompt": "Hi", "max_new_tokens": 2, "seed": seed}), 400, "seed")
+            assert str(seed) in error["message"] and "int64" in error["message"]
+            assert_error(c.post(CMPL, json={"prompt": "Hi", "max_tokens": 2, "seed": seed}), 400, "seed")
+        assert_error(c.post(CMPL, json={"prompt": "Hi", "max_tokens": 2, "seed": 2**64 - 1, "n": 2}), 400, "seed")
+        for seed in (2**63 - 1, -(2**63)):
+            body = post_ok(c, GEN, {"prompt": "Hi", "max_new_tokens": 2, "seed": seed, "ignore_eos": True})
+            assert len(body["choices"][0]["token_ids"]) == 2
+        assert_still_serving(c)
+
+
+# --- more sequences than the queue holds ------------------------------------------------------------
+
+
+def test_more_sequences_than_the_queue_holds_are_a_400(loaded: LoadedModel) -> None:
+    """429 would tell the client to retry, which could never succeed."""
+    with serve(loaded, max_queue=8) as c:
+        error = assert_error(c.post(CMPL, json={"prompt": "Hello", "max_tokens": 2, "n": 16}), 400)
+        assert "16 sequences" in error["message"] and "--max-queue" in error["message"] and "8" in error["message"]
+        assert_error(c.post(GEN, json={"input_ids": [[1, 1]] * 9, "max_new_tokens": 1}), 400)
+        body = post_ok(c, CMPL, {"prompt": "Hello", "max_tokens": 2, "n": 8})
+        assert len(body["choices"]) == 8
+        assert_still_serving(c)
+
+
+def test_a_refused_request_builds_no_sequence(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The queue is checked before any sequence (and its random generator) is made."""
+    built: list[int] = []
+    new_sequence = engine_module.new_sequence
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        built.append(1)
+        return new_sequence(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "new_sequence", counting)
+
+    async def main() -> None:
+        with running(loaded, max_batch_size=1, max_queue=2) as engine:
+            with pytest.raises(GenerationError, match="--max-queue"):
+                engine.submit([[1, 1]] * 1000, [greedy_params(1)] * 1000)
+            assert built == []
+            async with held(engine):
+                engine.submit([[464], [464]], [greedy_params(1)] * 2)
+                built.clear()
+                with pytest.raises(QueueFull):
+                    engine.submit([[464]], [greedy_params(1)])
+                assert built == []
+
+    run(main())
+
+
+# --- model calls: bounded, and one between two decode steps -----------------------------------------
+
+
+def test_model_calls_are_bounded(loaded: LoadedModel) -> None:
+    async def main() -> None:
+        with running(loaded, max_queue=3) as engine:
+            async with held(engine):
+                waiting = [asyncio.ensure_future(engine.call(lambda m: 42)) for _ in range(3)]
+                await asyncio.sleep(0)
+                with pytest.raises(QueueFull):
+                    await engine.call(lambda m: 0)
+            assert await asyncio.gather(*waiting) == [42, 42, 42]
+            assert await engine.call(lambda m: 7) == 7
+
+    run(main())
+
+
+def test_next_token_and_analyze_beyond_the_queue_are_a_429(loaded: LoadedModel) -> None:
+    with serve(loaded, max_queue=2) as c, ThreadPoolExecutor(2) as pool:
+        with engine_held(c) as engine:
+            waiting = [pool.submit(c.post, path, json={"prompt": "Hello"}) for path in (NEXT, "/v1/analyze")]
+            wait_until(lambda: len(engine._jobs) == 2)
+            for path in (NEXT, "/v1/analyze"):
+                r = c.post(path, json={"prompt": "Hello"})
+                assert_error(r, 429, None)
+                assert int(r.headers["retry-after"]) >= 1
+        assert [f.result(30).status_code for f in waiting] == [200, 200]
+        post_ok(c, NEXT, {"prompt": "Hello"})
+        assert_still_serving(c)
+
+
+def test_model_calls_run_one_between_two_decode_steps(loaded: LoadedModel) -> None:
+    """A burst of calls queued while a sequence decodes is spread over its steps: each call sees more
+    tokens generated than the one before it, so the stream never waits for the whole burst."""
+
+    async def main() -> list[float]:
+        with running(loaded) as engine:
+            (long,) = engine.submit([[464]], [greedy_params(120, ignore_eos=True)])
+            async for _ in long:
+                break
+            async with held(engine):
+                calls = [asyncio.ensure_future(engine.call(lambda m: tokens_generated(engine))) for _ in range(5)]
+                await asyncio.sleep(0)
+            seen = list(await asyncio.gather(*calls))
+            long.cancel()
+            return seen
+
+    seen = run(main())
+    assert seen == sorted(set(seen)), seen
+
+
+# --- stop strings ----------------------------------------------------------------------------------
+
+
+def test_too_many_or_too_long_stop_strings_are_a_400(loaded: LoadedModel) -> None:
+    with serve(loaded) as c:
+        for stop, message in (([f"s{i}" for i in range(17)], "at most 16 strings"), (["x" * 257], "256 characters")):
+            for path, body in ((GEN, {"max_new_tokens": 2}), (CMPL, {"max_tokens": 2})):
+                error = assert_error(c.post(path, json={"prompt": "Hi", "stop": stop, **body}), 400, "stop")
+                assert message in error["message"]
+        body = post_ok(c, GEN, {"prompt": "Hi", "max_new_tokens": 2, "stop": [f"s{i}" for i in range(16)]})
+        assert body["choices"][0]["finish_reason"] in ("length", "stop", "eos")
+        assert_still_serving(c)
