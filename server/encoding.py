@@ -1,11 +1,18 @@
-"""Activation tensors to wire formats: JSON (nested lists) or a safetensors file (raw, or base64 in JSON)."""
+"""Activation tensors to wire formats: JSON (nested lists) or a safetensors file (raw, or base64 in JSON).
+
+A dump can be hundreds of megabytes. The routes refuse it (413) when its size on the wire, known before
+running, is over the server's limit, and encode it on a worker thread, a piece of a few megabytes at a
+time: the event loop's thread gets the GIL back between pieces, so other requests keep being served.
+"""
 
 from __future__ import annotations
 
 import base64
 import math
-from typing import Any
+import secrets
+from typing import Any, Literal
 
+import pydantic_core
 import torch
 
 from model.config import GPTConfig
@@ -13,10 +20,25 @@ from model.dump import dump_bytes
 from model.hooks import is_attention_square
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+Wire = Literal["json", "safetensors_base64", "safetensors"]
+# The longest JSON text of a float32, float16 or bfloat16 number (-0.000027556148779694922) and its comma;
+# ~20 on average for activations, so JSON is about 5x the raw float32 bytes.
+JSON_BYTES_PER_VALUE = 25
+ENCODE_VALUES = 2**16  # numbers written to JSON at a time (about 2 ms), the GIL let go in between
 
 
-def activation_bytes(config: GPTConfig, names: list[str], n_tokens: int, dtype: str) -> int:
-    """Size of the tensors a dump of `names` over `n_tokens` positions will hold, known before running."""
+def dump_bytes_on_wire(config: GPTConfig, names: list[str], n_tokens: int, dtype: str, wire: Wire) -> int:
+    """Bytes a dump of `names` over `n_tokens` positions takes in the response, known before running (at
+    most that, for JSON): a safetensors file of `dtype` tensors, that file in base64, or JSON text."""
+    values = activation_values(config, names, n_tokens)
+    if wire == "json":
+        return values * JSON_BYTES_PER_VALUE
+    raw = values * DTYPES[dtype].itemsize
+    return raw if wire == "safetensors" else 4 * math.ceil(raw / 3)
+
+
+def activation_values(config: GPTConfig, names: list[str], n_tokens: int) -> int:
+    """How many numbers a dump of `names` over `n_tokens` positions holds."""
     C, H, D, T = config.n_embd, config.n_head, config.d_head, n_tokens
     per_name = 0
     for name in names:
@@ -30,33 +52,70 @@ def activation_bytes(config: GPTConfig, names: list[str], n_tokens: int, dtype: 
             per_name += T * config.vocab_size
         else:
             per_name += T * C
-    return per_name * DTYPES[dtype].itemsize
+    return per_name
 
 
 def cast(tensors: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
     return {name: t.to(device="cpu", dtype=DTYPES[dtype]) for name, t in tensors.items()}
 
 
+class RawJSON:
+    """JSON text written already, in pieces (a dump's numbers, a block of rows at a time), which
+    `json_bytes` puts in place as it is. (Not a dataclass: pydantic would write those itself.)"""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = pieces
+
+
+def json_bytes(content: Any) -> bytes:
+    """JSON text of a response, by pydantic's compiled encoder (about 10x `json.dumps`), with `RawJSON`
+    values spliced in. JSON has no infinities or NaN: they become null."""
+    raw: list[RawJSON] = []
+    mark = secrets.token_hex(16)  # stands for each RawJSON: random, so no text in `content` holds it
+
+    def placeholder(value: Any) -> str:  # pydantic asks it about values of types it does not know
+        if not isinstance(value, RawJSON):
+            raise TypeError(f"{type(value).__name__} cannot be written as JSON")
+        raw.append(value)
+        return mark
+
+    text = pydantic_core.to_json(content, inf_nan_mode="null", fallback=placeholder)
+    pieces: list[bytes] = []
+    for between, r in zip(text.split(f'"{mark}"'.encode()), [*raw, RawJSON([])], strict=True):
+        pieces += [between, *r.pieces]
+    return b"".join(pieces)  # the one copy of the whole text
+
+
 def to_json(tensors: dict[str, torch.Tensor], dtype: str) -> dict[str, Any]:
-    """`{name: {"shape", "dtype", "data"}}`; JSON has no infinities, so masked scores (-inf) become null."""
+    """`{name: {"shape", "dtype", "data"}}` for `json_bytes`; masked scores (-inf) become null."""
     out = {}
     for name, t in cast(tensors, dtype).items():
-        data = t.float().tolist()
-        if name.endswith("hook_attn_scores"):
-            data = _nulls_for_infinities(data)
-        out[name] = {"shape": list(t.shape), "dtype": dtype, "data": data}
+        pieces: list[bytes] = []
+        _nested_lists(t.float(), pieces)
+        out[name] = {"shape": list(t.shape), "dtype": dtype, "data": RawJSON(pieces)}
     return out
 
 
-def _nulls_for_infinities(data: Any) -> Any:
-    if isinstance(data, list):
-        return [_nulls_for_infinities(x) for x in data]
-    return None if math.isinf(data) else data
+def _nested_lists(t: torch.Tensor, out: list[bytes]) -> None:
+    """Append `t` as JSON nested lists to `out`, written a block of rows (at most `ENCODE_VALUES` numbers,
+    or one row) at a time."""
+    if t.dim() <= 1 or t.numel() <= ENCODE_VALUES:
+        out.append(pydantic_core.to_json(t.tolist(), inf_nan_mode="null"))
+        return
+    out.append(b"[")
+    for i, row in enumerate(t):
+        if i:
+            out.append(b",")
+        _nested_lists(row, out)
+    out.append(b"]")
 
 
 def to_safetensors(tensors: dict[str, torch.Tensor], dtype: str, metadata: dict[str, Any]) -> bytes:
     return dump_bytes(cast(tensors, dtype), metadata)
 
 
-def to_safetensors_base64(tensors: dict[str, torch.Tensor], dtype: str, metadata: dict[str, Any]) -> str:
-    return base64.b64encode(to_safetensors(tensors, dtype, metadata)).decode("ascii")
+def to_safetensors_base64(tensors: dict[str, torch.Tensor], dtype: str, metadata: dict[str, Any]) -> RawJSON:
+    """The safetensors file as a JSON string of base64, encoded 3 MiB at a time (a multiple of 3 bytes,
+    so the pieces join into the base64 of the whole)."""
+    blob, step = memoryview(to_safetensors(tensors, dtype, metadata)), 3 * 2**20
+    return RawJSON([b'"', *(base64.b64encode(blob[i : i + step]) for i in range(0, len(blob), step)), b'"'])

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from model.generate import GenerationError, SamplingParams
 from model.interventions import Edit, EditSpec, InterventionError
+from model.tokenizer import InvalidTextError, check_unicode
 
 PromptText = str | list[str]
 PromptIds = list[int] | list[list[int]]
@@ -51,6 +52,8 @@ class InterventionSpec(Strict):
         elif self.value is not None:
             try:
                 value = torch.tensor(self.value, dtype=torch.float32)
+            except OverflowError:  # an integer beyond float64 (one beyond float32 becomes inf, refused later)
+                raise InterventionError(f"value for {self.hook!r} holds a number not finite in float32") from None
             except (TypeError, ValueError) as e:
                 raise InterventionError(f"value for {self.hook!r} is not a rectangular array of numbers: {e}") from None
         return Edit(
@@ -177,7 +180,8 @@ class DetokenizeRequest(BaseModel):
 
 class CompletionRequest(BaseModel):
     """OpenAI's legacy completions. Unknown fields are ignored; known ones we do not implement are refused
-    when their value would change the result (see `refuse_unsupported`)."""
+    when their value would change the result (see `check`). Any `model` name is accepted, there being one
+    model, and echoed back; the server's own name is in /v1/models."""
 
     model_config = ConfigDict(strict=True, extra="allow")
     model: str | None = None
@@ -193,7 +197,11 @@ class CompletionRequest(BaseModel):
     seed: int | None = None
     stream_options: dict[str, Any] | None = None
 
-    def refuse_unsupported(self) -> None:
+    def check(self) -> None:
+        """Refuse unimplemented fields whose value would change the result, `n` and `logprobs` out of
+        range, and a `model` name that is not valid Unicode (it could not be echoed back)."""
+        if self.model is not None:
+            valid_text(self.model, "model")
         extra = self.model_extra or {}
         neutral: dict[str, Any] = {
             "presence_penalty": 0,
@@ -231,7 +239,18 @@ class CompletionRequest(BaseModel):
 def stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
     if stop is None:
         return ()
-    return (stop,) if isinstance(stop, str) else tuple(stop)
+    if isinstance(stop, str):
+        return (valid_text(stop, "stop"),)
+    return tuple(valid_text(s, f"stop[{i}]", "stop") for i, s in enumerate(stop))
+
+
+def valid_text(text: str, where: str, param: str | None = None) -> str:
+    """`text`, refused with a 400 naming `where` when it is not valid Unicode (a lone surrogate)."""
+    try:
+        check_unicode(text)
+    except InvalidTextError as e:
+        raise GenerationError(f"{where} is {e}", param or where) from None
+    return text
 
 
 def check_cap(value: int, cap: int, param: str) -> None:

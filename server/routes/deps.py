@@ -1,5 +1,9 @@
 """What the route handlers share: the engine and settings of the app, prompts turned into token ids,
-and waiting on or streaming the engine's results."""
+and waiting on or streaming the engine's results.
+
+Nothing slow runs on the event loop: prompts are tokenized on a worker thread (a 4 MB prompt takes
+seconds), and a client that disconnects while it waits cancels its sequences, freeing their batch rows.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +15,10 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from model.generate import Completion, GenerationError, TokenEvent, validate_prompt
+from model.tokenizer import InvalidTextError
 
 from ..engine import Engine, RequestStream
 from ..errors import APIError
@@ -37,7 +43,9 @@ EngineDep = Annotated[Engine, Depends(get_engine)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 
 
-def token_ids(engine: Engine, prompt: str | Sequence[Any] | None, input_ids: Sequence[Any] | None) -> list[list[int]]:
+async def token_ids(
+    engine: Engine, prompt: str | Sequence[Any] | None, input_ids: Sequence[Any] | None
+) -> list[list[int]]:
     """Token ids of each prompt, from `prompt` (text, or texts) or `input_ids` (ids, or lists of ids)."""
     if (prompt is None) == (input_ids is None):
         raise GenerationError("give exactly one of prompt and input_ids", "prompt")
@@ -49,30 +57,55 @@ def token_ids(engine: Engine, prompt: str | Sequence[Any] | None, input_ids: Seq
         for p in prompts:  # empty or out-of-vocabulary ids: name the field they came in
             validate_prompt(engine.model, p, 0, "input_ids")
         return prompts
-    return openai_prompt_ids(engine, prompt)
+    return await openai_prompt_ids(engine, prompt)
 
 
-def openai_prompt_ids(engine: Engine, prompt: str | Sequence[Any] | None) -> list[list[int]]:
+async def openai_prompt_ids(engine: Engine, prompt: str | Sequence[Any] | None) -> list[list[int]]:
     """OpenAI's `prompt`: a string, a list of strings, a list of token ids or a list of lists of ids."""
     if isinstance(prompt, str):
-        return [engine.tokenizer.encode(prompt)]
+        return await encode(engine, [prompt], "prompt")
     items = list(prompt or [])
     if not items:
         raise GenerationError("the prompt list is empty", "prompt")
     if isinstance(items[0], str):
-        return engine.tokenizer.encode_batch(items)
+        return await encode(engine, items, "prompt")
     if isinstance(items[0], int):
         return [items]
     return [list(x) for x in items]
 
 
-async def results(streams: list[RequestStream]) -> list[Completion]:
-    """Wait for every stream's completion (cancelling the others if one fails or the wait is cancelled)."""
+async def encode(engine: Engine, texts: list[str], param: str) -> list[list[int]]:
+    """Token ids of `texts`, encoded on a worker thread (`encode_batch` lets go of the GIL meanwhile, so
+    the event loop keeps serving); text that is not valid Unicode is a 400 naming `param`."""
     try:
-        return list(await asyncio.gather(*(s.result() for s in streams)))
+        return await run_in_threadpool(engine.tokenizer.encode_batch, texts)
+    except InvalidTextError as e:
+        where = param if len(texts) == 1 else f"{param}[{e.item}]"
+        raise GenerationError(f"{where} is {e}", param) from None
+
+
+async def results(streams: list[RequestStream], request: Request) -> list[Completion]:
+    """Wait for every stream's completion. If one fails, the wait is cancelled or the client disconnects
+    (a 499 then, as nginx logs it: no one reads it), all are cancelled: they leave the batch at the next step."""
+    done = asyncio.ensure_future(asyncio.gather(*(s.result() for s in streams)))
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((done, gone), return_when=asyncio.FIRST_COMPLETED)
+        if not done.done():
+            raise APIError(499, "the client closed the connection before the answer was ready")
+        return list(done.result())
     finally:
+        done.cancel()
+        gone.cancel()
         for s in streams:
             s.cancel()
+
+
+async def _disconnect(request: Request) -> None:
+    """Return when the client disconnects. The body is read already, so the server's next message is
+    `http.disconnect`, sent when the connection closes (or once the response is complete)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[RequestStream, TokenEvent | None]]:
@@ -104,13 +137,15 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[RequestStr
             s.cancel()  # a client gone mid-stream frees its rows at the next step
 
 
-def sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
-    """Server-Sent Events: one `data:` line of JSON per event, then `data: [DONE]`."""
+def sse(events: AsyncIterator[dict[str, Any] | bytes]) -> StreamingResponse:
+    """Server-Sent Events: one `data:` line of JSON per event (given as a dict, or as JSON bytes already
+    encoded off the event loop), then `data: [DONE]`."""
 
     async def body() -> AsyncIterator[bytes]:
         try:
             async for event in events:
-                yield f"data: {json.dumps(event)}\n\n".encode()
+                data = event if isinstance(event, bytes) else json.dumps(event).encode()
+                yield b"data: " + data + b"\n\n"
         except Exception as e:  # the status line is gone already: say it in the stream
             log.exception("stream failed", exc_info=e)
             error = {"type": "internal_error", "message": "generation failed; the stream ends here"}

@@ -12,7 +12,7 @@ from fastapi.responses import FileResponse
 from model.analysis import LayerStats, analyze
 from model.generate import GenerationError, validate_prompt
 from model.gpt import GPT
-from model.interventions import EditSpec
+from model.interventions import EditSpec, NonFiniteActivations
 
 from ..schemas import AnalyzeRequest
 from .deps import EngineDep, token_ids
@@ -28,7 +28,7 @@ async def viewer() -> FileResponse:
 
 @router.post("/v1/analyze")
 async def analyze_prompt(req: AnalyzeRequest, engine: EngineDep) -> dict[str, Any]:
-    (ids,) = token_ids(engine, req.prompt, req.input_ids)
+    (ids,) = await token_ids(engine, req.prompt, req.input_ids)
     config = engine.model.config
     validate_prompt(engine.model, ids, 0, "input_ids" if req.input_ids is not None else "prompt")
     if not 1 <= req.top_k <= 100:
@@ -39,8 +39,12 @@ async def analyze_prompt(req: AnalyzeRequest, engine: EngineDep) -> dict[str, An
 
     def run(model: GPT) -> tuple[list[LayerStats], list[LayerStats] | None]:
         main = analyze(model, ids, req.top_k, edits.hooks(config, len(ids)) if edits else None)
-        ablated = analyze(model, ids, req.top_k, no_residual.hooks(config, len(ids))) if req.compare_ablated else None
-        return main, ablated
+        if not req.compare_ablated:
+            return main, None
+        try:
+            return main, analyze(model, ids, req.top_k, no_residual.hooks(config, len(ids)))
+        except NonFiniteActivations as e:  # say which run: the edits also apply to the one without skips
+            raise NonFiniteActivations(f"{e}, in the run without residual connections (compare_ablated)") from None
 
     main, ablated = await engine.call(run)
     text = engine.tokenizer.token_text

@@ -1,4 +1,7 @@
-"""The native API: generation with logprobs and activation dumps, the next-token distribution, model info."""
+"""The native API: generation with logprobs and activation dumps, the next-token distribution, model info.
+
+Answers that may carry an activation dump are encoded on a worker thread (`run_in_threadpool`): a dump of
+hundreds of megabytes takes seconds to write, and the event loop keeps serving meanwhile."""
 
 from __future__ import annotations
 
@@ -9,12 +12,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
 
 from model.generate import Completion, GenerationError, TokenLogprob, validate_prompt
 from model.gpt import GPT
 from model.hooks import select_hooks
+from model.interventions import NonFiniteActivations
 
 from .. import encoding
 from ..engine import Engine
@@ -47,8 +52,8 @@ async def model_info(engine: EngineDep) -> dict[str, Any]:
 
 
 @router.post("/v1/generate")
-async def generate(req: GenerateRequest, engine: EngineDep, settings: SettingsDep) -> Any:
-    prompts = token_ids(engine, req.prompt, req.input_ids)
+async def generate(req: GenerateRequest, request: Request, engine: EngineDep, settings: SettingsDep) -> Response:
+    prompts = await token_ids(engine, req.prompt, req.input_ids)
     params = req.sampling_params(settings.max_new_tokens)
     hooks = _checked_hooks(engine, settings, req.activations, prompts, params.max_new_tokens)
     edits = req.edit_spec(engine.model.config.n_layer)
@@ -56,34 +61,26 @@ async def generate(req: GenerateRequest, engine: EngineDep, settings: SettingsDe
     reply = _Reply(engine, req.activations)
     if req.stream:
         return sse(reply.stream(merged(streams)))
-    return reply.body(await results(streams))
+    completions = await results(streams, request)
+    return Response(await run_in_threadpool(reply.json_body, completions), media_type="application/json")
 
 
 @router.post("/v1/activations", response_class=Response, responses={200: {"content": {"application/octet-stream": {}}}})
-async def activations(req: ActivationsRequest, engine: EngineDep, settings: SettingsDep) -> Response:
+async def activations(req: ActivationsRequest, request: Request, engine: EngineDep, settings: SettingsDep) -> Response:
     if req.stream:
         raise GenerationError("/v1/activations answers with one file: stream is not supported", "stream")
-    prompts = token_ids(engine, req.prompt, req.input_ids)
+    prompts = await token_ids(engine, req.prompt, req.input_ids)
     params = req.sampling_params(settings.max_new_tokens)
-    hooks = _checked_hooks(engine, settings, req.activations, prompts, params.max_new_tokens)
+    hooks = _checked_hooks(engine, settings, req.activations, prompts, params.max_new_tokens, file=True)
     edits = req.edit_spec(engine.model.config.n_layer)
-    (completion,) = await results(engine.submit(prompts, [params], hooks, edits))
-    reply = _Reply(engine, None)
-    choice = reply.choice(completion)
-    meta = {
-        "model": engine.loaded.name,
-        "token_ids": completion.prompt_ids + completion.token_ids,
-        "text": engine.tokenizer.decode(completion.prompt_ids) + completion.text,
-        "result": json.dumps(reply.body([completion]) | {"choices": [choice]}),
-    }
-    assert completion.activations is not None
-    blob = encoding.to_safetensors(completion.activations, req.activations.dtype, meta)
+    (completion,) = await results(engine.submit(prompts, [params], hooks, edits), request)
+    blob = await run_in_threadpool(_Reply(engine, None).file, completion, req.activations.dtype)
     return Response(blob, media_type="application/octet-stream")
 
 
 @router.post("/v1/next-token")
 async def next_token(req: NextTokenRequest, engine: EngineDep) -> dict[str, Any]:
-    (ids,) = token_ids(engine, req.prompt, req.input_ids)
+    (ids,) = await token_ids(engine, req.prompt, req.input_ids)
     vocab = engine.model.config.vocab_size
     if not 1 <= req.top_k <= vocab:
         raise GenerationError(f"top_k must be in 1..{vocab}, got {req.top_k}", "top_k")
@@ -93,7 +90,10 @@ async def next_token(req: NextTokenRequest, engine: EngineDep) -> dict[str, Any]
 
     def distribution(model: GPT) -> tuple[list[float], list[int], float]:
         idx = torch.tensor([ids], device=model.wte.weight.device)
-        logprobs = torch.log_softmax(model(idx, hooks=hooks, last_only=True)[0, -1].float(), dim=-1)  # [vocab]
+        logits = model(idx, hooks=hooks, last_only=True)[0, -1].float()  # [vocab]
+        if not logits.isfinite().all():
+            raise NonFiniteActivations("the edits made the logits non-finite (inf or NaN): no distribution to give")
+        logprobs = torch.log_softmax(logits, dim=-1)
         entropy = -(logprobs.exp() * logprobs).nan_to_num().sum()
         top = torch.topk(logprobs, req.top_k)
         return top.values.tolist(), top.indices.tolist(), float(entropy)
@@ -113,20 +113,29 @@ async def next_token(req: NextTokenRequest, engine: EngineDep) -> dict[str, Any]
 
 
 def _checked_hooks(
-    engine: Engine, settings: Settings, spec: ActivationSpec | None, prompts: list[list[int]], max_new_tokens: int
+    engine: Engine,
+    settings: Settings,
+    spec: ActivationSpec | None,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    file: bool = False,
 ) -> list[str] | None:
-    """The hook names a request asks for, refused (413) when the dump would exceed the server's limit."""
+    """The hook names a request asks for, refused (413) when the dump, as sent (`spec.format`, or a
+    safetensors file when `file`), would exceed the server's limit."""
     if spec is None:
         return None
     names = select_hooks(spec.hooks, engine.model.config.n_layer)
+    wire: encoding.Wire = "safetensors" if file else spec.format
     size = sum(
-        encoding.activation_bytes(engine.model.config, names, len(p) + max_new_tokens, spec.dtype) for p in prompts
+        encoding.dump_bytes_on_wire(engine.model.config, names, len(p) + max_new_tokens, spec.dtype, wire)
+        for p in prompts
     )
     if size > settings.max_activation_bytes:
+        smaller = "format safetensors_base64 (about a quarter of JSON's size)" if wire == "json" else "float16"
         raise APIError(
             413,
-            f"the activation dump would hold about {size} bytes, over the server's limit of "
-            f"{settings.max_activation_bytes}: ask for fewer hooks, fewer tokens or float16",
+            f"the activation dump would take up to {size} bytes as {wire}, over the server's limit of "
+            f"{settings.max_activation_bytes}: ask for fewer hooks, fewer tokens or {smaller}",
             "activations",
         )
     return names
@@ -166,6 +175,21 @@ class _Reply:
         meta = {"model": self.engine.loaded.name, "token_ids": c.prompt_ids + c.token_ids}
         return encoding.to_safetensors_base64(c.activations, self.spec.dtype, meta)
 
+    def json_body(self, completions: list[Completion]) -> bytes:
+        """The whole answer as JSON (slow with a big dump: call it on a worker thread)."""
+        return encoding.json_bytes(self.body(completions))
+
+    def file(self, completion: Completion, dtype: str) -> bytes:
+        """/v1/activations' answer: the dump as a safetensors file, its metadata holding the result."""
+        assert completion.activations is not None
+        meta = {
+            "model": self.engine.loaded.name,
+            "token_ids": completion.prompt_ids + completion.token_ids,
+            "text": self.engine.tokenizer.decode(completion.prompt_ids) + completion.text,
+            "result": json.dumps(self.body([completion])),
+        }
+        return encoding.to_safetensors(completion.activations, dtype, meta)
+
     def body(self, completions: list[Completion]) -> dict[str, Any]:
         prompt_tokens = sum(len(c.prompt_ids) for c in completions)
         completion_tokens = sum(len(c.token_ids) for c in completions)
@@ -178,7 +202,7 @@ class _Reply:
             "usage": _usage(prompt_tokens, completion_tokens),
         }
 
-    async def stream(self, events: AsyncIterator[Any]) -> AsyncIterator[dict[str, Any]]:
+    async def stream(self, events: AsyncIterator[Any]) -> AsyncIterator[dict[str, Any] | bytes]:
         async for stream, event in events:
             if event is not None:
                 lp = event.logprob
@@ -197,9 +221,13 @@ class _Reply:
                 "finish_reason": c.finish_reason,
                 "usage": _usage(len(c.prompt_ids), len(c.token_ids)),
             }
-            if self.spec is not None and c.activations is not None:
-                final["activations"] = self._activations(c)
-            yield final
+            if self.spec is not None and c.activations is not None:  # a dump: encoded off the event loop
+                yield await run_in_threadpool(self._final_json, final, c)
+            else:
+                yield final
+
+    def _final_json(self, final: dict[str, Any], c: Completion) -> bytes:
+        return encoding.json_bytes(final | {"activations": self._activations(c)})
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
 
-from model.generate import Completion, TokenLogprob
+from model.generate import Completion, GenerationError, TokenLogprob
 
+from .. import encoding
 from ..engine import Engine, RequestStream
 from ..schemas import CompletionRequest, check_cap
 from .deps import EngineDep, SettingsDep, merged, openai_prompt_ids, results, sse
@@ -19,6 +23,7 @@ from .deps import EngineDep, SettingsDep, merged, openai_prompt_ids, results, ss
 router = APIRouter(tags=["openai"])
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+OPENAI_NAMES = {"max_new_tokens": "max_tokens", "prompt_logprobs": "logprobs"}  # the engine's name -> this API's
 
 
 @router.get("/v1/models")
@@ -38,25 +43,39 @@ async def models(engine: EngineDep) -> dict[str, Any]:
 
 
 @router.post("/v1/completions")
-async def completions(req: CompletionRequest, engine: EngineDep, settings: SettingsDep) -> Any:
-    req.refuse_unsupported()
-    prompts = openai_prompt_ids(engine, req.prompt)
+async def completions(req: CompletionRequest, request: Request, engine: EngineDep, settings: SettingsDep) -> Response:
+    req.check()
+    prompts = await openai_prompt_ids(engine, req.prompt)
     n_ctx = engine.model.config.n_positions
     choices_prompts, params = [], []
-    for prompt in prompts:
-        if req.max_tokens is None:  # OpenAI's "as many as fit"
-            max_tokens = max(0, min(settings.max_new_tokens, n_ctx - len(prompt)))
-        else:
-            check_cap(req.max_tokens, settings.max_new_tokens, "max_tokens")
-            max_tokens = req.max_tokens
-        for j in range(req.n):  # n samples per prompt, each with its own seed
-            choices_prompts.append(prompt)
-            params.append(req.sampling_params(max_tokens, None if req.seed is None else req.seed + j))
-    streams = engine.submit(choices_prompts, params)
+    with _openai_names():
+        for prompt in prompts:
+            if req.max_tokens is None:  # OpenAI's "as many as fit"
+                max_tokens = max(0, min(settings.max_new_tokens, n_ctx - len(prompt)))
+            else:
+                check_cap(req.max_tokens, settings.max_new_tokens, "max_tokens")
+                max_tokens = req.max_tokens
+            for j in range(req.n):  # n samples per prompt, each with its own seed
+                choices_prompts.append(prompt)
+                params.append(req.sampling_params(max_tokens, None if req.seed is None else req.seed + j))
+        streams = engine.submit(choices_prompts, params)
     reply = _Reply(engine, req)
     if req.stream:
         return sse(reply.stream(streams))
-    return reply.body(await results(streams))
+    completions = await results(streams, request)
+    return Response(await run_in_threadpool(reply.json_body, completions), media_type="application/json")
+
+
+@contextmanager
+def _openai_names() -> Iterator[None]:
+    """The engine's errors name its own parameters: name this API's instead (max_tokens, not max_new_tokens)."""
+    try:
+        yield
+    except GenerationError as e:
+        if e.param not in OPENAI_NAMES:
+            raise
+        name = OPENAI_NAMES[e.param]
+        raise GenerationError(str(e).replace(e.param, name), name) from None
 
 
 class _Reply:
@@ -121,6 +140,10 @@ class _Reply:
             "logprobs": logprobs,
             "finish_reason": FINISH_REASONS[c.finish_reason],
         }
+
+    def json_body(self, completions: list[Completion]) -> bytes:
+        """The whole answer as JSON (decoding every token's text: call it on a worker thread)."""
+        return encoding.json_bytes(self.body(completions))
 
     def body(self, completions: list[Completion]) -> dict[str, Any]:
         return self._envelope([self.choice(i, c) for i, c in enumerate(completions)]) | {

@@ -10,14 +10,15 @@ from model.generate import GenerationError
 from model.tokenizer import EOT
 
 from ..schemas import DetokenizeRequest, TokenizeRequest
-from .deps import EngineDep
+from .deps import EngineDep, encode
 
 router = APIRouter(tags=["tokenizer"])
 
 
 @router.post("/tokenize")
 async def tokenize(req: TokenizeRequest, engine: EngineDep) -> dict[str, Any]:
-    ids = engine.tokenizer.encode(req.prompt)  # GPT-2 adds no special tokens, whatever add_special_tokens says
+    # GPT-2 adds no special tokens, whatever add_special_tokens says
+    (ids,) = await encode(engine, [req.prompt], "prompt")
     return {"tokens": ids, "count": len(ids), "max_model_len": engine.model.config.n_positions}
 
 

@@ -1,0 +1,365 @@
+"""Robustness of the HTTP API, in process on the `tiny` checkpoint: inputs that once gave a 500 or a wrong
+`param` (lone surrogates, empty head lists, NaN in edits, edits that overflow the activations, engine
+parameter names on the OpenAI route), unclear messages, the API key's scheme and HEAD requests, slow work
+kept off the event loop (tokenizing, encoding dumps) and a client that leaves while it waits. Each bad
+request is followed by a good one that must still succeed. Bad edits are in test_lab_api.BAD_EDITS."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from contract import ACTS, CMPL, GEN, LIMITS, NEXT, Bad, assert_error
+from fastapi.testclient import TestClient
+
+from model.loading import LoadedModel
+from server.app import create_app
+from server.settings import Settings
+
+ANALYZE, TOKENIZE = "/v1/analyze", "/tokenize"
+SURROGATE = "a\udc80b"  # a lone low surrogate: valid JSON ("\udc80"), not valid Unicode
+JSON = {"content-type": "application/json"}
+
+
+@contextmanager
+def serve(loaded: LoadedModel, **overrides: Any) -> Iterator[TestClient]:
+    app = create_app(Settings(**{"model": "tiny", **LIMITS, **overrides}), loaded=loaded)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(loaded: LoadedModel) -> Iterator[TestClient]:
+    with serve(loaded) as c:
+        yield c
+
+
+def as_json(body: dict[str, Any]) -> bytes:
+    """JSON text with non-ASCII escaped: how a client sends a lone surrogate (`\\udc80`), which a JSON
+    library would refuse to encode as UTF-8."""
+    return json.dumps(body).encode()
+
+
+def post_ok(client: TestClient, path: str, body: dict[str, Any]) -> Any:
+    r = client.post(path, json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def assert_still_serving(client: TestClient) -> None:
+    body = post_ok(client, GEN, {"prompt": "Hello", "max_new_tokens": 2, "temperature": 0, "ignore_eos": True})
+    assert len(body["choices"][0]["token_ids"]) == 2
+
+
+def on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # a worker thread
+        return False
+    return True
+
+
+def z_edit(**fields: Any) -> dict[str, Any]:
+    return {"hook": "blocks.0.attn.hook_z", "op": "zero", **fields}
+
+
+def resid(**fields: Any) -> dict[str, Any]:
+    return {"hook": "blocks.0.hook_resid_post", "op": "scale", "factor": 1e38, **fields}  # 1e38: float32 overflows
+
+
+def case(id: str, path: str, body: dict[str, Any] | bytes, param: str, says: str) -> Any:
+    """A bad request, the `param` its 400 must name and what its message must say."""
+    content = body if isinstance(body, bytes) else as_json(body)
+    return pytest.param(Bad(id, path, content=content), param, says, id=id)
+
+
+CASES = [
+    # lone surrogates in text, on every route that tokenizes, and in other text fields
+    *(
+        case(f"surrogate-prompt-{path}", path, {"prompt": SURROGATE}, "prompt", "prompt is not valid Unicode: it holds")
+        for path in (GEN, CMPL, TOKENIZE, NEXT, ANALYZE, ACTS)
+    ),
+    case("surrogate-prompt-list", GEN, {"prompt": ["ok", SURROGATE]}, "prompt", "prompt[1] is not valid Unicode"),
+    case("surrogate-openai-prompt-list", CMPL, {"prompt": ["ok", SURROGATE]}, "prompt", "at index 1"),
+    case("surrogate-stop-list", GEN, {"prompt": "Hi", "stop": ["\n", SURROGATE]}, "stop", "stop[1] is not valid"),
+    case("surrogate-openai-stop", CMPL, {"prompt": "Hi", "stop": SURROGATE}, "stop", "stop is not valid Unicode"),
+    # the model name is echoed back: it must be text that can be sent
+    case("surrogate-model", CMPL, {"prompt": "Hi", "model": SURROGATE}, "model", "model is not valid Unicode"),
+    case("surrogate-model-stream", CMPL, {"prompt": "Hi", "model": SURROGATE, "stream": True}, "model", "model is"),
+    # numbers beyond float32 in an edit (more in test_lab_api.BAD_EDITS): also NaN, which Python's JSON reads
+    case(
+        "factor-nan",
+        NEXT,
+        b'{"prompt": "Hi", "interventions": [{"hook": "hook_embed", "op": "scale", "factor": NaN}]}',
+        "interventions",
+        "factor nan is not a finite float32 number",
+    ),
+    case(
+        "value-infinity",
+        NEXT,
+        b'{"prompt": "Hi", "interventions": [{"hook": "hook_embed", "op": "add", "value": [Infinity]}]}',
+        "interventions",
+        "value holds numbers that are not finite in float32",
+    ),
+    # edits that drive the activations to inf or NaN: nothing to measure
+    case(
+        "analyze-overflow", ANALYZE, {"prompt": "Hi there", "interventions": [resid()]}, "interventions", "non-finite"
+    ),
+    case(
+        "next-token-overflow",
+        NEXT,
+        {"prompt": "Hi there", "interventions": [resid()]},
+        "interventions",
+        "logits non-finite",
+    ),
+    # the OpenAI route names its own fields
+    case(
+        "openai-beyond-context", CMPL, {"prompt": [464] * 100, "max_tokens": 60}, "max_tokens", "plus max_tokens (60)"
+    ),
+]
+
+
+@pytest.mark.parametrize(("bad", "param", "says"), CASES)
+def test_bad_input_is_a_400_naming_the_param(client: TestClient, bad: Bad, param: str, says: str) -> None:
+    error = assert_error(bad.send(client), 400, param)
+    assert says in error["message"], error
+    assert_still_serving(client)
+
+
+def test_a_stream_with_a_lone_surrogate_in_the_prompt_is_refused_before_it_starts(client: TestClient) -> None:
+    for path in (GEN, CMPL):
+        r = client.post(path, content=as_json({"prompt": SURROGATE, "stream": True}), headers=JSON)
+        assert_error(r, 400, "prompt")
+    assert_still_serving(client)
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ({"prompt": "Hi", SURROGATE: 1}, "a field name that is not valid Unicode"),
+        ({"prompt": "Hi", "activations": {"hooks": [SURROGATE]}}, "unknown hook 'a\\udc80b'"),
+        ({"prompt": "Hi", "interventions": [{"hook": SURROGATE, "op": "zero"}]}, "edit 0 ('a\\udc80b')"),
+        ({"prompt": "Hi", "interventions": [z_edit(op="set", value={"safetensors_base64": SURROGATE})]}, "not base64"),
+        ({"prompt": "Hi", "interventions": [z_edit(op=SURROGATE)]}, "interventions.0.op"),
+    ],
+)
+def test_lone_surrogates_anywhere_are_400s(client: TestClient, body: dict[str, Any], says: str) -> None:
+    """Messages that quote the client's text escape the surrogate: the answer stays sendable."""
+    error = assert_error(client.post(GEN, content=as_json(body), headers=JSON), 400)
+    assert says in error["message"], error
+    assert_still_serving(client)
+
+
+def test_any_model_name_is_served_and_echoed(client: TestClient, loaded: LoadedModel) -> None:
+    body = post_ok(client, CMPL, {"model": "some-other-name", "prompt": "Hi", "max_tokens": 2, "temperature": 0})
+    assert body["model"] == "some-other-name"
+    assert post_ok(client, CMPL, {"prompt": "Hi", "max_tokens": 2})["model"] == loaded.name
+
+
+# --- an empty list of heads selects nothing, like an empty list of positions -------------------------
+
+
+RESULT = {NEXT: "top", GEN: "choices", ANALYZE: "layers"}  # what an edit changes in each answer
+
+
+@pytest.mark.parametrize("path", RESULT)
+def test_empty_heads_or_positions_leave_the_run_unchanged(client: TestClient, path: str) -> None:
+    request = {"prompt": "The cat sat", "max_new_tokens": 3, "temperature": 0} if path == GEN else {"prompt": "The cat"}
+    plain = post_ok(client, path, request)[RESULT[path]]
+    for edit in (z_edit(heads=[]), z_edit(positions=[]), z_edit(op="add", value=[1.0], heads=[])):
+        assert post_ok(client, path, request | {"interventions": [edit]})[RESULT[path]] == plain, edit
+    assert post_ok(client, path, request | {"interventions": [z_edit(heads=[0, 1, 2, 3])]})[RESULT[path]] != plain
+
+
+# --- non-finite activations ------------------------------------------------------------------------
+
+
+def test_analysis_names_the_layer_that_overflowed(client: TestClient) -> None:
+    at_layer_1 = {"prompt": "Hi there", "interventions": [resid(hook="blocks.1.hook_resid_post")]}
+    error = assert_error(client.post(ANALYZE, json=at_layer_1), 400, "interventions")
+    assert "at layer 1" in error["message"]
+    embeddings = {"prompt": "Hi there", "interventions": [resid(hook="hook_embed", factor=1e30)]}
+    error = assert_error(client.post(ANALYZE, json=embeddings), 400, "interventions")
+    assert "after the embeddings" in error["message"]
+    post_ok(client, ANALYZE, {"prompt": "Hi there"})
+
+
+# --- activation dumps: the limit counts the encoding; the encoding runs off the event loop ------------
+
+LOGITS_7 = {"input_ids": [464] * 7, "max_new_tokens": 0, "activations": {"hooks": ["logits"]}}  # 1.4 MB raw
+
+
+def test_a_json_dump_is_counted_as_json_text(client: TestClient) -> None:
+    """7 positions of logits: 1.4 MB of float32, 1.9 MB in base64, up to 8.8 MB as JSON (limit: 8 MiB)."""
+    error = assert_error(client.post(GEN, json=LOGITS_7), 413, "activations")
+    assert "as json" in error["message"] and "safetensors_base64" in error["message"]
+    as_base64 = LOGITS_7 | {"activations": {"hooks": ["logits"], "format": "safetensors_base64"}}
+    assert isinstance(post_ok(client, GEN, as_base64)["choices"][0]["activations"], str)
+    assert client.post(ACTS, json={"input_ids": [464] * 7}).status_code == 200  # the raw file: 1.4 MB
+    assert_still_serving(client)
+
+
+@pytest.fixture
+def calls_on_loop(monkeypatch: pytest.MonkeyPatch) -> Callable[[Any, str], list[bool]]:
+    """Wrap `owner.name` so that each call records whether it ran on the event loop."""
+
+    def watch(owner: Any, name: str) -> list[bool]:
+        calls: list[bool] = []
+        original = getattr(owner, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            calls.append(on_event_loop())
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, wrapper)
+        return calls
+
+    return watch
+
+
+def test_dumps_are_encoded_off_the_event_loop(client: TestClient, calls_on_loop: Callable[..., list[bool]]) -> None:
+    import server.encoding
+
+    to_json = calls_on_loop(server.encoding, "to_json")
+    to_safetensors = calls_on_loop(server.encoding, "to_safetensors")
+    request = {"input_ids": [464] * 3, "max_new_tokens": 1, "activations": {"hooks": ["blocks.0.hook_resid_post"]}}
+    post_ok(client, GEN, request)
+    r = client.post(GEN, json=request | {"stream": True})
+    assert r.status_code == 200 and '"activations"' in r.text
+    post_ok(client, GEN, request | {"activations": {"hooks": ["logits"], "format": "safetensors_base64"}})
+    assert client.post(ACTS, json=request).status_code == 200
+    assert to_json == [False, False]
+    assert to_safetensors == [False, False]
+
+
+# --- prompts are tokenized off the event loop ----------------------------------------------------------
+
+
+def test_prompts_are_tokenized_off_the_event_loop(
+    client: TestClient, loaded: LoadedModel, calls_on_loop: Callable[..., list[bool]]
+) -> None:
+    encode, encode_batch = calls_on_loop(loaded.tokenizer, "encode"), calls_on_loop(loaded.tokenizer, "encode_batch")
+    post_ok(client, GEN, {"prompt": "Hi", "max_new_tokens": 1})
+    post_ok(client, GEN, {"prompt": ["Hi", "there"], "max_new_tokens": 1})
+    post_ok(client, CMPL, {"prompt": "Hi", "max_tokens": 1})
+    post_ok(client, NEXT, {"prompt": "Hi"})
+    post_ok(client, ANALYZE, {"prompt": "Hi", "compare_ablated": False})
+    post_ok(client, TOKENIZE, {"prompt": "Hi"})
+    assert len(encode) + len(encode_batch) >= 6
+    assert not any(encode + encode_batch), "a prompt was tokenized on the event loop"
+
+
+# --- a client that disconnects while it waits frees its rows --------------------------------------------
+
+
+def test_a_disconnected_client_frees_its_rows(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Raw ASGI, so that the disconnect is exact. Four rows (all the engine has) prefill and get their first
+    token, then the engine stops inside its next forward pass; the client leaves; once the pass ends, the
+    rows must be free at once: a new request's tokens are the only ones that follow."""
+    with serve(loaded, max_batch_size=4) as c:
+        passes, paused, resume = [], threading.Event(), threading.Event()
+        forward = loaded.model.forward
+
+        def gated(*args: Any, **kwargs: Any) -> Any:
+            passes.append(None)
+            if len(passes) == 2:  # the first decode step
+                paused.set()
+                resume.wait(30)
+            return forward(*args, **kwargs)
+
+        monkeypatch.setattr(loaded.model, "forward", gated)
+        body = json.dumps({"input_ids": [[464] * 8] * 4, "max_new_tokens": 60, "temperature": 0, "ignore_eos": True})
+        gone = asyncio.Event()
+        sent: list[dict[str, Any]] = []
+        messages = iter([{"type": "http.request", "body": body.encode(), "more_body": False}])
+
+        async def receive() -> dict[str, Any]:
+            message = next(messages, None)
+            if message is None:
+                await gone.wait()
+                return {"type": "http.disconnect"}
+            return message
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": GEN,
+            "raw_path": GEN.encode(),
+            "query_string": b"",
+            "root_path": "",
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 80),
+        }
+        assert c.portal is not None
+        tokens = c.app.state.metrics.registry.get_sample_value
+        before = tokens("gpt2_tokens_generated_total") or 0.0
+        request = c.portal.start_task_soon(c.app, scope, receive, send)
+        try:
+            assert paused.wait(20), "the engine did not start decoding"
+            assert tokens("gpt2_tokens_generated_total") == before + 4  # one token each, from the prefill
+            c.portal.call(gone.set)
+            request.result(10)  # the handler returned without waiting for the engine
+        finally:
+            resume.set()
+        assert sent[0]["status"] == 499
+        again = {"input_ids": [[464] * 8] * 4, "max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
+        post_ok(c, GEN, again)  # needs all four rows
+        after = tokens("gpt2_tokens_generated_total") - before
+        assert 4 + 8 <= after <= 4 + 4 + 8, f"{after} tokens: the rows of the client that left kept decoding"
+
+
+# --- messages that say what is wrong ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("content", "headers", "says"),
+    [
+        pytest.param(b"[" * 5000 + b"]" * 5000, JSON, "nested too deeply", id="nested-5000-deep"),
+        pytest.param(b'{"prompt": "\xff"}', JSON, "not UTF-8", id="not-utf8"),
+        pytest.param(b'{"prompt": "Hi"}', {"content-type": "text/plain"}, "(it is 'text/plain')", id="text-plain"),
+        pytest.param(b'{"prompt": "Hi"}', {}, "Content-Type: application/json (there is none)", id="no-content-type"),
+        pytest.param(b"", JSON, "the body is empty", id="empty"),
+        pytest.param(b"[1, 2]", JSON, "the body must be a JSON object", id="not-an-object"),
+    ],
+)
+def test_unreadable_bodies_say_why(client: TestClient, content: bytes, headers: dict[str, str], says: str) -> None:
+    error = assert_error(client.post(GEN, content=content, headers=headers), 400, None)
+    assert says in error["message"], error
+    assert_still_serving(client)
+
+
+# --- the API key and HEAD ---------------------------------------------------------------------------
+
+
+def test_api_key_scheme_is_case_insensitive_and_the_key_is_utf8(loaded: LoadedModel) -> None:
+    with serve(loaded, api_key="s3cret-ключ") as c:
+        key = "s3cret-ключ".encode()
+        for scheme in (b"Bearer", b"bearer", b"BEARER"):
+            r = c.get("/v1/models", headers={"Authorization": scheme + b" " + key})
+            assert r.status_code == 200, r.text
+        assert c.get("/v1/models", headers={"X-API-Key": key}).status_code == 200
+        for wrong in (b"bearer s3cret", b"Basic " + key, "Bearer s3cret-ключ".encode("latin-1", "replace")):
+            assert_error(c.get("/v1/models", headers={"Authorization": wrong}), 401, None)
+        r = c.post(GEN, json={"prompt": "Hi", "max_new_tokens": 1}, headers={"Authorization": b"bearer " + key})
+        assert r.status_code == 200, r.text
+
+
+def test_head_on_the_health_check_and_the_viewer(loaded: LoadedModel) -> None:
+    with serve(loaded, api_key="k") as c:  # both are open without the key
+        for path in ("/health", "/"):
+            r = c.head(path)
+            assert r.status_code == 200 and r.content == b""
+            assert c.get(path).status_code == 200
+        assert c.head(GEN, headers={"Authorization": "Bearer k"}).status_code == 405  # HEAD only where GET is
