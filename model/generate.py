@@ -28,6 +28,7 @@ MAX_LOGPROBS = 20
 SEED_RANGE = range(-(2**63), 2**63)  # an int64, as torch's generators take it (and vLLM accepts)
 MAX_STOPS = 16  # stop strings per request: each is looked for after every token
 MAX_STOP_CHARS = 256  # characters per stop string
+MAX_STOP_TOKEN_IDS = 256  # stop token ids per request: each new token is looked up among them
 
 
 class GenerationError(ValueError):
@@ -75,6 +76,11 @@ class SamplingParams:
                 f"stop strings must be at most {MAX_STOP_CHARS} characters each, got one of {longest}", "stop"
             )
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise GenerationError(
+                f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}",
+                "stop_token_ids",
+            )
         check(all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids", "must be integers")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
@@ -242,6 +248,8 @@ def validate_prompt(model: GPT, prompt: Sequence[int], max_new_tokens: int, para
     bad = [t for t in ids if not _is_int(t) or not 0 <= t < vocab]
     if bad:
         raise GenerationError(f"token id {bad[0]!r} is outside the vocabulary (0..{vocab - 1})", param)
+    if len(ids) > n_ctx:
+        raise GenerationError(f"the prompt ({len(ids)} tokens) is longer than the context of {n_ctx} tokens", param)
     if len(ids) + max_new_tokens > n_ctx:
         raise GenerationError(
             f"the prompt ({len(ids)} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "

@@ -42,12 +42,12 @@ class APIError(Exception):
 def error_response(
     status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
 ) -> JSONResponse:
-    param = None if param is None else _printable(param)
-    body = {"error": {"type": _TYPES.get(status, "error"), "message": _printable(message), "param": param}}
+    param = None if param is None else printable(param)
+    body = {"error": {"type": _TYPES.get(status, "error"), "message": printable(message), "param": param}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def _printable(text: str) -> str:
+def printable(text: str) -> str:
     """`text` with any lone surrogate (from a client's JSON, echoed in a message) as a `\\udc80` escape:
     it has no UTF-8 bytes, so the answer could not be sent otherwise."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")

@@ -56,7 +56,7 @@ CASES = [
     Bad("prompt-and-input-ids", GEN, {"prompt": "Hi", "input_ids": [1]}, param="prompt"),
     # lengths against the context (128) and the server's cap (64)
     Bad("beyond-context", GEN, {"input_ids": [464] * 100, "max_new_tokens": 60}, param="max_new_tokens"),
-    Bad("prompt-over-context", GEN, {"input_ids": [464] * 129, "max_new_tokens": 0}),
+    Bad("prompt-over-context", GEN, {"input_ids": [464] * 129, "max_new_tokens": 0}, param="input_ids"),
     Bad("max-new-tokens-negative", GEN, hi(max_new_tokens=-1), param="max_new_tokens"),
     Bad("max-new-tokens-over-cap", GEN, hi(max_new_tokens=65), param="max_new_tokens"),
     # sampling values
@@ -101,7 +101,9 @@ CASES = [
     Bad("openai-empty-prompt-list", CMPL, {"prompt": []}, param="prompt"),
     Bad("openai-max-tokens-over-cap", CMPL, hi(max_tokens=65), param="max_tokens"),
     Bad("openai-max-tokens-negative", CMPL, hi(max_tokens=-1), param="max_tokens"),
-    Bad("openai-beyond-context", CMPL, {"prompt": [464] * 100, "max_tokens": 60}),
+    Bad("openai-beyond-context", CMPL, {"prompt": [464] * 100, "max_tokens": 60}, param="max_tokens"),
+    Bad("openai-prompt-over-context", CMPL, {"prompt": [464] * 129, "max_tokens": 0}, param="prompt"),
+    Bad("stop-token-ids-over-256", GEN, hi(stop_token_ids=list(range(257))), param="stop_token_ids"),
     Bad("openai-temperature-negative", CMPL, hi(temperature=-1.0), param="temperature"),
     Bad("openai-temperature-string", CMPL, hi(temperature="1"), param="temperature"),
     Bad("openai-top-p", CMPL, hi(top_p=2.0), param="top_p"),

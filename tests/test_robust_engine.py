@@ -125,6 +125,19 @@ def test_edits_that_blow_up_the_logits_are_a_400(loaded: LoadedModel, temperatur
         assert_still_serving(c)
 
 
+def test_edits_that_blow_up_a_stream_end_it_with_a_client_error(loaded: LoadedModel) -> None:
+    """Found mid-stream (the status line is sent), the error comes as an event naming the request's fault,
+    not as an internal error."""
+    blow_up = {"hook": "blocks.0.hook_resid_post", "op": "scale", "factor": 1e38}
+    with serve(loaded) as c:
+        r = c.post(GEN, json={"prompt": "Hi", "max_new_tokens": 5, "stream": True, "interventions": [blow_up]})
+        assert r.status_code == 200
+        events = sse_events(r.text)
+        error = events[-1]["error"]
+        assert error["type"] == "invalid_request_error" and "logits became non-finite" in error["message"]
+        assert_still_serving(c)
+
+
 def test_a_failing_sequence_ends_alone_in_the_shared_batch(
     loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -166,6 +179,9 @@ def test_seeds_outside_int64_are_a_400(loaded: LoadedModel) -> None:
         for seed in (2**63 - 1, -(2**63)):
             body = post_ok(c, GEN, {"prompt": "Hi", "max_new_tokens": 2, "seed": seed, "ignore_eos": True})
             assert len(body["choices"][0]["token_ids"]) == 2
+        # n samples take seed, seed + 1, ...: wrapping within int64, so the last valid seed serves n = 2
+        body = post_ok(c, CMPL, {"prompt": "Hi", "max_tokens": 2, "seed": 2**63 - 1, "n": 2})
+        assert len(body["choices"]) == 2
         assert_still_serving(c)
 
 

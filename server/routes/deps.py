@@ -21,7 +21,7 @@ from model.generate import Completion, GenerationError, TokenEvent, validate_pro
 from model.tokenizer import InvalidTextError
 
 from ..engine import Engine, RequestStream
-from ..errors import APIError
+from ..errors import APIError, printable
 from ..settings import Settings
 
 log = logging.getLogger(__name__)
@@ -146,9 +146,12 @@ def sse(events: AsyncIterator[dict[str, Any] | bytes]) -> StreamingResponse:
             async for event in events:
                 data = event if isinstance(event, bytes) else json.dumps(event).encode()
                 yield b"data: " + data + b"\n\n"
+        except GenerationError as e:  # this request's own fault, found mid-stream (e.g. its edits blew up)
+            error = {"type": "invalid_request_error", "message": printable(str(e)), "param": e.param}
+            yield f"data: {json.dumps({'error': error})}\n\n".encode()
         except Exception as e:  # the status line is gone already: say it in the stream
             log.exception("stream failed", exc_info=e)
-            error = {"type": "internal_error", "message": "generation failed; the stream ends here"}
+            error = {"type": "internal_error", "message": "generation failed; the stream ends here", "param": None}
             yield f"data: {json.dumps({'error': error})}\n\n".encode()
         yield b"data: [DONE]\n\n"
 

@@ -57,7 +57,7 @@ async def completions(req: CompletionRequest, request: Request, engine: EngineDe
                 max_tokens = req.max_tokens
             for j in range(req.n):  # n samples per prompt, each with its own seed
                 choices_prompts.append(prompt)
-                params.append(req.sampling_params(max_tokens, None if req.seed is None else req.seed + j))
+                params.append(req.sampling_params(max_tokens, None if req.seed is None else _nth_seed(req.seed, j)))
         streams = engine.submit(choices_prompts, params)
     reply = _Reply(engine, req)
     if req.stream:
@@ -188,3 +188,11 @@ class _Reply:
             logprobs = self._logprobs(list(entries), stream.prompt, 0)
         text = self.engine.tokenizer.decode(stream.prompt)
         return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": None}
+
+
+def _nth_seed(seed: int, j: int) -> int:
+    """The seed of the j-th of n samples: seed + j, wrapping around within the int64 range of seeds (a seed
+    that is valid on its own stays valid for every sample)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**63:
+        return seed  # left for SamplingParams to refuse, with its message
+    return (seed + j + 2**63) % 2**64 - 2**63
