@@ -10,27 +10,18 @@ import asyncio
 import json
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from contract import ACTS, CMPL, GEN, LIMITS, NEXT, Bad, assert_error
+from contract import ACTS, CMPL, GEN, NEXT, Bad, assert_error
 from fastapi.testclient import TestClient
+from inprocess import assert_still_serving, post_ok, serve
 
 from model.loading import LoadedModel
-from server.app import create_app
-from server.settings import Settings
 
 ANALYZE, TOKENIZE = "/v1/analyze", "/tokenize"
 SURROGATE = "a\udc80b"  # a lone low surrogate: valid JSON ("\udc80"), not valid Unicode
 JSON = {"content-type": "application/json"}
-
-
-@contextmanager
-def serve(loaded: LoadedModel, **overrides: Any) -> Iterator[TestClient]:
-    app = create_app(Settings(**{"model": "tiny", **LIMITS, **overrides}), loaded=loaded)
-    with TestClient(app, raise_server_exceptions=False) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")
@@ -43,17 +34,6 @@ def as_json(body: dict[str, Any]) -> bytes:
     """JSON text with non-ASCII escaped: how a client sends a lone surrogate (`\\udc80`), which a JSON
     library would refuse to encode as UTF-8."""
     return json.dumps(body).encode()
-
-
-def post_ok(client: TestClient, path: str, body: dict[str, Any]) -> Any:
-    r = client.post(path, json=body)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def assert_still_serving(client: TestClient) -> None:
-    body = post_ok(client, GEN, {"prompt": "Hello", "max_new_tokens": 2, "temperature": 0, "ignore_eos": True})
-    assert len(body["choices"][0]["token_ids"]) == 2
 
 
 def on_event_loop() -> bool:

@@ -6,71 +6,21 @@ bursts of model calls (next-token, analyze) beside a stream, and stop strings be
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
-from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from contract import CMPL, GEN, LIMITS, NEXT, assert_error, sse_events
+from contract import CMPL, GEN, NEXT, assert_error, sse_events
 from fastapi.testclient import TestClient
+from inprocess import assert_still_serving, engine_held, post_ok, serve, wait_until
 from test_engine import greedy_params, held, run, running, tokens_generated
 
 import server.engine as engine_module
 from model.generate import GenerationError, SequenceState
 from model.loading import LoadedModel
-from server.app import create_app
-from server.engine import Engine, QueueFull
-from server.settings import Settings
+from server.engine import QueueFull
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
-
-
-@contextmanager
-def serve(loaded: LoadedModel, **overrides: Any) -> Iterator[TestClient]:
-    app = create_app(Settings(**{"model": "tiny", **LIMITS, **overrides}), loaded=loaded)
-    with TestClient(app, raise_server_exceptions=False) as client:
-        yield client
-
-
-def post_ok(client: TestClient, path: str, body: dict[str, Any]) -> Any:
-    r = client.post(path, json=body)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def assert_still_serving(client: TestClient) -> None:
-    body = post_ok(client, GEN, {"prompt": "Hello", "max_new_tokens": 2, **GREEDY})
-    assert len(body["choices"][0]["token_ids"]) == 2
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.005)
-
-
-@contextmanager
-def engine_held(client: TestClient) -> Iterator[Engine]:
-    """Hold the engine's thread in a job, so that requests queue up until the block ends."""
-    engine: Engine = client.app.state.engine  # type: ignore[attr-defined]
-    started, release = threading.Event(), threading.Event()
-
-    def hold(_: Any) -> None:
-        started.set()
-        release.wait(30)
-
-    assert client.portal is not None
-    job = client.portal.start_task_soon(engine.call, hold)
-    assert started.wait(10), "the engine did not run the job"
-    try:
-        yield engine
-    finally:
-        release.set()
-        job.result(10)
 
 
 def greedy_ids(client: TestClient, prompt: str, n: int) -> list[int]:

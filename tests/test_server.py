@@ -9,9 +9,8 @@ import json
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,6 @@ from contract import (
     CMPL,
     GEN,
     HARMLESS_OPENAI_FIELDS,
-    LIMITS,
     NEXT,
     Bad,
     assert_error,
@@ -35,26 +33,15 @@ from contract import (
     sse_events,
 )
 from fastapi.testclient import TestClient
+from inprocess import assert_still_serving, engine_held, post_ok, serve, settings, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 import server.app as app_module
 from model.hooks import hook_names
 from model.loading import LoadedModel
 from server.app import create_app
-from server.settings import Settings
 
 PROMPTS = ["Hello world", "The quick brown fox jumps over", "In 1905, Einstein", "Ünïcödé ✓ text"]
-
-
-def settings(**overrides: Any) -> Settings:
-    return Settings(**{"model": "tiny", **LIMITS, **overrides})
-
-
-@contextmanager
-def serve(loaded: LoadedModel, **overrides: Any) -> Iterator[TestClient]:
-    app = create_app(settings(**overrides), loaded=loaded)
-    with TestClient(app, raise_server_exceptions=False) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")
@@ -67,47 +54,9 @@ def ids_of(loaded: LoadedModel, text: str) -> list[int]:
     return loaded.tokenizer.encode(text)
 
 
-def post_ok(client: TestClient, path: str, body: dict[str, Any]) -> Any:
-    r = client.post(path, json=body)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def assert_still_serving(client: TestClient) -> None:
-    body = post_ok(client, GEN, {"prompt": "Hello", "max_new_tokens": 2, "temperature": 0, "ignore_eos": True})
-    assert len(body["choices"][0]["token_ids"]) == 2
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.01)
-
-
 def metric(client: TestClient, name: str, **labels: str) -> float:
     value = client.app.state.metrics.registry.get_sample_value(name, labels)
     return 0.0 if value is None else value
-
-
-@contextmanager
-def engine_held(client: TestClient) -> Iterator[None]:
-    """Hold the engine's thread in a job (`Engine.call`), so that requests queue up until the block ends."""
-    engine = client.app.state.engine
-    started, release = threading.Event(), threading.Event()
-
-    def hold(_: Any) -> None:
-        started.set()
-        release.wait(30)
-
-    assert client.portal is not None
-    job = client.portal.start_task_soon(engine.call, hold)
-    assert started.wait(10), "the engine did not run the job"
-    try:
-        yield
-    finally:
-        release.set()
-        job.result(10)
 
 
 # --- operations and model information ---------------------------------------------------------

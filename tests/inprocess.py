@@ -1,0 +1,68 @@
+"""The in-process server the HTTP tests share: an app around the already-loaded `tiny` model with the
+contract's limits, and the small helpers every such test uses (a good request that must succeed, waiting
+for a condition, holding the engine's thread so that requests queue up)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from contract import GEN, LIMITS
+from fastapi.testclient import TestClient
+
+from model.loading import LoadedModel
+from server.app import create_app
+from server.engine import Engine
+from server.settings import Settings
+
+
+def settings(**overrides: Any) -> Settings:
+    return Settings(**{"model": "tiny", **LIMITS, **overrides})
+
+
+@contextmanager
+def serve(loaded: LoadedModel, **overrides: Any) -> Iterator[TestClient]:
+    app = create_app(settings(**overrides), loaded=loaded)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client
+
+
+def post_ok(client: TestClient, path: str, body: dict[str, Any]) -> Any:
+    r = client.post(path, json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def assert_still_serving(client: TestClient) -> None:
+    body = post_ok(client, GEN, {"prompt": "Hello", "max_new_tokens": 2, "temperature": 0, "ignore_eos": True})
+    assert len(body["choices"][0]["token_ids"]) == 2
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.005)
+
+
+@contextmanager
+def engine_held(client: TestClient) -> Iterator[Engine]:
+    """Hold the engine's thread in a job (`Engine.call`), so that requests queue up until the block ends."""
+    engine: Engine = client.app.state.engine  # type: ignore[attr-defined]
+    started, release = threading.Event(), threading.Event()
+
+    def hold(_: Any) -> None:
+        started.set()
+        release.wait(30)
+
+    assert client.portal is not None
+    job = client.portal.start_task_soon(engine.call, hold)
+    assert started.wait(10), "the engine did not run the job"
+    try:
+        yield engine
+    finally:
+        release.set()
+        job.result(10)
