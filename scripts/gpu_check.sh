@@ -72,8 +72,8 @@ step() {
 
 # what the later steps need: the GPU, torch with CUDA, the server's packages, the tokenizer
 preflight() {
-    nvidia-smi
-    "$PYTHON" - "$TOKENIZER" <<'PY'
+    nvidia-smi || return 1
+    "$PYTHON" - "$TOKENIZER" <<'PY' || return 1
 import importlib, sys
 import torch
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)
