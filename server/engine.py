@@ -54,7 +54,7 @@ class EngineStopped(Exception):
     """The engine is shutting down."""
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity (`in`, `remove` on the queue)
 class _Request:
     seq: SequenceState
     loop: asyncio.AbstractEventLoop
@@ -215,6 +215,9 @@ class Engine:
     def _cancel(self, request: _Request) -> None:
         with self._cv:
             request.cancelled = True
+            if request in self._waiting:  # not admitted yet: its place in the queue is free at once
+                self._waiting.remove(request)
+                self.metrics.queue_depth.set(len(self._waiting))
             self._cv.notify()
 
     # --- the worker thread -----------------------------------------------------------------
@@ -235,9 +238,7 @@ class Engine:
                     job = self._jobs.popleft() if self._jobs else None
                     admitted: list[_Request] = []
                     while self._waiting and self._active() + len(admitted) < self.max_batch_size:
-                        request = self._waiting.popleft()
-                        if not request.cancelled:
-                            admitted.append(request)
+                        admitted.append(self._waiting.popleft())  # a cancelled request left the queue already
                     self.metrics.queue_depth.set(len(self._waiting))
                 if job is not None:
                     self._run_job(*job)

@@ -175,6 +175,23 @@ def test_a_refused_request_builds_no_sequence(loaded: LoadedModel, monkeypatch: 
     run(main())
 
 
+def test_a_request_cancelled_in_the_queue_gives_its_place_back(loaded: LoadedModel) -> None:
+    """A client that leaves while its request waits for a row frees its place in the queue at once, not
+    when a row frees up: the queue takes a new request meanwhile."""
+
+    async def main() -> None:
+        with running(loaded, max_batch_size=1, max_queue=2) as engine:
+            async with held(engine):
+                for stream in engine.submit([[464], [464]], [greedy_params(2)] * 2):
+                    stream.cancel()
+                assert engine.metrics.registry.get_sample_value("gpt2_queue_depth") == 0
+                (kept,) = engine.submit([[464]], [greedy_params(2)])
+            assert len((await kept.result()).token_ids) == 2
+            assert tokens_generated(engine) == 2
+
+    run(main())
+
+
 # --- model calls: bounded, and one between two decode steps -----------------------------------------
 
 
