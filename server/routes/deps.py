@@ -87,18 +87,30 @@ async def encode(engine: Engine, texts: list[str], param: str) -> list[list[int]
 async def results(streams: list[RequestStream], request: Request) -> list[Completion]:
     """Wait for every stream's completion. If one fails, the wait is cancelled or the client disconnects
     (a 499 then, as nginx logs it: no one reads it), all are cancelled: they leave the batch at the next step."""
-    done = asyncio.ensure_future(asyncio.gather(*(s.result() for s in streams)))
+    done = asyncio.ensure_future(_completions(streams))
     gone = asyncio.ensure_future(_disconnect(request))
     try:
         await asyncio.wait((done, gone), return_when=asyncio.FIRST_COMPLETED)
         if not done.done():
             raise APIError(499, "the client closed the connection before the answer was ready")
-        return list(done.result())
+        return done.result()
     finally:
         done.cancel()
         gone.cancel()
         for s in streams:
             s.cancel()
+
+
+async def _completions(streams: list[RequestStream]) -> list[Completion]:
+    """Every stream's completion, waited for together. The waits are tasks of this one, which ends them
+    all however it ends (cancelled, or one stream failed): none is left pending, and asyncio has no
+    unretrieved error to log."""
+    waits = [asyncio.ensure_future(s.result()) for s in streams]
+    try:
+        return list(await asyncio.gather(*waits))
+    finally:
+        for w in waits:
+            w.cancel()
 
 
 async def _disconnect(request: Request) -> None:
