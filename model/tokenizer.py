@@ -82,6 +82,10 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
 
+    def decode_batch(self, batch: list[list[int]]) -> list[str]:
+        """Like `decode` for each list of ids; like `encode_batch`, it lets go of the GIL while it works."""
+        return self._tok.decode_batch(batch, skip_special_tokens=False)
+
     def token_text(self, token_id: int) -> str:
         """The text one token stands for on its own (a lone piece of a multi-byte character shows as U+FFFD)."""
         return self._tok.decode([token_id], skip_special_tokens=False)

@@ -235,6 +235,21 @@ def test_prompts_are_tokenized_off_the_event_loop(
     assert not any(encode + encode_batch), "a prompt was tokenized on the event loop"
 
 
+def test_echoed_prompts_and_detokenized_ids_are_decoded_off_the_event_loop(
+    client: TestClient, loaded: LoadedModel, calls_on_loop: Callable[..., list[bool]]
+) -> None:
+    """A streamed echo with logprobs decodes every prefix of the prompt (for text_offset), and /detokenize
+    takes up to a body's worth of ids: both on a worker thread."""
+    decode, decode_batch = calls_on_loop(loaded.tokenizer, "decode"), calls_on_loop(loaded.tokenizer, "decode_batch")
+    echo = {"prompt": "Hello there world", "max_tokens": 0, "echo": True, "logprobs": 1, "stream": True}
+    r = client.post(CMPL, json=echo)
+    assert r.status_code == 200 and '"text_offset": [0, 5, 11]' in r.text
+    assert post_ok(client, "/detokenize", {"tokens": [15496, 995]}) == {"prompt": "Hello world"}
+    assert len(decode) + len(decode_batch) >= 2
+    assert not any(decode + decode_batch), "token ids were decoded on the event loop"
+    assert_still_serving(client)
+
+
 # --- a client that disconnects while it waits frees its rows --------------------------------------------
 
 

@@ -167,7 +167,7 @@ class _Reply:
             i = index[id(stream)]
             if self.req.echo and i not in echoed:
                 echoed.add(i)
-                yield self._envelope([self._echo_chunk(i, stream)])
+                yield self._envelope([await run_in_threadpool(self._echo_chunk, i, stream)])
             if event is not None:
                 logprobs = None
                 if self.req.logprobs is not None and event.logprob is not None:
@@ -182,6 +182,7 @@ class _Reply:
             yield self._envelope([]) | {"usage": self._usage(done)}
 
     def _echo_chunk(self, i: int, stream: RequestStream) -> dict[str, Any]:
+        """The prompt as the first chunk of choice i (decoding each prefix of it: call it on a worker thread)."""
         logprobs = None
         if self.req.logprobs is not None:
             entries = stream.prompt_logprobs or [None] * len(stream.prompt)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
 
 from model.generate import GenerationError
 from model.tokenizer import EOT
@@ -28,7 +29,8 @@ async def detokenize(req: DetokenizeRequest, engine: EngineDep) -> dict[str, Any
     bad = [t for t in req.tokens if not 0 <= t < vocab]
     if bad:
         raise GenerationError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "tokens")
-    return {"prompt": engine.tokenizer.decode(req.tokens)}
+    (text,) = await run_in_threadpool(engine.tokenizer.decode_batch, [req.tokens])  # up to a body's worth of ids
+    return {"prompt": text}
 
 
 @router.get("/tokenizer_info")
