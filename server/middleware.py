@@ -9,6 +9,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from typing import Any
@@ -21,6 +22,9 @@ from .metrics import Metrics
 log = logging.getLogger("server.access")
 
 OPEN_PATHS = frozenset({"/health", "/"})  # answered without an API key (with /static/: the viewer's files)
+# An incoming X-Request-ID is echoed and logged only if it is this short and printable: 1..128 visible
+# ASCII characters. Any other (a huge one, control characters) is replaced by a fresh id.
+REQUEST_ID = re.compile(r"[!-~]{1,128}")
 
 
 class RequestGuard:
@@ -36,7 +40,8 @@ class RequestGuard:
             return
         start = time.perf_counter()
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        given = headers.get("x-request-id", "")
+        request_id = given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
         status = 500
         started = False

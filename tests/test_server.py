@@ -546,6 +546,21 @@ def test_request_id(client: TestClient) -> None:
     assert streamed.headers["x-request-id"] == "s"
 
 
+@pytest.mark.parametrize(
+    "given",
+    [b"x" * 129, b"a\x01\x7fb", "caf\u00e9".encode(), b"two words", b"\xff\xfe"],
+    ids=["129-chars", "control-chars", "utf8", "space", "not-utf8"],
+)
+def test_an_unusable_request_id_is_replaced(client: TestClient, given: bytes) -> None:
+    """An incoming X-Request-ID is echoed and logged only if it is 1..128 visible ASCII characters; any
+    other (huge, control characters, non-ASCII) is replaced by a fresh id, and the request is served."""
+    r = client.get("/health", headers=[(b"x-request-id", given)])
+    assert r.status_code == 200
+    assert re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"]), r.headers["x-request-id"]
+    longest = "x" * 128
+    assert client.get("/health", headers={"X-Request-ID": longest}).headers["x-request-id"] == longest
+
+
 # --- errors ----------------------------------------------------------------------------------------
 
 
