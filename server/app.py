@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.staticfiles import StaticFiles
 
 from model.loading import LoadedModel, load_from
@@ -22,7 +21,7 @@ from model.loading import LoadedModel, load_from
 from .engine import Engine
 from .errors import install_error_handlers
 from .metrics import Metrics
-from .middleware import RequestGuard
+from .middleware import CORS, RequestGuard
 from .routes import lab, native, openai, ops, tokenizer
 from .settings import Settings
 
@@ -72,7 +71,7 @@ def create_app(
     app.add_middleware(RequestGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes, metrics=metrics)
     if settings.cors_origins:  # outermost, so that preflight requests need no API key
         app.add_middleware(
-            CORSMiddleware,
+            CORS,
             allow_origins=list(settings.cors_origins),
             allow_methods=["GET", "POST"],
             allow_headers=["*"],

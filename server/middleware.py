@@ -1,4 +1,5 @@
-"""What every request passes through: a request id, the API key, the body-size cap, one log line, metrics.
+"""What every request passes through: a request id, the API key, the body-size cap, one log line, metrics;
+and CORS, when it is configured.
 
 Written as plain ASGI (not BaseHTTPMiddleware) so that streamed responses and client disconnects pass
 through untouched.
@@ -14,6 +15,9 @@ import time
 import uuid
 from typing import Any
 
+from starlette.datastructures import Headers
+from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import error_response
@@ -25,6 +29,18 @@ OPEN_PATHS = frozenset({"/health", "/"})  # answered without an API key (with /s
 # An incoming X-Request-ID is echoed and logged only if it is this short and printable: 1..128 visible
 # ASCII characters. Any other (a huge one, control characters) is replaced by a fresh id.
 REQUEST_ID = re.compile(r"[!-~]{1,128}")
+
+
+class CORS(CORSMiddleware):
+    """Starlette's CORS, with a refused preflight answered in this API's error shape (not plain text)."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code != 400:
+            return response
+        reason = bytes(response.body).decode()  # e.g. "Disallowed CORS origin, method"
+        headers = {k: v for k, v in response.headers.items() if k.startswith("access-control-")}
+        return error_response(400, f"the CORS preflight was refused: {reason}", headers=headers)
 
 
 class RequestGuard:

@@ -595,6 +595,22 @@ def test_api_key(loaded: LoadedModel) -> None:
         assert r.status_code == 200, r.text
 
 
+def test_cors_preflight_needs_no_key_and_a_refusal_has_the_error_shape(loaded: LoadedModel) -> None:
+    origin, preflight = "http://ok.example", {"Access-Control-Request-Method": "POST"}
+    with serve(loaded, api_key="s3cret", cors_origins=(origin,)) as c:
+        r = c.options(GEN, headers={"Origin": origin, **preflight})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
+        for headers, says in (
+            ({"Origin": "http://other.example", **preflight}, "origin"),
+            ({"Origin": origin, "Access-Control-Request-Method": "DELETE"}, "method"),
+        ):
+            error = assert_error(c.options(GEN, headers=headers), 400, None)
+            assert "CORS" in error["message"] and says in error["message"], error
+        auth = {"Authorization": "Bearer s3cret", "Origin": origin}
+        r = c.post(GEN, json={"prompt": "Hi", "max_new_tokens": 1}, headers=auth)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
+
+
 def test_queue_full_is_429(loaded: LoadedModel) -> None:
     request = {"prompt": "Hello", "max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
     with serve(loaded, max_queue=1, max_batch_size=1) as c:
