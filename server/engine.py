@@ -200,7 +200,8 @@ class Engine:
 
     async def call(self, fn: Callable[[GPT], T]) -> T:
         """Run `fn(model)` on the engine's thread, between engine steps, and return its result (raises
-        `QueueFull` when `max_queue` jobs are waiting already)."""
+        `QueueFull` when `max_queue` jobs are waiting already). Cancelling the call takes its job out of the
+        queue if it has not started."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         with self._cv:
@@ -208,9 +209,16 @@ class Engine:
                 raise EngineStopped("the server is shutting down")
             if len(self._jobs) >= self.max_queue:
                 raise QueueFull(f"{len(self._jobs)} model calls are waiting (the limit is {self.max_queue})")
-            self._jobs.append((fn, loop, future))
+            job = (fn, loop, future)
+            self._jobs.append(job)
             self._cv.notify()
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:  # the caller is gone (its client left): a job not started yet is dropped
+            with self._cv:
+                if job in self._jobs:
+                    self._jobs.remove(job)
+            raise
 
     def _cancel(self, request: _Request) -> None:
         with self._cv:

@@ -209,6 +209,25 @@ def test_model_calls_are_bounded(loaded: LoadedModel) -> None:
     run(main())
 
 
+def test_a_cancelled_model_call_leaves_the_queue_unrun(loaded: LoadedModel) -> None:
+    """A call whose caller is cancelled (its client left) gives its place back and never runs."""
+    ran: list[str] = []
+
+    async def main() -> None:
+        with running(loaded, max_queue=1) as engine:
+            async with held(engine):
+                gone = asyncio.ensure_future(engine.call(lambda m: ran.append("gone")))
+                await asyncio.sleep(0)
+                gone.cancel()
+                await asyncio.gather(gone, return_exceptions=True)
+                kept = asyncio.ensure_future(engine.call(lambda m: ran.append("kept")))  # its place is free
+                await asyncio.sleep(0)
+            await kept
+            assert ran == ["kept"]
+
+    run(main())
+
+
 def test_next_token_and_analyze_beyond_the_queue_are_a_429(loaded: LoadedModel) -> None:
     with serve(loaded, max_queue=2) as c, ThreadPoolExecutor(2) as pool:
         with engine_held(c) as engine:

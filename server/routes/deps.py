@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
-from typing import Annotated, Any
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
 from fastapi.responses import StreamingResponse
@@ -25,6 +25,7 @@ from ..errors import APIError, printable
 from ..settings import Settings
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def get_engine(request: Request) -> Engine:
@@ -85,9 +86,19 @@ async def encode(engine: Engine, texts: list[str], param: str) -> list[list[int]
 
 
 async def results(streams: list[RequestStream], request: Request) -> list[Completion]:
-    """Wait for every stream's completion. If one fails, the wait is cancelled or the client disconnects
-    (a 499 then, as nginx logs it: no one reads it), all are cancelled: they leave the batch at the next step."""
-    done = asyncio.ensure_future(_completions(streams))
+    """Wait for every stream's completion. If one fails, the wait is cancelled or the client disconnects,
+    all are cancelled: they leave the batch at the next step."""
+    try:
+        return await unless_disconnected(request, _completions(streams))
+    finally:
+        for s in streams:
+            s.cancel()
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result; if the client disconnects first, `work` is cancelled and the answer is a 499 (as
+    nginx logs it: no one reads it)."""
+    done = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnect(request))
     try:
         await asyncio.wait((done, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -97,8 +108,6 @@ async def results(streams: list[RequestStream], request: Request) -> list[Comple
     finally:
         done.cancel()
         gone.cancel()
-        for s in streams:
-            s.cancel()
 
 
 async def _completions(streams: list[RequestStream]) -> list[Completion]:

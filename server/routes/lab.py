@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse
 
 from model.analysis import LayerStats, analyze
@@ -15,7 +15,7 @@ from model.gpt import GPT
 from model.interventions import EditSpec, NonFiniteActivations
 
 from ..schemas import AnalyzeRequest
-from .deps import EngineDep, token_ids
+from .deps import EngineDep, token_ids, unless_disconnected
 
 router = APIRouter(tags=["lab"])
 STATIC = Path(__file__).resolve().parents[1] / "static"
@@ -27,7 +27,7 @@ async def viewer() -> FileResponse:
 
 
 @router.post("/v1/analyze")
-async def analyze_prompt(req: AnalyzeRequest, engine: EngineDep) -> dict[str, Any]:
+async def analyze_prompt(req: AnalyzeRequest, engine: EngineDep, request: Request) -> dict[str, Any]:
     (ids,) = await token_ids(engine, req.prompt, req.input_ids)
     config = engine.model.config
     validate_prompt(engine.model, ids, 0, "input_ids" if req.input_ids is not None else "prompt")
@@ -46,7 +46,7 @@ async def analyze_prompt(req: AnalyzeRequest, engine: EngineDep) -> dict[str, An
         except NonFiniteActivations as e:  # say which run: the edits also apply to the one without skips
             raise NonFiniteActivations(f"{e}, in the run without residual connections (compare_ablated)") from None
 
-    main, ablated = await engine.call(run)
+    main, ablated = await unless_disconnected(request, engine.call(run))
     text = engine.tokenizer.token_text
 
     def layers(stats: list[LayerStats]) -> list[dict[str, Any]]:

@@ -26,7 +26,7 @@ from ..engine import Engine
 from ..errors import APIError
 from ..schemas import ActivationSpec, ActivationsRequest, GenerateRequest, NextTokenRequest
 from ..settings import Settings
-from .deps import EngineDep, SettingsDep, merged, results, sse, token_ids
+from .deps import EngineDep, SettingsDep, merged, results, sse, token_ids, unless_disconnected
 
 router = APIRouter(tags=["native"])
 
@@ -79,7 +79,7 @@ async def activations(req: ActivationsRequest, request: Request, engine: EngineD
 
 
 @router.post("/v1/next-token")
-async def next_token(req: NextTokenRequest, engine: EngineDep) -> dict[str, Any]:
+async def next_token(req: NextTokenRequest, engine: EngineDep, request: Request) -> dict[str, Any]:
     (ids,) = await token_ids(engine, req.prompt, req.input_ids)
     vocab = engine.model.config.vocab_size
     if not 1 <= req.top_k <= vocab:
@@ -98,7 +98,7 @@ async def next_token(req: NextTokenRequest, engine: EngineDep) -> dict[str, Any]
         top = torch.topk(logprobs, req.top_k)
         return top.values.tolist(), top.indices.tolist(), float(entropy)
 
-    values, indices, entropy = await engine.call(distribution)
+    values, indices, entropy = await unless_disconnected(request, engine.call(distribution))
     tok = engine.tokenizer
     return {
         "model": engine.loaded.name,
