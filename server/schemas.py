@@ -178,6 +178,13 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class StreamOptions(BaseModel):
+    """OpenAI's `stream_options`: whether the stream ends with a usage chunk (other options are ignored)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
 class CompletionRequest(BaseModel):
     """OpenAI's legacy completions. Unknown fields are ignored; known ones we do not implement are refused
     when their value would change the result (see `check`). Any `model` name is accepted, there being one
@@ -195,7 +202,7 @@ class CompletionRequest(BaseModel):
     echo: bool = False
     stop: str | list[str] | None = None
     seed: int | None = None
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
 
     def check(self) -> None:
         """Refuse unimplemented fields whose value would change the result, `n` and `logprobs` out of
@@ -217,7 +224,7 @@ class CompletionRequest(BaseModel):
             if given != value and not (value is None and given in ({}, "")):
                 raise GenerationError(f"{name}={given!r} is not supported by this server", name)
         best_of = extra.get("best_of")
-        if best_of is not None and best_of != self.n:
+        if best_of is not None and (not isinstance(best_of, int) or isinstance(best_of, bool) or best_of != self.n):
             raise GenerationError(f"best_of={best_of!r} is not supported (only best_of == n)", "best_of")
         if not 1 <= self.n <= 16:
             raise GenerationError(f"n must be in 1..16, got {self.n}", "n")

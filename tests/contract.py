@@ -115,6 +115,13 @@ CASES = [
     Bad("openai-frequency-penalty", CMPL, hi(frequency_penalty=1.0), param="frequency_penalty"),
     Bad("openai-logit-bias", CMPL, hi(logit_bias={"50256": -100}), param="logit_bias"),
     Bad("openai-best-of", CMPL, hi(best_of=3), param="best_of"),
+    Bad("openai-best-of-bool", CMPL, hi(best_of=True), param="best_of"),
+    Bad(
+        "openai-include-usage-string",
+        CMPL,
+        hi(stream=True, stream_options={"include_usage": "yes"}),
+        param="stream_options",
+    ),
     Bad("openai-suffix", CMPL, hi(suffix="!"), param="suffix"),
     Bad("openai-malformed-json", CMPL, content=b"{", param=None),
     # routes and methods

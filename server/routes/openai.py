@@ -177,7 +177,7 @@ class _Reply:
                 assert stream.completion is not None
                 reason = FINISH_REASONS[stream.completion.finish_reason]
                 yield self._envelope([{"index": i, "text": "", "logprobs": None, "finish_reason": reason}])
-        if (self.req.stream_options or {}).get("include_usage"):
+        if self.req.stream_options is not None and self.req.stream_options.include_usage:
             done = [s.completion for s in streams if s.completion is not None]
             yield self._envelope([]) | {"usage": self._usage(done)}
 
