@@ -98,13 +98,15 @@ class Interventions:
         for i, edit in enumerate(edits):
             where = f"edit {i} ({edit.hook!r})"
             names = [n for n in all_names if fnmatch.fnmatchcase(n, edit.hook)]
-            if edit.layers is not None:
-                _check_range(edit.layers, config.n_layer, f"{where}: layer")
-                names = [n for n in names if _layer(n) in edit.layers]
             if not names:
                 raise InterventionError(
                     f"{where} matches no hook point; valid names are {describe_hook_names(config.n_layer)}"
                 )
+            if edit.layers is not None:  # an empty list selects nothing, like empty heads or positions
+                _check_range(edit.layers, config.n_layer, f"{where}: layer")
+                names = [n for n in names if _layer(n) in edit.layers]
+                if edit.layers and not names:
+                    raise InterventionError(f"{where} has no hook point in layers {list(edit.layers)}")
             for name in names:
                 target = _Target(edit, name, name.endswith(_PER_HEAD), is_attention_square(name))
                 self._check(target, where)

@@ -73,7 +73,7 @@ step() {
 # what the later steps need: the GPU, torch with CUDA, the server's packages, the tokenizer
 preflight() {
     nvidia-smi || return 1
-    "$PYTHON" - "$TOKENIZER" <<'PY' || return 1
+    "$PYTHON" - <<'PY' || return 1
 import importlib, sys
 import torch
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)

@@ -167,16 +167,14 @@ class Engine:
         hooks: Sequence[str] | None = None,
         edits: EditSpec | None = None,
     ) -> list[RequestStream]:
-        """Queue one sequence per prompt (all or none: raises `QueueFull` when they do not fit now, and
-        `GenerationError`/`UnknownHookError` for an invalid request or one that could never fit, before
-        anything is queued). The queue is checked first, so a refused request costs nothing."""
-        if len(prompts) > self.max_queue:  # a retry would never help: not a 429
+        """Queue one sequence per prompt, all or none. Raises `GenerationError`/`UnknownHookError` for an
+        invalid request or one that could never fit (both 400s: a retry would not help), then `QueueFull`
+        (429) when valid sequences do not fit now; nothing is queued then."""
+        if len(prompts) > self.max_queue:  # checked before building anything: the count is the client's
             raise GenerationError(
                 f"the request asks for {len(prompts)} sequences (one per prompt and choice), more than the "
                 f"server queues at once ({self.max_queue}, its --max-queue): send at most {self.max_queue}"
             )
-        with self._cv:
-            self._check_room(len(prompts))
         names = select_hooks(list(hooks), self.model.config.n_layer) if hooks else None
         seqs = [
             new_sequence(self.model, i, prompt, p, self.tokenizer, names, edits)
@@ -185,18 +183,14 @@ class Engine:
         loop = asyncio.get_running_loop()
         requests = [_Request(seq, loop, asyncio.Queue()) for seq in seqs]
         with self._cv:
-            self._check_room(len(requests))  # again: the queue may have changed meanwhile
+            if self._stopping:
+                raise EngineStopped("the server is shutting down")
+            if len(self._waiting) + len(requests) > self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting (the limit is {self.max_queue})")
             self._waiting.extend(requests)
             self.metrics.queue_depth.set(len(self._waiting))
             self._cv.notify()
         return [RequestStream(self, r) for r in requests]
-
-    def _check_room(self, n: int) -> None:
-        """Raise unless `n` more sequences fit in the queue now (call it holding the lock)."""
-        if self._stopping:
-            raise EngineStopped("the server is shutting down")
-        if len(self._waiting) + n > self.max_queue:
-            raise QueueFull(f"{len(self._waiting)} requests are waiting (the limit is {self.max_queue})")
 
     async def call(self, fn: Callable[[GPT], T]) -> T:
         """Run `fn(model)` on the engine's thread, between engine steps, and return its result (raises

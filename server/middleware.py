@@ -103,9 +103,8 @@ class RequestGuard:
         compared as UTF-8 bytes, so a non-ASCII key matches when the client sends it UTF-8 encoded."""
         if self.api_key is None or path in OPEN_PATHS or path.startswith("/static/"):
             return None
-        authorization = headers.get("authorization", "").strip()
-        scheme, _, token = authorization.partition(" ")
-        given = (token.strip() if scheme.lower() == "bearer" else authorization) or headers.get("x-api-key", "")
+        scheme, _, token = headers.get("authorization", "").strip().partition(" ")
+        given = (token.strip() if scheme.lower() == "bearer" else "") or headers.get("x-api-key", "")
         # Headers were decoded as latin-1, byte for byte: encoding back gives the bytes that were sent.
         if given and hmac.compare_digest(given.encode("latin-1"), self.api_key.encode("utf-8")):
             return None

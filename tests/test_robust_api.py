@@ -152,9 +152,11 @@ RESULT = {NEXT: "top", GEN: "choices", ANALYZE: "layers"}  # what an edit change
 def test_empty_heads_or_positions_leave_the_run_unchanged(client: TestClient, path: str) -> None:
     request = {"prompt": "The cat sat", "max_new_tokens": 3, "temperature": 0} if path == GEN else {"prompt": "The cat"}
     plain = post_ok(client, path, request)[RESULT[path]]
-    for edit in (z_edit(heads=[]), z_edit(positions=[]), z_edit(op="add", value=[1.0], heads=[])):
+    for edit in (z_edit(heads=[]), z_edit(positions=[]), z_edit(layers=[]), z_edit(op="add", value=[1.0], heads=[])):
         assert post_ok(client, path, request | {"interventions": [edit]})[RESULT[path]] == plain, edit
     assert post_ok(client, path, request | {"interventions": [z_edit(heads=[0, 1, 2, 3])]})[RESULT[path]] != plain
+    error = assert_error(client.post(path, json=request | {"interventions": [z_edit(layers=[1])]}), 400)
+    assert "no hook point in layers [1]" in error["message"]
 
 
 # --- non-finite activations ------------------------------------------------------------------------
@@ -357,6 +359,11 @@ def test_api_key_scheme_is_case_insensitive_and_the_key_is_utf8(loaded: LoadedMo
             assert_error(c.get("/v1/models", headers={"Authorization": wrong}), 401, None)
         r = c.post(GEN, json={"prompt": "Hi", "max_new_tokens": 1}, headers={"Authorization": b"bearer " + key})
         assert r.status_code == 200, r.text
+        # only a Bearer Authorization carries the key: another scheme falls back to X-API-Key, and a bare key
+        # without a scheme is not one
+        both = {"Authorization": b"Basic dXNlcjpwdw==", "X-API-Key": key}
+        assert c.get("/v1/models", headers=both).status_code == 200
+        assert_error(c.get("/v1/models", headers={"Authorization": key}), 401, None)
 
 
 def test_head_on_the_health_check_and_the_viewer(loaded: LoadedModel) -> None:

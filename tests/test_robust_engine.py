@@ -149,8 +149,9 @@ def test_more_sequences_than_the_queue_holds_are_a_400(loaded: LoadedModel) -> N
         assert_still_serving(c)
 
 
-def test_a_refused_request_builds_no_sequence(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The queue is checked before any sequence (and its random generator) is made."""
+def test_more_sequences_than_the_queue_holds_build_none(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The count is checked before any sequence (and its random generator) is made: a huge request costs
+    nothing."""
     built: list[int] = []
     new_sequence = engine_module.new_sequence
 
@@ -165,14 +166,23 @@ def test_a_refused_request_builds_no_sequence(loaded: LoadedModel, monkeypatch: 
             with pytest.raises(GenerationError, match="--max-queue"):
                 engine.submit([[1, 1]] * 1000, [greedy_params(1)] * 1000)
             assert built == []
-            async with held(engine):
-                engine.submit([[464], [464]], [greedy_params(1)] * 2)
-                built.clear()
-                with pytest.raises(QueueFull):
-                    engine.submit([[464]], [greedy_params(1)])
-                assert built == []
 
     run(main())
+
+
+def test_an_invalid_request_is_a_400_even_when_the_queue_is_full(loaded: LoadedModel) -> None:
+    """A retry of an invalid request could only fail again: it is refused as invalid, not as 'busy'."""
+    with serve(loaded, max_queue=1) as c, ThreadPoolExecutor(1) as pool:
+        with engine_held(c) as engine:
+            waiting = pool.submit(c.post, GEN, json={"prompt": "Hi", "max_new_tokens": 1})
+            wait_until(lambda: engine.metrics.registry.get_sample_value("gpt2_queue_depth") == 1)
+            too_long = {"input_ids": [464] * 100, "max_new_tokens": 60}
+            assert_error(c.post(GEN, json=too_long), 400, "max_new_tokens")
+            hooks = {"hooks": ["blocks.9.hook_resid_post"]}
+            assert_error(c.post(GEN, json={"prompt": "Hi", "activations": hooks}), 400, "activations.hooks")
+            assert_error(c.post(GEN, json={"prompt": "Hi", "max_new_tokens": 1}), 429)
+        assert waiting.result(30).status_code == 200
+        assert_still_serving(c)
 
 
 def test_a_request_cancelled_in_the_queue_gives_its_place_back(loaded: LoadedModel) -> None:

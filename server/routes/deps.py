@@ -102,9 +102,9 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     gone = asyncio.ensure_future(_disconnect(request))
     try:
         await asyncio.wait((done, gone), return_when=asyncio.FIRST_COMPLETED)
-        if not done.done():
-            raise APIError(499, "the client closed the connection before the answer was ready")
-        return done.result()
+        if done.done():  # also when the client left in the same turn: the answer (or its error) is read
+            return done.result()
+        raise APIError(499, "the client closed the connection before the answer was ready")
     finally:
         done.cancel()
         gone.cancel()

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from model.generate import Completion, GenerationError, TokenLogprob
+from model.generate import SEED_RANGE, Completion, GenerationError, TokenLogprob
 
 from .. import encoding
 from ..engine import Engine, RequestStream
@@ -194,6 +194,6 @@ class _Reply:
 def _nth_seed(seed: int, j: int) -> int:
     """The seed of the j-th of n samples: seed + j, wrapping around within the int64 range of seeds (a seed
     that is valid on its own stays valid for every sample)."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**63:
+    if seed not in SEED_RANGE:
         return seed  # left for SamplingParams to refuse, with its message
-    return (seed + j + 2**63) % 2**64 - 2**63
+    return (seed + j - SEED_RANGE.start) % (SEED_RANGE.stop - SEED_RANGE.start) + SEED_RANGE.start
