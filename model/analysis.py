@@ -1,5 +1,5 @@
 """Measures of the residual stream layer by layer: norms, effective rank, rank collapse, token similarity,
-attention entropy, and the logit lens.
+attention entropy, and the logit lens; and the model's next-token distribution.
 
 Motivation: Dong, Cordonnier & Loukas 2021, "Attention is not all you need: pure attention loses rank
 doubly exponentially with depth": without skip connections, token representations collapse toward one
@@ -120,3 +120,23 @@ def logit_lens(model: GPT, x: torch.Tensor, top_k: int) -> list[list[tuple[int, 
     probs = torch.softmax((model.ln_f(x.to(w.dtype)) @ w.T).float(), dim=-1)  # [T, vocab]
     top = torch.topk(probs, top_k, dim=-1)
     return [list(zip(i.tolist(), p.tolist(), strict=True)) for i, p in zip(top.indices, top.values, strict=True)]
+
+
+@dataclass(frozen=True)
+class NextToken:
+    logprobs: list[float]  # of the top-k next tokens, most likely first
+    ids: list[int]
+    entropy: float  # of the whole next-token distribution, in nats
+
+
+@torch.no_grad()
+def next_token_distribution(model: GPT, ids: list[int], top_k: int, hooks: Hooks | None = None) -> NextToken:
+    """The top-k next tokens after `ids` and the entropy of the distribution (with `hooks`: edits applied)."""
+    idx = torch.tensor([ids], device=model.wte.weight.device)
+    logits = model(idx, hooks=hooks, last_only=True)[0, -1].float()  # [vocab]
+    if not logits.isfinite().all():
+        raise NonFiniteActivations("the edits made the logits non-finite (inf or NaN): no distribution to give")
+    logprobs = torch.log_softmax(logits, dim=-1)
+    entropy = -(logprobs.exp() * logprobs).nan_to_num().sum()  # 0 log 0 = 0
+    top = torch.topk(logprobs, top_k)
+    return NextToken(top.values.tolist(), top.indices.tolist(), float(entropy))

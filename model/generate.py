@@ -459,7 +459,7 @@ class DecodeBatch:
                 if not ok:
                     raise GenerationError(
                         f"the logits became non-finite (inf or NaN) at generated token {len(seq.tokens) + 1}: "
-                        "the activations overflowed, e.g. because of the request's edits"
+                        "the activations overflowed (interventions with large factors or values can do this)"
                     )
                 out.append((seq, seq.accept(row, best)))
             except Exception as e:  # this row's problem: the others go on

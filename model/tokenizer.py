@@ -26,7 +26,7 @@ class InvalidTextError(ValueError):
     text's place in a batch, `index` the surrogate's place in the text."""
 
     def __init__(self, item: int, index: int, char: str) -> None:
-        super().__init__(f"not valid Unicode: it holds a lone surrogate (U+{ord(char):04X}) at index {index}")
+        super().__init__(f"not valid Unicode: it holds a lone surrogate (U+{ord(char):04X}) at character {index}")
         self.item, self.index = item, index
 
 

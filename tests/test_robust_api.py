@@ -66,7 +66,13 @@ CASES = [
         for path in (GEN, CMPL, TOKENIZE, NEXT, ANALYZE, ACTS)
     ),
     case("surrogate-prompt-list", GEN, {"prompt": ["ok", SURROGATE]}, "prompt", "prompt[1] is not valid Unicode"),
-    case("surrogate-openai-prompt-list", CMPL, {"prompt": ["ok", SURROGATE]}, "prompt", "at index 1"),
+    case(
+        "surrogate-openai-prompt-list",
+        CMPL,
+        {"prompt": ["ok", "fine", "ab" + SURROGATE]},
+        "prompt",
+        "prompt[2] is not valid Unicode: it holds a lone surrogate (U+DC80) at character 3",
+    ),
     case("surrogate-stop-list", GEN, {"prompt": "Hi", "stop": ["\n", SURROGATE]}, "stop", "stop[1] is not valid"),
     case("surrogate-openai-stop", CMPL, {"prompt": "Hi", "stop": SURROGATE}, "stop", "stop is not valid Unicode"),
     # the model name is echoed back: it must be text that can be sent

@@ -70,7 +70,7 @@ def test_edits_that_blow_up_the_logits_are_a_400(loaded: LoadedModel, temperatur
             GEN, json={"prompt": "Hi", "max_new_tokens": 5, "temperature": temperature, "interventions": [blow_up]}
         )
         error = assert_error(r, 400)
-        assert "logits became non-finite" in error["message"] and "edits" in error["message"]
+        assert "logits became non-finite" in error["message"] and "interventions" in error["message"]
         assert plain.result(30).json()["choices"][0]["token_ids"] == want
         assert_still_serving(c)
 

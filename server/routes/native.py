@@ -6,20 +6,20 @@ hundreds of megabytes takes seconds to write, and the event loop keeps serving m
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from model.analysis import NextToken, next_token_distribution
 from model.generate import Completion, GenerationError, TokenLogprob, validate_prompt
 from model.gpt import GPT
 from model.hooks import select_hooks
-from model.interventions import NonFiniteActivations
 
 from .. import encoding
 from ..engine import Engine
@@ -88,27 +88,20 @@ async def next_token(req: NextTokenRequest, engine: EngineDep, request: Request)
     edits = req.edit_spec(engine.model.config.n_layer)
     hooks = edits.hooks(engine.model.config, len(ids)) if edits is not None else None
 
-    def distribution(model: GPT) -> tuple[list[float], list[int], float]:
-        idx = torch.tensor([ids], device=model.wte.weight.device)
-        logits = model(idx, hooks=hooks, last_only=True)[0, -1].float()  # [vocab]
-        if not logits.isfinite().all():
-            raise NonFiniteActivations("the edits made the logits non-finite (inf or NaN): no distribution to give")
-        logprobs = torch.log_softmax(logits, dim=-1)
-        entropy = -(logprobs.exp() * logprobs).nan_to_num().sum()
-        top = torch.topk(logprobs, req.top_k)
-        return top.values.tolist(), top.indices.tolist(), float(entropy)
+    def distribution(model: GPT) -> NextToken:
+        return next_token_distribution(model, ids, req.top_k, hooks)
 
-    values, indices, entropy = await unless_disconnected(request, engine.call(distribution))
+    dist = await unless_disconnected(request, engine.call(distribution))
     tok = engine.tokenizer
     return {
         "model": engine.loaded.name,
         "input_ids": ids,
         "tokens": [tok.token_text(t) for t in ids],
         "top": [
-            {"id": i, "token": tok.token_text(i), "prob": float(torch.tensor(v).exp()), "logprob": v}
-            for v, i in zip(values, indices, strict=True)
+            {"id": i, "token": tok.token_text(i), "prob": math.exp(v), "logprob": v}
+            for v, i in zip(dist.logprobs, dist.ids, strict=True)
         ],
-        "entropy": entropy,
+        "entropy": dist.entropy,
     }
 
 
