@@ -9,7 +9,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from model.generate import GenerationError, SamplingParams
+from model.generate import SEED_RANGE, GenerationError, SamplingParams
 from model.interventions import Edit, EditSpec, InterventionError
 from model.tokenizer import InvalidTextError, check_unicode
 
@@ -231,6 +231,19 @@ class CompletionRequest(BaseModel):
         if self.logprobs is not None and not 0 <= self.logprobs <= 5:
             raise GenerationError(f"logprobs must be in 0..5, got {self.logprobs}", "logprobs")
 
+    def sequences(self, prompts: list[list[int]], n_ctx: int, cap: int) -> tuple[list[list[int]], list[SamplingParams]]:
+        """The engine's sequences: each prompt `n` times, the j-th sample seeded with seed + j (wrapping
+        within int64), with `max_tokens` (null: as many as fit the context, up to the server's cap)."""
+        if self.max_tokens is not None:
+            check_cap(self.max_tokens, cap, "max_tokens")
+        seqs, params = [], []
+        for prompt in prompts:
+            max_tokens = max(0, min(cap, n_ctx - len(prompt))) if self.max_tokens is None else self.max_tokens
+            for j in range(self.n):
+                seqs.append(prompt)
+                params.append(self.sampling_params(max_tokens, None if self.seed is None else nth_seed(self.seed, j)))
+        return seqs, params
+
     def sampling_params(self, max_tokens: int, seed: int | None) -> SamplingParams:
         return SamplingParams(
             max_new_tokens=max_tokens,
@@ -265,3 +278,11 @@ def check_cap(value: int, cap: int, param: str) -> None:
         raise GenerationError(f"{param} must be an integer >= 0, got {value}", param)
     if value > cap:
         raise GenerationError(f"{param} must be at most {cap} (the server's limit), got {value}", param)
+
+
+def nth_seed(seed: int, j: int) -> int:
+    """seed + j, wrapping around within int64, the seeds' range (a seed valid on its own stays valid for
+    every sample)."""
+    if seed not in SEED_RANGE:
+        return seed  # left for SamplingParams to refuse, with its message
+    return (seed + j - SEED_RANGE.start) % (SEED_RANGE.stop - SEED_RANGE.start) + SEED_RANGE.start

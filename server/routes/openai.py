@@ -13,17 +13,17 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from model.generate import SEED_RANGE, Completion, GenerationError, TokenLogprob
+from model.generate import Completion, GenerationError, TokenLogprob
 
 from .. import encoding
 from ..engine import Engine, RequestStream
-from ..schemas import CompletionRequest, check_cap
+from ..schemas import CompletionRequest
 from .deps import EngineDep, SettingsDep, merged, openai_prompt_ids, results, sse
 
 router = APIRouter(tags=["openai"])
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
-OPENAI_NAMES = {"max_new_tokens": "max_tokens", "prompt_logprobs": "logprobs"}  # the engine's name -> this API's
+OPENAI_NAMES = {"max_new_tokens": "max_tokens"}  # the engine's name -> this API's
 
 
 @router.get("/v1/models")
@@ -46,19 +46,8 @@ async def models(engine: EngineDep) -> dict[str, Any]:
 async def completions(req: CompletionRequest, request: Request, engine: EngineDep, settings: SettingsDep) -> Response:
     req.check()
     prompts = await openai_prompt_ids(engine, req.prompt)
-    n_ctx = engine.model.config.n_positions
-    choices_prompts, params = [], []
     with _openai_names():
-        for prompt in prompts:
-            if req.max_tokens is None:  # OpenAI's "as many as fit"
-                max_tokens = max(0, min(settings.max_new_tokens, n_ctx - len(prompt)))
-            else:
-                check_cap(req.max_tokens, settings.max_new_tokens, "max_tokens")
-                max_tokens = req.max_tokens
-            for j in range(req.n):  # n samples per prompt, each with its own seed
-                choices_prompts.append(prompt)
-                params.append(req.sampling_params(max_tokens, None if req.seed is None else _nth_seed(req.seed, j)))
-        streams = engine.submit(choices_prompts, params)
+        streams = engine.submit(*req.sequences(prompts, engine.model.config.n_positions, settings.max_new_tokens))
     reply = _Reply(engine, req)
     if req.stream:
         return sse(reply.stream(streams))
@@ -189,11 +178,3 @@ class _Reply:
             logprobs = self._logprobs(list(entries), stream.prompt, 0)
         text = self.engine.tokenizer.decode(stream.prompt)
         return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": None}
-
-
-def _nth_seed(seed: int, j: int) -> int:
-    """The seed of the j-th of n samples: seed + j, wrapping around within the int64 range of seeds (a seed
-    that is valid on its own stays valid for every sample)."""
-    if seed not in SEED_RANGE:
-        return seed  # left for SamplingParams to refuse, with its message
-    return (seed + j - SEED_RANGE.start) % (SEED_RANGE.stop - SEED_RANGE.start) + SEED_RANGE.start
