@@ -184,9 +184,16 @@ def _download(name: str, repo_id: str, revision: str | None) -> CheckpointFiles:
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
     if str(device) != "auto":
         try:
-            return torch.device(device)
+            dev = torch.device(device)
         except RuntimeError:
             raise LoadError(f"unknown device {device!r}; use auto, cpu, cuda, cuda:N or mps") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise LoadError(f"device {device!r}: CUDA is not available here (no GPU, or torch built without CUDA)")
+        if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+            raise LoadError(f"device {device!r}: there are only {torch.cuda.device_count()} CUDA devices")
+        if dev.type == "mps" and not torch.backends.mps.is_available():
+            raise LoadError(f"device {device!r}: MPS is not available here")
+        return dev
     if torch.cuda.is_available():
         return torch.device("cuda")
     if torch.backends.mps.is_available():

@@ -17,6 +17,7 @@ from model.dump import save_dump
 from model.generate import Generation, GenerationError, SamplingParams
 from model.hooks import UnknownHookError
 from model.loading import LoadError, add_checkpoint_arguments, load_from
+from model.tokenizer import InvalidTextError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         tok = loaded.tokenizer
         hooks = (args.hooks or ["*"]) if args.dump_activations else None
         generation = Generation(loaded.model, [tok.encode(prompt)], params, tok, hooks)
-    except (LoadError, GenerationError, UnknownHookError) as e:
+    except (LoadError, GenerationError, UnknownHookError, InvalidTextError) as e:
         return fail(str(e))
 
     out = sys.stdout

@@ -213,3 +213,21 @@ def test_show_logprobs(ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[
     first = capsys.readouterr().out
     assert main(args) == 0
     assert capsys.readouterr().out == first
+
+
+def test_prompt_that_is_not_valid_utf8(ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # bytes that are not UTF-8 on the command line reach Python as lone surrogates (surrogateescape)
+    assert main([b"\xff hi".decode("utf-8", "surrogateescape"), "--model", str(ckpt_with_tokenizer)]) == 1
+    err = capsys.readouterr().err
+    assert err == "gpt2-generate: error: not valid Unicode: it holds a lone surrogate (U+DCFF) at character 0\n"
+
+
+def test_unavailable_device(
+    ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    for device, says in [("cuda", "CUDA is not available here"), ("mps", "MPS is not available here")]:
+        assert main(["hi", "--model", str(ckpt_with_tokenizer), "--device", device]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"gpt2-generate: error: device '{device}': {says}") and err.count("\n") == 1
