@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from model.analysis import LayerStats, analyze
 from model.generate import GenerationError, validate_prompt
 from model.interventions import EditSpec
 from model.loading import LoadError, add_checkpoint_arguments, load_from
-from model.tokenizer import Tokenizer
+from model.tokenizer import InvalidTextError, Tokenizer
 
 MAX_TOP_K = 100
 
@@ -48,11 +49,16 @@ def main(argv: list[str] | None = None) -> int:
             plt = _pyplot()
         except ImportError:
             return fail("--plot needs matplotlib, which is not installed: pip install 'gpt2-server[plot]'")
+        formats = plt.FigureCanvasBase.get_supported_filetypes()
+        if Path(args.plot).suffix.removeprefix(".").lower() not in formats:  # else matplotlib would add .png
+            return fail(
+                f"--plot {args.plot}: the name must end in a format matplotlib writes ({', '.join(sorted(formats))})"
+            )
     prompt = sys.stdin.read() if args.prompt in (None, "-") else args.prompt
     try:
         loaded = load_from(args)
         ids = validate_prompt(loaded.model, loaded.tokenizer.encode(prompt), 0)
-    except (LoadError, GenerationError) as e:
+    except (LoadError, GenerationError, InvalidTextError) as e:
         return fail(str(e))
 
     model, tok = loaded.model, loaded.tokenizer
@@ -70,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             plot(plt, args.plot, normal, ablated, f"{loaded.name}: {prompt!r}")
         except OSError as e:
             return fail(f"cannot write {args.plot}: {e.strerror or e}")
+        except RuntimeError as e:  # a format whose tool is missing (pgf needs LaTeX)
+            return fail(f"cannot write {args.plot}: {e}")
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 

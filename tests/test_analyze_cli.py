@@ -70,8 +70,19 @@ def test_no_ablated_top_k_and_the_prompt_from_stdin(model_args: list[str]) -> No
         ([PROMPT, "{model}", "--top-k", "0"], "--top-k must be in 1..100, got 0"),
         ([PROMPT, "--model", "/nonexistent/checkpoint", "--device", "cpu"], "/nonexistent/checkpoint"),
         ([PROMPT, "{model}", "--plot", "/nonexistent/dir/out.png"], "cannot write /nonexistent/dir/out.png"),
+        ([PROMPT, "{model}", "--plot", "/tmp"], "--plot /tmp: the name must end in a format matplotlib writes ("),
+        ([PROMPT, "{model}", "--plot", "out.nope"], "--plot out.nope: the name must end in a format"),
+        (["\udcff hi", "{model}"], "not valid Unicode: it holds a lone surrogate (U+DCFF) at character 0"),
     ],
-    ids=["empty prompt", "bad top-k", "missing model", "unwritable plot"],
+    ids=[
+        "empty prompt",
+        "bad top-k",
+        "missing model",
+        "unwritable plot",
+        "plot without a format",
+        "unknown format",
+        "prompt not UTF-8",
+    ],
 )
 def test_bad_input_is_one_line_on_stderr_and_exit_1(model_args: list[str], args: list[str], says: str) -> None:
     argv: list[str] = []
