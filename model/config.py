@@ -61,7 +61,7 @@ class GPTConfig:
                 n_embd=d["n_embd"],
                 n_positions=d.get("n_positions", d.get("n_ctx", 1024)),
                 vocab_size=d.get("vocab_size", 50257),
-                layer_norm_epsilon=float(d.get("layer_norm_epsilon", 1e-5)),
+                layer_norm_epsilon=_number(d.get("layer_norm_epsilon", 1e-5)),
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks the required field {e.args[0]!r}") from None
@@ -73,6 +73,8 @@ class GPTConfig:
             raise ConfigError(f"no config.json found at {path}")
         try:
             d = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from None
         if not isinstance(d, dict):
@@ -98,6 +100,12 @@ class GPTConfig:
             "reorder_and_upcast_attn": False,
             "add_cross_attention": False,
         }
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"layer_norm_epsilon must be a number, got {value!r}")
+    return float(value)
 
 
 # Settings of the official format that would change the computation, and the values we implement.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -490,3 +491,24 @@ def test_export_in_half_precision_with_a_tokenizer(tiny: Checkpoint, tmp_path: P
     assert torch.equal(logits(loaded.model), logits(model))
     assert loaded.tokenizer.encode("ab") == Tokenizer.from_dir(tmp_path).encode("ab")
     assert os.path.isfile(out / "tokenizer.json")
+
+
+@pytest.mark.parametrize("value", ["x", None, [1e-5], True])
+def test_layer_norm_epsilon_that_is_not_a_number(value: object, tiny: Checkpoint, tmp_path: Path) -> None:
+    ckpt = copy_checkpoint(tiny, tmp_path)
+    edit_config(ckpt, layer_norm_epsilon=value)
+    with pytest.raises(
+        LoadError, match=rf"config\.json: layer_norm_epsilon must be a number, got {re.escape(repr(value))}"
+    ):
+        load_weights(ckpt, **CPU)
+
+
+def test_unreadable_config(tiny: Checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ckpt = copy_checkpoint(tiny, tmp_path)
+
+    def denied(self: Path, *args: object, **kwargs: object) -> str:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_text", denied)  # chmod would not stop root
+    with pytest.raises(LoadError, match=r"cannot read .*config\.json: Permission denied$"):
+        load_weights(ckpt, **CPU)
