@@ -7,6 +7,7 @@ GPT2_API_KEY=secret gpt2-serve --model ./my-checkpoint --host 0.0.0.0
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 
 import uvicorn
@@ -24,11 +25,31 @@ def main(argv: list[str] | None = None) -> int:
         failures.append(error)
         server.should_exit = True
 
+    try:  # before loading the model: uvicorn would bind only after starting the load, then exit mid-load
+        sock = _bind(settings.host, settings.port)
+    except OSError as e:
+        print(
+            f"gpt2-serve: error: cannot listen on {settings.host}:{settings.port}: {e.strerror or e}", file=sys.stderr
+        )
+        return 1
     app = create_app(settings, on_load_error=on_load_error)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
     server = uvicorn.Server(config)
-    server.run()
+    logging.getLogger(__name__).info("listening on %s port %d", settings.host, settings.port)
+    server.run(sockets=[sock])
     if failures:
         print(f"gpt2-serve: error: cannot load the model: {failures[0]}", file=sys.stderr)
         return 1
     return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, as uvicorn binds one (IPv6 when the host has a colon)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock

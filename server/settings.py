@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # what both logging and uvicorn accept
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -43,6 +45,8 @@ class Settings:
             raise ValueError(f"prefill_chunk must be at least 1, got {self.prefill_chunk}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
 
 
 def _env_name(name: str) -> str:

@@ -8,6 +8,7 @@ from GPT2_API_KEY). Both are killed at the end, whatever happens.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import threading
 import time
@@ -361,4 +362,33 @@ def test_model_that_cannot_load_exits(tmp_path: Path, tokenizer_dir: Path) -> No
     reason = stderr.strip().splitlines()[-1]
     assert reason.startswith("gpt2-serve: error: cannot load the model:"), stderr
     assert str(missing) in reason
+    assert "Traceback" not in stderr
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "999.1.1.1"], ids=["port in use", "bad host"])
+def test_address_that_cannot_be_bound_exits(host: str, tmp_path: Path, tokenizer_dir: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        taken.listen()
+        log = tmp_path / "stderr.log"
+        process = launch(["--model", "./no-such-checkpoint", "--host", host, "--port", str(port)], log)
+        try:
+            returncode = process.wait(timeout=STARTUP_TIMEOUT)
+        finally:
+            shut_down(process)
+    stderr = log.read_text()
+    assert returncode == 1, stderr
+    # refused before the model loads: one line, no uvicorn log and no crash of the loading thread
+    assert stderr.startswith(f"gpt2-serve: error: cannot listen on {host}:{port}: ") and stderr.count("\n") == 1, stderr
+
+
+def test_unknown_log_level_is_a_usage_error(tmp_path: Path) -> None:
+    log = tmp_path / "stderr.log"
+    process = launch(["--log-level", "verbose"], log, env={"GPT2_MODEL": "./no-such-checkpoint"})
+    assert process.wait(timeout=STARTUP_TIMEOUT) == 2
+    stderr = log.read_text()
+    assert stderr.splitlines()[-1] == (
+        "gpt2-serve: error: log_level must be one of debug, info, warning, error, critical, got 'verbose'"
+    )
     assert "Traceback" not in stderr
