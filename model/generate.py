@@ -10,6 +10,7 @@ it is produced; `generate` runs one to the end.
 from __future__ import annotations
 
 import itertools
+import math
 import secrets
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -58,7 +59,11 @@ class SamplingParams:
                 raise GenerationError(f"{param} {message}, got {getattr(self, param)!r}", param)
 
         check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens", "must be an integer >= 0")
-        check(_is_num(self.temperature) and self.temperature >= 0, "temperature", "must be a number >= 0")
+        check(
+            _is_num(self.temperature) and 0 <= self.temperature < math.inf,
+            "temperature",
+            "must be a finite number >= 0",
+        )
         check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be an integer >= 0 (0 = no limit)")
         check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be a number in (0, 1]")
         check(

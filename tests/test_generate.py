@@ -8,6 +8,7 @@ character to be split across tokens on purpose.
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -438,6 +439,14 @@ def test_a_row_with_non_finite_logits_fails_alone(tiny: Checkpoint) -> None:
         assert [x.logprob for x in got.logprobs] == pytest.approx([x.logprob for x in want.logprobs], abs=1e-4)
     with pytest.raises(GenerationError, match="logits became non-finite"):  # the library raises it
         generate(model, [(PROMPT * 4)[:20]], bad[0])
+
+
+@pytest.mark.parametrize("temperature", [math.inf, -math.inf, math.nan, -0.5])
+def test_a_temperature_that_is_not_a_finite_number_at_least_0_is_refused(temperature: float) -> None:
+    """An infinite temperature would sample uniformly, whatever the model says."""
+    with pytest.raises(GenerationError, match="finite number >= 0") as info:
+        SamplingParams(temperature=temperature)
+    assert info.value.param == "temperature"
 
 
 @pytest.mark.parametrize("seed", [2**63, 2**64, 2**64 - 1, 10**30, -(2**63) - 1])
