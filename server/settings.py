@@ -35,7 +35,7 @@ class Settings:
     max_activation_bytes: int = field(default=256 * 2**20, metadata={"help": "largest activation dump (bytes)"})
     max_body_bytes: int = field(default=4 * 2**20, metadata={"help": "largest request body (bytes)"})
     cors_origins: tuple[str, ...] = field(default=(), metadata={"help": "comma-separated origins allowed by CORS"})
-    log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
+    log_level: str = field(default="info", metadata={"help": "debug, info, warning, error or critical"})
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_queue", "max_new_tokens", "max_activation_bytes", "max_body_bytes"):
@@ -60,12 +60,13 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
     for f in fields(Settings):
         flag = "--" + f.name.replace("_", "-")
         kind = int if f.type in ("int", "int | None") else str
-        default = env.get(_env_name(f.name))
-        p.add_argument(flag, type=kind, default=default, help=f"{f.metadata['help']} [env {_env_name(f.name)}]")
+        p.add_argument(flag, type=kind, help=f"{f.metadata['help']} [env {_env_name(f.name)}]")
     args = p.parse_args(argv)
     values: dict[str, Any] = {}
     for f in fields(Settings):
         raw = getattr(args, f.name)
+        if raw is None:  # not given as a flag: the environment's value, checked below (errors name the variable)
+            raw = env.get(_env_name(f.name))
         if raw is None:
             continue
         if f.name == "cors_origins":
