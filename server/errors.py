@@ -4,6 +4,7 @@ never carries a traceback (it is logged with the request id instead)."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -42,9 +43,13 @@ class APIError(Exception):
 def error_response(
     status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
 ) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """`{"error": {"type", "message", "param"}}`, the shape of every error (also one sent mid-stream)."""
     param = None if param is None else printable(param)
-    body = {"error": {"type": _TYPES.get(status, "error"), "message": printable(message), "param": param}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return {"error": {"type": _TYPES.get(status, "error"), "message": printable(message), "param": param}}
 
 
 def printable(text: str) -> str:

@@ -10,18 +10,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from model.generate import Completion, GenerationError, TokenEvent, validate_prompt
 from model.tokenizer import InvalidTextError
 
+from .. import encoding
 from ..engine import Engine, RequestStream
-from ..errors import APIError, printable
+from ..errors import APIError, error_body
 from ..settings import Settings
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,13 @@ async def results(streams: list[RequestStream], request: Request) -> list[Comple
     finally:
         for s in streams:
             s.cancel()
+
+
+async def json_response(build: Callable[..., Any], *args: Any) -> Response:
+    """The JSON answer `build(*args)`, built and written on a worker thread: with a dump, or every token's
+    text to decode, that takes long, and the event loop keeps serving meanwhile."""
+    body = await run_in_threadpool(lambda: encoding.json_bytes(build(*args)))
+    return Response(body, media_type="application/json")
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -168,12 +176,10 @@ def sse(events: AsyncIterator[dict[str, Any] | bytes]) -> StreamingResponse:
                 data = event if isinstance(event, bytes) else json.dumps(event).encode()
                 yield b"data: " + data + b"\n\n"
         except GenerationError as e:  # this request's own fault, found mid-stream (e.g. its edits blew up)
-            error = {"type": "invalid_request_error", "message": printable(str(e)), "param": e.param}
-            yield f"data: {json.dumps({'error': error})}\n\n".encode()
+            yield f"data: {json.dumps(error_body(400, str(e), e.param))}\n\n".encode()
         except Exception as e:  # the status line is gone already: say it in the stream
             log.exception("stream failed", exc_info=e)
-            error = {"type": "internal_error", "message": "generation failed; the stream ends here", "param": None}
-            yield f"data: {json.dumps({'error': error})}\n\n".encode()
+            yield f"data: {json.dumps(error_body(500, 'generation failed; the stream ends here'))}\n\n".encode()
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

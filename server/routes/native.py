@@ -26,7 +26,7 @@ from ..engine import Engine
 from ..errors import APIError
 from ..schemas import ActivationSpec, ActivationsRequest, GenerateRequest, NextTokenRequest
 from ..settings import Settings
-from .deps import EngineDep, SettingsDep, merged, results, sse, token_ids, unless_disconnected
+from .deps import EngineDep, SettingsDep, json_response, merged, results, sse, token_ids, unless_disconnected
 
 router = APIRouter(tags=["native"])
 
@@ -62,7 +62,7 @@ async def generate(req: GenerateRequest, request: Request, engine: EngineDep, se
     if req.stream:
         return sse(reply.stream(merged(streams)))
     completions = await results(streams, request)
-    return Response(await run_in_threadpool(reply.json_body, completions), media_type="application/json")
+    return await json_response(reply.body, completions)
 
 
 @router.post("/v1/activations", response_class=Response, responses={200: {"content": {"application/octet-stream": {}}}})
@@ -167,10 +167,6 @@ class _Reply:
             return encoding.to_json(c.activations, self.spec.dtype)
         meta = {"model": self.engine.loaded.name, "token_ids": c.prompt_ids + c.token_ids}
         return encoding.to_safetensors_base64(c.activations, self.spec.dtype, meta)
-
-    def json_body(self, completions: list[Completion]) -> bytes:
-        """The whole answer as JSON (slow with a big dump: call it on a worker thread)."""
-        return encoding.json_bytes(self.body(completions))
 
     def file(self, completion: Completion, dtype: str) -> bytes:
         """/v1/activations' answer: the dump as a safetensors file, its metadata holding the result."""

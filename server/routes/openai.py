@@ -15,10 +15,9 @@ from starlette.concurrency import run_in_threadpool
 
 from model.generate import Completion, GenerationError, TokenLogprob
 
-from .. import encoding
 from ..engine import Engine, RequestStream
 from ..schemas import CompletionRequest
-from .deps import EngineDep, SettingsDep, merged, openai_prompt_ids, results, sse
+from .deps import EngineDep, SettingsDep, json_response, merged, openai_prompt_ids, results, sse
 
 router = APIRouter(tags=["openai"])
 
@@ -52,7 +51,7 @@ async def completions(req: CompletionRequest, request: Request, engine: EngineDe
     if req.stream:
         return sse(reply.stream(streams))
     completions = await results(streams, request)
-    return Response(await run_in_threadpool(reply.json_body, completions), media_type="application/json")
+    return await json_response(reply.body, completions)
 
 
 @contextmanager
@@ -129,10 +128,6 @@ class _Reply:
             "logprobs": logprobs,
             "finish_reason": FINISH_REASONS[c.finish_reason],
         }
-
-    def json_body(self, completions: list[Completion]) -> bytes:
-        """The whole answer as JSON (decoding every token's text: call it on a worker thread)."""
-        return encoding.json_bytes(self.body(completions))
 
     def body(self, completions: list[Completion]) -> dict[str, Any]:
         return self._envelope([self.choice(i, c) for i, c in enumerate(completions)]) | {
