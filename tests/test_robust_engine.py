@@ -65,11 +65,12 @@ def test_edits_that_blow_up_the_logits_are_a_400(loaded: LoadedModel, temperatur
     blow_up = {"hook": "blocks.0.hook_resid_post", "op": "scale", "factor": 1e38}
     with serve(loaded) as c, ThreadPoolExecutor(2) as pool:
         want = greedy_ids(c, "Hello world", 20)
-        plain = pool.submit(c.post, GEN, json={"prompt": "Hello world", "max_new_tokens": 20, **GREEDY})
-        r = c.post(
-            GEN, json={"prompt": "Hi", "max_new_tokens": 5, "temperature": temperature, "interventions": [blow_up]}
-        )
-        error = assert_error(r, 400)
+        with engine_held(c) as engine:  # both queue up, so that they run side by side
+            plain = pool.submit(c.post, GEN, json={"prompt": "Hello world", "max_new_tokens": 20, **GREEDY})
+            bad = {"prompt": "Hi", "max_new_tokens": 5, "temperature": temperature, "interventions": [blow_up]}
+            blown = pool.submit(c.post, GEN, json=bad)
+            wait_until(lambda: engine.metrics.registry.get_sample_value("gpt2_queue_depth") == 2)
+        error = assert_error(blown.result(30), 400)
         assert "logits became non-finite" in error["message"] and "interventions" in error["message"]
         assert plain.result(30).json()["choices"][0]["token_ids"] == want
         assert_still_serving(c)
