@@ -35,6 +35,35 @@ class Conv1D(nn.Module):
         return y.view(*x.shape[:-1], -1)
 
 
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm (Ba et al. 2016) with TransformerLens' hook points: `hook_scale`, sqrt(var + eps) [.., 1],
+    and `hook_normalized`, (x - mean) / scale, before the gain and bias. The fused kernel runs unless one
+    of them is asked for (same math)."""
+
+    def __init__(self, n_embd: int, eps: float, name: str) -> None:
+        super().__init__(n_embd, eps=eps)
+        self.hook_scale = HookPoint(name + ".hook_scale")
+        self.hook_normalized = HookPoint(name + ".hook_normalized")
+
+    def forward(self, x: torch.Tensor, hooks: Hooks | None = None) -> torch.Tensor:
+        if hooks is None or not (hooks.active(self.hook_scale.name) or hooks.active(self.hook_normalized.name)):
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        dtype = x.dtype
+        x = x.to(torch.promote_types(dtype, torch.float32))  # statistics in at least float32, as the kernel
+        x = x - x.mean(dim=-1, keepdim=True)
+        scale = self.hook_scale((x.pow(2).mean(dim=-1, keepdim=True) + self.eps).sqrt(), hooks)  # [..., 1]
+        normalized = self.hook_normalized(x / scale, hooks)  # [..., C]: mean 0, variance 1
+        return (normalized * self.weight + self.bias).to(dtype)
+
+
+class TiedLMHead(nn.Module):
+    """The LM head, tied to the token embedding: logits = x @ wte.T. No weights of its own; a module so that
+    loading can swap in a faster kernel for it (`model/kernels/`, `model/quantize.py`)."""
+
+    def forward(self, x: torch.Tensor, wte: torch.Tensor) -> torch.Tensor:
+        return x @ wte.T  # [..., vocab]
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int) -> None:
         super().__init__()
@@ -51,14 +80,29 @@ class CausalSelfAttention(nn.Module):
         self.hook_attn_scores = HookPoint(p + "hook_attn_scores")
         self.hook_pattern = HookPoint(p + "hook_pattern")
         self.hook_z = HookPoint(p + "hook_z")
+        self.hook_result = HookPoint(p + "hook_result")
 
-    def forward(self, x: torch.Tensor, cache: KVCache | PackedBatch | None, hooks: Hooks | None) -> torch.Tensor:
-        B, T, C = x.shape
+    def forward(
+        self,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        cache: KVCache | PackedBatch | None,
+        hooks: Hooks | None,
+    ) -> torch.Tensor:
+        """`x`: the normalised stream [B, T, C], or one normalised input per head for each of the queries,
+        keys and values ([B, T, H, C] each; TransformerLens' split inputs, once one of them was edited)."""
         H, D = self.n_head, self.d_head
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q = self.hook_q(q.view(B, T, H, D), hooks)  # [B, T, H, D]
-        k = self.hook_k(k.view(B, T, H, D), hooks)
-        v = self.hook_v(v.view(B, T, H, D), hooks)
+        if isinstance(x, tuple):
+            B, T, _, C = x[0].shape
+            # head h's queries read its own copy of the stream: q[h] = x_q[h] W_Q[:, h] + b_Q[h], and so on
+            w = self.c_attn.weight.view(C, 3, H, D)
+            b = self.c_attn.bias.view(3, H, D)
+            q, k, v = (torch.einsum("bthc,chd->bthd", x[i], w[:, i]) + b[i] for i in range(3))
+        else:
+            B, T, C = x.shape
+            q, k, v = (t.view(B, T, H, D) for t in self.c_attn(x).split(C, dim=2))
+        q = self.hook_q(q, hooks)  # [B, T, H, D]
+        k = self.hook_k(k, hooks)
+        v = self.hook_v(v, hooks)
         if isinstance(cache, PackedBatch):  # several sequences side by side along T: attend piece by piece
             pieces = []
             for s, n, piece in cache.pieces:  # the tokens of n rows, as [n, tokens per row, H, D]
@@ -68,6 +112,9 @@ class CausalSelfAttention(nn.Module):
         else:
             z = self._attend(q, k, v, cache, hooks)
         z = self.hook_z(z, hooks)  # [B, T, H, D]
+        if hooks is not None and hooks.active(self.hook_result.name):  # each head's write into the stream
+            result = torch.einsum("bthd,hdc->bthc", z, self.c_proj.weight.view(H, D, C))  # [B, T, H, C]
+            return self.hook_result(result, hooks).sum(dim=2) + self.c_proj.bias
         return self.c_proj(z.reshape(B, T, C))
 
     def _attend(
@@ -119,26 +166,49 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig, layer: int) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.attn = CausalSelfAttention(config, layer)
-        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.mlp = MLP(config, layer)
         p = f"blocks.{layer}."
+        self.ln_1 = LayerNorm(config.n_embd, config.layer_norm_epsilon, p + "ln1")
+        self.attn = CausalSelfAttention(config, layer)
+        self.ln_2 = LayerNorm(config.n_embd, config.layer_norm_epsilon, p + "ln2")
+        self.mlp = MLP(config, layer)
         self.hook_resid_pre = HookPoint(p + "hook_resid_pre")
-        self.hook_ln1 = HookPoint(p + "ln1.hook_normalized")
+        self.hook_attn_in = HookPoint(p + "hook_attn_in")
+        self.hook_q_input = HookPoint(p + "hook_q_input")
+        self.hook_k_input = HookPoint(p + "hook_k_input")
+        self.hook_v_input = HookPoint(p + "hook_v_input")
         self.hook_attn_out = HookPoint(p + "hook_attn_out")
         self.hook_resid_mid = HookPoint(p + "hook_resid_mid")
-        self.hook_ln2 = HookPoint(p + "ln2.hook_normalized")
+        self.hook_mlp_in = HookPoint(p + "hook_mlp_in")
         self.hook_mlp_out = HookPoint(p + "hook_mlp_out")
         self.hook_resid_post = HookPoint(p + "hook_resid_post")
 
     def forward(self, x: torch.Tensor, cache: KVCache | PackedBatch | None, hooks: Hooks | None) -> torch.Tensor:
         resid_pre = self.hook_resid_pre(x, hooks)  # [B, T, C]
-        attn_out = self.hook_attn_out(self.attn(self.hook_ln1(self.ln_1(resid_pre), hooks), cache, hooks), hooks)
+        attn_out = self.hook_attn_out(self.attn(self._attn_input(resid_pre, hooks), cache, hooks), hooks)
         resid_mid = self.hook_resid_mid(resid_pre + attn_out, hooks)
-        mlp_out = self.hook_mlp_out(self.mlp(self.hook_ln2(self.ln_2(resid_mid), hooks), hooks), hooks)
+        mlp_in = self.hook_mlp_in(resid_mid, hooks)  # the MLP's copy of the stream (an edit reaches only it)
+        mlp_out = self.hook_mlp_out(self.mlp(self.ln_2(mlp_in, hooks), hooks), hooks)
         resid_post = self.hook_resid_post(resid_mid + mlp_out, hooks)
         return resid_post
+
+    def _attn_input(
+        self, resid_pre: torch.Tensor, hooks: Hooks | None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`ln_1(resid_pre)` [B, T, C]; or, when TransformerLens' per-head inputs are asked for (`hook_attn_in`,
+        then `hook_q_input`, `hook_k_input`, `hook_v_input`, each [B, T, H, C]) and a hook changed one, each
+        path's input normalised on its own, so that the change reaches only its path."""
+        normalized = self.ln_1(resid_pre, hooks)  # [B, T, C]
+        per_path = (self.hook_q_input, self.hook_k_input, self.hook_v_input)
+        if hooks is None or not any(hooks.active(h.name) for h in (self.hook_attn_in, *per_path)):
+            return normalized
+        B, T, C = resid_pre.shape
+        copies = resid_pre[:, :, None].expand(B, T, self.attn.n_head, C)  # [B, T, H, C]
+        attn_in = self.hook_attn_in(copies, hooks)
+        inputs = [h(attn_in, hooks) for h in per_path]
+        if all(x is copies for x in inputs):  # untouched: every path reads the one normalised stream
+            return normalized
+        q, k, v = (self.ln_1(x) for x in inputs)
+        return q, k, v
 
 
 class GPT(nn.Module):
@@ -148,11 +218,15 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # token embedding, also the LM head
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)  # learned position embedding
         self.h = nn.ModuleList(Block(config, layer) for layer in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.ln_f = LayerNorm(config.n_embd, config.layer_norm_epsilon, "ln_final")
+        self.lm_head = TiedLMHead()  # reads wte.weight
         self.hook_embed = HookPoint("hook_embed")
         self.hook_pos_embed = HookPoint("hook_pos_embed")
-        self.hook_ln_final = HookPoint("ln_final.hook_normalized")
-        self.hook_logits = HookPoint("logits")
+        self.hook_unembed_in = HookPoint("unembed.hook_in")
+        self.hook_unembed_out = HookPoint("unembed.hook_out")
+        self.hook_logits = HookPoint("logits")  # the same values as unembed.hook_out, under the older name
+        head = (self.ln_f.hook_scale, self.ln_f.hook_normalized, self.hook_unembed_in, self.hook_unembed_out)
+        self._head_hooks = [h.name for h in (*head, self.hook_logits)]  # they need every position's logits
 
     @property
     def hook_names(self) -> list[str]:
@@ -190,8 +264,9 @@ class GPT(nn.Module):
             x = block(x, cache, hooks)
         if isinstance(cache, PackedBatch):
             x = x[:, cache.outputs]
-        elif last_only and not (hooks and any(hooks.active(h.name) for h in (self.hook_ln_final, self.hook_logits))):
+        elif last_only and not (hooks and any(hooks.active(name) for name in self._head_hooks)):
             x = x[:, -1:]
-        x = self.hook_ln_final(self.ln_f(x), hooks)
-        logits = self.hook_logits(x @ self.wte.weight.T, hooks)  # LM head tied to wte: [B, T, vocab]
+        x = self.hook_unembed_in(self.ln_f(x, hooks), hooks)
+        logits = self.hook_unembed_out(self.lm_head(x, self.wte.weight), hooks)  # LM head tied to wte: [B, T, vocab]
+        logits = self.hook_logits(logits, hooks)
         return logits[:, -1:] if last_only else logits

@@ -45,58 +45,113 @@ class UnknownHookError(ValueError):
     """A requested hook name or pattern matches no hook point of the model."""
 
 
-def hook_names(n_layer: int) -> list[str]:
-    """Every hook point of a GPT-2 with `n_layer` blocks, in the order the forward pass reaches them."""
-    per_layer = [
-        "hook_resid_pre",
-        "ln1.hook_normalized",
-        "attn.hook_q",
-        "attn.hook_k",
-        "attn.hook_v",
-        "attn.hook_attn_scores",
-        "attn.hook_pattern",
-        "attn.hook_z",
-        "hook_attn_out",
-        "hook_resid_mid",
-        "ln2.hook_normalized",
-        "mlp.hook_pre",
-        "mlp.hook_post",
-        "hook_mlp_out",
-        "hook_resid_post",
-    ]
-    names = ["hook_embed", "hook_pos_embed"]
-    names += [f"blocks.{layer}.{site}" for layer in range(n_layer) for site in per_layer]
-    return [*names, "ln_final.hook_normalized", "logits"]
+# The hooks of one block, in the order the forward pass reaches them. Those marked optional are what
+# TransformerLens' config switches on (`use_attn_in`, `use_split_qkv_input`, `use_attn_result`,
+# `use_hook_mlp_in`): they cost a per-head copy of the stream (or of each head's output), so they are
+# computed only when asked for by name, and globs match them only when they spell the site out.
+_BLOCK_SITES: list[tuple[str, bool]] = [  # (site, optional)
+    ("hook_resid_pre", False),
+    ("hook_attn_in", True),
+    ("hook_q_input", True),
+    ("hook_k_input", True),
+    ("hook_v_input", True),
+    ("ln1.hook_scale", False),
+    ("ln1.hook_normalized", False),
+    ("attn.hook_q", False),
+    ("attn.hook_k", False),
+    ("attn.hook_v", False),
+    ("attn.hook_attn_scores", False),
+    ("attn.hook_pattern", False),
+    ("attn.hook_z", False),
+    ("attn.hook_result", True),
+    ("hook_attn_out", False),
+    ("hook_resid_mid", False),
+    ("hook_mlp_in", True),
+    ("ln2.hook_scale", False),
+    ("ln2.hook_normalized", False),
+    ("mlp.hook_pre", False),
+    ("mlp.hook_post", False),
+    ("hook_mlp_out", False),
+    ("hook_resid_post", False),
+]
+_FIRST = ["hook_embed", "hook_pos_embed"]
+_LAST = ["ln_final.hook_scale", "ln_final.hook_normalized", "unembed.hook_in", "unembed.hook_out", "logits"]
+OPTIONAL_SITES = tuple(site for site, optional in _BLOCK_SITES if optional)
+
+
+def hook_names(n_layer: int, optional: bool = True) -> list[str]:
+    """Every hook point of a GPT-2 with `n_layer` blocks, in the order the forward pass reaches them
+    (without the optional ones if not `optional`)."""
+    sites = [site for site, opt in _BLOCK_SITES if optional or not opt]
+    return [*_FIRST, *(f"blocks.{layer}.{site}" for layer in range(n_layer) for site in sites), *_LAST]
+
+
+def is_optional(name: str) -> bool:
+    return name.endswith(OPTIONAL_SITES)
 
 
 def describe_hook_names(n_layer: int) -> str:
     """The valid names in a compact form, for error messages."""
-    per_layer = [n.split(".", 2)[2] for n in hook_names(1) if n.startswith("blocks.0.")]
     layers = f"{{0..{n_layer - 1}}}"
-    return ", ".join(
-        ["hook_embed", "hook_pos_embed"]
-        + [f"blocks.{layers}.{site}" for site in per_layer]
-        + ["ln_final.hook_normalized", "logits"]
-    )
+    return ", ".join([*_FIRST, *(f"blocks.{layers}.{site}" for site, _ in _BLOCK_SITES), *_LAST])
+
+
+def match_hooks(pattern: str, n_layer: int) -> list[str]:
+    """The hook names an exact name or a glob (`blocks.*.hook_resid_post`, `*`) stands for, in model order.
+    A glob matches an optional hook only if it spells its site out (`blocks.*.attn.hook_result`)."""
+    if not _is_glob(pattern):
+        return [pattern] if pattern in hook_names(n_layer) else []
+    return [
+        n
+        for n in hook_names(n_layer)
+        if fnmatch.fnmatchcase(n, pattern) and (not is_optional(n) or n.rsplit(".", 1)[-1] in pattern)
+    ]
 
 
 def select_hooks(patterns: list[str] | tuple[str, ...], n_layer: int) -> list[str]:
-    """Expand exact names and glob patterns (`blocks.*.hook_resid_post`) into hook names, in model order.
+    """Expand exact names and glob patterns into hook names, in model order (see `match_hooks`).
 
     A pattern that matches nothing is an error naming it and listing the valid names.
     """
-    names = hook_names(n_layer)
     chosen: set[str] = set()
     for pattern in patterns:
         if not isinstance(pattern, str) or not pattern:
             raise UnknownHookError(f"hook names must be non-empty strings, got {pattern!r}")
-        matched = fnmatch.filter(names, pattern) if _is_glob(pattern) else [pattern] if pattern in names else []
+        matched = match_hooks(pattern, n_layer)
         if not matched:
             raise UnknownHookError(
                 f"unknown hook {pattern!r}: no hook point matches it; valid names are {describe_hook_names(n_layer)}"
             )
         chosen.update(matched)
-    return [n for n in names if n in chosen]
+    return [n for n in hook_names(n_layer) if n in chosen]
+
+
+_PER_HEAD_D_HEAD = ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z")
+_PER_HEAD_D_MODEL = ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input", "attn.hook_result")
+
+
+def site_shape(name: str, n_head: int, d_head: int, d_mlp: int, vocab_size: int) -> tuple[int, ...]:
+    """The shape of one position's value at hook `name`, without batch and position (for attention
+    squares, [batch, head, query, key], just the head: the rest depends on the sequence)."""
+    d_model = n_head * d_head
+    if is_attention_square(name):
+        return (n_head,)
+    if name.endswith(_PER_HEAD_D_HEAD):
+        return (n_head, d_head)
+    if name.endswith(_PER_HEAD_D_MODEL):
+        return (n_head, d_model)
+    if name.endswith("hook_scale"):
+        return (1,)
+    if name.endswith(("mlp.hook_pre", "mlp.hook_post")):
+        return (d_mlp,)
+    if name in ("logits", "unembed.hook_out"):
+        return (vocab_size,)
+    return (d_model,)
+
+
+def is_per_head(name: str) -> bool:
+    """Hooks shaped [batch, pos, head, ...]."""
+    return name.endswith(_PER_HEAD_D_HEAD + _PER_HEAD_D_MODEL)
 
 
 def _is_glob(pattern: str) -> bool:

@@ -8,7 +8,6 @@ runs alone (not batched with others), like a capture.
 
 from __future__ import annotations
 
-import fnmatch
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,7 +16,8 @@ from typing import Literal
 import torch
 
 from .config import GPTConfig
-from .hooks import Hooks, describe_hook_names, hook_names, is_attention_square
+from .hooks import Hooks, describe_hook_names, is_attention_square, is_per_head, match_hooks
+from .hooks import site_shape as _site_shape
 
 Op = Literal["zero", "mean", "scale", "add", "set"]
 OPS = ("zero", "mean", "scale", "add", "set")
@@ -59,20 +59,12 @@ class Edit:
     positions: tuple[int, ...] | None = None
 
 
-_PER_HEAD = ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z")
-
-
 def site_shape(name: str, config: GPTConfig) -> tuple[int, ...]:
     """The shape of one position's value at hook `name` (without batch and position)."""
-    if is_attention_square(name):
-        return (config.n_head,)  # then [query, key]: handled separately
-    if name.endswith(_PER_HEAD):
-        return (config.n_head, config.d_head)
-    if name.endswith(("mlp.hook_pre", "mlp.hook_post")):
-        return (config.d_mlp,)
-    if name == "logits":
-        return (config.vocab_size,)
-    return (config.n_embd,)
+    return _site_shape(name, config.n_head, config.d_head, config.d_mlp, config.vocab_size)
+
+
+_SPLIT_INPUTS = ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input")
 
 
 @dataclass
@@ -94,10 +86,9 @@ class Interventions:
         self.config = config
         self.n_tokens = n_tokens
         self._targets: dict[str, list[_Target]] = {}
-        all_names = hook_names(config.n_layer)
         for i, edit in enumerate(edits):
             where = f"edit {i} ({edit.hook!r})"
-            names = [n for n in all_names if fnmatch.fnmatchcase(n, edit.hook)]
+            names = match_hooks(edit.hook, config.n_layer) if isinstance(edit.hook, str) else []
             if not names:
                 raise InterventionError(
                     f"{where} matches no hook point; valid names are {describe_hook_names(config.n_layer)}"
@@ -108,9 +99,23 @@ class Interventions:
                 if edit.layers and not names:
                     raise InterventionError(f"{where} has no hook point in layers {list(edit.layers)}")
             for name in names:
-                target = _Target(edit, name, name.endswith(_PER_HEAD), is_attention_square(name))
+                target = _Target(edit, name, is_per_head(name), is_attention_square(name))
                 self._check(target, where)
                 self._targets.setdefault(name, []).append(target)
+        self._check_split_inputs()
+
+    def _check_split_inputs(self) -> None:
+        """An edited per-head input (`hook_q_input`, ...) is normalised by ln_1 on its own path, so an edit
+        of ln_1's own hooks in the same layer would have no single stream to act on: refused."""
+        for name in self._targets:
+            if name.endswith(_SPLIT_INPUTS):
+                layer = name[: -len(name.rsplit(".", 1)[-1])]  # "blocks.L."
+                clash = [n for n in self._targets if n.startswith(layer + "ln1.")]
+                if clash:
+                    raise InterventionError(
+                        f"edits of {name} and {clash[0]} cannot be combined: an edited per-head input is "
+                        "normalised on its own path, so ln1's hooks no longer see the stream it reads"
+                    )
 
     def _check(self, t: _Target, where: str) -> None:
         e = t.edit

@@ -17,7 +17,7 @@ import torch
 
 from model.config import GPTConfig
 from model.dump import dump_bytes
-from model.hooks import is_attention_square
+from model.hooks import is_attention_square, site_shape
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 Wire = Literal["json", "safetensors_base64", "safetensors"]
@@ -39,19 +39,10 @@ def dump_bytes_on_wire(config: GPTConfig, names: list[str], n_tokens: int, dtype
 
 def activation_values(config: GPTConfig, names: list[str], n_tokens: int) -> int:
     """How many numbers a dump of `names` over `n_tokens` positions holds."""
-    C, H, D, T = config.n_embd, config.n_head, config.d_head, n_tokens
     per_name = 0
     for name in names:
-        if is_attention_square(name):
-            per_name += H * T * T
-        elif name.endswith(("hook_q", "hook_k", "hook_v", "hook_z")):
-            per_name += T * H * D
-        elif name.endswith(("mlp.hook_pre", "mlp.hook_post")):
-            per_name += T * config.d_mlp
-        elif name == "logits":
-            per_name += T * config.vocab_size
-        else:
-            per_name += T * C
+        site = math.prod(site_shape(name, config.n_head, config.d_head, config.d_mlp, config.vocab_size))
+        per_name += site * n_tokens * (n_tokens if is_attention_square(name) else 1)  # squares: [H, T, T]
     return per_name
 
 

@@ -97,7 +97,7 @@ def test_hidden_states_match_transformers(run: Run) -> None:
         name = f"blocks.{i}.hook_resid_pre"
         assert max_diff(run.acts64[name], run.hf64.hidden_states[i]) <= EXACT, name
         assert_float32_parity(run.acts32[name], run.hf32.hidden_states[i], run.hf64.hidden_states[i], name)
-    name = "ln_final.hook_normalized"
+    name = "unembed.hook_in"  # ln_f's output, with its gain and bias
     assert max_diff(run.acts64[name], run.hf64.hidden_states[-1]) <= EXACT
     assert_float32_parity(run.acts32[name], run.hf32.hidden_states[-1], run.hf64.hidden_states[-1], name)
 
@@ -117,11 +117,15 @@ def test_fused_attention_matches_explicit_path(run: Run) -> None:
     assert max_diff(run.fast64, run.acts64["logits"]) <= EXACT
     tol = max(F32, 2 * max_diff(run.hf32.logits, run.hf64.logits))
     assert max_diff(run.fast32, run.acts32["logits"]) <= tol
-    # asking for the scores alone also takes the explicit path in every layer: the very same logits
-    cap = Capture([f"blocks.{i}.attn.hook_attn_scores" for i in range(run.ours.config.n_layer)] + ["logits"])
+    # asking for the scores or the patterns alone takes the explicit path in every layer: the very same logits
+    layers = range(run.ours.config.n_layer)
+    scores = Capture([f"blocks.{i}.attn.hook_attn_scores" for i in layers] + ["logits"])
+    patterns = Capture([f"blocks.{i}.attn.hook_pattern" for i in layers] + ["logits"])
     with torch.no_grad():
-        run.ours(run.ids, hooks=cap)
-    assert torch.equal(cap.tensors()["logits"], run.acts32["logits"])
+        run.ours(run.ids, hooks=scores)
+        run.ours(run.ids, hooks=patterns)
+    assert torch.equal(scores.tensors()["logits"], patterns.tensors()["logits"])
+    assert max_diff(scores.tensors()["logits"], run.acts32["logits"]) <= tol
 
 
 GREEDY_PARAMS = SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True)

@@ -33,12 +33,19 @@ def test_hook_names_are_the_modules_hook_points(tiny_model: GPT) -> None:
     """Every HookPoint in the model is listed, once, in forward order, and a name is where the point is."""
     points = [m.name for m in tiny_model.modules() if isinstance(m, HookPoint)]
     assert sorted(points) == sorted(tiny_model.hook_names)
-    assert len(set(points)) == len(points) == 2 + 15 * 2 + 2
+    assert len(set(points)) == len(points) == 2 + 23 * 2 + 5
     names = hook_names(2)
     assert names[:3] == ["hook_embed", "hook_pos_embed", "blocks.0.hook_resid_pre"]
-    assert names[-3:] == ["blocks.1.hook_resid_post", "ln_final.hook_normalized", "logits"]
+    assert names[-6:] == [
+        "blocks.1.hook_resid_post",
+        "ln_final.hook_scale",
+        "ln_final.hook_normalized",
+        "unembed.hook_in",
+        "unembed.hook_out",
+        "logits",
+    ]
     assert tiny_model.h[1].attn.hook_pattern.name == "blocks.1.attn.hook_pattern"
-    assert tiny_model.h[0].hook_ln2.name == "blocks.0.ln2.hook_normalized"
+    assert tiny_model.h[0].ln_2.hook_normalized.name == "blocks.0.ln2.hook_normalized"
 
 
 def test_every_hook_is_captured_with_transformer_lens_shapes(tiny_model: GPT, acts: dict[str, torch.Tensor]) -> None:
@@ -48,13 +55,20 @@ def test_every_hook_is_captured_with_transformer_lens_shapes(tiny_model: GPT, ac
     expected = {
         "hook_embed": (BATCH, POS, C),
         "hook_pos_embed": (BATCH, POS, C),
+        "ln_final.hook_scale": (BATCH, POS, 1),
         "ln_final.hook_normalized": (BATCH, POS, C),
+        "unembed.hook_in": (BATCH, POS, C),
+        "unembed.hook_out": (BATCH, POS, cfg.vocab_size),
         "logits": (BATCH, POS, cfg.vocab_size),
     }
     for layer in range(cfg.n_layer):
         b = f"blocks.{layer}."
-        for site in ("hook_resid_pre", "ln1.hook_normalized", "hook_attn_out", "hook_resid_mid"):
+        for site in ("hook_resid_pre", "ln1.hook_normalized", "hook_attn_out", "hook_resid_mid", "hook_mlp_in"):
             expected[b + site] = (BATCH, POS, C)
+        for site in ("ln1.hook_scale", "ln2.hook_scale"):
+            expected[b + site] = (BATCH, POS, 1)
+        for site in ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input", "attn.hook_result"):
+            expected[b + site] = (BATCH, POS, H, C)
         for site in ("ln2.hook_normalized", "hook_mlp_out", "hook_resid_post"):
             expected[b + site] = (BATCH, POS, C)
         for site in ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z"):
@@ -107,7 +121,7 @@ def test_activations_of_a_generation_equal_one_forward_pass_over_the_result(tiny
     """Prefill plus one-token decode steps, glued together, give what one pass over the final sequence gives."""
     prompt = [464, 2068, 7586, 21831, 18045, 625]
     params = SamplingParams(max_new_tokens=9, temperature=0.8, seed=4, ignore_eos=True)
-    [completion] = generate(tiny_model, [prompt], params, hooks=["*"])
+    [completion] = generate(tiny_model, [prompt], params, hooks=tiny_model.hook_names)  # the optional ones too
     assert completion.activations is not None and len(completion.token_ids) == 9
     sequence = completion.prompt_ids + completion.token_ids
     capture = Capture(tiny_model.hook_names)
@@ -219,7 +233,14 @@ def test_glob_selection_in_model_order() -> None:
         "blocks.0.hook_resid_pre",
         "logits",
     ]
-    assert select_hooks(["*"], 2) == hook_names(2)
+    # globs reach the optional hooks only when they spell the site out
+    assert select_hooks(["*"], 2) == hook_names(2, optional=False)
+    assert select_hooks(["blocks.*.attn.hook_result", "*hook_mlp_in"], 2) == [
+        "blocks.0.attn.hook_result",
+        "blocks.0.hook_mlp_in",
+        "blocks.1.attn.hook_result",
+        "blocks.1.hook_mlp_in",
+    ]
     assert select_hooks(["blocks.[01].mlp.hook_p?st"], 4) == ["blocks.0.mlp.hook_post", "blocks.1.mlp.hook_post"]
 
 

@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from model.analysis import NextToken, next_token_distribution
 from model.generate import Completion, GenerationError, TokenLogprob, validate_prompt
 from model.gpt import GPT
-from model.hooks import select_hooks
+from model.hooks import is_optional, select_hooks
 
 from .. import encoding
 from ..engine import Engine
@@ -48,6 +48,7 @@ async def model_info(engine: EngineDep) -> dict[str, Any]:
         "vocab_size": c.vocab_size,
         "n_params": c.n_params(),
         "hook_names": engine.model.hook_names,
+        "optional_hook_names": [n for n in engine.model.hook_names if is_optional(n)],
     }
 
 
