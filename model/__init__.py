@@ -9,7 +9,7 @@ from .config import PRESETS, ConfigError, GPTConfig
 from .dump import load_dump, save_dump
 from .generate import Completion, Generation, GenerationError, SamplingParams, TokenEvent, generate
 from .gpt import GPT
-from .hooks import Capture, UnknownHookError, hook_names, select_hooks
+from .hooks import Capture, UnknownHookError, hook_names, run_with_cache, select_hooks
 from .kv_cache import KVCache
 from .loading import LoadedModel, LoadError, load, load_weights, save_checkpoint
 from .tokenizer import Tokenizer
@@ -35,6 +35,7 @@ __all__ = [
     "load",
     "load_dump",
     "load_weights",
+    "run_with_cache",
     "save_checkpoint",
     "save_dump",
     "select_hooks",

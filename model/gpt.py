@@ -197,14 +197,14 @@ class Block(nn.Module):
         """`ln_1(resid_pre)` [B, T, C]; or, when TransformerLens' per-head inputs are asked for (`hook_attn_in`,
         then `hook_q_input`, `hook_k_input`, `hook_v_input`, each [B, T, H, C]) and a hook changed one, each
         path's input normalised on its own, so that the change reaches only its path."""
-        normalized = self.ln_1(resid_pre, hooks)  # [B, T, C]
         per_path = (self.hook_q_input, self.hook_k_input, self.hook_v_input)
         if hooks is None or not any(hooks.active(h.name) for h in (self.hook_attn_in, *per_path)):
-            return normalized
+            return self.ln_1(resid_pre, hooks)  # [B, T, C]
         B, T, C = resid_pre.shape
         copies = resid_pre[:, :, None].expand(B, T, self.attn.n_head, C)  # [B, T, H, C]
         attn_in = self.hook_attn_in(copies, hooks)
         inputs = [h(attn_in, hooks) for h in per_path]
+        normalized = self.ln_1(resid_pre, hooks)  # [B, T, C]
         if all(x is copies for x in inputs):  # untouched: every path reads the one normalised stream
             return normalized
         q, k, v = (self.ln_1(x) for x in inputs)

@@ -9,10 +9,13 @@ requests served concurrently by one model never see each other's captures, and n
 from __future__ import annotations
 
 import fnmatch
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from .gpt import GPT
 
 
 class Hooks(Protocol):
@@ -199,6 +202,46 @@ class Capture:
             else:
                 out[name] = torch.cat(chunks, dim=1)  # [batch, pos, ...]
         return out
+
+
+class StopForward(Exception):
+    """Ends a forward pass early: every value wanted from it has been taken."""
+
+
+class StopAfter:
+    """Hands each value on to `hooks`, then ends the forward pass (`StopForward`) once hook `last` has had
+    its value: what TransformerLens' `stop_at_layer` and nnsight's `.stop()` do. For a plain pass over a
+    batch (a packed pass reaches the attention hooks once per piece)."""
+
+    def __init__(self, hooks: Hooks, last: str) -> None:
+        self.hooks, self.last = hooks, last
+
+    def active(self, name: str) -> bool:
+        return self.hooks.active(name)
+
+    def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        x = self.hooks(name, x)
+        if name == self.last:
+            raise StopForward
+        return x
+
+
+def run_with_cache(
+    model: GPT, idx: torch.Tensor, names: list[str], edits: Hooks | None = None
+) -> dict[str, torch.Tensor]:
+    """The values at hook points `names` (in model order) for token ids `idx` [B, T], each [B, T, ...]
+    (attention squares [B, head, T, T]), from one forward pass that ends as soon as the last of them is
+    taken: the blocks after it and the LM head never run. `edits` (interventions) see and change the
+    values first."""
+    from .interventions import HookChain  # interventions imports this module
+
+    capture = Capture(names)
+    hooks: Hooks = capture if edits is None else HookChain(edits, capture)
+    try:
+        model(idx, hooks=StopAfter(hooks, names[-1]))
+    except StopForward:
+        pass
+    return capture.tensors()
 
 
 def _widen(chunk: torch.Tensor, n_keys: int, fill: float) -> torch.Tensor:

@@ -316,3 +316,44 @@ def test_capture_glues_chunks_into_one_sequence() -> None:
     assert pattern.shape == scores.shape == (1, 2, 4, 4)
     assert (pattern[..., :3, 3] == 0).all() and (pattern[..., 3, :] == 0.25).all()
     assert torch.isneginf(scores[..., :3, 3]).all() and (scores[..., 3, :] == 1).all()
+
+
+def test_hooks_fire_in_the_order_hook_names_lists_them(tiny_model: GPT) -> None:
+    """`hook_names` is the firing order (what `StopAfter` relies on to end a pass after the last wanted)."""
+
+    class Recorder:
+        seen: list[str] = []
+
+        def active(self, name: str) -> bool:
+            return True
+
+        def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
+            self.seen.append(name)
+            return x
+
+    recorder = Recorder()
+    with torch.inference_mode():
+        tiny_model(torch.tensor([[1, 2, 3]]), hooks=recorder)
+    assert recorder.seen == tiny_model.hook_names
+
+
+def test_run_with_cache_stops_after_the_last_wanted_hook(tiny_model: GPT) -> None:
+    from model.hooks import run_with_cache
+
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    names = select_hooks(["blocks.0.hook_resid_post", "blocks.0.attn.hook_pattern", "blocks.0.hook_q_input"], 2)
+    full = Capture(names + ["logits"])
+    seen: list[str] = []
+
+    class Spy(Capture):
+        def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
+            seen.append(name)
+            return super().__call__(name, x)
+
+    with torch.inference_mode():
+        tiny_model(ids, hooks=full)
+        got = run_with_cache(tiny_model, ids, names, edits=Spy([]))
+    assert list(got) == names
+    for name in names:
+        assert torch.equal(got[name], full.tensors()[name]), name
+    assert seen[-1] == "blocks.0.hook_resid_post" and "blocks.1.hook_resid_pre" not in seen  # block 1 never ran
