@@ -8,6 +8,7 @@ requests served concurrently by one model never see each other's captures, and n
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 from typing import TYPE_CHECKING, Protocol
 
@@ -237,10 +238,8 @@ def run_with_cache(
 
     capture = Capture(names)
     hooks: Hooks = capture if edits is None else HookChain(edits, capture)
-    try:
+    with contextlib.suppress(StopForward):
         model(idx, hooks=StopAfter(hooks, names[-1]))
-    except StopForward:
-        pass
     return capture.tensors()
 
 

@@ -322,7 +322,8 @@ def test_hooks_fire_in_the_order_hook_names_lists_them(tiny_model: GPT) -> None:
     """`hook_names` is the firing order (what `StopAfter` relies on to end a pass after the last wanted)."""
 
     class Recorder:
-        seen: list[str] = []
+        def __init__(self) -> None:
+            self.seen: list[str] = []
 
         def active(self, name: str) -> bool:
             return True
@@ -342,7 +343,7 @@ def test_run_with_cache_stops_after_the_last_wanted_hook(tiny_model: GPT) -> Non
 
     ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
     names = select_hooks(["blocks.0.hook_resid_post", "blocks.0.attn.hook_pattern", "blocks.0.hook_q_input"], 2)
-    full = Capture(names + ["logits"])
+    full = Capture([*names, "logits"])
     seen: list[str] = []
 
     class Spy(Capture):
