@@ -16,8 +16,11 @@ from typing import Protocol
 
 import torch
 
+from . import kernels
 from .config import PRESETS, ConfigError, GPTConfig, preset
 from .gpt import GPT
+from .kernels.layers import use_kernels
+from .quantize import quantize_
 from .safetensors_file import SafetensorsError, SafetensorsFile
 from .tokenizer import Tokenizer, TokenizerError, tokenizer_files
 
@@ -212,13 +215,21 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
 }
 
 
+INT8 = "int8"  # weight-only int8 (model/quantize.py): float32 activations
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype of the activations (and of the weights, but for int8, whose activations are float32)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype == INT8:
+        return torch.float32
     if dtype not in DTYPE_NAMES:
-        raise LoadError(f"unknown dtype {dtype!r}; use auto, float32, float16 or bfloat16")
+        raise LoadError(f"unknown dtype {dtype!r}; use auto, float32, float16, bfloat16 or int8")
+    if device.type == "cpu" and DTYPE_NAMES[dtype] != torch.float32 and (why := kernels.slow_half_precision()):
+        log.warning("%s on this CPU will be slower than float32: %s", dtype, why)
     return DTYPE_NAMES[dtype]
 
 
@@ -278,15 +289,16 @@ def load_state(
 def _stored(name: str, t: torch.Tensor) -> torch.Tensor:
     """`t` laid out in memory as the matrix kernels of its dtype and device read fastest (same shape and values).
 
-    Every weight matrix is the right-hand side W of some x @ W. MKL's float32 GEMM on a CPU streams W fastest
-    row-major ([in, out] contiguous) for the few rows of a decode step, so there the projections stay as the
-    file has them and wte ([vocab, C], used as wte.T) is stored column-major. oneDNN's bfloat16/float16
-    kernels and cuBLAS prefer W column-major (nn.Linear's [out, in] contiguous): there the projections are
-    stored column-major and wte as it is. An embedding lookup only gathers a few rows either way.
+    Every weight matrix is the right-hand side W of some x @ W. Our float32 CPU kernels (`model/kernels/`),
+    oneDNN's bfloat16/float16 kernels and cuBLAS read W column-major (nn.Linear's [out, in] contiguous, one
+    output's weights together): there the projections are stored column-major and wte as it is. Without our
+    kernels, MKL's float32 GEMM streams W fastest row-major ([in, out] contiguous) for the few rows of a
+    decode step, so there the projections stay as the file has them and wte ([vocab, C], used as wte.T) is
+    stored column-major. An embedding lookup only gathers a few rows either way.
     """
     if t.ndim != 2 or name == "wpe.weight":
         return t.contiguous()
-    w_row_major = t.device.type == "cpu" and t.dtype == torch.float32  # how W should lie in memory
+    w_row_major = t.device.type == "cpu" and t.dtype == torch.float32 and not kernels.available()
     is_w = name != "wte.weight"  # a projection is W; wte is W transposed (the LM head is x @ wte.T)
     return t.contiguous() if w_row_major == is_w else t.t().contiguous().t()
 
@@ -320,8 +332,9 @@ class LoadedModel:
     tokenizer: Tokenizer
     name: str
     revision: str | None
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the activations
     device: torch.device
+    quantization: str | None = None  # "int8": weight-only int8 (model/quantize.py), float32 activations
 
 
 def load_weights(
@@ -350,7 +363,8 @@ def load(
     `source`: a hub name (`gpt2`, `gpt2-medium`, `gpt2-large`, `gpt2-xl`, `distilgpt2`) or repo id
     (`openai-community/gpt2`, with `revision`), a checkpoint directory (`config.json` and
     `model.safetensors`), or one `.safetensors` file (its shape from `preset_name`).
-    `dtype`: auto (float32 on CPU, bfloat16 on CUDA), float32, float16 or bfloat16.
+    `dtype`: auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16, or int8 (weight-only int8
+    with a scale per output channel, float32 activations: `model/quantize.py`).
     `device`: auto (cuda, then mps, then cpu) or a torch device name.
     `tokenizer_dir`: where the tokenizer is, for checkpoints that ship none.
     """
@@ -367,7 +381,7 @@ def load(
         raise LoadError(str(e)) from None
     if tokenizer.vocab_size > model.config.vocab_size:
         raise LoadError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {model.config.vocab_size}")
-    return LoadedModel(model, tokenizer, files.name, files.revision, dt, dev)
+    return LoadedModel(model, tokenizer, files.name, files.revision, dt, dev, INT8 if dtype == INT8 else None)
 
 
 class Checkpoint(Protocol):
@@ -396,7 +410,9 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), help="shape of a bare .safetensors file")
     parser.add_argument("--tokenizer", help="directory with the tokenizer, for checkpoints that ship none")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    parser.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    parser.add_argument(
+        "--dtype", default="auto", help="auto, float32, float16, bfloat16 or int8 (int8 weights, float32 activations)"
+    )
 
 
 def load_from(where: Checkpoint) -> LoadedModel:
@@ -424,9 +440,15 @@ def _load(
         files = locate(source, revision=revision, preset_name=preset_name)
     except ConfigError as e:
         raise LoadError(str(e)) from None
-    log.info("loading %s (%s) to %s as %s", files.name, ", ".join(map(str, files.weights)), dev, dt)
+    as_what = "int8 weights, float32 activations" if dtype == INT8 else dt
+    log.info("loading %s (%s) to %s as %s", files.name, ", ".join(map(str, files.weights)), dev, as_what)
     state = load_state(files.weights, files.config, dt, dev)
-    return build_model(files.config, state), files, dev, dt
+    model = build_model(files.config, state)
+    if dtype == INT8:
+        quantize_(model)
+    else:
+        use_kernels(model)  # float32 on a CPU: the decode step's products on our kernels
+    return model, files, dev, dt
 
 
 # --- writing the official format -------------------------------------------------------------

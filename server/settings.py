@@ -19,7 +19,9 @@ class Settings:
     preset: str | None = field(default=None, metadata={"help": "shape of a bare .safetensors file (e.g. gpt2)"})
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer directory, for checkpoints without one"})
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:N or mps"})
-    dtype: str = field(default="auto", metadata={"help": "auto, float32, float16 or bfloat16"})
+    dtype: str = field(
+        default="auto", metadata={"help": "auto, float32, float16, bfloat16 or int8 (int8 weights, float32 activations)"}
+    )
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind (loopback by default)"})
     port: int = field(default=8000, metadata={"help": "port to listen on"})
     api_key: str | None = field(default=None, metadata={"help": "require this key (Authorization: Bearer KEY)"})

@@ -189,7 +189,7 @@ def test_unwritable_dump_file(ckpt_with_tokenizer: Path, capsys: pytest.CaptureF
 def test_bad_dtype(ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["hi", "--model", str(ckpt_with_tokenizer), "--dtype", "int4"]) == 1
     err = capsys.readouterr().err
-    assert err == "gpt2-generate: error: unknown dtype 'int4'; use auto, float32, float16 or bfloat16\n"
+    assert err == "gpt2-generate: error: unknown dtype 'int4'; use auto, float32, float16, bfloat16 or int8\n"
 
 
 def test_bad_top_p(ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,204 @@
+"""Our CPU matrix kernels for the decode step (`matmul.cpp`): y = x @ W.T + b for a few rows x, W [N, K]
+contiguous, in float32 or in int8 with a scale per output. Built at first use with the system's C++
+compiler into a cache directory (a second or two, once per source version), loaded with ctypes; where
+that cannot be done (no compiler, no AVX2/FMA, not x86-64) `available()` is False, one warning says why,
+and callers use stock torch.
+
+Why: for 1-32 rows, torch's float32 CPU GEMM (MKL) streams the weights from one thread (a second core
+adds nothing at batch 1) and reaches a fraction of the FLOP rate at batch 8; here every thread streams
+its own contiguous slab of W (the threads split the outputs) and 3 x 4 tiles of accumulators keep the
+FMA units busy. Thread count: torch's (`torch.get_num_threads()`), through torch's own OpenMP runtime.
+
+Environment: `GPT2_KERNELS=0` turns them off (for A/B runs); `GPT2_KERNEL_CACHE` is where the library is
+built (default `$XDG_CACHE_HOME/gpt2-server` or `~/.cache/gpt2-server`); `CXX` names the compiler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("matmul.cpp")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+BUILD_TIMEOUT_S = 300
+MAX_ROWS = 48  # above this many rows MKL's GEMM is as fast or faster (prefill): measured on AVX2 hosts
+
+
+def cache_dir() -> Path:
+    if os.environ.get("GPT2_KERNEL_CACHE"):
+        return Path(os.environ["GPT2_KERNEL_CACHE"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "gpt2-server"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def library_path(compiler: str) -> Path:
+    """Where the library of this source, these flags and this compiler lives in the cache."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    return cache_dir() / f"gpt2_matmul-{key}.so"
+
+
+def build(compiler: str | None = None) -> Path:
+    """Compile `matmul.cpp` into the cache (if it is not there yet) and return the library's path; raises
+    RuntimeError saying why it cannot."""
+    compiler = compiler or _compiler()
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found (tried $CXX, c++, g++, clang++)")
+    path = library_path(compiler)
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built aside, then moved in one step
+        out = Path(tmp) / path.name
+        try:
+            done = subprocess.run(
+                [compiler, *FLAGS, str(SOURCE), "-o", str(out)],
+                capture_output=True,
+                text=True,
+                timeout=BUILD_TIMEOUT_S,
+                check=False,
+            )
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise RuntimeError(f"{compiler} failed to run: {e}") from None
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
+        os.replace(out, path)
+    return path
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def matrix_features() -> dict[str, bool]:
+    """Which of the CPU's vector and matrix extensions that CPU matmuls depend on it has."""
+    flags = cpu_flags()
+    return {
+        "avx2": "avx2" in flags,
+        "fma": "fma" in flags,
+        "avx512f": "avx512f" in flags,
+        "avx512_bf16": "avx512_bf16" in flags,
+        "avx512_vnni": "avx512_vnni" in flags,
+        "amx_bf16": "amx_bf16" in flags,
+    }
+
+
+def slow_half_precision() -> str | None:
+    """Why bfloat16/float16 matmuls on this CPU are slower than float32 (None: they are not, or unknown).
+    Without AVX-512 BF16 or AMX, oneDNN converts every bfloat16 weight to float32 before multiplying."""
+    features = matrix_features()
+    if not cpu_flags() or features["avx512_bf16"] or features["amx_bf16"]:
+        return None
+    return (
+        "it has neither AVX-512 BF16 nor AMX, so each bfloat16/float16 weight is converted to float32 on every "
+        "product; float32 (the default) is faster and exact, int8 is faster still"
+    )
+
+
+def _cpu_supported() -> str | None:
+    """Why this CPU cannot run the kernels, or None if it can."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the CPU is {platform.machine()}, not x86-64"
+    capability = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512" (both have AVX2 and FMA), ...
+    if capability not in ("AVX2", "AVX512"):
+        return f"the CPU lacks AVX2/FMA (torch reports {capability})"
+    return None
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("GPT2_KERNELS", "1") == "0":
+        log.info("our CPU matrix kernels are off (GPT2_KERNELS=0): stock torch kernels are used")
+        return None
+    reason = _cpu_supported()
+    if reason is None:
+        try:
+            lib = ctypes.CDLL(str(build()))
+        except (RuntimeError, OSError) as e:
+            reason = str(e)
+    if reason is not None:
+        log.warning("our CPU matrix kernels are not available (%s): using stock torch kernels, slower decoding", reason)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.gpt2_matmul_f32.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int]
+    lib.gpt2_matmul_f32.restype = None
+    lib.gpt2_matmul_i8.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, i64, ctypes.c_int]
+    lib.gpt2_matmul_i8.restype = None
+    return lib
+
+
+def available() -> bool:
+    """Whether the kernels are built and loaded (building them on the first call)."""
+    return _library() is not None
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether a product with input `x` [..., K] can go to the kernels: float32 on the CPU, few rows, and
+    no autograd (they have no backward)."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.numel() <= MAX_ROWS * x.shape[-1]
+        and not (torch.is_grad_enabled() and x.requires_grad)
+        and available()
+    )
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).contiguous()  # [M, K]
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ w.T + bias: w [N, K] float32 with contiguous rows, bias [N] or None -> [..., N]."""
+    lib = _library()
+    assert lib is not None and w.dtype == torch.float32 and w.stride(1) == 1
+    x2 = _rows(x)
+    (M, K), N = x2.shape, w.shape[0]
+    assert w.shape[1] == K and (bias is None or bias.is_contiguous())
+    y = torch.empty(M, N, dtype=torch.float32)
+    lib.gpt2_matmul_f32(
+        x2.data_ptr(), M, K, w.data_ptr(), w.stride(0), None if bias is None else bias.data_ptr(),
+        y.data_ptr(), N, torch.get_num_threads(),
+    )  # fmt: skip
+    return y.view(*x.shape[:-1], N)
+
+
+def matmul_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """(x [..., K] @ q.T) * scale + bias: q [N, K] int8 with contiguous rows, scale [N] float32 -> [..., N]."""
+    lib = _library()
+    assert lib is not None and q.dtype == torch.int8 and q.stride(1) == 1 and scale.is_contiguous()
+    x2 = _rows(x)
+    (M, K), N = x2.shape, q.shape[0]
+    assert q.shape[1] == K and (bias is None or bias.is_contiguous())
+    y = torch.empty(M, N, dtype=torch.float32)
+    lib.gpt2_matmul_i8(
+        x2.data_ptr(), M, K, q.data_ptr(), q.stride(0), scale.data_ptr(),
+        None if bias is None else bias.data_ptr(), y.data_ptr(), N, torch.get_num_threads(),
+    )  # fmt: skip
+    return y.view(*x.shape[:-1], N)

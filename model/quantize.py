@@ -1,0 +1,105 @@
+"""Weight-only int8: every projection and the LM head hold int8 weights with one float32 scale per output
+channel (symmetric: w ~= q * scale, q in -127..127, scale = max |w| of the channel / 127); activations,
+LayerNorms, biases, embeddings and the KV cache stay float32.
+
+`quantize_(model)` swaps the layers of a loaded float32 model in place. On a CPU the few-row products of a
+decode step run on our int8 kernel (`model/kernels/`: dequantized in registers, float32 accumulation);
+larger products (prefill), other devices (CUDA) and autograd dequantize the weight and use torch's float32
+matmul. Hooks, edits and dumps work as on float32: they see the float32 activations of the quantized model.
+`state_dict` (and so `save_checkpoint`) gives the dequantized weights, q * scale, in the float32 layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import kernels
+from .gpt import GPT, Conv1D, TiedLMHead
+from .kernels.layers import replace_modules
+
+QMAX = 127  # symmetric: -127..127 (-128 unused, so that -q is always representable)
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q [N, K] int8, scale [N] float32) with w ~= q * scale[:, None], row by row (each row
+    is one output channel). An all-zero row gets scale 1 (q = 0)."""
+    w = w.float()
+    amax = w.abs().amax(dim=1)  # [N]
+    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q [N, K] int8, scale [N] -> [N, K] in `dtype`."""
+    return (q.to(dtype) * scale.to(dtype)[:, None]).to(dtype)
+
+
+def _int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] @ (q * scale).T + bias -> [..., N]: our CPU kernel for a few rows, else dequantize + matmul."""
+    if kernels.usable(x) and x.device == q.device:
+        return kernels.matmul_int8(x, q, scale, bias)
+    w = dequantize_rows(q, scale, x.dtype)  # [N, K], transient
+    y = x @ w.T
+    return y if bias is None else y + bias
+
+
+class Int8Conv1D(nn.Module):
+    """`Conv1D` (y = x W + b) with W held as int8 rows of W.T ([out, in]) and a scale per output."""
+
+    q: torch.Tensor  # [out, in] int8
+    scale: torch.Tensor  # [out] float32
+
+    def __init__(self, dense: Conv1D) -> None:
+        super().__init__()
+        q, scale = quantize_rows(dense.weight.detach().t())  # W.T: [out, in], one row per output channel
+        self.register_buffer("q", q, persistent=False)
+        self.register_buffer("scale", scale, persistent=False)
+        self.bias = dense.bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized W [in, out] (float32; a fresh tensor), for code that reads the dense weight."""
+        return dequantize_rows(self.q, self.scale).t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _int8_matmul(x, self.q, self.scale, self.bias)
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        destination[prefix + "weight"] = self.weight.contiguous()  # as Conv1D's: [in, out]
+        destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
+
+class Int8LMHead(TiedLMHead):
+    """The tied LM head on an int8 copy of wte (one scale per vocabulary row); the embedding lookup keeps
+    the float32 wte."""
+
+    q: torch.Tensor  # [vocab, C] int8
+    scale: torch.Tensor  # [vocab] float32
+
+    def __init__(self, wte: torch.Tensor) -> None:
+        super().__init__()
+        q, scale = quantize_rows(wte.detach())  # [vocab, C]
+        self.register_buffer("q", q, persistent=False)
+        self.register_buffer("scale", scale, persistent=False)
+
+    def forward(self, x: torch.Tensor, wte: torch.Tensor) -> torch.Tensor:
+        return _int8_matmul(x, self.q, self.scale, None)
+
+
+def quantize_(model: GPT) -> GPT:
+    """Replace `model`'s projections and LM head by int8 ones, in place (float32 model in, same device)."""
+    assert model.wte.weight.dtype == torch.float32, "quantize a float32 model"
+    replace_modules(model, Conv1D, Int8Conv1D)
+    replace_modules(model, TiedLMHead, lambda _: Int8LMHead(model.wte.weight))
+    return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weights a forward pass reads: parameters and buffers, each once (a quantized model's
+    int8 weights and scales are buffers)."""
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.nbytes for t in tensors.values())

@@ -1,0 +1,185 @@
+"""Our CPU matrix kernels (model/kernels) against torch on every projection shape of gpt2-small, medium,
+large and xl, the LM head and odd shapes, at every row count they take; the layers that use them; and the
+fallback to stock torch where the kernels cannot be built."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Checkpoint, load_ours
+
+from model import kernels
+from model.gpt import Conv1D, TiedLMHead
+from model.kernels.layers import KernelConv1D, KernelLMHead
+
+ROOT = Path(__file__).resolve().parents[1]
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="our CPU kernels cannot be built here")
+
+# (K, N) of each projection: c_attn, attn c_proj, c_fc, mlp c_proj, for d_model 768 / 1024 / 1280 / 1600
+GPT2_SHAPES = [(c, n) for c in (768, 1024, 1280, 1600) for n in (3 * c, c, 4 * c)] + [
+    (4 * c, c) for c in (768, 1024, 1280, 1600)
+]
+ODD_SHAPES = [(1, 1), (7, 5), (9, 3), (13, 17), (64, 1), (100, 6), (15, 33), (777, 50)]
+ROWS = [1, 2, 3, 4, 5, 7, 8, 16, 32, kernels.MAX_ROWS]
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ w.double().T
+    return (y if bias is None else y + bias.double()).float()
+
+
+def tolerance(x: torch.Tensor, w: torch.Tensor) -> float:
+    """float32 rounding of a K-term dot product, relative to the size of its terms."""
+    return 1e-5 * float((x.abs() @ w.abs().T).max()) + 1e-6
+
+
+@needs_kernels
+@pytest.mark.parametrize(("k", "n"), GPT2_SHAPES + ODD_SHAPES)
+def test_float32_matches_torch(k: int, n: int) -> None:
+    g = torch.Generator().manual_seed(k * 7919 + n)
+    w, bias = torch.randn(n, k, generator=g) * 0.02, torch.randn(n, generator=g)
+    for m in ROWS if n * k < 2**22 else (1, 3, 8, 33):
+        x = torch.randn(m, k, generator=g)
+        y = kernels.matmul(x, w, bias)
+        assert y.shape == (m, n)
+        torch.testing.assert_close(y, reference(x, w, bias), rtol=0, atol=tolerance(x, w))
+    torch.testing.assert_close(kernels.matmul(x, w), reference(x, w, None), rtol=0, atol=tolerance(x, w))
+
+
+@needs_kernels
+@pytest.mark.parametrize(("k", "n"), GPT2_SHAPES + ODD_SHAPES)
+def test_int8_matches_dequantized(k: int, n: int) -> None:
+    g = torch.Generator().manual_seed(k * 31 + n)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    scale, bias = torch.rand(n, generator=g) * 1e-3, torch.randn(n, generator=g)
+    w = q.float() * scale[:, None]
+    for m in ROWS if n * k < 2**22 else (1, 3, 8, 33):
+        x = torch.randn(m, k, generator=g)
+        y = kernels.matmul_int8(x, q, scale, bias)
+        torch.testing.assert_close(y, reference(x, w, bias), rtol=0, atol=tolerance(x, w))
+
+
+@needs_kernels
+def test_lm_head_shape() -> None:
+    """The tied head's product, [rows, 768] @ wte.T with wte [50257, 768]: an output count no tile divides."""
+    g = torch.Generator().manual_seed(0)
+    wte = torch.randn(50257, 768, generator=g) * 0.15
+    for m in (1, 5, 8):
+        x = torch.randn(m, 768, generator=g)
+        torch.testing.assert_close(kernels.matmul(x, wte), reference(x, wte, None), rtol=0, atol=tolerance(x, wte))
+
+
+@needs_kernels
+def test_threads_do_not_change_the_result() -> None:
+    """Each output is summed by one thread in one order: 1 and 2 threads give the same bits."""
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(3072, 768, generator=g), torch.randn(5, 768, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.matmul(x, w)
+        torch.set_num_threads(2)
+        two = kernels.matmul(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+@needs_kernels
+def test_leading_dims_and_strided_input() -> None:
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(40, 24, generator=g)
+    x = torch.randn(2, 3, 48, generator=g)[..., ::2]  # [2, 3, 24], not contiguous
+    y = kernels.matmul(x, w)
+    assert y.shape == (2, 3, 40)
+    torch.testing.assert_close(y, reference(x.reshape(-1, 24), w, None).view(2, 3, 40), rtol=0, atol=1e-4)
+
+
+@needs_kernels
+def test_model_uses_kernel_layers(tiny: Checkpoint) -> None:
+    model = load_ours(tiny)
+    assert type(model.h[0].attn.c_attn) is KernelConv1D and type(model.lm_head) is KernelLMHead
+    assert model.h[0].mlp.c_fc.weight.t().is_contiguous()  # [out, in] rows, as the kernel reads them
+    assert model.wte.weight.is_contiguous()
+
+
+@needs_kernels
+def test_kernel_layers_fall_back_for_prefill_and_autograd() -> None:
+    """Many rows go to torch's GEMM, and so does a product that needs a gradient: same values either way."""
+    g = torch.Generator().manual_seed(3)
+    dense = Conv1D(32, 48)
+    with torch.no_grad():
+        dense.weight.copy_(torch.randn(48, 32, generator=g).t())  # [in, out] with [out, in] rows
+        dense.bias.copy_(torch.randn(48, generator=g))
+    layer = KernelConv1D.__new__(KernelConv1D)
+    torch.nn.Module.__init__(layer)
+    layer.weight, layer.bias = dense.weight, dense.bias
+    dense.requires_grad_(False)
+    for rows in (1, kernels.MAX_ROWS, kernels.MAX_ROWS + 1, 300):
+        x = torch.randn(rows, 32, generator=g)
+        torch.testing.assert_close(layer(x), dense(x), rtol=1e-5, atol=1e-5)
+    x = torch.randn(4, 32, generator=g, requires_grad=True)
+    layer(x).sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+    head = KernelLMHead()
+    wte = torch.randn(100, 32, generator=g)
+    torch.testing.assert_close(head(x.detach(), wte), TiedLMHead()(x.detach(), wte), rtol=1e-5, atol=1e-5)
+
+
+def test_build_failure_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPT2_KERNEL_CACHE", str(tmp_path))
+    with pytest.raises(RuntimeError, match="failed"):
+        kernels.build(compiler="false")  # a "compiler" that always fails
+
+
+FALLBACK = """
+import json, logging, sys, torch
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+from model import kernels
+from model.loading import load_weights
+m = load_weights(sys.argv[1], dtype="float32", device="cpu")
+m8 = load_weights(sys.argv[1], dtype="int8", device="cpu")
+ids = torch.tensor([[1, 2, 3, 4, 5]])
+with torch.inference_mode():
+    out = [m(ids)[0, -1, :8].tolist(), m8(ids)[0, -1, :8].tolist()]
+print(json.dumps({"available": kernels.available(), "layer": type(m.h[0].attn.c_attn).__name__,
+                  "head": type(m.lm_head).__name__, "int8": type(m8.h[0].attn.c_attn).__name__, "logits": out}))
+"""
+
+
+def run_fallback(tiny: Checkpoint, env: dict[str, str]) -> tuple[dict, str]:
+    done = subprocess.run(
+        [sys.executable, "-c", FALLBACK, str(tiny.path)],
+        cwd=ROOT,
+        env=os.environ | env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+@pytest.mark.parametrize("how", ["no compiler", "turned off"])
+def test_fallback_without_kernels(tiny: Checkpoint, tmp_path: Path, how: str) -> None:
+    """With no compiler (or GPT2_KERNELS=0) the model loads with the stock layers, says so once, and
+    computes the reference's logits; int8 works too, on the dequantizing path."""
+    env = {"GPT2_KERNEL_CACHE": str(tmp_path / "empty-cache")}
+    env |= {"CXX": "/nonexistent/c++", "PATH": str(tmp_path)} if how == "no compiler" else {"GPT2_KERNELS": "0"}
+    report, stderr = run_fallback(tiny, env)
+    assert report["available"] is False
+    assert (report["layer"], report["head"], report["int8"]) == ("Conv1D", "TiedLMHead", "Int8Conv1D")
+    if how == "no compiler":
+        assert stderr.count("kernels are not available") == 1, stderr
+        assert "no C++ compiler found" in stderr
+    with torch.inference_mode():
+        expected = tiny.hf(torch.tensor([[1, 2, 3, 4, 5]])).logits[0, -1, :8]
+    torch.testing.assert_close(torch.tensor(report["logits"][0]), expected, rtol=0, atol=1e-4)
+    assert (torch.tensor(report["logits"][1]) - expected).abs().max() < 1.0  # int8: close, not equal
