@@ -36,6 +36,16 @@ COPY scripts ./scripts
 RUN pip install --no-cache-dir . \
     && rm -rf build ./*.egg-info
 
+# Our CPU matrix kernels (model/kernels), compiled once here into GPT2_KERNEL_CACHE with a compiler that the
+# same layer removes again (the library needs only the OpenMP runtime that torch ships).
+ENV GPT2_KERNEL_CACHE=/opt/gpt2-kernels
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && python -c "from model import kernels; print(kernels.build())" \
+    && apt-get purge -y --auto-remove g++ \
+    && rm -rf /var/lib/apt/lists/*
+
 # A numeric non-root user (so that Kubernetes' runAsNonRoot can check it) owning the weight cache.
 RUN groupadd --gid 10001 app \
     && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /data --shell /usr/sbin/nologin app \

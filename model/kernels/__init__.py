@@ -50,21 +50,22 @@ def _compiler() -> str | None:
     return None
 
 
-def library_path(compiler: str) -> Path:
-    """Where the library of this source, these flags and this compiler lives in the cache."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+def library_path() -> Path:
+    """Where the library of this source and these flags lives in the cache (a container builds it once and
+    may drop the compiler afterwards)."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
     return cache_dir() / f"gpt2_matmul-{key}.so"
 
 
 def build(compiler: str | None = None) -> Path:
-    """Compile `matmul.cpp` into the cache (if it is not there yet) and return the library's path; raises
-    RuntimeError saying why it cannot."""
+    """Compile `matmul.cpp` into the cache (if it is not there yet, or with `compiler` given) and return the
+    library's path; raises RuntimeError saying why it cannot."""
+    path = library_path()
+    if compiler is None and path.is_file():
+        return path
     compiler = compiler or _compiler()
     if compiler is None:
         raise RuntimeError("no C++ compiler found (tried $CXX, c++, g++, clang++)")
-    path = library_path(compiler)
-    if path.is_file():
-        return path
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built aside, then moved in one step
         out = Path(tmp) / path.name
