@@ -68,7 +68,13 @@ def create_app(
     for router in (ops.router, native.router, openai.router, tokenizer.router, lab.router):
         app.include_router(router)
     app.mount("/static", StaticFiles(directory=lab.STATIC), name="static")
-    app.add_middleware(RequestGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes, metrics=metrics)
+    app.add_middleware(
+        RequestGuard,
+        api_key=settings.api_key,
+        max_body_bytes=settings.max_body_bytes,
+        metrics=metrics,
+        body_timeout=settings.body_timeout,
+    )
     if settings.cors_origins:  # outermost, so that preflight requests need no API key
         app.add_middleware(
             CORS,

@@ -13,6 +13,7 @@ import sys
 import uvicorn
 
 from .app import create_app
+from .connections import uvicorn_config
 from .settings import parse_settings
 
 
@@ -33,8 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     app = create_app(settings, on_load_error=on_load_error)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app, settings))
     logging.getLogger(__name__).info("listening on %s port %d", settings.host, settings.port)
     server.run(sockets=[sock])
     if failures:

@@ -24,6 +24,7 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "method_not_allowed",
+    408: "request_timeout",
     413: "request_too_large",
     429: "rate_limit_error",
     499: "client_closed_request",

@@ -7,9 +7,11 @@ through untouched.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
+import math
 import re
 import time
 import uuid
@@ -44,11 +46,20 @@ class CORS(CORSMiddleware):
 
 
 class RequestGuard:
-    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        api_key: str | None,
+        max_body_bytes: int,
+        metrics: Metrics,
+        body_timeout: float = math.inf,
+    ) -> None:
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
+        self.body_timeout = body_timeout  # seconds for the whole body, from the moment the app sees the request
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -112,8 +123,11 @@ class RequestGuard:
         return error_response(401, message, headers={"WWW-Authenticate": "Bearer"})
 
     async def _bounded_body(self, headers: dict[str, str], receive: Receive) -> tuple[Receive, Any]:
-        """Read the whole body (up to the cap) before the app runs; replay it, then pass `receive` on."""
+        """Read the whole body (up to the cap, within `body_timeout`) before the app runs; replay it, then
+        pass `receive` on. A body that does not arrive in time is a 408, and the connection is closed (the
+        rest of the body may still be on its way)."""
         limit = self.max_body_bytes
+        deadline = time.monotonic() + self.body_timeout if math.isfinite(self.body_timeout) else None
         too_big = error_response(413, f"the request body exceeds the limit of {limit} bytes")
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -121,7 +135,12 @@ class RequestGuard:
         chunks: list[bytes] = []
         size = 0
         while True:
-            message = await receive()
+            try:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                message = await asyncio.wait_for(receive(), left)
+            except asyncio.TimeoutError:
+                late = f"the request's body did not arrive within {self.body_timeout:g} s (--body-timeout)"
+                return receive, error_response(408, late, headers={"Connection": "close"})
             if message["type"] != "http.request":  # the client left before sending everything
                 return receive, None
             chunks.append(message.get("body", b""))

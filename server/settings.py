@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -38,11 +39,34 @@ class Settings:
     max_body_bytes: int = field(default=4 * 2**20, metadata={"help": "largest request body (bytes)"})
     cors_origins: tuple[str, ...] = field(default=(), metadata={"help": "comma-separated origins allowed by CORS"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error or critical"})
+    # Slow and idle clients (see server/connections.py): each bound frees a connection a client holds.
+    header_timeout: float = field(
+        default=10.0, metadata={"help": "seconds for a request's headers to arrive; beyond it 408, connection closed"}
+    )
+    body_timeout: float = field(
+        default=30.0, metadata={"help": "seconds for a request's whole body to arrive after its headers; beyond it 408"}
+    )
+    keep_alive_timeout: float = field(
+        default=5.0, metadata={"help": "seconds an idle keep-alive connection stays open"}
+    )
+    max_connections: int = field(
+        default=1024, metadata={"help": "open connections at once; a request on one beyond them: 503"}
+    )
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_queue", "max_new_tokens", "max_activation_bytes", "max_body_bytes"):
+        for name in (
+            "max_batch_size",
+            "max_queue",
+            "max_new_tokens",
+            "max_activation_bytes",
+            "max_body_bytes",
+            "max_connections",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("header_timeout", "body_timeout", "keep_alive_timeout"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a number of seconds above 0, got {getattr(self, name)}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1, got {self.prefill_chunk}")
         if not 0 < self.port < 65536:
@@ -61,7 +85,7 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
     p = argparse.ArgumentParser(prog="gpt2-serve", description="Serve GPT-2 over HTTP.")
     for f in fields(Settings):
         flag = "--" + f.name.replace("_", "-")
-        kind = int if f.type in ("int", "int | None") else str
+        kind = int if f.type in ("int", "int | None") else float if f.type == "float" else str
         p.add_argument(flag, type=kind, help=f"{f.metadata['help']} [env {_env_name(f.name)}]")
     args = p.parse_args(argv)
     values: dict[str, Any] = {}
@@ -71,17 +95,36 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
             raw = env.get(_env_name(f.name))
         if raw is None:
             continue
-        if f.name == "cors_origins":
-            values[f.name] = tuple(o.strip() for o in str(raw).split(",") if o.strip())
-        elif f.type in ("int", "int | None"):
-            try:
-                values[f.name] = int(raw)
-            except ValueError:
-                p.error(f"{_env_name(f.name)} must be an integer, got {raw!r}")
-        else:
-            values[f.name] = raw
+        try:
+            values[f.name] = convert(f.name, raw)
+        except ValueError as e:
+            p.error(f"{_env_name(f.name)} {e}")
     try:
         return Settings(**values)
     except ValueError as e:
         p.error(str(e))
         raise  # unreachable: p.error exits
+
+
+def convert(name: str, raw: Any) -> Any:
+    """The value of setting `name` from `raw` (text, as a flag or variable gives it, or a value of the right type
+    already, as a Serve config's YAML does); a ValueError says what was wrong ("must be an integer, got 'abc'")."""
+    kind = {f.name: f.type for f in fields(Settings)}[name]
+    if name == "cors_origins":
+        items = raw.split(",") if isinstance(raw, str) else raw
+        return tuple(o.strip() for o in items if o.strip())
+    if kind in ("int", "int | None"):
+        if isinstance(raw, bool) or not isinstance(raw, (int, str)):
+            raise ValueError(f"must be an integer, got {raw!r}")
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"must be an integer, got {raw!r}") from None
+    if kind == "float":
+        if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
+            raise ValueError(f"must be a number, got {raw!r}")
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"must be a number, got {raw!r}") from None
+    return raw if raw is None else str(raw)

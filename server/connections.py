@@ -1,0 +1,124 @@
+"""Connections: how gpt2-serve accepts them and how long a client may hold one without using it.
+
+uvicorn closes an idle keep-alive connection after `timeout_keep_alive`, but it gives a request's headers
+no time limit: a client that connects and sends nothing, or half a request line, holds its connection
+for ever. `bounded_protocol` is uvicorn's h11 protocol with a deadline for the headers (a 408 in the
+API's error shape, then the connection closes) and a cap on open connections (a request on one beyond
+the cap is answered 503). The body's deadline is the request guard's (`server.middleware`), so that it
+holds behind Ray Serve's proxy too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+import h11
+import uvicorn
+from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .errors import error_body, error_response
+from .settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def uvicorn_config(app: ASGIApp, settings: Settings) -> uvicorn.Config:
+    """uvicorn's configuration for `app`, with the connection bounds of `settings`. The protocol and the
+    event loop are named (not uvicorn's `auto`), so the server behaves the same whether or not httptools
+    and uvloop are installed (Ray brings both)."""
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=False,
+        http=bounded_protocol(settings.header_timeout, settings.max_connections),
+        loop="asyncio",
+        timeout_keep_alive=settings.keep_alive_timeout,  # type: ignore[arg-type]  # typed int; a float works
+    )
+
+
+def bounded_protocol(header_timeout: float, max_connections: int) -> type[H11Protocol]:
+    """uvicorn's h11 protocol, with `header_timeout` seconds for each request's headers and at most
+    `max_connections` open connections."""
+
+    class BoundedH11Protocol(_BoundedH11Protocol):
+        pass
+
+    BoundedH11Protocol.header_timeout = header_timeout
+    BoundedH11Protocol.max_connections = max_connections
+    return BoundedH11Protocol
+
+
+def _raw_response(status: int, reason: str, body: dict[str, Any]) -> bytes:
+    """A whole HTTP/1.1 response that closes the connection, for answers sent outside h11's request cycle."""
+    payload = json.dumps(body).encode()
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(payload)}\r\n"
+        "connection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + payload
+
+
+class _BoundedH11Protocol(H11Protocol):
+    header_timeout: float = 10.0
+    max_connections: int = 1024
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self.limit_concurrency = None  # the cap is checked below, answered in the API's error shape
+        self._app = self.app
+        self.app = self._app_or_503
+
+    # The headers' deadline starts when the connection opens, and again when the first bytes of a next
+    # request arrive on a kept-alive connection (until then it is idle, and the keep-alive timeout applies).
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._watch_headers()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._watch_headers()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_header_timer()
+        super().connection_lost(exc)
+
+    def _watch_headers(self) -> None:
+        """Waiting for a request's headers (h11's client side is IDLE until they are complete): the timer
+        runs; otherwise it stops."""
+        waiting = self.conn.their_state is h11.IDLE and not self.transport.is_closing()
+        if waiting and self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.header_timeout, self._headers_too_slow)
+        elif not waiting:
+            self._stop_header_timer()
+
+    def _stop_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            return
+        message = f"the request's headers did not arrive within {self.header_timeout:g} s (--header-timeout)"
+        log.info("%s; closing the connection from %s", message, self.client)
+        # h11 cannot send a response to a request it has not seen: the bytes are written as they are.
+        self.transport.write(_raw_response(408, "Request Timeout", error_body(408, message)))
+        self.transport.close()
+
+    async def _app_or_503(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if len(self.connections) > self.max_connections:
+            message = f"the server has {self.max_connections} connections open, its limit (--max-connections)"
+            log.warning("%s: answering 503", message)
+            refusal = error_response(503, message, headers={"Retry-After": "1", "Connection": "close"})
+            await refusal(scope, receive, send)
+            return
+        await self._app(scope, receive, send)
