@@ -35,13 +35,12 @@ import gc
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,18 +54,31 @@ from model.config import GPTConfig  # noqa: E402
 from model.generate import DecodeBatch, SamplingParams, generate, new_sequence  # noqa: E402
 from model.gpt import GPT  # noqa: E402
 from model.loading import DTYPE_NAMES, load_weights  # noqa: E402
+from model.quantize import weight_bytes  # noqa: E402
 from model.tokenizer import EOT_ID  # noqa: E402
+from scripts import bench_ctranslate2  # noqa: E402
+from scripts.bench_common import (  # noqa: E402
+    Timing,
+    check_load,
+    cpu_features,
+    cpu_name,
+    cpu_ticks,
+    maxrss_bytes,
+    measure_limit,
+    others_share,
+    vm_hwm_bytes,
+)
 
 SMALL = GPTConfig(n_layer=12, n_head=12, n_embd=768, n_positions=1024, vocab_size=50257)  # gpt2-small's shape
-BUSY_LOAD = 0.5  # 1-minute load average above which other processes are competing for the cores
 BUSY_SHARE = 0.1  # share of all CPUs taken by other processes during the timed runs worth a warning
-CPU_READ_BYTES = 256 * 2**20  # bandwidth tensors: far larger than any last-level cache
-GPU_READ_BYTES = 2 * 2**30
-CPU_GEMM_N = 2048  # square GEMM of the FLOP/s figure
-GPU_GEMM_N = 8192
 OURS = "ours"
+OURS_INT8 = "ours-int8"  # --dtype float32 on CPU: our weight-only int8 beside our float32
 REF = "transformers"
+CT2 = {"float32": "ct2-float32", "int8": "ct2-int8"}  # CTranslate2 (scripts/bench_ctranslate2.py), by compute type
+# each of ours against each reference it is compared with, in the report's "vs" and the ratio table
+PAIRS = [(OURS, REF), (OURS, CT2["float32"]), (OURS_INT8, REF), (OURS_INT8, CT2["int8"])]
 MAKE_CHECKPOINT = "make-checkpoint"
+COL = 17  # width of a contender's column in the table
 CHILD_TASKS = [MAKE_CHECKPOINT, f"load-rss-{OURS}", f"load-rss-{REF}"]
 
 
@@ -101,6 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--plot", metavar="PNG", help="also draw the ours / transformers ratios as a bar chart")
     p.add_argument("--profile", action="store_true", help="also profile some of our batch-1 decode steps")
+    p.add_argument(
+        "--no-ctranslate2", action="store_true", help="leave CTranslate2 out (timed by default when installed)"
+    )
     p.add_argument("--child", choices=CHILD_TASKS, help=argparse.SUPPRESS)  # internal: see run_child
     args = p.parse_args(argv)
     args.new_tokens = args.new_tokens or (16 if args.quick else 128)
@@ -128,39 +143,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # --- timing ------------------------------------------------------------------------------------------
 
 
-def synchronize() -> None:
-    """Wait for queued GPU work, so that a timer read afterwards covers it (a no-op without CUDA in use)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
-@dataclass
-class Timing:
-    """Seconds taken by repeated runs of one thing: wall clock, and CPU time of this process (which a busy
-    machine inflates less: time spent waiting for a core is not counted, at one thread nothing is lost)."""
-
-    runs: list[float] = field(default_factory=list)
-    cpu_runs: list[float] = field(default_factory=list)
-
-    @property
-    def best(self) -> float:
-        return min(self.runs)
-
-    @property
-    def best_cpu(self) -> float:
-        return min(self.cpu_runs)
-
-    def add(self, threads: int, fn: Callable[..., object], *args: Any) -> None:
-        """Time `fn(*args)` with torch at `threads` threads."""
-        torch.set_num_threads(threads)
-        synchronize()
-        wall, cpu = time.perf_counter(), time.process_time()
-        fn(*args)
-        synchronize()
-        self.cpu_runs.append(time.process_time() - cpu)
-        self.runs.append(time.perf_counter() - wall)
-
-
 @dataclass(frozen=True)
 class Contender:
     """One side of the comparison at one thread count (on CUDA, one setting: threads do not matter)."""
@@ -177,7 +159,7 @@ class Contender:
         return f"{self.name} {self.threads}t" if self.device.type == "cpu" else f"{self.name} {self.device.type}"
 
 
-def ours(model: GPT, threads: int, max_len: int) -> Contender:
+def ours(model: GPT, threads: int, max_len: int, name: str = OURS) -> Contender:
     """On CPU, decode through `generate`; on CUDA, through a DecodeBatch whose decode step is replayed as CUDA
     graphs, captured once per batch size in the warm-up (`max_len`: prompt plus new tokens) and reused."""
     device = model.wte.weight.device
@@ -205,8 +187,55 @@ def ours(model: GPT, threads: int, max_len: int) -> Contender:
             model(idx, last_only=True)
 
     if device.type == "cuda":
-        return Contender(OURS, threads, device, decode_graphed, prefill, batches.clear)
-    return Contender(OURS, threads, device, decode, prefill)
+        return Contender(name, threads, device, decode_graphed, prefill, batches.clear)
+    return Contender(name, threads, device, decode, prefill)
+
+
+def ctranslate2_contenders(path: str, vocab_size: int, tmp: Path, threads: list[int]) -> list[Contender]:
+    """CTranslate2 in float32 and int8 at each thread count, from one conversion of the checkpoint."""
+    model_dir = bench_ctranslate2.convert(path, vocab_size, tmp / "ct2")
+    out = []
+    for t in threads:
+        for compute_type, name in CT2.items():
+            g = bench_ctranslate2.Generator(model_dir, compute_type, t)
+            out.append(Contender(name, t, torch.device("cpu"), g.decode, g.prefill))
+    return out
+
+
+def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
+    """How far two greedy continuations of the same prompts agree: the share of positions with the same
+    token, and the mean length of the common prefix (after the first difference the contexts differ)."""
+    same = sum(x == y for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+    prefix = [
+        next((i for i, (x, y) in enumerate(zip(ra, rb, strict=True)) if x != y), len(ra))
+        for ra, rb in zip(a, b, strict=True)
+    ]
+    return {"same_token_share": same / sum(map(len, a)), "mean_common_prefix": sum(prefix) / len(prefix)}
+
+
+def fidelity(model: GPT, quantized: GPT, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    """int8 against float32 on the bench's prompts: logit errors and the KL divergence of the next-token
+    distributions KL(float32 || int8) over every prompt position, and greedy agreement over `new_tokens`."""
+    idx = torch.tensor(prompts)
+    with torch.inference_mode():
+        ref, q = model(idx).double(), quantized(idx).double()  # [B, T, vocab]
+    err = (ref - q).abs()
+    logp, logq = ref.log_softmax(-1), q.log_softmax(-1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)  # [B, T]
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+    a = [c.token_ids for c in generate(model, prompts, params)]
+    b = [c.token_ids for c in generate(quantized, prompts, params)]
+    return {
+        "prompts": len(prompts),
+        "positions": int(kl.numel()),
+        "max_abs_logit_error": float(err.max()),
+        "mean_abs_logit_error": float(err.mean()),
+        "logit_std": float(ref.std()),
+        "kl_mean": float(kl.mean()),
+        "kl_max": float(kl.max()),
+        "top1_agreement_prompt_positions": float((ref.argmax(-1) == q.argmax(-1)).double().mean()),
+        "greedy": greedy_agreement(a, b) | {"new_tokens": new_tokens},
+    }
 
 
 def reference(hf: Any, threads: int) -> Contender:
@@ -308,97 +337,7 @@ def peak_gpu_extra(c: Contender, fn: Callable[..., object], *args: Any) -> int:
 # --- the machine's limit ----------------------------------------------------------------------------
 
 
-def read_bandwidth(device: torch.device, threads: int, reps: int = 8) -> float:
-    """Memory read bandwidth, bytes/s: the best of `reps` passes of each of two kernels that read a float32
-    tensor much larger than the caches once, with no writes to speak of: torch.sum, and a matrix-vector
-    product over it as a [4096, n / 4096] matrix (decode's own kind of kernel; on some CPUs one thread's
-    torch.sum is compute-bound at well under the memory's speed)."""
-    torch.set_num_threads(threads)
-    nbytes = GPU_READ_BYTES if device.type == "cuda" else CPU_READ_BYTES
-    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)  # written once: the pages exist
-    m = x.view(4096, -1)
-    v = torch.ones(m.shape[1], dtype=torch.float32, device=device)
-    best = float("inf")
-    for kernel in (x.sum, lambda: m @ v):
-        kernel()  # warm-up
-        for _ in range(reps):
-            synchronize()
-            start = time.perf_counter()
-            kernel()
-            synchronize()
-            best = min(best, time.perf_counter() - start)
-    return x.nbytes / best
-
-
-def matmul_flops(device: torch.device, dtype: torch.dtype, threads: int, reps: int = 3) -> float:
-    """FLOP/s of a square GEMM in `dtype` (2 n^3 per product), best of `reps` (on CUDA, each rep is 10
-    products in a row, so launch latency does not count)."""
-    torch.set_num_threads(threads)
-    n, inner = (GPU_GEMM_N, 10) if device.type == "cuda" else (CPU_GEMM_N, 1)
-    g = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(n, n, generator=g, device=device, dtype=dtype)
-    b = torch.randn(n, n, generator=g, device=device, dtype=dtype)
-    a @ b  # warm-up
-    best = float("inf")
-    for _ in range(reps):
-        synchronize()
-        start = time.perf_counter()
-        for _ in range(inner):
-            a @ b
-        synchronize()
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 * inner / best
-
-
-def measure_limit(device: torch.device, dtype: torch.dtype, thread_counts: list[int]) -> dict[int, dict[str, float]]:
-    """Read bandwidth (bytes/s) and matmul FLOP/s at each thread count (on CUDA there is one entry)."""
-    return {
-        t: {"read_bytes_per_s": read_bandwidth(device, t), "matmul_flop_per_s": matmul_flops(device, dtype, t)}
-        for t in thread_counts
-    }
-
-
-def cpu_ticks() -> tuple[float, float] | None:
-    """Seconds all CPUs of the machine spent busy, and stolen by the hypervisor, since boot (Linux)."""
-    try:
-        fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    except (OSError, ValueError, IndexError):
-        return None
-    hz = os.sysconf("SC_CLK_TCK")
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-    return (user + nice + system + irq + softirq) / hz, steal / hz
-
-
-def others_share(start: tuple[float, float, tuple[float, float] | None]) -> dict[str, float] | None:
-    """The share of all CPUs that other processes took since `start` (wall, own CPU time, cpu_ticks()):
-    the machine's busy time less this process's own CPU time, and the time the hypervisor stole."""
-    wall0, own0, ticks0 = start
-    ticks1 = cpu_ticks()
-    if ticks0 is None or ticks1 is None:
-        return None
-    capacity = (time.perf_counter() - wall0) * (os.cpu_count() or 1)
-    others = max(ticks1[0] - ticks0[0] - (time.process_time() - own0), 0.0)
-    return {"others": others / capacity, "steal": (ticks1[1] - ticks0[1]) / capacity}
-
-
 # --- peak memory of loading, in a fresh process ------------------------------------------------------
-
-
-def maxrss_bytes() -> int:
-    """Peak resident set size of this process so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024
-
-
-def vm_hwm_bytes() -> int | None:
-    """Peak RSS of this process's current address space (Linux), which, unlike ru_maxrss, starts afresh at exec."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def load_rss_child(which: str, path: str, dtype: str) -> dict[str, Any]:
@@ -506,31 +445,23 @@ def compare(figures: dict[str, float], ours_label: str) -> dict[str, Any]:
     """Speeds by label, with ours / transformers ratios: ours at --threads and ours at its best, each against
     the reference at its best."""
     ref, best = best_label(figures, REF), best_label(figures, OURS)
+    vs = {}  # each of ours (at --threads) against each reference at its fastest setting
+    for mine, theirs in PAIRS:
+        label = ours_label.replace(OURS, mine, 1)
+        if label in figures and any(k.startswith(theirs + " ") for k in figures):
+            other = best_label(figures, theirs)
+            vs[f"{mine}/{theirs}"] = {"ours": label, "reference": other, "ratio": figures[label] / figures[other]}
     return {
         "speeds": figures,
         "reference": ref,
         "ratio": figures[ours_label] / figures[ref],
         "best_ours": best,
         "ratio_best": figures[best] / figures[ref],
+        "vs": vs,
     }
 
 
-def check_load() -> tuple[float, float, float]:
-    """The load average before the benchmark does any work of its own; warns when others are competing."""
-    load = os.getloadavg()
-    print(
-        f"load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
-        f"torch {torch.__version__}, {os.cpu_count()} CPUs, torch threads default {torch.get_num_threads()}"
-    )
-    if load[0] > BUSY_LOAD:
-        print(
-            f"WARNING: 1-minute load average is {load[0]:.2f} (> {BUSY_LOAD}) on {os.cpu_count()} "
-            "cores: other processes are competing, timings will be noisy and slow."
-        )
-    return load
-
-
-def run(args: argparse.Namespace, path: str, load_start: tuple[float, float, float]) -> dict[str, Any]:
+def run(args: argparse.Namespace, path: str, load_start: tuple[float, float, float], tmp: Path) -> dict[str, Any]:
     print("measuring load memory (fresh subprocesses) ...")
     rss = {which: run_child(f"load-rss-{which}", path, args.dtype) for which in (OURS, REF)}
 
@@ -544,6 +475,23 @@ def run(args: argparse.Namespace, path: str, load_start: tuple[float, float, flo
     max_len = args.prompt_len + args.new_tokens
     contenders = [c for t in thread_counts for c in (reference(hf, t), ours(model, t, max_len))]  # A B A B
     ours_label = ours(model, args.threads, max_len).label
+    extra_refs, quantized, notes = [], None, []
+    if device.type == "cpu" and args.dtype == "float32":  # int8 and CTranslate2 beside float32
+        quantized = load_weights(path, dtype="int8", device=device)
+        if bench_ctranslate2.available() and not args.no_ctranslate2:
+            print("converting the checkpoint for CTranslate2 ...")
+            extra_refs = ctranslate2_contenders(path, cfg.vocab_size, tmp, thread_counts)
+        else:
+            notes.append(
+                "CTranslate2 not timed: "
+                + ("--no-ctranslate2" if args.no_ctranslate2 else "not installed (pip install -e '.[bench]')")
+            )
+        by_threads = {t: [c for c in extra_refs if c.threads == t] for t in thread_counts}
+        contenders = [
+            c
+            for t in thread_counts
+            for c in (reference(hf, t), *by_threads[t], ours(model, t, max_len), ours(quantized, t, max_len, OURS_INT8))
+        ]
     print(f"machine limit: read bandwidth and {args.dtype} matmul FLOP/s at {thread_counts} threads ...")
     limit_start = measure_limit(device, dtype, thread_counts)
 
@@ -576,16 +524,20 @@ def run(args: argparse.Namespace, path: str, load_start: tuple[float, float, flo
         "checkpoint": path if args.model else "random gpt2-small-shaped (temporary)",
         "shape": {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions")},
         "device": args.device,
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
         "dtype": args.dtype,
         "threads": {"ours": args.threads, "tried": thread_counts},
         "ours_label": ours_label,
+        "labels": [c.label for c in contenders],
+        "cpu_features": cpu_features() if device.type == "cpu" else None,
+        "notes": notes,
         "load_average_start": load_start,
         "load_average_end": load_end,
         "cpu_count": os.cpu_count(),
         "versions": {
             "torch": torch.__version__,
             "transformers": _transformers_version(),
+            "ctranslate2": bench_ctranslate2.version(),
             "python": platform.python_version(),
         },
         "prompt_len": args.prompt_len,
@@ -610,6 +562,10 @@ def run(args: argparse.Namespace, path: str, load_start: tuple[float, float, flo
             "runs_s": {k: asdict(t) for k, t in timings.items()},
         }
     report["load_rss"] = rss | {"ratio_to_weights": rss[OURS]["increase"] / rss[OURS]["weights"]}
+    if quantized is not None:
+        print("int8 fidelity against float32 on the bench prompts ...")
+        report["int8_fidelity"] = fidelity(model, quantized, prompts[:8], min(32, args.new_tokens))
+        report["int8_weight_bytes"] = weight_bytes(quantized)
     if device.type == "cuda":
         weights = {OURS: _nbytes(model), REF: _nbytes(hf)}
         report["gpu_memory"] = {
@@ -626,16 +582,6 @@ def run(args: argparse.Namespace, path: str, load_start: tuple[float, float, flo
         print(f"\nprofile of ours, batch 1, {args.new_tokens} decode steps, {args.threads} threads:")
         print(profile_decode(model, prompts[0], args.new_tokens, args.threads))
     return report
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _nbytes(model: torch.nn.Module) -> int:
@@ -723,12 +669,12 @@ def print_table(report: dict[str, Any], labels: list[str], ours_label: str) -> N
         f"threads); {report['cpu_count']} CPUs\n"
     )
     ratio_head = f"{ours_label}/best ref"
-    head = f"{'':<24}" + "".join(f"{label:>17}" for label in labels) + f"{ratio_head:>22}{'best/best':>11}"
+    head = f"{'':<24}" + "".join(f"{label:>{COL}}" for label in labels) + f"{ratio_head:>22}{'best/best':>11}"
     print(head)
     print("-" * len(head))
 
     def row(name: str, values: dict[str, float], fmt: str, ratios: dict[str, Any] | None = None) -> None:
-        cells = "".join(format(values[label], fmt).rjust(17) for label in labels)
+        cells = "".join(format(values[label], fmt).rjust(COL) for label in labels)
         tail = f"{ratios['ratio']:>21.2f}x{ratios['ratio_best']:>10.2f}x" if ratios else ""
         print(f"{name:<24}{cells}{tail}")
 
@@ -754,6 +700,7 @@ def print_table(report: dict[str, Any], labels: list[str], ours_label: str) -> N
     if "fraction_of_bound" in lim:
         row("  b=1 / bound, %", {k: 100 * v["fraction_of_own_bound"] for k, v in by_label.items()}, ".1f")
     print("-" * len(head))
+    print_versus(report)
     r_ours, r_ref = report["load_rss"][OURS], report["load_rss"][REF]
     print(
         f"load, peak RSS increase (ru_maxrss, loading to the CPU): ours {_mib(r_ours['increase'])} = "
@@ -803,6 +750,35 @@ def print_table(report: dict[str, Any], labels: list[str], ours_label: str) -> N
         )
 
 
+def print_versus(report: dict[str, Any]) -> None:
+    """Each of ours (at --threads) against each reference at its fastest thread setting, row by row; the
+    host's CPU extensions; int8's fidelity against float32."""
+    keys = [f"decode_b{b}" for b in report["batches"]] + [f"prefill_{n}" for n in report["prefill_lens"]]
+    names = [f"decode b={b}" for b in report["batches"]] + [f"prefill {n} tok" for n in report["prefill_lens"]]
+    pairs = [f"{a}/{b}" for a, b in PAIRS if f"{a}/{b}" in report[keys[0]]["vs"]]
+    print(f"\nspeed ratios, ours at {report['threads']['ours']} threads / each reference at its fastest setting:")
+    print(f"{'':<24}" + "".join(f"{p:>24}" for p in pairs))
+    for key, name in zip(keys, names, strict=True):
+        vs = report[key]["vs"]
+        print(f"{name:<24}" + "".join(f"{vs[p]['ratio']:>23.2f}x" for p in pairs))
+    for note in report["notes"]:
+        print(note)
+    if report["cpu_features"] is not None:
+        f = report["cpu_features"]
+        print("host CPU extensions: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in f.items()))
+    fid = report.get("int8_fidelity")
+    if fid:
+        g = fid["greedy"]
+        print(
+            f"int8 against float32 ({fid['prompts']} bench prompts, {fid['positions']} positions): logit error max "
+            f"{fid['max_abs_logit_error']:.4f}, mean {fid['mean_abs_logit_error']:.5f} (logit std "
+            f"{fid['logit_std']:.3f}); KL(float32 || int8) mean {fid['kl_mean']:.2e}, max {fid['kl_max']:.2e}; "
+            f"same top-1 at {100 * fid['top1_agreement_prompt_positions']:.1f}% of prompt positions; greedy "
+            f"{g['new_tokens']} tokens: {100 * g['same_token_share']:.1f}% the same token, common prefix "
+            f"{g['mean_common_prefix']:.1f} tokens on average"
+        )
+
+
 def plot(report: dict[str, Any], path: str) -> None:
     """A bar chart of the speed ratios: ours at --threads (on CPU also ours at its best) against the fastest
     reference setting, one group of bars per decode batch size and per prefill length."""
@@ -845,7 +821,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print("making a random gpt2-small-shaped checkpoint ...")
             path = run_child(MAKE_CHECKPOINT, tmp, args.dtype)["path"]
-        report = run(args, path, load_start)
+        report = run(args, path, load_start, Path(tmp))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")

@@ -47,7 +47,9 @@ def test_bench_quick(tiny, tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert report["batches"] == [1, 3]
     assert report["prefill_lens"] == [16, 128]
-    labels = {f"{name} {t}t" for name in (bench.OURS, bench.REF) for t in report["threads"]["tried"]}
+    names = (bench.OURS, bench.OURS_INT8, bench.REF, *(bench.CT2.values() if report["versions"]["ctranslate2"] else ()))
+    labels = {f"{name} {t}t" for name in names for t in report["threads"]["tried"]}
+    assert set(report["labels"]) == labels
     keys = [f"decode_b{b}" for b in (1, 3)] + [f"prefill_{n}" for n in (16, 128)]
     assert {k for k in report if k.startswith(("decode_b", "prefill_"))} == {*keys, "prefill_lens"}
     for key in keys:
@@ -56,6 +58,10 @@ def test_bench_quick(tiny, tmp_path: Path) -> None:
         assert all(positive(v) for v in entry["speeds"].values()), entry["speeds"]
         assert positive(entry["ratio"]) and positive(entry["ratio_best"]), key
         assert entry["ratio"] == entry["speeds"][report["ours_label"]] / entry["speeds"][entry["reference"]]
+        pairs = [f"{a}/{b}" for a, b in bench.PAIRS if b in names]
+        assert sorted(entry["vs"]) == sorted(pairs), key  # ours and ours-int8 against each reference
+        for v in entry["vs"].values():
+            assert v["ratio"] == entry["speeds"][v["ours"]] / entry["speeds"][v["reference"]]
     for n in (16, 128):
         p = report[f"prefill_{n}"]
         assert p["tokens"] == n
@@ -64,6 +70,10 @@ def test_bench_quick(tiny, tmp_path: Path) -> None:
     assert all(positive(v) for v in report["decode_b3"]["ms_per_step"].values())
     assert positive(report["load_rss"][bench.OURS]["weights"]) and positive(report["load_rss"]["ratio_to_weights"])
     assert positive(report["limit"]["read_bytes_per_s"]) and positive(report["limit"]["decode_b1_bound_tok_s"])
+    fidelity = report["int8_fidelity"]
+    assert 0 <= fidelity["mean_abs_logit_error"] <= fidelity["max_abs_logit_error"] and fidelity["kl_mean"] >= 0
+    assert 0 <= fidelity["greedy"]["same_token_share"] <= 1
+    assert set(report["cpu_features"]) >= {"avx2", "avx512f", "amx_bf16"}
     assert png.read_bytes().startswith(b"\x89PNG")
 
 
