@@ -1,0 +1,324 @@
+"""Sparse autoencoders over the residual stream, in SAELens' saved format.
+
+An SAE rewrites one hook point's value x [d_in] as a sparse, non-negative code f [d_sae] and back
+(Bricken et al. 2023, "Towards Monosemanticity"; Cunningham et al. 2023):
+
+    f     = act((x' - b_dec·[apply_b_dec_to_input]) W_enc + b_enc)      x' = x, normalised (below)
+    x̂'    = f W_dec + b_dec,   x̂ = x̂' un-normalised
+
+act is a ReLU (`standard`), a ReLU of the k largest pre-activations (`topk`, Gao et al. 2024) or a ReLU
+that also zeroes what is at or below a per-feature `threshold` (`jumprelu`, Rajamanoharan et al. 2024).
+This is SAELens' `encode`/`decode` for the architectures it saves, checked against SAELens itself in
+`tests/test_sae.py`.
+
+Weight processing. TransformerLens' `center_writing_weights` subtracts, from every matrix and bias
+that writes into the residual stream (W_E, W_pos, W_O, b_O, W_out, b_out), its mean over d_model. Each
+LayerNorm subtracts the mean first, so the network computes the same function, but its residual stream
+(and attn_out, mlp_out, ...) is the raw one minus its own mean over d_model at every position. SAEs
+trained on such a model (SAELens' `gpt2-small-res-jb`, trained with `center_writing_weights: true`) read
+that centred stream: `SAE.read` takes the raw model's value to it, x - mean(x), exactly what SAELens
+computes on its processed model (tested against TransformerLens). LayerNorm folding changes no residual
+value, so it needs nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+Architecture = Literal["standard", "topk", "jumprelu"]
+ARCHITECTURES = ("standard", "topk", "jumprelu")
+Normalization = Literal["none", "expected_average_only_in", "constant_norm_rescale"]
+NORMALIZATIONS = ("none", "expected_average_only_in", "constant_norm_rescale")
+CFG_FILE, WEIGHTS_FILE = "cfg.json", "sae_weights.safetensors"
+
+# Releases whose cfg.json does not say how the model was processed, though SAELens' release table
+# (`pretrained_saes.yaml`, `config_overrides`) does: repo id -> the model's `from_pretrained` arguments.
+HUB_MODEL_KWARGS: dict[str, dict[str, Any]] = {
+    "jbloom/GPT2-Small-SAEs-Reformatted": {"center_writing_weights": True},  # gpt2-small-res-jb
+}
+# The sites TransformerLens' centring changes: the residual stream and what writes into it.
+CENTRED_SITES = ("hook_embed", "hook_pos_embed", "hook_resid_pre", "hook_resid_mid", "hook_resid_post",
+                 "hook_attn_out", "hook_mlp_out", "attn.hook_result")  # fmt: skip
+
+
+class SAEError(ValueError):
+    """An SAE that cannot be loaded or used: the message names the file, field or value, and what is valid."""
+
+
+@dataclass(frozen=True)
+class SAEConfig:
+    """What `cfg.json` says, read from SAELens' current layout (`hook_name`, `model_name` under
+    `metadata`) or its older one (both at the top level, `hook_point` before 6.0)."""
+
+    architecture: Architecture
+    d_in: int
+    d_sae: int
+    hook_name: str
+    apply_b_dec_to_input: bool = True
+    normalize_activations: Normalization = "none"
+    k: int | None = None  # topk: features kept per position
+    rescale_acts_by_decoder_norm: bool = False  # topk: rank pre-activations by f_i ‖W_dec[i]‖
+    center_writing_weights: bool = False  # trained on TransformerLens' centred residual stream
+    model_name: str | None = None
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], where: str, model_kwargs: dict[str, Any] | None = None) -> SAEConfig:
+        meta = cfg.get("metadata") if isinstance(cfg.get("metadata"), dict) else {}
+
+        def field(*names: str) -> Any:
+            for source in (meta, cfg):
+                for name in names:
+                    if source.get(name) is not None:
+                        return source[name]
+            return None
+
+        architecture = cfg.get("architecture", "standard")
+        if cfg.get("activation_fn") == "topk" or cfg.get("activation_fn_str") == "topk":  # before SAELens 6
+            architecture = "topk"
+        if architecture not in ARCHITECTURES:
+            raise SAEError(
+                f"{where}: architecture {architecture!r} is not supported; use one of {', '.join(ARCHITECTURES)}"
+            )
+        norm = cfg.get("normalize_activations") or "none"
+        if isinstance(norm, bool):  # SAELens before 6 wrote a boolean
+            norm = "expected_average_only_in" if norm else "none"
+        if norm not in NORMALIZATIONS:
+            raise SAEError(
+                f"{where}: normalize_activations {norm!r} is not supported; use one of {', '.join(NORMALIZATIONS)}"
+            )
+        hook = field("hook_name", "hook_point")
+        if not isinstance(hook, str):
+            raise SAEError(f"{where}: no hook_name (under metadata, or at the top level as older releases keep it)")
+        d_in, d_sae = cfg.get("d_in"), cfg.get("d_sae")
+        if not all(isinstance(d, int) and d > 0 for d in (d_in, d_sae)):
+            raise SAEError(f"{where}: d_in and d_sae must be positive integers, got {d_in!r} and {d_sae!r}")
+        k = cfg.get("k")
+        if k is None and isinstance(cfg.get("activation_fn_kwargs"), dict):
+            k = cfg["activation_fn_kwargs"].get("k")
+        if architecture == "topk" and not (isinstance(k, int) and 0 < k <= d_sae):
+            raise SAEError(f"{where}: a topk SAE needs k in 1..{d_sae}, got {k!r}")
+        kwargs = field("model_from_pretrained_kwargs") or {}
+        kwargs = {**kwargs, **(model_kwargs or {})}
+        return cls(
+            architecture=architecture,
+            d_in=d_in,
+            d_sae=d_sae,
+            hook_name=hook,
+            apply_b_dec_to_input=bool(cfg.get("apply_b_dec_to_input", True)),
+            normalize_activations=norm,
+            k=k if architecture == "topk" else None,
+            rescale_acts_by_decoder_norm=bool(cfg.get("rescale_acts_by_decoder_norm", False)),
+            center_writing_weights=bool(kwargs.get("center_writing_weights", False)),
+            model_name=field("model_name"),
+        )
+
+
+class SAE:
+    """One sparse autoencoder's weights and its encode and decode (float32, on one device)."""
+
+    def __init__(self, cfg: SAEConfig, weights: dict[str, torch.Tensor], source: str = "") -> None:
+        self.cfg, self.source = cfg, source
+        need = {
+            "W_enc": (cfg.d_in, cfg.d_sae),
+            "b_enc": (cfg.d_sae,),
+            "W_dec": (cfg.d_sae, cfg.d_in),
+            "b_dec": (cfg.d_in,),
+            **({"threshold": (cfg.d_sae,)} if cfg.architecture == "jumprelu" else {}),
+        }
+        for name, shape in need.items():
+            if name not in weights:
+                raise SAEError(f"{source}: {WEIGHTS_FILE} has no tensor {name!r} (it has {', '.join(weights)})")
+            if tuple(weights[name].shape) != shape:
+                raise SAEError(
+                    f"{source}: {name} has shape {list(weights[name].shape)}, cfg.json implies {list(shape)}"
+                )
+        w = {name: weights[name].to(torch.float32) for name in need}
+        self.W_enc, self.b_enc, self.W_dec, self.b_dec = w["W_enc"], w["b_enc"], w["W_dec"], w["b_dec"]
+        self.threshold = w.get("threshold")
+
+    def to(self, device: torch.device | str) -> SAE:
+        for name in ("W_enc", "b_enc", "W_dec", "b_dec", "threshold"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.to(device))
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return self.W_enc.device
+
+    def read(self, x: torch.Tensor) -> torch.Tensor:
+        """The SAE's input from our (unprocessed) model's value at its hook, float32 [..., d_in]: centred
+        over d_model when the SAE was trained on TransformerLens' centred residual stream."""
+        x = x.to(device=self.device, dtype=torch.float32)
+        return x - x.mean(dim=-1, keepdim=True) if self.centred else x
+
+    @property
+    def centred(self) -> bool:
+        return self.cfg.center_writing_weights and self.cfg.hook_name.endswith(CENTRED_SITES)
+
+    def norm_coefficient(self, x: torch.Tensor) -> torch.Tensor | None:
+        """`constant_norm_rescale`: the factor that gives each position's input norm √d_in ([..., 1]); None
+        otherwise (`expected_average_only_in` is a training-time scale that SAELens folds into the saved
+        weights: at inference it is the identity, in SAELens too)."""
+        if self.cfg.normalize_activations == "constant_norm_rescale":
+            return math.sqrt(self.cfg.d_in) / x.norm(dim=-1, keepdim=True)
+        return None
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """SAELens' `encode`: [..., d_in] -> the feature activations [..., d_sae]."""
+        coeff = self.norm_coefficient(x)
+        x_in = x * coeff if coeff is not None else x
+        if self.cfg.apply_b_dec_to_input:
+            x_in = x_in - self.b_dec
+        pre = x_in @ self.W_enc + self.b_enc  # [..., d_sae]
+        if self.cfg.architecture == "topk":
+            if self.cfg.rescale_acts_by_decoder_norm:
+                pre = pre * self.W_dec.norm(dim=-1)
+            assert self.cfg.k is not None
+            top = pre.topk(self.cfg.k, dim=-1, sorted=False)
+            return torch.zeros_like(pre).scatter_(-1, top.indices, top.values.relu())
+        f = pre.relu()
+        if self.cfg.architecture == "jumprelu":
+            f = f * (pre > self.threshold).to(f.dtype)
+        return f
+
+    def decode(self, f: torch.Tensor, coeff: torch.Tensor | None = None) -> torch.Tensor:
+        """SAELens' `decode`: feature activations [..., d_sae] -> the reconstruction [..., d_in]. `coeff`:
+        the input's `norm_coefficient` (constant_norm_rescale divides the reconstruction by it)."""
+        if self.cfg.rescale_acts_by_decoder_norm:
+            f = f / self.W_dec.norm(dim=-1)
+        x_hat = f @ self.W_dec + self.b_dec
+        return x_hat / coeff if coeff is not None else x_hat
+
+    def reconstruct(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(features, reconstruction) of SAE inputs x [..., d_in] (what `read` gives)."""
+        f = self.encode(x)
+        return f, self.decode(f, self.norm_coefficient(x))
+
+    def direction(self, feature: int) -> torch.Tensor:
+        """Feature `feature`'s decoder row W_dec[feature] [d_in]: the direction it writes."""
+        self.check_feature(feature, "feature")
+        return self.W_dec[feature]
+
+    def check_feature(self, feature: object, what: str) -> int:
+        if not isinstance(feature, int) or isinstance(feature, bool) or not 0 <= feature < self.cfg.d_sae:
+            raise SAEError(f"{what} {feature!r} is out of range 0..{self.cfg.d_sae - 1}")
+        return feature
+
+
+# --- where the files are --------------------------------------------------------------------------
+
+
+def load_sae(source: str | Path, device: torch.device | str = "cpu") -> SAE:
+    """An SAE from a directory holding `cfg.json` and `sae_weights.safetensors`, or from the Hugging Face
+    hub as `owner/repo/path/in/repo[@revision]` (downloaded through huggingface-hub, cached)."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return _from_dir(path, str(source), None).to(device)
+    m = re.fullmatch(r"([\w.-]+/[\w.-]+)((?:/[^@]+)?)(?:@([\w./-]+))?", str(source))
+    if m is None or str(source).startswith((".", "/", "~")):
+        raise SAEError(
+            f"no SAE at {str(source)!r}: it is neither a directory (with {CFG_FILE} and {WEIGHTS_FILE}) nor a hub "
+            "repo and path such as jbloom/GPT2-Small-SAEs-Reformatted/blocks.8.hook_resid_pre"
+        )
+    repo, folder, revision = m.group(1), m.group(2).strip("/"), m.group(3)
+    return _download(repo, folder, revision, str(source)).to(device)
+
+
+def _from_dir(path: Path, where: str, model_kwargs: dict[str, Any] | None) -> SAE:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    cfg_path, weights_path = path / CFG_FILE, path / WEIGHTS_FILE
+    for f in (cfg_path, weights_path):
+        if not f.is_file():
+            raise SAEError(
+                f"{where}: no {f.name} in {path} (an SAE in SAELens' format has {CFG_FILE} and {WEIGHTS_FILE})"
+            )
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SAEError(f"{where}: {CFG_FILE} is not readable JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise SAEError(f"{where}: {CFG_FILE} must hold a JSON object")
+    try:
+        weights = load_file(str(weights_path))
+    except (SafetensorError, OSError) as e:
+        raise SAEError(f"{where}: {WEIGHTS_FILE} is not a readable safetensors file: {e}") from None
+    return SAE(SAEConfig.from_dict(cfg, where, model_kwargs), weights, where)
+
+
+def _download(repo: str, folder: str, revision: str | None, where: str) -> SAE:
+    """Fetch both files from the hub (cached; honours HF_HOME, HF_ENDPOINT and HF_HUB_OFFLINE)."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    prefix = f"{folder}/" if folder else ""
+    try:
+        cfg = Path(hf_hub_download(repo, prefix + CFG_FILE, revision=revision))
+        hf_hub_download(repo, prefix + WEIGHTS_FILE, revision=revision)
+    except LocalEntryNotFoundError:
+        raise SAEError(
+            f"{where}: cannot reach the Hugging Face hub to download it, and it is not in the local cache; "
+            "give a local directory instead"
+        ) from None
+    except RepositoryNotFoundError:
+        raise SAEError(f"{where}: no repository {repo!r} on the Hugging Face hub (or it is private)") from None
+    except RevisionNotFoundError:
+        raise SAEError(f"{where}: repository {repo!r} has no revision {revision!r}") from None
+    except EntryNotFoundError:
+        raise SAEError(f"{where}: repository {repo!r} has no {prefix}{CFG_FILE} and {prefix}{WEIGHTS_FILE}") from None
+    except HfHubHTTPError as e:
+        raise SAEError(f"{where}: the Hugging Face hub refused the download: {e}") from None
+    return _from_dir(cfg.parent, where, HUB_MODEL_KWARGS.get(repo))
+
+
+# --- what the server and the command line report ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenFeatures:
+    """One position's SAE reading: the top features (id, activation), or the asked-for ones, and how well
+    the SAE reconstructs the input there."""
+
+    features: list[tuple[int, float]]
+    l0: int  # features active (> 0)
+    mse: float  # mean over d_in of (x - x̂)²
+    error_norm: float  # ‖x - x̂‖
+    variance_explained: float | None  # 1 - ‖x - x̂‖² / ‖x - mean(x)‖² (None for a constant x)
+
+
+def token_features(sae: SAE, x: torch.Tensor, top_k: int | None, ids: list[int] | None) -> list[TokenFeatures]:
+    """Per position of `x` [T, d_in] (the model's values at the SAE's hook), its features: the `top_k`
+    largest (positive ones only) or the values of feature `ids`."""
+    x_in = sae.read(x)  # [T, d_in]
+    f, x_hat = sae.reconstruct(x_in)  # [T, d_sae], [T, d_in]
+    err = (x_in - x_hat).pow(2).sum(-1)  # [T]
+    spread = (x_in - x_in.mean(-1, keepdim=True)).pow(2).sum(-1)  # [T]
+    out = []
+    for t in range(x_in.shape[0]):
+        if ids is not None:
+            chosen = [(i, float(f[t, i])) for i in ids]
+        else:
+            assert top_k is not None
+            top = f[t].topk(min(top_k, sae.cfg.d_sae))
+            chosen = [(int(i), float(v)) for v, i in zip(top.values, top.indices, strict=True) if v > 0]
+        e, s = float(err[t]), float(spread[t])
+        out.append(
+            TokenFeatures(chosen, int((f[t] > 0).sum()), e / sae.cfg.d_in, math.sqrt(e), 1 - e / s if s > 0 else None)
+        )
+    return out
