@@ -1,0 +1,365 @@
+"""Gradients at hook points (model/lab/gradients.py) against the reference: transformers' GPT2LMHeadModel
+with `torch.autograd` and its values taken at the same sites by module hooks (float64 to 1e-8, float32
+within a stated bound); TransformerLens' backward hooks as a second oracle for the sites transformers has
+no module for (attention scores and patterns, the layer norms' scale and normalized values); the residual
+identities (∂ at resid_pre = ∂ at resid_mid + the attention branch's share, and so on) by hand; the
+Jacobian's norm against a dense Jacobian; and the highway on the random gpt2-small-shaped checkpoint."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import pytest
+import torch
+from conftest import Checkpoint, load_ours
+
+from model.gpt import GPT
+from model.hooks import hook_names, is_optional
+from model.interventions import Edit, EditSpec
+from model.lab.gradients import (
+    GradientHooks,
+    LogitDiff,
+    LogProb,
+    Loss,
+    Metric,
+    MetricError,
+    frobenius_rms,
+    gradients,
+    graph_bytes,
+    highway,
+    metric_value,
+    rademacher,
+)
+
+PROMPT = [464, 3797, 3332, 319, 262, 2603, 780, 340]  # "The cat sat on the mat because it"
+T = len(PROMPT)
+METRICS: list[Metric] = [LogProb(2068, 5), LogitDiff((318, 373)), Loss(), Loss((3, 7))]
+EXACT = 1e-8
+
+# The sites transformers has a module for (the value is a module's input or output).
+HF_SITES = [
+    "hook_embed",
+    "hook_pos_embed",
+    *(
+        f"blocks.{layer}.{site}"
+        for layer in range(2)
+        for site in (
+            "hook_resid_pre",
+            "attn.hook_q",
+            "attn.hook_k",
+            "attn.hook_v",
+            "attn.hook_z",
+            "hook_attn_out",
+            "hook_resid_mid",
+            "mlp.hook_pre",
+            "mlp.hook_post",
+            "hook_mlp_out",
+            "hook_resid_post",
+        )
+    ),
+    "unembed.hook_in",
+    "logits",
+]
+
+
+@pytest.fixture(scope="module")
+def ours64(tiny: Checkpoint) -> GPT:
+    return load_ours(tiny, torch.float64)
+
+
+@pytest.fixture(scope="module")
+def hf64(tiny: Checkpoint) -> Any:
+    return copy.deepcopy(tiny.hf).double()
+
+
+def hf_gradients(
+    hf: Any, ids: list[int], metric: Metric, edit: tuple[str, Any] | None = None
+) -> dict[str, torch.Tensor]:
+    """∂metric/∂value at HF_SITES, from transformers: each value taken where it is a module's input or
+    output, then `torch.autograd.grad`. `edit` = (site, fn) replaces a module output by fn(output)."""
+    tr, values, handles = hf.transformer, {}, []
+    H = hf.config.n_head
+
+    def output(name: str, module: torch.nn.Module) -> None:
+        def hook(_m: Any, _a: Any, out: Any) -> Any:
+            t = out[0] if isinstance(out, tuple) else out
+            if edit is not None and edit[0] == name:
+                t = edit[1](t)
+                out = (t, *out[1:]) if isinstance(out, tuple) else t
+            values[name] = t
+            return out
+
+        handles.append(module.register_forward_hook(hook))
+
+    def input_of(name: str, module: torch.nn.Module) -> None:
+        handles.append(module.register_forward_pre_hook(lambda _m, args: values.__setitem__(name, args[0])))
+
+    output("hook_embed", tr.wte)
+    output("hook_pos_embed", tr.wpe)
+    for i, block in enumerate(tr.h):
+        p = f"blocks.{i}."
+        input_of(p + "hook_resid_pre", block)
+        output(p + "qkv", block.attn.c_attn)
+        input_of(p + "z", block.attn.c_proj)
+        output(p + "hook_attn_out", block.attn)
+        input_of(p + "hook_resid_mid", block.ln_2)
+        output(p + "mlp.hook_pre", block.mlp.c_fc)
+        output(p + "mlp.hook_post", block.mlp.act)
+        output(p + "hook_mlp_out", block.mlp)
+        output(p + "hook_resid_post", block)
+    output("unembed.hook_in", tr.ln_f)
+    output("logits", hf.lm_head)
+    try:
+        logits = hf(torch.tensor([ids])).logits
+    finally:
+        for h in handles:
+            h.remove()
+    names = list(values)
+    metric_grads = torch.autograd.grad(metric_value(metric, logits[0], ids), [values[n] for n in names])
+    grads = dict(zip(names, metric_grads, strict=True))
+    out = {}
+    for name, g in grads.items():
+        B, S, C = g.shape[0], g.shape[1], g.shape[-1]
+        if name.endswith("qkv"):  # [B, T, 3C] -> q, k, v as [B, T, H, D]
+            for site, part in zip("qkv", g.split(C // 3, dim=-1), strict=True):
+                out[name.replace("qkv", f"attn.hook_{site}")] = part.reshape(B, S, H, -1)
+        elif name.endswith(".z"):
+            out[name.replace(".z", ".attn.hook_z")] = g.reshape(B, S, H, -1)
+        else:
+            out[name] = g
+    return out
+
+
+# --- against transformers ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("metric", METRICS, ids=lambda m: type(m).__name__ + repr(getattr(m, "span", "")))
+def test_gradients_equal_transformers_in_float64(ours64: GPT, hf64: Any, metric: Metric) -> None:
+    want = hf_gradients(hf64, PROMPT, metric)
+    with torch.inference_mode():  # as on the engine's thread: the job leaves it
+        got = gradients(ours64, PROMPT, metric, HF_SITES)
+    with torch.no_grad():
+        assert got.metric == pytest.approx(float(metric_value(metric, hf64(torch.tensor([PROMPT])).logits[0], PROMPT)))
+    assert set(got.grads) == set(HF_SITES) == set(want)
+    for name in HF_SITES:
+        assert got.grads[name].shape == want[name].shape, name
+        torch.testing.assert_close(got.grads[name], want[name], rtol=0, atol=EXACT, msg=name)
+    assert float(got.grads["blocks.0.hook_resid_pre"].abs().max()) > 1e-3  # something flowed back
+
+
+def test_gradients_in_float32_are_within_their_bound(tiny: Checkpoint, hf64: Any) -> None:
+    """float32 against the float64 reference: within 1e-4 of the largest gradient at each site."""
+    ours = load_ours(tiny)
+    for metric in (LogProb(2068, 5), Loss()):
+        want = hf_gradients(hf64, PROMPT, metric)
+        got = gradients(ours, PROMPT, metric, HF_SITES)
+        for name in HF_SITES:
+            scale = float(want[name].abs().max())
+            err = float((got.grads[name].double() - want[name]).abs().max())
+            assert err <= 1e-4 * scale + 1e-7, (name, err, scale)
+
+
+def test_an_edit_is_honoured_as_the_same_edit_in_transformers(ours64: GPT, hf64: Any) -> None:
+    spec = EditSpec((Edit("blocks.0.hook_mlp_out", "scale", factor=0.5),))
+    got = gradients(ours64, PROMPT, Loss(), HF_SITES, spec)
+    want = hf_gradients(hf64, PROMPT, Loss(), ("blocks.0.hook_mlp_out", lambda t: t * 0.5))
+    for name in HF_SITES:
+        torch.testing.assert_close(got.grads[name], want[name], rtol=0, atol=EXACT, msg=name)
+    plain = gradients(ours64, PROMPT, Loss(), ["blocks.0.hook_resid_pre"])
+    assert not torch.allclose(plain.grads["blocks.0.hook_resid_pre"], got.grads["blocks.0.hook_resid_pre"])
+
+
+def test_parameters_get_no_grad_and_inference_stays_inference(ours64: GPT) -> None:
+    with torch.inference_mode():
+        gradients(ours64, PROMPT, Loss(), ["blocks.0.hook_resid_pre"])
+        assert torch.is_inference_mode_enabled()
+    assert all(p.grad is None and not p.requires_grad for p in ours64.parameters())
+
+
+# --- TransformerLens' backward hooks, for the sites transformers has no module for ------------------
+
+
+def test_every_default_hook_gradient_equals_transformer_lens(tiny: Checkpoint, ours64: GPT) -> None:
+    tl = pytest.importorskip("transformer_lens", reason="TransformerLens (test-only oracle) is not installed")
+    from test_transformer_lens import hooked
+
+    model = hooked(tiny, torch.float64)
+    names = [n for n in hook_names(2) if not is_optional(n) and n != "logits"]
+    grads: dict[str, torch.Tensor] = {}
+
+    def keep(g: torch.Tensor, hook: Any) -> None:  # ln1 runs once per path (q, k, v) there: their sum
+        grads[hook.name] = grads[hook.name] + g.detach() if hook.name in grads else g.detach()
+
+    ids = torch.tensor([PROMPT])
+    metric = LogitDiff((318, 373), 6)
+    with model.hooks(bwd_hooks=[(n, keep) for n in names]):
+        metric_value(metric, model(ids)[0], PROMPT).backward()
+    got = gradients(ours64, PROMPT, metric, names).grads
+    assert isinstance(model, tl.HookedTransformer) and set(grads) == set(names)
+    for name in names:
+        want = grads[name]
+        g = got[name]
+        if name.endswith("hook_attn_scores"):  # masked scores (-inf): TransformerLens' grad is 0 there too
+            torch.testing.assert_close(g.nan_to_num(), want.nan_to_num(), rtol=0, atol=EXACT, msg=name)
+        else:
+            torch.testing.assert_close(g, want, rtol=0, atol=EXACT, msg=name)
+
+
+# --- the residual identities ------------------------------------------------------------------------
+
+
+def _branch_vjp(fn: Any, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """(∂fn/∂x)ᵀ g, for a sub-layer `fn` at the value x."""
+    with torch.inference_mode(False), torch.enable_grad():
+        x = x.detach().clone().requires_grad_(True)
+        (v,) = torch.autograd.grad(fn(x), x, g)
+    return v
+
+
+@pytest.mark.parametrize("ablated", [False, True], ids=["with-residual", "without-residual"])
+def test_the_gradient_splits_at_each_residual_add(ours64: GPT, ablated: bool) -> None:
+    """resid_mid = resid_pre + attn(ln_1(resid_pre)): ∂/∂resid_pre = ∂/∂resid_mid + (the attention
+    branch's Jacobian)ᵀ ∂/∂resid_mid, and ∂/∂attn_out = ∂/∂resid_mid; likewise for the MLP. Without the
+    skips the identity term is gone: only the branch carries the gradient."""
+    L = ours64.config.n_layer
+    sites = ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post")
+    names = [f"blocks.{i}.{s}" for i in range(L) for s in sites]
+    every = tuple(range(L))
+    spec = EditSpec((), every, every) if ablated else None
+    capture = GradientHooks(names)
+    with torch.inference_mode(False), torch.enable_grad():
+        hooks = spec.hooks(ours64.config, T, then=capture) if spec else capture
+        metric = metric_value(Loss(), ours64(torch.tensor([PROMPT]), hooks=hooks)[0], PROMPT)
+        g = capture.grads(metric)
+    v = {n: x.detach() for n, x in capture.values.items()}
+    for i, block in enumerate(ours64.h):
+        p = f"blocks.{i}."
+        attn_branch = lambda x, b=block: b.attn(b.ln_1(x), None, None)  # noqa: E731
+        mlp_branch = lambda x, b=block: b.mlp(b.ln_2(x), None)  # noqa: E731
+        attn = _branch_vjp(attn_branch, v[p + "hook_resid_pre"], g[p + "hook_resid_mid"])
+        mlp = _branch_vjp(mlp_branch, v[p + "hook_resid_mid"], g[p + "hook_resid_post"])
+        skip = 0.0 if ablated else 1.0
+        torch.testing.assert_close(g[p + "hook_attn_out"], g[p + "hook_resid_mid"], rtol=0, atol=EXACT)
+        torch.testing.assert_close(g[p + "hook_mlp_out"], g[p + "hook_resid_post"], rtol=0, atol=EXACT)
+        torch.testing.assert_close(g[p + "hook_resid_pre"], skip * g[p + "hook_resid_mid"] + attn, rtol=0, atol=EXACT)
+        torch.testing.assert_close(g[p + "hook_resid_mid"], skip * g[p + "hook_resid_post"] + mlp, rtol=0, atol=EXACT)
+        if i + 1 < L:
+            torch.testing.assert_close(g[p + "hook_resid_post"], g[f"blocks.{i + 1}.hook_resid_pre"], rtol=0, atol=0)
+
+
+# --- the Jacobian's norm against a dense Jacobian -----------------------------------------------------
+
+
+def _dense_jacobian(block: Any, x: torch.Tensor, ablated: bool) -> torch.Tensor:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        if not ablated:
+            return block(x, None, None)
+        return block.mlp(block.ln_2(block.attn(block.ln_1(x), None, None)), None)
+
+    with torch.inference_mode(False), torch.enable_grad():
+        J = torch.autograd.functional.jacobian(f, x.detach().clone())
+    n = x.numel()
+    return J.reshape(n, n)  # [out, in]
+
+
+def test_frobenius_rms_is_exact_with_a_scaled_basis_and_for_the_identity() -> None:
+    with torch.inference_mode(False), torch.enable_grad():
+        x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+        A = torch.randn(15, 15, dtype=torch.float64)
+        y = (A @ x.reshape(-1)).reshape(3, 5)
+        basis = torch.eye(15, dtype=torch.float64).reshape(15, 3, 5) * math.sqrt(15)
+        assert frobenius_rms(y, x, basis) == pytest.approx(float(A.norm() / math.sqrt(15)), rel=1e-12)
+        want = float((A - torch.eye(15, dtype=torch.float64)).norm() / math.sqrt(15))
+        assert frobenius_rms(y, x, basis, minus_identity=True) == pytest.approx(want, rel=1e-12)
+        same = x * 1.0  # the identity map: Rademacher probes give 1 exactly
+        assert frobenius_rms(same, x, rademacher(3, (3, 5), torch.float64, x.device)) == pytest.approx(1.0, rel=1e-15)
+
+
+@pytest.mark.parametrize("ablated", [False, True], ids=["with-residual", "without-residual"])
+def test_highway_jacobian_equals_the_estimator_on_the_dense_jacobian(ours64: GPT, ablated: bool) -> None:
+    """Each block's ‖J‖_F/√n and ‖J - I‖_F/√n from `highway` equal the same seeded probes applied to the
+    dense Jacobian (built with torch.autograd.functional.jacobian), and lie near the exact values."""
+    L, ids = ours64.config.n_layer, PROMPT[:4]
+    every = tuple(range(L))
+    spec = EditSpec((), every, every) if ablated else None
+    layers = highway(ours64, ids, spec, probes=64)
+    capture = GradientHooks([f"blocks.{i}.hook_resid_pre" for i in range(L)])
+    with torch.inference_mode():
+        ours64(torch.tensor([ids]), hooks=spec.hooks(ours64.config, len(ids), then=capture) if spec else capture)
+    x0 = capture.values["blocks.0.hook_resid_pre"]
+    u = rademacher(64, tuple(x0.shape), torch.float64, x0.device).reshape(64, -1)  # what highway used
+    n = x0.numel()
+    for i, block in enumerate(ours64.h):
+        J = _dense_jacobian(block, capture.values[f"blocks.{i}.hook_resid_pre"], ablated)
+        eye = torch.eye(n, dtype=torch.float64)
+        for got, M in ((layers[i + 1].jacobian_norm, J), (layers[i + 1].jacobian_identity_distance, J - eye)):
+            estimate = math.sqrt(float((u @ M).pow(2).sum(dim=1).mean()) / n)  # ‖Mᵀu‖² = ‖uᵀM‖²
+            assert got == pytest.approx(estimate, rel=1e-9)
+            assert got == pytest.approx(float(M.norm()) / math.sqrt(n), rel=0.3)  # a 64-probe estimate
+    assert layers[0].jacobian_norm is None and layers[0].layer == -1
+
+
+# --- bad metrics ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("metric", "param"),
+    [
+        (LogProb(50257), "metric.token"),
+        (LogProb(-1), "metric.token"),
+        (LogProb(5, 8), "metric.position"),
+        (LogProb(5, -9), "metric.position"),
+        (LogitDiff((1, 99999)), "metric.tokens"),
+        (Loss((0, 4)), "metric.span"),
+        (Loss((3, 3)), "metric.span"),
+        (Loss((2, 9)), "metric.span"),
+    ],
+)
+def test_a_metric_that_cannot_be_computed_names_its_field(ours64: GPT, metric: Metric, param: str) -> None:
+    with pytest.raises(MetricError) as e:
+        gradients(ours64, PROMPT, metric, ["blocks.0.hook_resid_pre"])
+    assert e.value.param == param
+
+
+def test_a_one_token_prompt_has_no_loss(ours64: GPT) -> None:
+    with pytest.raises(MetricError, match="span"):
+        gradients(ours64, [464], Loss(), ["logits"])
+    with pytest.raises(MetricError, match="at least 2 tokens"):
+        highway(ours64, [464])
+
+
+def test_graph_bytes_grows_with_tokens_layers_and_width(ours64: GPT) -> None:
+    c = ours64.config
+    one, two = graph_bytes(c, 8, torch.float32), graph_bytes(c, 16, torch.float32)
+    assert two > 2 * one - 1 and graph_bytes(c, 8, torch.float64) == pytest.approx(2 * one, rel=1e-6)
+    # at least the logits and their log-softmax, per position
+    assert one >= 8 * 2 * c.vocab_size * 4
+
+
+# --- the highway on gpt2-small's shape ---------------------------------------------------------------
+
+
+def test_the_highway_on_the_gpt2_small_shape(small: Checkpoint) -> None:
+    """With residual connections the loss's gradient reaches the first layer at about the size it has at
+    the last; without them it fades layer by layer. Random weights, gpt2-small's shape, 32 tokens."""
+    model = load_ours(small)
+    L = model.config.n_layer
+    ids = torch.randint(0, model.config.vocab_size, (32,), generator=torch.Generator().manual_seed(0)).tolist()
+    every = tuple(range(L))
+    normal = highway(model, ids, probes=2)
+    ablated = highway(model, ids, EditSpec((), every, every), probes=2)
+    print("\nlayer  grad_norm with / without skips   jacobian rms gain with / without   ‖J - I‖ rms with / without")
+    for a, b in zip(normal, ablated, strict=True):
+        jac = f"{a.jacobian_norm:8.3f} / {b.jacobian_norm:8.3f}" if a.jacobian_norm is not None else " " * 19
+        dist = (
+            f"{a.jacobian_identity_distance:6.3f} / {b.jacobian_identity_distance:6.3f}"
+            if b.jacobian_identity_distance is not None
+            else ""
+        )
+        print(f"{a.layer:>5}  {a.grad_norm:10.3e} / {b.grad_norm:10.3e}   {jac}   {dist}")
+    with_skips = normal[0].grad_norm / normal[-1].grad_norm
+    without = ablated[0].grad_norm / ablated[-1].grad_norm
+    print(f"first / last layer gradient norm: {with_skips:.3g} with residual connections, {without:.3g} without")
+    assert without < 0.1 * with_skips
