@@ -35,11 +35,26 @@ def write_sae(
     if architecture == "jumprelu":
         weights["threshold"] = torch.rand(d_sae, generator=g) * 0.2
     if legacy:
-        body: dict[str, Any] = {"hook_point": hook, "hook_point_layer": 0, "model_name": "tiny", "dtype": "float32", "d_in": d_in,
-                                "d_sae": d_sae, "normalize_activations": False, "apply_b_dec_to_input": True}  # fmt: skip
+        body: dict[str, Any] = {
+            "hook_point": hook,
+            "hook_point_layer": 0,
+            "model_name": "tiny",
+            "dtype": "float32",
+            "d_in": d_in,
+            "d_sae": d_sae,
+            "normalize_activations": False,
+            "apply_b_dec_to_input": True,
+        }
     else:
-        body = {"architecture": architecture, "dtype": "float32", "d_in": d_in, "d_sae": d_sae, "apply_b_dec_to_input": True,
-                "normalize_activations": "none", "metadata": {"hook_name": hook, "model_name": "tiny"}}  # fmt: skip
+        body = {
+            "architecture": architecture,
+            "dtype": "float32",
+            "d_in": d_in,
+            "d_sae": d_sae,
+            "apply_b_dec_to_input": True,
+            "normalize_activations": "none",
+            "metadata": {"hook_name": hook, "model_name": "tiny"},
+        }
     body.update(cfg)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "cfg.json").write_text(json.dumps(body))

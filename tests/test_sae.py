@@ -39,7 +39,7 @@ def reference_encode(w: dict[str, torch.Tensor], arch: str, b_dec_in: bool, norm
     """The formulas, written out: f = act((x * c - b_dec [if applied]) W_enc + b_enc), c = sqrt(d_in)/|x| for
     constant_norm_rescale; act = ReLU, ReLU of the top k (pre-activations times |W_dec| if rescaled), or
     ReLU where pre > threshold. x_hat = (f [/ |W_dec|]) W_dec + b_dec, divided by c."""
-    c = D_IN**0.5 / x.norm(dim=-1, keepdim=True) if norm == "constant_norm_rescale" else torch.ones(x.shape[:-1] + (1,))
+    c = D_IN**0.5 / x.norm(dim=-1, keepdim=True) if norm == "constant_norm_rescale" else torch.ones((*x.shape[:-1], 1))
     pre = (x * c - (w["b_dec"] if b_dec_in else 0)) @ w["W_enc"] + w["b_enc"]
     if arch == "topk":
         if extra.get("rescale_acts_by_decoder_norm"):
@@ -58,8 +58,16 @@ def reference_encode(w: dict[str, torch.Tensor], arch: str, b_dec_in: bool, norm
 def test_written_out_reference(tmp_path: Path, arch: str, b_dec_in: bool, norm: str, extra: dict) -> None:
     from safetensors.torch import load_file
 
-    path = write_sae(tmp_path, hook=HOOK, d_in=D_IN, d_sae=D_SAE, architecture=arch,
-                     apply_b_dec_to_input=b_dec_in, normalize_activations=norm, **extra)  # fmt: skip
+    path = write_sae(
+        tmp_path,
+        hook=HOOK,
+        d_in=D_IN,
+        d_sae=D_SAE,
+        architecture=arch,
+        apply_b_dec_to_input=b_dec_in,
+        normalize_activations=norm,
+        **extra,
+    )
     sae = load_sae(path)
     x = torch.randn(3, 5, D_IN, generator=torch.Generator().manual_seed(1)) * 2
     f_ref, x_hat_ref = reference_encode(load_file(path / "sae_weights.safetensors"), arch, b_dec_in, norm, extra, x)
@@ -77,12 +85,20 @@ def sae_lens():
 def saelens_sae(sae_lens, arch: str, b_dec_in: bool, norm: str, extra: dict, seed: int):
     from sae_lens.saes.sae import SAEMetadata
 
-    configs = {"standard": (sae_lens.StandardSAE, sae_lens.StandardSAEConfig),
-               "topk": (sae_lens.TopKSAE, sae_lens.TopKSAEConfig),
-               "jumprelu": (sae_lens.JumpReLUSAE, sae_lens.JumpReLUSAEConfig)}  # fmt: skip
+    configs = {
+        "standard": (sae_lens.StandardSAE, sae_lens.StandardSAEConfig),
+        "topk": (sae_lens.TopKSAE, sae_lens.TopKSAEConfig),
+        "jumprelu": (sae_lens.JumpReLUSAE, sae_lens.JumpReLUSAEConfig),
+    }
     cls, cfg_cls = configs[arch]
-    cfg = cfg_cls(d_in=D_IN, d_sae=D_SAE, apply_b_dec_to_input=b_dec_in, normalize_activations=norm,
-                  metadata=SAEMetadata(hook_name=HOOK, model_name="tiny"), **extra)  # fmt: skip
+    cfg = cfg_cls(
+        d_in=D_IN,
+        d_sae=D_SAE,
+        apply_b_dec_to_input=b_dec_in,
+        normalize_activations=norm,
+        metadata=SAEMetadata(hook_name=HOOK, model_name="tiny"),
+        **extra,
+    )
     sae = cls(cfg)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # SAELens starts b_enc, b_dec and threshold at 0, which would hide them
@@ -132,11 +148,21 @@ def test_centred_residual_stream_equals_transformer_lens(tiny: Checkpoint, tmp_p
     from transformer_lens.pretrained.weight_conversions.gpt2 import convert_gpt2_weights
 
     c = tiny.hf.config
-    cfg = tl.HookedTransformerConfig(n_layers=c.n_layer, d_model=c.n_embd, n_ctx=c.n_positions,
-                                     d_head=c.n_embd // c.n_head, n_heads=c.n_head, d_mlp=4 * c.n_embd,
-                                     d_vocab=c.vocab_size, act_fn="gelu_new", normalization_type="LN",
-                                     eps=c.layer_norm_epsilon, original_architecture="GPT2LMHeadModel",
-                                     dtype=torch.float32, device="cpu")  # fmt: skip
+    cfg = tl.HookedTransformerConfig(
+        n_layers=c.n_layer,
+        d_model=c.n_embd,
+        n_ctx=c.n_positions,
+        d_head=c.n_embd // c.n_head,
+        n_heads=c.n_head,
+        d_mlp=4 * c.n_embd,
+        d_vocab=c.vocab_size,
+        act_fn="gelu_new",
+        normalization_type="LN",
+        eps=c.layer_norm_epsilon,
+        original_architecture="GPT2LMHeadModel",
+        dtype=torch.float32,
+        device="cpu",
+    )
     processed = tl.HookedTransformer(cfg)
     processed.load_and_process_state_dict(
         convert_gpt2_weights(tiny.hf, cfg), fold_ln=False, center_writing_weights=True, center_unembed=False
@@ -148,8 +174,14 @@ def test_centred_residual_stream_equals_transformer_lens(tiny: Checkpoint, tmp_p
     raw = run_with_cache(model, ids, hooks)
     d = c.n_embd
     for hook in hooks:
-        path = write_sae(tmp_path / hook, hook=hook, d_in=d, d_sae=96, seed=5,
-                         metadata={"hook_name": hook, "model_from_pretrained_kwargs": {"center_writing_weights": True}})  # fmt: skip
+        path = write_sae(
+            tmp_path / hook,
+            hook=hook,
+            d_in=d,
+            d_sae=96,
+            seed=5,
+            metadata={"hook_name": hook, "model_from_pretrained_kwargs": {"center_writing_weights": True}},
+        )
         ours = load_sae(path)
         assert ours.centred
         torch.testing.assert_close(ours.read(raw[hook]), cache[hook], atol=1e-5, rtol=0)

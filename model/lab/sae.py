@@ -28,7 +28,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -70,7 +70,7 @@ class SAEConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], where: str, model_kwargs: dict[str, Any] | None = None) -> SAEConfig:
-        meta = cfg.get("metadata") if isinstance(cfg.get("metadata"), dict) else {}
+        meta: dict[str, Any] = cfg["metadata"] if isinstance(cfg.get("metadata"), dict) else {}
 
         def field(*names: str) -> Any:
             for source in (meta, cfg):
@@ -97,7 +97,7 @@ class SAEConfig:
         if not isinstance(hook, str):
             raise SAEError(f"{where}: no hook_name (under metadata, or at the top level as older releases keep it)")
         d_in, d_sae = cfg.get("d_in"), cfg.get("d_sae")
-        if not all(isinstance(d, int) and d > 0 for d in (d_in, d_sae)):
+        if not (isinstance(d_in, int) and isinstance(d_sae, int) and d_in > 0 and d_sae > 0):
             raise SAEError(f"{where}: d_in and d_sae must be positive integers, got {d_in!r} and {d_sae!r}")
         k = cfg.get("k")
         if k is None and isinstance(cfg.get("activation_fn_kwargs"), dict):
@@ -112,7 +112,7 @@ class SAEConfig:
             d_sae=d_sae,
             hook_name=hook,
             apply_b_dec_to_input=bool(cfg.get("apply_b_dec_to_input", True)),
-            normalize_activations=norm,
+            normalize_activations=cast(Normalization, norm),
             k=k if architecture == "topk" else None,
             rescale_acts_by_decoder_norm=bool(cfg.get("rescale_acts_by_decoder_norm", False)),
             center_writing_weights=bool(kwargs.get("center_writing_weights", False)),
@@ -186,7 +186,7 @@ class SAE:
             top = pre.topk(self.cfg.k, dim=-1, sorted=False)
             return torch.zeros_like(pre).scatter_(-1, top.indices, top.values.relu())
         f = pre.relu()
-        if self.cfg.architecture == "jumprelu":
+        if self.threshold is not None:  # jumprelu
             f = f * (pre > self.threshold).to(f.dtype)
         return f
 
