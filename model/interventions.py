@@ -18,9 +18,12 @@ import torch
 from .config import GPTConfig
 from .hooks import Hooks, describe_hook_names, is_attention_square, is_per_head, match_hooks
 from .hooks import site_shape as _site_shape
+from .lab import steering
+from .lab.sae import SAE
+from .lab.steering import STEERING_OPS
 
-Op = Literal["zero", "mean", "scale", "add", "set"]
-OPS = ("zero", "mean", "scale", "add", "set")
+Op = Literal["zero", "mean", "scale", "add", "set", "steer", "orthogonal", "projection_cap", "clamp"]
+OPS = ("zero", "mean", "scale", "add", "set", *STEERING_OPS)
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
@@ -48,6 +51,11 @@ class Edit:
     restrict where; None means everywhere, an empty `heads` or `positions` nowhere (the edit does nothing).
     On attention scores and patterns only `zero` and `scale` apply, and only to the keys a query may see:
     the causal mask stays as it was. `factor` and `value` must be finite in float32.
+
+    Steering (`model/lab/steering.py`), on hooks with one vector per position (the residual stream,
+    attn_out, mlp_out, ...): `steer` adds `factor` * `direction` (with `norm_match`, each vector keeps its
+    norm); `orthogonal` removes the component along `direction`; `projection_cap` caps it at `factor`;
+    `clamp` sets feature `feature` of `sae` (at its own hook) to `factor`, keeping the SAE's error term.
     """
 
     hook: str
@@ -57,6 +65,10 @@ class Edit:
     layers: tuple[int, ...] | None = None
     heads: tuple[int, ...] | None = None
     positions: tuple[int, ...] | None = None
+    direction: torch.Tensor | None = None  # steer, orthogonal, projection_cap: [d]
+    norm_match: bool = False  # steer
+    sae: SAE | None = None  # clamp
+    feature: int | None = None  # clamp
 
 
 def site_shape(name: str, config: GPTConfig) -> tuple[int, ...]:
@@ -133,6 +145,9 @@ class Interventions:
             raise InterventionError(f"{where}: factor {e.factor!r} is not a finite float32 number")
         if e.value is not None and not bool(e.value.to(torch.float32).isfinite().all()):
             raise InterventionError(f"{where}: value holds numbers that are not finite in float32 (inf, NaN, > 3.4e38)")
+        if e.op in STEERING_OPS:
+            self._check_steering(t, where)
+            return
         if e.op == "mean" and t.square:  # each query sees its own set of keys: no common mean to take
             raise InterventionError(
                 f"{where}: mean is not supported on attention scores or patterns; use zero or scale"
@@ -157,6 +172,36 @@ class Interventions:
                 "position's selected values, broadcast to every selected position)"
                 + (f" or [pos, {', '.join(map(str, full))}] (a whole sequence's)" if e.op == "set" else "")
             )
+
+    def _check_steering(self, t: _Target, where: str) -> None:
+        e = t.edit
+        site = site_shape(t.name, self.config)
+        if t.square or t.per_head or len(site) != 1 or site == (1,):
+            raise InterventionError(f"{where}: {e.op} applies to hooks with one vector per position (the residual "
+                                    f"stream, attn_out, mlp_out, mlp.hook_post, ...), not {t.name}")  # fmt: skip
+        if e.heads is not None:
+            raise InterventionError(f"{where}: heads do not apply to {e.op}")
+        if e.op != "orthogonal" and e.factor is None:
+            raise InterventionError(f"{where}: {e.op} needs a {'scale' if e.op == 'steer' else 'value'}")
+        if e.op == "clamp":
+            if e.sae is None or e.feature is None:
+                raise InterventionError(f"{where}: clamp needs an SAE and a feature")
+            if t.name != e.sae.cfg.hook_name:
+                raise InterventionError(
+                    f"{where}: the SAE reads {e.sae.cfg.hook_name}, so clamp its feature there, not at {t.name}"
+                )
+            return
+        d = e.direction
+        if d is None:
+            raise InterventionError(f"{where}: {e.op} needs a direction")
+        if tuple(d.shape) != site:
+            raise InterventionError(
+                f"{where}: direction of shape {list(d.shape)} does not fit {t.name}: give {list(site)}"
+            )
+        if not bool(d.to(torch.float32).isfinite().all()):
+            raise InterventionError(f"{where}: direction holds numbers that are not finite in float32")
+        if e.op != "steer" and not float(d.to(torch.float32).norm()) > 0:
+            raise InterventionError(f"{where}: {e.op} needs a direction that is not zero")
 
     def _selected_site(self, t: _Target) -> tuple[int, ...]:
         site = site_shape(t.name, self.config)
@@ -208,6 +253,8 @@ class Interventions:
             new = torch.zeros_like(region)
         elif e.op == "scale":
             new = region * float(e.factor or 0.0)
+        elif e.op in STEERING_OPS:
+            new = _steered(e, region)
         elif e.op == "mean":
             if t.mean is None:  # the first pass is the prompt's: its mean over positions is kept
                 t.mean = x.mean(dim=pos_dim, keepdim=True)
@@ -224,6 +271,19 @@ class Interventions:
             allowed = torch.arange(x.shape[3], device=x.device) <= (pos + start)[:, None]  # [P, k]
             new = torch.where(allowed, new, region)
         x[index] = new
+
+
+def _steered(e: Edit, x: torch.Tensor) -> torch.Tensor:
+    if e.op == "clamp":
+        assert e.sae is not None and e.feature is not None and e.factor is not None
+        return steering.clamp(x, e.sae, e.feature, e.factor)
+    assert e.direction is not None
+    direction = e.direction.to(x.device)
+    if e.op == "steer":
+        return steering.steer(x, direction, float(e.factor or 0.0), e.norm_match)
+    if e.op == "orthogonal":
+        return steering.orthogonal(x, direction)
+    return steering.projection_cap(x, direction, float(e.factor or 0.0))
 
 
 class ResidualAblation:

@@ -1,0 +1,157 @@
+"""Steering: moving the residual stream along a direction, and the directions to move it along.
+
+Activation addition adds `scale` * a direction at a hook point (Turner et al. 2023, "Activation Addition";
+vllm-lens' `scale` and `norm_match`); the direction may be an SAE feature's decoder row (Templeton et al.
+2024), or a contrastive mean difference of activations over two sets of prompts (Rimsky et al. 2024,
+"Steering Llama 2 via Contrastive Activation Addition"; repeng). Neuronpedia's other two methods act on
+the component along a unit direction û: `orthogonal` removes it, `projection_cap` caps it at a value.
+`clamp` sets one SAE feature to a value and keeps the SAE's own error term, x + (decode(f') - decode(f)),
+so that clamping a feature to its present value changes nothing.
+
+Each function takes the selected values of one hook, [..., d], and returns their replacement; the
+interventions (`model/interventions.py`) choose the layers and positions and call them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from ..hooks import run_with_cache
+from .sae import SAE
+
+if TYPE_CHECKING:
+    from ..gpt import GPT
+
+STEERING_OPS = ("steer", "orthogonal", "projection_cap", "clamp")
+Reduce = Literal["last", "mean"]
+
+
+def steer(x: torch.Tensor, direction: torch.Tensor, scale: float, norm_match: bool) -> torch.Tensor:
+    """x + scale · direction; with `norm_match`, each vector rescaled to its norm before the edit."""
+    steered = x + scale * direction.to(x.dtype)
+    if not norm_match:
+        return steered
+    ratio = x.norm(dim=-1, keepdim=True) / steered.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
+    return steered * ratio
+
+
+def orthogonal(x: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
+    """x - (x·û) û: the component along the direction removed."""
+    u = _unit(direction, x.dtype)
+    return x - (x @ u)[..., None] * u
+
+
+def projection_cap(x: torch.Tensor, direction: torch.Tensor, cap: float) -> torch.Tensor:
+    """x - max(0, x·û - cap) û: the component along the direction capped at `cap`."""
+    u = _unit(direction, x.dtype)
+    excess = ((x @ u) - cap).clamp_min(0)  # [...]
+    return x - excess[..., None] * u
+
+
+def clamp(x: torch.Tensor, sae: SAE, feature: int, value: float) -> torch.Tensor:
+    """Feature `feature` of `sae` set to `value`: encode, set, decode, and add back the SAE's error term
+    (x - x̂), which is x + decode(f') - decode(f) (exactly x when f' = f)."""
+    x_in = sae.read(x)  # [..., d_in] float32
+    coeff = sae.norm_coefficient(x_in)
+    f = sae.encode(x_in)  # [..., d_sae]
+    clamped = f.clone()
+    clamped[..., feature] = value
+    delta = sae.decode(clamped, coeff) - sae.decode(f, coeff)
+    return x + delta.to(device=x.device, dtype=x.dtype)
+
+
+def _unit(direction: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    d = direction.to(torch.float32)
+    return (d / d.norm()).to(dtype)
+
+
+# --- directions the server keeps -------------------------------------------------------------------
+
+
+class DirectionError(ValueError):
+    """A direction that cannot be resolved: an unknown SAE, feature or vector name, or a bad vector.
+    `param` names the request field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SteeringVector:
+    hook: str  # where it was measured
+    vector: torch.Tensor  # [d]
+    n_positive: int
+    n_negative: int
+
+
+class Directions:
+    """The SAEs loaded at start-up (by id) and the steering vectors computed since (by name, at most
+    `max_vectors`, in memory only): what a request's `{"sae", "feature"}` or `{"vector"}` names."""
+
+    def __init__(self, saes: dict[str, SAE] | None = None, max_vectors: int = 64) -> None:
+        self.saes = dict(saes or {})
+        self.max_vectors = max_vectors
+        self._vectors: OrderedDict[str, SteeringVector] = OrderedDict()
+
+    def sae(self, sae_id: object, param: str) -> SAE:
+        if not isinstance(sae_id, str) or sae_id not in self.saes:
+            loaded = ", ".join(sorted(self.saes)) or "none (start the server with --sae ID=PATH)"
+            raise DirectionError(f"unknown SAE {sae_id!r}; loaded SAEs: {loaded}", param)
+        return self.saes[sae_id]
+
+    def feature(self, sae_id: str, feature: object, param: str) -> tuple[SAE, int]:
+        sae = self.sae(sae_id, param)
+        if not isinstance(feature, int) or isinstance(feature, bool) or not 0 <= feature < sae.cfg.d_sae:
+            raise DirectionError(f"feature {feature!r} of SAE {sae_id!r} is out of range 0..{sae.cfg.d_sae - 1}", param)
+        return sae, feature
+
+    def vector(self, name: object, param: str) -> SteeringVector:
+        if not isinstance(name, str) or name not in self._vectors:
+            stored = ", ".join(self._vectors) or "none (POST /v1/steering-vectors with a name stores one)"
+            raise DirectionError(f"no stored steering vector {name!r}; stored: {stored}", param)
+        return self._vectors[name]
+
+    def store(self, name: str, vector: SteeringVector, param: str = "name") -> None:
+        """Keep `vector` under `name` (replacing one of that name); refused beyond `max_vectors` names."""
+        if not name or len(name) > 128 or not name.isprintable():
+            raise DirectionError(f"name must be 1..128 printable characters, got {name!r}", param)
+        if name not in self._vectors and len(self._vectors) >= self.max_vectors:
+            raise DirectionError(
+                f"{len(self._vectors)} steering vectors are stored already, the server's limit "
+                f"(--max-steering-vectors {self.max_vectors}); reuse a name to replace one: {', '.join(self._vectors)}",
+                param,
+            )
+        self._vectors[name] = vector
+
+    def names(self) -> list[str]:
+        return list(self._vectors)
+
+
+def contrastive_vector(
+    model: GPT,
+    positive: Sequence[Sequence[int]],
+    negative: Sequence[Sequence[int]],
+    hook: str,
+    reduce: Reduce,
+) -> SteeringVector:
+    """mean over `positive` prompts - mean over `negative` prompts of the value at `hook` (a d_model site),
+    each prompt's taken at its last position or averaged over its positions (float32)."""
+
+    def mean_of(prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        total = None
+        for ids in prompts:
+            idx = torch.tensor([list(ids)], device=model.wte.weight.device)
+            x = run_with_cache(model, idx, [hook])[hook][0].to(torch.float32)  # [T, d]
+            v = x[-1] if reduce == "last" else x.mean(0)
+            total = v if total is None else total + v
+        assert total is not None
+        return total / len(prompts)
+
+    diff = mean_of(positive) - mean_of(negative)
+    return SteeringVector(hook, diff.cpu(), len(positive), len(negative))

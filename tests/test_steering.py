@@ -1,0 +1,182 @@
+"""Steering edits on the model (`steer`, `orthogonal`, `projection_cap`, `clamp`) and contrastive vectors.
+
+The identities: scale 0, a clamp to the present value and removing a direction orthogonal to the stream
+leave the logits unchanged; a steered generation equals one forward pass over the final sequence with
+the same edit; each method's arithmetic is checked on the values it edits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sae_files import write_sae
+
+from model.generate import SamplingParams, generate
+from model.gpt import GPT
+from model.hooks import Capture, run_with_cache
+from model.interventions import Edit, EditSpec, InterventionError
+from model.lab import steering
+from model.lab.sae import SAE, load_sae
+from model.lab.steering import DirectionError, Directions, SteeringVector, contrastive_vector
+
+HOOK = "blocks.1.hook_resid_pre"
+IDS = [5, 99, 1234, 7, 42, 300, 11]
+
+
+def logits(model: GPT, ids: list[int], *edits: Edit) -> torch.Tensor:
+    spec = EditSpec(tuple(edits))
+    with torch.inference_mode():
+        return model(torch.tensor([ids]), hooks=spec.hooks(model.config, len(ids)))[0]
+
+
+@pytest.fixture(scope="module")
+def sae(tmp_path_factory: pytest.TempPathFactory, tiny_model: GPT) -> SAE:
+    d = tiny_model.config.n_embd
+    return load_sae(write_sae(tmp_path_factory.mktemp("sae"), hook=HOOK, d_in=d, d_sae=4 * d, seed=3))
+
+
+def stream(model: GPT, ids: list[int], hook: str = HOOK) -> torch.Tensor:
+    with torch.inference_mode():
+        return run_with_cache(model, torch.tensor([ids]), [hook])[hook][0]  # [T, d]
+
+
+def test_identities_leave_logits_unchanged(tiny_model: GPT, sae: SAE) -> None:
+    plain = logits(tiny_model, IDS)
+    d = tiny_model.config.n_embd
+    v = torch.randn(d, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(logits(tiny_model, IDS, Edit(HOOK, "steer", factor=0.0, direction=v)), plain)
+    x = stream(tiny_model, IDS)  # [T, d]
+    f = sae.encode(sae.read(x))
+    active = int(f.sum(0).argmax())  # a feature that is on at some positions
+    assert (f[:, active] > 0).any()
+    for p in range(len(IDS)):  # each position's feature clamped to its own present value
+        present = float(sae.encode(sae.read(x[None, [p]]))[0, 0, active])  # as the edit computes it, [1, 1, d]
+        clamp = Edit(HOOK, "clamp", factor=present, sae=sae, feature=active, positions=(p,))
+        assert torch.equal(logits(tiny_model, IDS, clamp), plain)
+    # a direction orthogonal to every position's vector: the stream has no component to remove
+    q, _ = torch.linalg.qr(x.T.double())  # [d, T]: a basis of the positions' span
+    u = v.double() - q @ (q.T @ v.double())
+    assert float((x.double() @ u).abs().max()) < 1e-6 * float(u.norm())
+    torch.testing.assert_close(logits(tiny_model, IDS, Edit(HOOK, "orthogonal", direction=u.float())), plain)
+    # and the edits do act when they should
+    assert not torch.allclose(logits(tiny_model, IDS, Edit(HOOK, "steer", factor=4.0, direction=v)), plain)
+    moved = Edit(HOOK, "clamp", factor=float(f[:, active].max()) + 5, sae=sae, feature=active)
+    assert not torch.allclose(logits(tiny_model, IDS, moved), plain)
+
+
+def test_each_method_on_the_values_it_edits(tiny_model: GPT, sae: SAE) -> None:
+    x = stream(tiny_model, IDS)
+    v = torch.randn(x.shape[-1], generator=torch.Generator().manual_seed(1))
+    u = v / v.norm()
+
+    def edited(edit: Edit) -> torch.Tensor:
+        cap = Capture([HOOK, "blocks.1.hook_resid_mid"])
+        spec = EditSpec((edit,))
+        from model.interventions import HookChain
+
+        with torch.inference_mode():
+            tiny_model(torch.tensor([IDS]), hooks=HookChain(spec.hooks(tiny_model.config, len(IDS)), cap))
+        return cap.tensors()[HOOK][0]
+
+    torch.testing.assert_close(edited(Edit(HOOK, "steer", factor=2.5, direction=v)), x + 2.5 * v)
+    steered = edited(Edit(HOOK, "steer", factor=2.5, direction=v, norm_match=True, positions=(1, 3)))
+    torch.testing.assert_close(steered.norm(dim=-1), x.norm(dim=-1))
+    assert torch.equal(steered[[0, 2, 4]], x[[0, 2, 4]]) and not torch.allclose(steered[1], x[1])
+    removed = edited(Edit(HOOK, "orthogonal", direction=v * 7))
+    torch.testing.assert_close(removed @ u, torch.zeros(len(IDS)), atol=1e-5, rtol=0)
+    torch.testing.assert_close(removed, x - (x @ u)[:, None] * u)
+    proj = x @ u
+    cap = float(proj.median())
+    capped = edited(Edit(HOOK, "projection_cap", factor=cap, direction=v))
+    torch.testing.assert_close(capped @ u, proj.clamp(max=cap), atol=1e-5, rtol=0)
+    under = proj <= cap
+    assert torch.equal(capped[under], x[under])  # components below the cap untouched
+    f = sae.encode(sae.read(x))
+    clamped = edited(Edit(HOOK, "clamp", factor=3.0, sae=sae, feature=7))
+    f_new = f.clone()
+    f_new[:, 7] = 3.0
+    torch.testing.assert_close(clamped, x + sae.decode(f_new) - sae.decode(f), atol=1e-5, rtol=0)
+    # and the SAE now reads the clamped value at that feature (its error term carried along)
+    _, x_hat = sae.reconstruct(sae.read(x))
+    torch.testing.assert_close(clamped, sae.decode(f_new) + (x - x_hat), atol=1e-5, rtol=0)
+
+
+def test_steered_generation_equals_one_forward_pass(tiny_model: GPT, sae: SAE) -> None:
+    """Each new token was steered at its own position: the same edit on one pass over the final sequence
+    gives the same next-token log-probabilities at every generated position."""
+    edits = (
+        Edit(HOOK, "steer", factor=6.0, direction=sae.direction(3)),
+        Edit("blocks.0.hook_mlp_out", "projection_cap", factor=0.1, direction=sae.direction(5)),
+        Edit(HOOK, "clamp", factor=2.0, sae=sae, feature=9, positions=(2, 8, 9)),
+    )
+    spec = EditSpec(edits)
+    params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
+    (out,) = generate(tiny_model, [IDS], params, edits=spec)
+    (plain,) = generate(tiny_model, [IDS], params)
+    assert out.token_ids != plain.token_ids  # the steering changed what was generated
+    full = IDS + out.token_ids
+    with torch.inference_mode():
+        lp = torch.log_softmax(tiny_model(torch.tensor([full]), hooks=spec.hooks(tiny_model.config, len(full)))[0], -1)
+    assert out.logprobs is not None
+    for i, (tok, got) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        at = len(IDS) - 1 + i
+        assert tok == int(lp[at].argmax())
+        assert got.logprob == pytest.approx(float(lp[at, tok]), abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (Edit(HOOK, "steer", factor=1.0, direction=torch.ones(3)), r"direction of shape \[3\] does not fit"),
+        (Edit(HOOK, "steer", direction=torch.ones(64)), "steer needs a scale"),
+        (Edit(HOOK, "steer", factor=float("inf"), direction=torch.ones(64)), "factor inf is not a finite"),
+        (Edit(HOOK, "steer", factor=1.0, direction=torch.full((64,), float("nan"))), "not finite in float32"),
+        (Edit(HOOK, "orthogonal", direction=torch.zeros(64)), "not zero"),
+        (Edit("blocks.0.attn.hook_z", "steer", factor=1.0, direction=torch.ones(64)), "one vector per position"),
+        (Edit("blocks.0.attn.hook_pattern", "orthogonal", direction=torch.ones(64)), "one vector per position"),
+        (Edit(HOOK, "projection_cap", direction=torch.ones(64)), "projection_cap needs a value"),
+        (Edit(HOOK, "clamp", factor=1.0), "clamp needs an SAE and a feature"),
+    ],
+)
+def test_bad_edits(tiny_model: GPT, edit: Edit, message: str) -> None:
+    with pytest.raises(InterventionError, match=message):
+        EditSpec((edit,)).hooks(tiny_model.config, 8)
+
+
+def test_clamp_only_at_the_saes_hook(tiny_model: GPT, sae: SAE) -> None:
+    with pytest.raises(InterventionError, match=r"the SAE reads blocks\.1\.hook_resid_pre, so clamp its feature there"):
+        EditSpec((Edit("blocks.0.hook_resid_pre", "clamp", factor=1.0, sae=sae, feature=0),)).hooks(
+            tiny_model.config, 8
+        )
+
+
+def test_contrastive_vector(tiny_model: GPT) -> None:
+    pos, neg = [[1, 2, 3], [4, 5, 6, 7]], [[8, 9], [10, 11, 12], [13]]
+    for reduce in ("last", "mean"):
+        v = contrastive_vector(tiny_model, pos, neg, HOOK, reduce)
+
+        def mean(prompts: list[list[int]], reduce: str = reduce) -> torch.Tensor:
+            rows = [stream(tiny_model, p) for p in prompts]
+            return torch.stack([r[-1] if reduce == "last" else r.mean(0) for r in rows]).mean(0)
+
+        torch.testing.assert_close(v.vector, mean(pos) - mean(neg))
+        assert (v.hook, v.n_positive, v.n_negative) == (HOOK, 2, 3)
+
+
+def test_directions_store_is_bounded(sae: SAE) -> None:
+    lib = Directions({"s": sae}, max_vectors=2)
+    vec = SteeringVector(HOOK, torch.ones(64), 1, 1)
+    lib.store("a", vec)
+    lib.store("b", vec)
+    lib.store("a", vec)  # replacing a name is always allowed
+    with pytest.raises(DirectionError, match="2 steering vectors are stored already") as e:
+        lib.store("c", vec)
+    assert e.value.param == "name"
+    assert lib.names() == ["a", "b"]
+    with pytest.raises(DirectionError, match="no stored steering vector 'c'; stored: a, b"):
+        lib.vector("c", "direction")
+    with pytest.raises(DirectionError, match="unknown SAE 'x'; loaded SAEs: s"):
+        lib.sae("x", "sae")
+    with pytest.raises(DirectionError, match=r"feature 256 of SAE 's' is out of range 0\.\.255"):
+        lib.feature("s", 256, "direction")
+    assert steering.STEERING_OPS == ("steer", "orthogonal", "projection_cap", "clamp")
