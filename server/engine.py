@@ -4,8 +4,10 @@ No model code runs on the event loop. Requests wait in a bounded queue; the work
 continuous batch (`model.generate.DecodeBatch`) as rows free up, runs one step at a time (a decode token
 for every active sequence and the next prompt chunks, in one forward pass), and hands each token to its
 request's asyncio queue as it is produced. A request that arrives while others decode joins at the next
-step. A request with hooks (activations to capture, interventions) runs in a batch of its own (hooks see
-the whole batch), interleaved step by step with the shared batch. A cancelled request (client gone)
+step. Requests with hooks (activations to capture, interventions) share the batch too, each seeing only
+its own values. Those that only want a prompt's activations (nothing to generate, no logits) skip the
+KV cache: the ones waiting run together in one forward pass that ends after the last hook they capture
+(`model.generate.prefill_prompts`), before the next decode step. A cancelled request (client gone)
 leaves the batch at the next step and frees its row; a sequence that fails on its own (non-finite
 logits, say) ends with its error, and its batch goes on. Jobs (`call`: one forward pass for an
 analysis) wait in a queue bounded like the requests' and run one between two steps, so that a burst of
@@ -34,6 +36,7 @@ from model.generate import (
     TokenEvent,
     TokenLogprob,
     new_sequence,
+    prefill_prompts,
 )
 from model.gpt import GPT
 from model.hooks import select_hooks
@@ -135,7 +138,7 @@ class Engine:
         static = loaded.device.type == "cuda"
         self._batch = DecodeBatch(self.model, max_batch_size, config.n_positions, prefill_chunk, static)
         self._batch.warm_up()
-        self._solo: list[DecodeBatch] = []  # capturing sequences, one batch each
+        self._prompt_only: list[_Request] = []  # admitted, for the next `prefill_prompts` pass
         self._requests: dict[int, _Request] = {}  # id(seq) -> request, for every admitted sequence
         self._waiting: deque[_Request] = deque()
         self._jobs: deque[tuple[Callable[[GPT], Any], asyncio.AbstractEventLoop, asyncio.Future[Any]]] = deque()
@@ -146,6 +149,16 @@ class Engine:
     @property
     def kv_cache_bytes(self) -> int:
         return self._batch.cache.nbytes()
+
+    @property
+    def sequences(self) -> int:
+        """Sequences waiting or being generated now (a replica's load, as Ray Serve's `stats` reports it)."""
+        return len(self._waiting) + len(self._requests)
+
+    @property
+    def running(self) -> bool:
+        """Whether the worker thread is alive: it ends only when the engine stops, or on a bug."""
+        return self._thread is not None and self._thread.is_alive()
 
     # --- the event loop's side -------------------------------------------------------------
 
@@ -225,7 +238,7 @@ class Engine:
     # --- the worker thread -----------------------------------------------------------------
 
     def _active(self) -> int:
-        return len(self._batch) + sum(len(b) for b in self._solo)
+        return len(self._batch) + len(self._prompt_only)
 
     def _run(self) -> None:
         with torch.inference_mode():
@@ -259,34 +272,51 @@ class Engine:
             loop.call_soon_threadsafe(_settle, future, result, None)
 
     def _admit(self, request: _Request) -> None:
-        seq = request.seq
-        if seq.hooks is not None:
-            batch = DecodeBatch(self.model, 1, len(seq.prompt) + seq.params.max_new_tokens)  # prompt in one pass
-            self._solo.append(batch)
+        self._requests[id(request.seq)] = request
+        if request.seq.prompt_only:
+            self._prompt_only.append(request)
         else:
-            batch = self._batch
-        self._requests[id(seq)] = request
-        batch.add(seq)
+            self._batch.add(request.seq)
 
     def _step(self) -> None:
-        if len(self._batch):
-            self.metrics.batch_size.observe(len(self._batch))
-        for batch in [self._batch, *self._solo]:
+        if self._prompt_only:
+            self._prefill_prompts()
+        if not len(self._batch):
+            return
+        self.metrics.batch_size.observe(len(self._batch))
+        try:
+            events = self._batch.step()
+        except Exception as e:
+            hooked = [seq for seq in self._batch.seqs if seq.hooks is not None]
+            if not hooked or len(hooked) == len(self._batch):
+                self._fail(self._batch, e)
+                return
+            # The pass failed with hooks in it: those sequences end with the error (their hooks saw part of
+            # a pass), and the step is taken again without them (no plain row has taken a token yet).
+            self._fail(self._batch, e, hooked)
             try:
-                events = batch.step()
-            except Exception as e:
-                self._fail(batch, e)
+                events = self._batch.step()
+            except Exception as again:
+                self._fail(self._batch, again)
+                return
+        for seq, event in events:
+            request = self._requests[id(seq)]
+            if seq.error is not None:
+                self._end_with(request, seq.error)
                 continue
-            for seq, event in events:
-                request = self._requests[id(seq)]
-                if seq.error is not None:
-                    self._end_with(request, seq.error)
-                    continue
-                if event is not None:
-                    self._deliver(request, event)
-                if seq.finish_reason is not None:
-                    self._finish(request)
-        self._solo = [b for b in self._solo if len(b)]
+            if event is not None:
+                self._deliver(request, event)
+            if seq.finish_reason is not None:
+                self._finish(request)
+
+    def _prefill_prompts(self) -> None:
+        requests, self._prompt_only = self._prompt_only, []
+        prefill_prompts(self.model, [r.seq for r in requests])
+        for request in requests:
+            if request.seq.error is not None:
+                self._end_with(request, request.seq.error)
+            else:
+                self._finish(request)
 
     def _deliver(self, request: _Request, event: TokenEvent) -> None:
         now = time.perf_counter()
@@ -313,15 +343,16 @@ class Engine:
 
     def _drop_cancelled(self) -> None:
         for request in [r for r in self._requests.values() if r.cancelled]:
-            for batch in [self._batch, *self._solo]:
-                batch.cancel(request.seq)
+            self._batch.cancel(request.seq)
+            if request in self._prompt_only:
+                self._prompt_only.remove(request)
             del self._requests[id(request.seq)]
-        self._solo = [b for b in self._solo if len(b)]
 
-    def _fail(self, batch: DecodeBatch, error: Exception) -> None:
-        """A forward pass failed: end every sequence of that batch with the error, keep serving."""
-        log.exception("engine step failed; ending %d sequences", len(batch), exc_info=error)
-        for seq in list(batch.seqs):
+    def _fail(self, batch: DecodeBatch, error: Exception, seqs: list[SequenceState] | None = None) -> None:
+        """A forward pass failed: end every sequence of that batch (or `seqs`) with the error, keep serving."""
+        seqs = list(batch.seqs) if seqs is None else seqs
+        log.exception("engine step failed; ending %d sequences", len(seqs), exc_info=error)
+        for seq in seqs:
             batch.cancel(seq)
             request = self._requests.pop(id(seq), None)
             if request is not None:

@@ -1,0 +1,185 @@
+"""Ray Serve: gpt2-serve's app as the replicas of one deployment, built from the same settings.
+
+    serve run server.ray_app:build model=gpt2 replicas=2          # or: serve deploy deploy/serve.yaml
+
+This file alone imports Ray Serve (the `ray` extra). `build(args)` takes gpt2-serve's settings by their
+names (`model`, `max_batch_size`, ...: over the `GPT2_<NAME>` variables, over the defaults, as
+gpt2-serve takes them) and Ray's own: `replicas`, or `min_replicas`/`max_replicas`/
+`target_ongoing_requests` for Serve's autoscaler, and `num_cpus`/`num_gpus` per replica. Each replica
+loads the model once, before Serve routes anything to it, and runs the app unchanged, its lifespan
+starting the replica's own engine; every route (OpenAI completions, native generation, activations,
+the lab, `/health`, `/metrics`) answers as gpt2-serve's would, for that replica.
+
+A replica takes as many requests at once as its engine can hold (`max_ongoing_requests` =
+`max_batch_size` + `max_queue`): Serve's default of 5 would keep the continuous batch nearly empty.
+Serve's proxy accepts the connections, so the connection bounds of gpt2-serve (`host`, `port`,
+`header_timeout`, `keep_alive_timeout`, `max_connections`) are the proxy's `http_options` here; the body's
+deadline (`body_timeout`) holds in each replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from fastapi import FastAPI
+from ray import serve
+from ray.serve import Application
+
+from model.loading import load_from
+
+from .app import create_app
+from .settings import Settings, convert
+
+DEPLOYMENT = "gpt2"
+# gpt2-serve's settings that belong to the accepting side, which Serve's proxy is here: where to set them.
+PROXY_SETTINGS = {
+    "host": "http_options.host",
+    "port": "http_options.port",
+    "keep_alive_timeout": "http_options.keep_alive_timeout_s",
+    "header_timeout": "http_options.request_timeout_s (an end-to-end bound)",
+    "max_connections": "a limit in front of the proxy (a load balancer, an ingress)",
+}
+RAY_ARGS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "num_cpus", "num_gpus")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What `build` deploys: each replica's settings and torch threads, and Serve's deployment options."""
+
+    settings: Settings
+    threads: int
+    options: dict[str, Any]
+
+
+def plan(args: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Plan:
+    """The deployment for `args` (a Serve config's `args`, or `serve run`'s `key=value` pairs, as text).
+    An unknown name or a bad value is a ValueError that names it."""
+    env = os.environ if environ is None else environ
+    names = {f.name for f in fields(Settings)}
+    values: dict[str, Any] = {}
+    for f in fields(Settings):  # the environment first: args override it
+        raw = env.get("GPT2_" + f.name.upper())
+        if raw is not None and f.name not in PROXY_SETTINGS:
+            values[f.name] = _setting(f.name, raw, f"GPT2_{f.name.upper()}")
+    ray_args: dict[str, Any] = {}
+    for key, raw in args.items():
+        name = key.replace("-", "_")
+        if name in PROXY_SETTINGS:
+            raise ValueError(f"{key!r} is set on Serve's proxy under Ray: use {PROXY_SETTINGS[name]}")
+        if name in RAY_ARGS:
+            ray_args[name] = raw
+        elif name in names:
+            values[name] = _setting(name, raw, key)
+        else:
+            valid = ", ".join(sorted((names - PROXY_SETTINGS.keys()) | set(RAY_ARGS)))
+            raise ValueError(f"unknown argument {key!r}: the arguments are {valid}")
+    settings = Settings(**values)
+    if settings.device.startswith("cuda:"):
+        raise ValueError(
+            f"device={settings.device!r}: Ray gives each replica its own GPU (num_gpus), seen as cuda: use device=cuda"
+        )
+    uses_gpu = settings.device == "cuda"
+    num_cpus = _number(ray_args, "num_cpus", 1.0, low=0.0, open_low=True)
+    num_gpus = _number(ray_args, "num_gpus", 1.0 if uses_gpu else 0.0, low=0.0)
+    if uses_gpu and num_gpus == 0:
+        raise ValueError("device=cuda needs a GPU per replica: num_gpus must be above 0")
+    options: dict[str, Any] = {
+        "name": DEPLOYMENT,
+        "max_ongoing_requests": settings.max_batch_size + settings.max_queue,
+        "ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus},
+    }
+    autoscaled = [name for name in ("min_replicas", "max_replicas", "target_ongoing_requests") if name in ray_args]
+    if autoscaled:
+        options["autoscaling_config"] = _autoscaling(ray_args, settings)
+    else:
+        options["num_replicas"] = int(_number(ray_args, "replicas", 1, low=1, integer=True))
+    return Plan(settings, threads=max(1, math.floor(num_cpus)), options=options)
+
+
+def build(args: dict[str, Any]) -> Application:
+    """Serve's application builder: `serve run server.ray_app:build model=gpt2 replicas=2`."""
+    return application(plan(args))
+
+
+def application(p: Plan) -> Application:
+    settings, threads = p.settings, p.threads
+
+    def replica_app() -> FastAPI:
+        """Runs on each replica as it starts, before Serve routes requests to it."""
+        logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        torch.set_num_threads(threads)
+        return create_app(settings, loaded=load_from(settings))
+
+    @serve.ingress(replica_app)
+    class GPT2Replica:
+        """One replica: the app around its own engine. `stats` and `check_health` are reached by Serve
+        (a DeploymentHandle, the controller), not over HTTP."""
+
+        def stats(self) -> dict[str, Any]:
+            """This replica's process, and its engine's load and output so far."""
+            app: FastAPI = self.app  # type: ignore[attr-defined]  # ASGIAppReplicaWrapper's
+            engine = app.state.engine
+            tokens = app.state.metrics.registry.get_sample_value("gpt2_tokens_generated_total") or 0
+            return {"pid": os.getpid(), "sequences": engine.sequences, "tokens_generated": int(tokens)}
+
+        def check_health(self) -> None:
+            """Serve restarts a replica whose engine thread has ended (it would never answer again)."""
+            app: FastAPI = self.app  # type: ignore[attr-defined]
+            if not app.state.engine.running:
+                raise RuntimeError("the engine's thread has ended")
+
+    return serve.deployment(**p.options)(GPT2Replica).bind()
+
+
+def _setting(name: str, raw: Any, given_as: str) -> Any:
+    try:
+        return convert(name, raw)
+    except ValueError as e:
+        raise ValueError(f"{given_as} {e}") from None
+
+
+def _number(
+    args: Mapping[str, Any],
+    name: str,
+    default: float,
+    *,
+    low: float,
+    open_low: bool = False,
+    integer: bool = False,
+) -> float:
+    raw = args.get(name, default)
+    kind = "an integer" if integer else "a number"
+    try:
+        if isinstance(raw, bool) or (integer and isinstance(raw, float) and not raw.is_integer()):
+            raise ValueError
+        value = int(raw) if integer else float(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be {kind}, got {raw!r}") from None
+    if not math.isfinite(value) or value < low or (open_low and value == low):
+        bound = f"above {low:g}" if open_low else f"at least {low:g}"
+        raise ValueError(f"{name} must be {kind} {bound}, got {raw!r}")
+    return value
+
+
+def _autoscaling(args: Mapping[str, Any], settings: Settings) -> dict[str, Any]:
+    """Serve's autoscaler: between min_replicas (1) and max_replicas (min_replicas), aiming at
+    target_ongoing_requests per replica (max_batch_size: a full batch, no queue); `replicas` is the
+    initial count."""
+    low = int(_number(args, "min_replicas", 1, low=0, integer=True))
+    high = int(_number(args, "max_replicas", max(low, 1), low=1, integer=True))
+    if high < low:
+        raise ValueError(f"max_replicas ({high}) must be at least min_replicas ({low})")
+    target = _number(args, "target_ongoing_requests", settings.max_batch_size, low=0, open_low=True)
+    config: dict[str, Any] = {"min_replicas": low, "max_replicas": high, "target_ongoing_requests": target}
+    if "replicas" in args:
+        initial = int(_number(args, "replicas", 1, low=0, integer=True))
+        if not low <= initial <= high:
+            raise ValueError(f"replicas ({initial}) must be between min_replicas ({low}) and max_replicas ({high})")
+        config["initial_replicas"] = initial
+    return config
