@@ -30,6 +30,12 @@ from .deps import EngineDep, SettingsDep, json_response, merged, results, sse, t
 
 router = APIRouter(tags=["native"])
 
+QUANTIZATION_NOTES = {
+    "int8": "weight-only int8: every projection and the LM head hold int8 weights with a float32 scale per output "
+    "channel; activations are float32, so dumps hold the float32 activations of this quantized model, not of the "
+    "original float32 weights"
+}
+
 
 @router.get("/v1/model")
 async def model_info(engine: EngineDep) -> dict[str, Any]:
@@ -37,7 +43,9 @@ async def model_info(engine: EngineDep) -> dict[str, Any]:
     return {
         "name": loaded.name,
         "revision": loaded.revision,
-        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "dtype": str(loaded.dtype).removeprefix("torch."),  # of the activations (and dumps)
+        "weights": loaded.quantization or str(loaded.dtype).removeprefix("torch."),
+        "quantization": QUANTIZATION_NOTES.get(loaded.quantization or ""),
         "device": str(loaded.device),
         "n_layer": c.n_layer,
         "n_head": c.n_head,
