@@ -19,7 +19,7 @@ import torch
 
 from .cuda_graph import StaticDecode
 from .gpt import GPT
-from .hooks import Capture, Hooks, select_hooks
+from .hooks import HEAD_HOOKS, Capture, Hooks, Index, RowHooks, StopAfter, StopForward, hook_names, select_hooks
 from .interventions import EditSpec, HookChain
 from .kv_cache import KVCache, PackedBatch
 from .sampling import sample, top_logprobs
@@ -156,6 +156,11 @@ class SequenceState:
     finish_reason: str | None = None  # "error" when it failed alone (`error`)
     error: Exception | None = None
 
+    @property
+    def prompt_only(self) -> bool:
+        """Nothing to generate and no logits wanted: only the prompt's activations (`prefill_prompts`)."""
+        return self.params.max_new_tokens == 0 and self.params.prompt_logprobs is None
+
     def accept(self, logits: torch.Tensor, argmax: int | None = None) -> TokenEvent:
         """Choose the next token from `logits` [vocab] (float32; `argmax`: its argmax, if already known) and
         update text and stop state."""
@@ -245,6 +250,42 @@ def _prompt_logprobs(logits: torch.Tensor, prompt: list[int], start: int, n: int
     return out
 
 
+def _wants_head(hooks: Hooks | None) -> bool:
+    return hooks is not None and any(hooks.active(name) for name in HEAD_HOOKS)
+
+
+def prefill_prompts(model: GPT, seqs: Sequence[SequenceState]) -> None:
+    """Run the prompts of `prompt_only` sequences in one forward pass, [B, longest] (shorter ones padded at
+    the end, which causal attention keeps from every real position), each sequence's hooks seeing only its
+    own positions (`RowHooks`). The pass ends after the last hook any of them captures (`StopAfter`): the
+    blocks after it and the LM head never run. Each sequence is finished ("length") or failed (`error`)."""
+    n_layer = model.config.n_layer
+    captured = {n for s in seqs if s.capture is not None for n in s.capture.names}
+    last = [n for n in hook_names(n_layer) if n in captured][-1:]
+    if last:
+        longest = max(len(s.prompt) for s in seqs)
+        idx = torch.tensor([s.prompt + [0] * (longest - len(s.prompt)) for s in seqs], device=model.wte.weight.device)
+        parts: list[tuple[Hooks, Index]] = []
+        squares: list[tuple[Hooks, Index]] = []
+        every = slice(None)
+        for b, s in enumerate(seqs):
+            if s.hooks is not None:
+                t = slice(0, len(s.prompt))
+                parts.append((s.hooks, (slice(b, b + 1), t)))
+                squares.append((s.hooks, (slice(b, b + 1), every, t, t)))
+        try:
+            model(idx, hooks=StopAfter(RowHooks(parts, squares), last[0]))
+        except StopForward:
+            pass
+        except Exception as e:  # an edit that cannot be applied to these values, say: every row fails with it
+            for s in seqs:
+                s.finish_reason, s.error = "error", e
+            return
+    for s in seqs:
+        s.prefilled = len(s.prompt)
+        s.finish_reason = "length"
+
+
 def validate_prompt(model: GPT, prompt: Sequence[int], max_new_tokens: int, param: str = "prompt") -> list[int]:
     n_ctx, vocab = model.config.n_positions, model.config.vocab_size
     ids = list(prompt)
@@ -300,8 +341,10 @@ class DecodeBatch:
     take its row. Each `step` is one forward pass: a decode token for every sequence past its prompt, packed
     with the next prompt tokens of the sequences still prefilling (first come, first served; with
     `prefill_chunk`, at most that many prompt tokens a step, so long prompts do not stall the others), so
-    the weights are read once for both (`PackedBatch`). A sequence that captures activations needs a batch
-    of its own (capacity 1), since hooks see the whole batch.
+    the weights are read once for both (`PackedBatch`). Sequences that capture activations or apply edits
+    share the batch with the others: each one's `hooks` sees only its own tokens (`RowHooks`), exactly the
+    values it would see alone, and its prompt is prefilled in one piece (an edit such as `mean` needs the
+    whole prompt at once).
     """
 
     def __init__(
@@ -349,7 +392,6 @@ class DecodeBatch:
 
     def add(self, seq: SequenceState) -> None:
         """Give `seq` a row; the next steps prefill its prompt."""
-        assert seq.hooks is None or self.cache.capacity == 1, "a sequence with hooks needs its own batch"
         self.cache.add_row()
         self.seqs.append(seq)
         self.joined.append(next(self._tickets))
@@ -377,7 +419,10 @@ class DecodeBatch:
         for b in sorted(range(len(self.seqs)), key=self.joined.__getitem__):
             seq = self.seqs[b]
             if seq.prefilled < len(seq.prompt) and (budget is None or budget > 0):
-                end = len(seq.prompt) if budget is None else min(len(seq.prompt), seq.prefilled + budget)
+                if budget is None or seq.hooks is not None:  # hooks see a prompt in one piece
+                    end = len(seq.prompt)
+                else:
+                    end = min(len(seq.prompt), seq.prefilled + budget)
                 chunks.append((b, seq.prefilled, end))
                 if budget is not None:
                     budget -= end - seq.prefilled
@@ -404,14 +449,18 @@ class DecodeBatch:
         for b, start, end in chunks:
             seq, first = self.seqs[b], len(tokens)
             tokens += seq.prompt[start:end]
-            wanted = range(first, first + end - start) if seq.params.prompt_logprobs is not None else range(0)
+            every = seq.params.prompt_logprobs is not None or _wants_head(seq.hooks)
+            wanted = range(first, first + end - start) if every else range(0)
             if not wanted and end == len(seq.prompt):  # the last: it predicts the first new token
                 wanted = range(first + end - start - 1, first + end - start)
             spans.append((len(outputs), len(outputs) + len(wanted)))
             outputs += wanted
-        packed = PackedBatch(self.cache, bool(decoding), [(b, end - start) for b, start, end in chunks], outputs)
+        hooks, piece_hooks = self._packed_hooks(decoding, chunks, spans)
+        packed = PackedBatch(
+            self.cache, bool(decoding), [(b, end - start) for b, start, end in chunks], outputs, piece_hooks
+        )
         idx = torch.tensor([tokens], device=self.model.wte.weight.device)  # [1, N]
-        logits = self.model(idx, packed)[0]  # [len(outputs), vocab]
+        logits = self.model(idx, packed, hooks)[0]  # [len(outputs), vocab]
         out: list[tuple[SequenceState, TokenEvent | None]] = []
         if decoding:
             self.cache.advance(steps)
@@ -421,6 +470,35 @@ class DecodeBatch:
         for (b, start, end), (lo, hi) in zip(chunks, spans, strict=True):
             out += self._prefilled(self.seqs[b], start, end, logits[lo:hi])
         return out
+
+    def _packed_hooks(
+        self, decoding: list[int], chunks: list[tuple[int, int, int]], spans: list[tuple[int, int]]
+    ) -> tuple[RowHooks | None, list[Hooks | None] | None]:
+        """Each hooked sequence's share of a packed pass [1, N]: its decode token (row b is token b of the
+        decode piece, and output j if it is the j-th decoding row) or its prompt chunk; and per piece, its
+        attention squares (a decoding row's against its own keys only)."""
+        parts: list[tuple[Hooks, Index]] = []
+        head: list[tuple[Hooks, Index]] = []
+        squares: list[tuple[Hooks, Index]] = []
+        one, every = slice(0, 1), slice(None)
+        for j, b in enumerate(decoding):
+            h = self.seqs[b].hooks
+            if h is not None:
+                parts.append((h, (one, slice(b, b + 1))))
+                head.append((h, (one, slice(j, j + 1))))
+                squares.append((h, (slice(b, b + 1), every, every, slice(0, self.cache.lengths[b] + 1))))
+        piece_hooks: list[Hooks | None] = [RowHooks([], squares)] if decoding else []
+        first = len(self.seqs) if decoding else 0
+        for (b, start, end), (lo, hi) in zip(chunks, spans, strict=True):
+            h = self.seqs[b].hooks
+            if h is not None:
+                parts.append((h, (one, slice(first, first + end - start))))
+                head.append((h, (one, slice(lo, hi))))
+            piece_hooks.append(h)  # a chunk's piece is its row alone: its squares are its own
+            first += end - start
+        if not parts:
+            return None, None
+        return RowHooks(parts, head_parts=head), piece_hooks
 
     def _prefilled(
         self, seq: SequenceState, start: int, end: int, logits: torch.Tensor
@@ -441,7 +519,7 @@ class DecodeBatch:
 
     def _decode(self) -> list[tuple[SequenceState, TokenEvent | None]]:
         """One token for every row (a step with no prompt chunk: every row is past its prompt)."""
-        hooks = self.seqs[0].hooks if self.cache.capacity == 1 else None
+        hooks = self._decode_hooks()
         tokens = [s.tokens[-1] for s in self.seqs]
         if self.static is not None and hooks is None:
             logits = self.static(tokens, list(self.cache.lengths))  # [B, vocab]
@@ -450,6 +528,17 @@ class DecodeBatch:
             logits = self.model(idx, self.cache, hooks, last_only=True)[:, -1]  # [B, vocab]
         self.cache.advance(1)
         return self._accept(self.seqs, logits)
+
+    def _decode_hooks(self) -> RowHooks | None:
+        """Each hooked row's share of a decode pass [B, 1]: its token, and its squares against its own keys."""
+        parts: list[tuple[Hooks, Index]] = []
+        squares: list[tuple[Hooks, Index]] = []
+        every = slice(None)
+        for b, seq in enumerate(self.seqs):
+            if seq.hooks is not None:
+                parts.append((seq.hooks, (slice(b, b + 1), every)))
+                squares.append((seq.hooks, (slice(b, b + 1), every, every, slice(0, self.cache.lengths[b] + 1))))
+        return RowHooks(parts, squares) if parts else None
 
     def _accept(self, seqs: list[SequenceState], logits: torch.Tensor) -> list[tuple[SequenceState, TokenEvent | None]]:
         """Each of `seqs` takes its next token from its row of `logits` [len(seqs), vocab]. One that cannot
@@ -485,7 +574,10 @@ class DecodeBatch:
         if seq.capture is not None and seq.tokens and seq.finish_reason not in ("cancelled", "error"):
             # The last token was sampled, never fed: feed it, so activations cover every position.
             idx = torch.tensor([[seq.tokens[-1]]], device=self.model.wte.weight.device)
-            self.model(idx, self.cache.row(b), seq.hooks, last_only=True)
+            try:
+                self.model(idx, self.cache.row(b), seq.hooks, last_only=True)
+            except Exception as e:  # this sequence's own pass: it fails alone
+                seq.finish_reason, seq.error = "error", e
         self.cache.remove_row(b)
         self.seqs[b], self.joined[b] = self.seqs[-1], self.joined[-1]
         self.seqs.pop()
@@ -496,10 +588,10 @@ class Generation:
     """Continuations of several prompts. Iterate it for `TokenEvent`s as tokens are produced; once it is
     exhausted, `results` holds one `Completion` per prompt, in prompt order.
 
-    With `hooks` (names or glob patterns), each prompt runs alone and its `Completion.activations` holds
-    the hook values ([1, ...], as TransformerLens shapes them) over every position of prompt and
-    continuation: what one forward pass over the final sequence gives. With `edits`, each prompt runs
-    alone with those interventions and residual ablations applied.
+    With `hooks` (names or glob patterns), each `Completion.activations` holds the hook values ([1, ...],
+    as TransformerLens shapes them) over every position of prompt and continuation: what one forward pass
+    over the final sequence gives. With `edits`, each prompt runs with those interventions and residual
+    ablations applied. The prompts run as one batch either way, each seeing only its own values.
     """
 
     def __init__(
@@ -531,14 +623,18 @@ class Generation:
         return [s.result() for s in self._seqs]
 
     def __iter__(self) -> Iterator[TokenEvent]:
-        alone = self._seqs[0].hooks is not None
-        groups = [[s] for s in self._seqs] if alone else [self._seqs]  # hooks: one prompt at a time
+        prompt_only = [s for s in self._seqs if s.prompt_only]
+        group = [s for s in self._seqs if not s.prompt_only]
         with torch.inference_mode():
-            for group in groups:
+            if prompt_only:
+                prefill_prompts(self.model, prompt_only)
+                for seq in prompt_only:
+                    if seq.error is not None:
+                        raise seq.error
+            if group:
                 max_len = max(len(s.prompt) + s.params.max_new_tokens for s in group)
                 # prompt tokens per pass: at most a context's worth (bounds the memory of its logits)
-                chunk = None if alone else self.model.config.n_positions
-                batch = DecodeBatch(self.model, len(group), max_len, chunk)
+                batch = DecodeBatch(self.model, len(group), max_len, self.model.config.n_positions)
                 for seq in group:
                     batch.add(seq)
                 while batch:

@@ -105,9 +105,9 @@ class CausalSelfAttention(nn.Module):
         v = self.hook_v(v, hooks)
         if isinstance(cache, PackedBatch):  # several sequences side by side along T: attend piece by piece
             pieces = []
-            for s, n, piece in cache.pieces:  # the tokens of n rows, as [n, tokens per row, H, D]
-                qs, ks, vs = (t[:, s].view(n, -1, H, D) for t in (q, k, v))
-                pieces.append(self._attend(qs, ks, vs, piece, hooks).reshape(1, -1, H, D))
+            for (s, n, piece), piece_hooks in zip(cache.pieces, cache.piece_hooks, strict=True):
+                qs, ks, vs = (t[:, s].view(n, -1, H, D) for t in (q, k, v))  # the tokens of n rows, [n, t, H, D]
+                pieces.append(self._attend(qs, ks, vs, piece, piece_hooks).reshape(1, -1, H, D))
             z = torch.cat(pieces, dim=1)
         else:
             z = self._attend(q, k, v, cache, hooks)
@@ -244,10 +244,10 @@ class GPT(nn.Module):
         `last_only`). With a `cache`, `idx` continues each row's sequence and its keys and values are stored;
         `positions` [B, 1] (a device tensor) makes that a fixed-shape decode step, as CUDA graphs need. With a
         `PackedBatch`, `idx` [1, N] is its tokens side by side and the logits [1, len(outputs), vocab] are
-        those at its `outputs`."""
+        those at its `outputs` (its `hooks` are then a `RowHooks`: each sequence sees its own tokens)."""
         B, T = idx.shape
         if isinstance(cache, PackedBatch):
-            assert hooks is None and not last_only, "a packed pass takes no hooks and picks its own outputs"
+            assert not last_only, "a packed pass picks its own outputs"
         if cache is None:
             if T > self.config.n_positions:
                 raise ValueError(f"sequence of {T} tokens exceeds the context of {self.config.n_positions}")

@@ -81,6 +81,7 @@ _BLOCK_SITES: list[tuple[str, bool]] = [  # (site, optional)
 _FIRST = ["hook_embed", "hook_pos_embed"]
 _LAST = ["ln_final.hook_scale", "ln_final.hook_normalized", "unembed.hook_in", "unembed.hook_out", "logits"]
 OPTIONAL_SITES = tuple(site for site, optional in _BLOCK_SITES if optional)
+HEAD_HOOKS = tuple(_LAST)  # after the last block: what needs the logits of every position it covers
 
 
 def hook_names(n_layer: int, optional: bool = True) -> list[str]:
@@ -187,7 +188,10 @@ class Capture:
 
     def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
         if name in self._wanted:
-            self._chunks[name].append(x.detach())
+            chunk = x.detach()
+            if chunk.untyped_storage().nbytes() > chunk.numel() * chunk.element_size():
+                chunk = chunk.clone()  # one sequence's part of a batch: keep it, not the whole batch's tensor
+            self._chunks[name].append(chunk)
         return x
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -202,6 +206,54 @@ class Capture:
                 out[name] = torch.cat(chunks, dim=2)  # [batch, head, pos, pos]
             else:
                 out[name] = torch.cat(chunks, dim=1)  # [batch, pos, ...]
+        return out
+
+
+Index = tuple[int | slice, ...]
+
+
+class RowHooks:
+    """Several sequences' own `Hooks` over one batched forward pass: each is handed only its own part of a
+    value, as it would see it running alone ([1, its positions, ...]), and what it returns goes back in
+    that part (into a copy: the batch's tensor itself is never written). `parts` index values shaped
+    [batch, pos, ...]; `square_parts`, attention squares [batch, head, query, key] (a row's own keys
+    only: the others' lie past its length); `head_parts`, the values after the LM head's choice of
+    outputs (`ln_final.*`, `unembed.*`, `logits`), where those differ from `parts`."""
+
+    def __init__(
+        self,
+        parts: list[tuple[Hooks, Index]],
+        square_parts: list[tuple[Hooks, Index]] | None = None,
+        head_parts: list[tuple[Hooks, Index]] | None = None,
+    ) -> None:
+        self.parts = parts
+        self.square_parts = square_parts if square_parts is not None else []
+        self.head_parts = head_parts if head_parts is not None else parts
+        self._active: dict[str, bool] = {}
+
+    def active(self, name: str) -> bool:
+        if name not in self._active:
+            self._active[name] = any(h.active(name) for h, _ in self._parts_of(name))
+        return self._active[name]
+
+    def _parts_of(self, name: str) -> list[tuple[Hooks, Index]]:
+        if is_attention_square(name):
+            return self.square_parts
+        return self.head_parts if name in HEAD_HOOKS else self.parts
+
+    def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        if not self.active(name):
+            return x
+        out = x
+        for hooks, index in self._parts_of(name):
+            if not hooks.active(name):
+                continue
+            part = x[index]
+            new = hooks(name, part)
+            if new is not part:
+                if out is x:
+                    out = x.clone()
+                out[index] = new
         return out
 
 

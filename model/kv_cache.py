@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .config import GPTConfig
+from .hooks import Hooks
 
 
 class KVCache:
@@ -173,8 +174,17 @@ class PackedBatch:
     overwrites it. The caller moves the lengths on after the pass (`advance`, `set_length`).
     """
 
-    def __init__(self, cache: KVCache, decode: bool, chunks: list[tuple[int, int]], outputs: list[int]) -> None:
-        """`decode`: begin with one token per row in use; `chunks`: (row, tokens) for each prompt chunk."""
+    def __init__(
+        self,
+        cache: KVCache,
+        decode: bool,
+        chunks: list[tuple[int, int]],
+        outputs: list[int],
+        piece_hooks: list[Hooks | None] | None = None,
+    ) -> None:
+        """`decode`: begin with one token per row in use; `chunks`: (row, tokens) for each prompt chunk;
+        `piece_hooks`: what each piece's attention scores and patterns are handed to (per piece, since
+        each has its own shape), None for none."""
         self.pieces: list[tuple[slice, int, KVCache]] = []  # (its tokens among the N, its rows, its cache)
         n = 0
         if decode:
@@ -184,6 +194,8 @@ class PackedBatch:
             self.pieces.append((slice(n, n + length), 1, cache.row(row)))
             n += length
         self.n_tokens = n
+        self.piece_hooks = piece_hooks if piece_hooks is not None else [None] * len(self.pieces)
+        assert len(self.piece_hooks) == len(self.pieces), "one entry of piece_hooks per piece"
         self.outputs = torch.tensor(outputs, dtype=torch.long, device=cache.k.device)
 
     def begin(self, n_new: int) -> torch.Tensor:

@@ -189,8 +189,9 @@ def test_call_runs_on_the_engine_thread(loaded: LoadedModel) -> None:
 
 
 def test_failing_batch_ends_only_its_sequences(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A forward pass that raises for a capturing request (a batch of its own) fails that request with the
-    error; the shared batch decoding beside it is untouched, and the engine goes on serving."""
+    """A forward pass that raises with a capturing request in the shared batch fails that request with the
+    error; the plain sequence decoding beside it is untouched (the step is taken again without the
+    capturing one), and the engine goes on serving."""
     prompt = loaded.tokenizer.encode("Hello world")
     forward = loaded.model.forward
 

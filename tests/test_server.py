@@ -37,7 +37,7 @@ from inprocess import assert_still_serving, engine_held, post_ok, serve, setting
 from prometheus_client.parser import text_string_to_metric_families
 
 import server.app as app_module
-from model.hooks import hook_names
+from model.hooks import OPTIONAL_SITES, hook_names
 from model.loading import LoadedModel
 from server.app import create_app
 
@@ -76,7 +76,8 @@ def test_model_info(client: TestClient, loaded: LoadedModel) -> None:
     assert (info["n_layer"], info["n_head"], info["d_model"], info["n_ctx"]) == (2, 4, 64, 128)
     assert info["vocab_size"] == 50257
     assert info["hook_names"] == hook_names(2)
-    assert len(info["hook_names"]) == 2 + 15 * 2 + 2
+    assert len(info["hook_names"]) == 2 + 23 * 2 + 5
+    assert info["optional_hook_names"] == [n for n in hook_names(2) if n.endswith(OPTIONAL_SITES)]
     assert {"hook_embed", "blocks.1.attn.hook_pattern", "blocks.0.mlp.hook_post", "logits"} <= set(info["hook_names"])
 
 
@@ -319,8 +320,8 @@ def test_activations_endpoint(client: TestClient, loaded: LoadedModel) -> None:
     assert r.status_code == 200, r.text
     assert r.headers["content-type"] == "application/octet-stream"
     tensors = safetensors.torch.load(r.content)
-    assert sorted(tensors) == sorted(hook_names(2))
-    ref = full_capture(loaded, ids, hook_names(2))
+    assert sorted(tensors) == sorted(hook_names(2, optional=False))  # "*": TransformerLens' default hooks
+    ref = full_capture(loaded, ids, hook_names(2, optional=False))
     for name, expected in ref.items():
         got = tensors[name]
         assert got.dtype == torch.float32 and got.shape == expected.shape, name

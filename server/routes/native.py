@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
@@ -80,11 +81,30 @@ async def activations(req: ActivationsRequest, request: Request, engine: EngineD
         raise GenerationError("/v1/activations answers with one file: stream is not supported", "stream")
     prompts = await token_ids(engine, req.prompt, req.input_ids)
     params = req.sampling_params(settings.max_new_tokens)
+    if len(prompts) > 1:
+        _check_stackable(prompts, params.max_new_tokens, "input_ids" if req.input_ids is not None else "prompt")
     hooks = _checked_hooks(engine, settings, req.activations, prompts, params.max_new_tokens, file=True)
     edits = req.edit_spec(engine.model.config.n_layer)
-    (completion,) = await results(engine.submit(prompts, [params], hooks, edits), request)
-    blob = await run_in_threadpool(_Reply(engine, None).file, completion, req.activations.dtype)
+    completions = await results(engine.submit(prompts, [params] * len(prompts), hooks, edits), request)
+    blob = await run_in_threadpool(_Reply(engine, None).file, completions, req.activations.dtype, len(prompts) > 1)
     return Response(blob, media_type="application/octet-stream")
+
+
+def _check_stackable(prompts: list[list[int]], max_new_tokens: int, param: str) -> None:
+    """A batch's dumps are stacked along a leading batch dimension: one length for all, nothing generated."""
+    if max_new_tokens:
+        raise GenerationError(
+            f"a batch of {len(prompts)} prompts gives their forward passes only: max_new_tokens must be 0, got "
+            f"{max_new_tokens} (send one prompt per request to dump a generation)",
+            "max_new_tokens",
+        )
+    lengths = sorted({len(p) for p in prompts})
+    if len(lengths) > 1:
+        raise GenerationError(
+            f"the prompts of a batch must have one length, to stack into [batch, pos, ...]; got lengths "
+            f"{lengths[0]} to {lengths[-1]} tokens",
+            param,
+        )
 
 
 @router.post("/v1/next-token")
@@ -177,16 +197,22 @@ class _Reply:
         meta = {"model": self.engine.loaded.name, "token_ids": c.prompt_ids + c.token_ids}
         return encoding.to_safetensors_base64(c.activations, self.spec.dtype, meta)
 
-    def file(self, completion: Completion, dtype: str) -> bytes:
-        """/v1/activations' answer: the dump as a safetensors file, its metadata holding the result."""
-        assert completion.activations is not None
+    def file(self, completions: list[Completion], dtype: str, batch: bool) -> bytes:
+        """/v1/activations' answer: the dump as a safetensors file, its metadata holding the result. A
+        `batch`'s tensors are stacked along their batch dimension, in the order of the prompts, and its
+        token ids and texts are lists of one per prompt."""
+        acts = [c.activations for c in completions]
+        assert all(a is not None for a in acts)
+        ids = [c.prompt_ids + c.token_ids for c in completions]
+        texts = [self.engine.tokenizer.decode(c.prompt_ids) + c.text for c in completions]
         meta = {
             "model": self.engine.loaded.name,
-            "token_ids": completion.prompt_ids + completion.token_ids,
-            "text": self.engine.tokenizer.decode(completion.prompt_ids) + completion.text,
-            "result": json.dumps(self.body([completion])),
+            "token_ids": ids if batch else ids[0],
+            "text": json.dumps(texts) if batch else texts[0],
+            "result": json.dumps(self.body(completions)),
         }
-        return encoding.to_safetensors(completion.activations, dtype, meta)
+        tensors = {name: torch.cat([a[name] for a in acts if a is not None]) for name in acts[0] or {}}
+        return encoding.to_safetensors(tensors, dtype, meta)
 
     def body(self, completions: list[Completion]) -> dict[str, Any]:
         prompt_tokens = sum(len(c.prompt_ids) for c in completions)
