@@ -146,10 +146,11 @@ class GenerateRequest(Edits):
 
 
 class ActivationsRequest(GenerateRequest):
-    """`/v1/activations`: one prompt, by default just its forward pass."""
+    """`/v1/activations`: one prompt (by default just its forward pass), or a batch of prompts of one
+    length (their forward passes: one file with a leading batch dimension)."""
 
-    prompt: str | None = None
-    input_ids: list[int] | None = None
+    prompt: PromptText | None = None
+    input_ids: PromptIds | None = None
     max_new_tokens: int = 0
     activations: ActivationSpec = Field(default_factory=lambda: ActivationSpec(hooks=["*"]))
 
