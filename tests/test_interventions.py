@@ -8,7 +8,6 @@ from collections.abc import Callable
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from model.generate import SamplingParams, generate
 from model.gpt import GPT
@@ -45,7 +44,7 @@ def by_hand(
         m = mlp(i, m) if mlp else m
         x = m if i in no_skip_mlp else x + m
         x = resid_post(i, x) if resid_post else x
-    return F.linear(model.ln_f(x), model.wte.weight)
+    return model.lm_head(model.ln_f(x), model.wte.weight)
 
 
 def run(model: GPT, spec: EditSpec | Hooks | None, ids: list[int] = PROMPT) -> torch.Tensor:
