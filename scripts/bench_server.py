@@ -62,6 +62,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--prefill-chunk", type=int, help="prompt tokens per engine step (default: the server's)")
     p.add_argument("--quick", action="store_true", help="small levels and short requests (a smoke run)")
+    p.add_argument(
+        "--ray",
+        type=int,
+        default=0,
+        metavar="REPLICAS",
+        help="serve through Ray Serve, as REPLICAS replicas (ray extra)",
+    )
+    p.add_argument("--ray-threads", type=int, default=1, help="torch threads (Ray CPUs) per replica with --ray")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument(
         "--server-log", metavar="FILE", help="keep the server's log (stderr) here (default: a temporary file)"
@@ -221,8 +229,18 @@ def main(argv: list[str] | None = None) -> int:
             make_random_checkpoint(Path(model))
         port = free_port()
         log = Path(args.server_log) if args.server_log else Path(tmp) / "server.log"
-        server = start_server(args, model, port, log)
-        url = f"http://127.0.0.1:{port}"
+        if args.ray:  # the same app behind Ray Serve's proxy (its log is Ray's, under its temp directory)
+            from gpt2_scripts import bench_ray
+
+            url, stop = bench_ray.start(args, model)
+        else:
+            server = start_server(args, model, port, log)
+            url = f"http://127.0.0.1:{port}"
+
+            def stop() -> None:
+                server.terminate()
+                server.wait(timeout=30)
+
         try:
             asyncio.run(run_level(url, make_requests(2, args, seed=99), 2))  # warm-up
             one_at_a_time = make_requests(args.baseline_requests, args, seed=0)
@@ -236,9 +254,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"the benchmark failed; the server's log ends:\n{log_tail(log)}", file=sys.stderr)
             raise
         finally:
-            server.terminate()
-            server.wait(timeout=30)
+            stop()
     report = {
+        "ray_replicas": args.ray,
+        "ray_threads": args.ray_threads if args.ray else None,
         "dtype": args.dtype,
         "prefill_chunk": args.prefill_chunk,
         "baselines_one_at_a_time": baselines,
