@@ -204,3 +204,31 @@ def test_capturing_the_optional_hooks_leaves_the_logits_as_they_are(tiny_model: 
         plain = tiny_model(ids)
         captured = tiny_model(ids, hooks=Capture(optional))
     assert max_diff(plain, captured) <= 1e-5
+
+
+def test_the_servers_dump_of_every_hook_equals_transformer_lens(tiny: Checkpoint, loaded) -> None:
+    """`/v1/activations` with `"hooks": ["*"]` (every default hook) and the optional ones by name, against
+    `run_with_cache` of TransformerLens' model with the switches on."""
+    import safetensors.torch
+    from inprocess import serve
+
+    ids = torch.randint(0, 50257, (1, 16), generator=torch.Generator().manual_seed(9))
+    optional = ["blocks.*.attn.hook_result", "blocks.*.hook_q_input", "blocks.*.hook_mlp_in"]
+    with serve(loaded) as client:
+        r = client.post(
+            "/v1/activations", json={"input_ids": ids[0].tolist(), "activations": {"hooks": ["*", *optional]}}
+        )
+        assert r.status_code == 200, r.text
+        dump = safetensors.torch.load(r.content)
+    with torch.inference_mode():
+        _, default = hooked(tiny, torch.float32).run_with_cache(ids)
+        _, switched = hooked(tiny, torch.float32, **SWITCHES["split"]).run_with_cache(ids)
+    served = [n for n in dump if n != "logits"]
+    assert len(served) == len(hook_names(2, optional=False)) - 1 + 3 * 2
+    for name in served:
+        want = switched[name] if is_optional(name) else default[name]
+        got = dump[name]
+        if name.endswith("hook_attn_scores"):
+            got, want = got.masked_fill(got.isinf(), 0), want.masked_fill(want.isinf(), 0)
+        assert got.shape == want.shape, name
+        assert max_diff(got, want) <= F32, f"{name}: {max_diff(got, want):.3g}"
