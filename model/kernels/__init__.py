@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("matmul.cpp")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 BUILD_TIMEOUT_S = 300
-MAX_ROWS = 48  # above this many rows MKL's GEMM is as fast or faster (prefill): measured on AVX2 hosts
+MAX_ROWS = 96  # products of more rows (prefill) go to MKL's GEMM; up to here (a server step's decode rows and
+# prompt chunk) ours was as fast or faster on an AVX2 host
 
 
 def cache_dir() -> Path:

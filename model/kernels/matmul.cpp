@@ -117,17 +117,30 @@ inline void group(const float* x, int64_t M, int64_t K, const typename W::T* w, 
   outputs<F32>(x, M, K, buffer.data(), K, nullptr, bg, y + n0, N, nr);
 }
 
+// Rows of x per pass over W: as many as keep the block in L2 (about 256 KiB), a multiple of MR.
+inline int64_t row_block(int64_t K) {
+  int64_t rows = 65536 / (K > 0 ? K : 1);
+  rows = rows < 2 * MR ? 2 * MR : rows > 16 * MR ? 16 * MR : rows;
+  return rows / MR * MR;
+}
+
 template <typename W>
 void matmul(const float* x, int64_t M, int64_t K, const typename W::T* w, int64_t ldw, const float* scale,
             const float* bias, float* y, int64_t N, int threads) {
   const int64_t groups = (N + NR - 1) / NR;
-  if (threads <= 1) {
-    for (int64_t g = 0; g < groups; ++g) group<W>(x, M, K, w, ldw, scale, bias, y, N, g);
-    return;
-  }
-  // static schedule: each thread one contiguous run of outputs, so one contiguous slab of W
+  const int64_t rb = row_block(K);
+  for (int64_t m0 = 0; m0 < M; m0 += rb) {  // one pass over W per block of rows
+    const int64_t m = M - m0 < rb ? M - m0 : rb;
+    const float* xb = x + m0 * K;
+    float* yb = y + m0 * N;
+    if (threads <= 1) {
+      for (int64_t g = 0; g < groups; ++g) group<W>(xb, m, K, w, ldw, scale, bias, yb, N, g);
+      continue;
+    }
+    // static schedule: each thread one contiguous run of outputs, so one contiguous slab of W
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t g = 0; g < groups; ++g) group<W>(x, M, K, w, ldw, scale, bias, y, N, g);
+    for (int64_t g = 0; g < groups; ++g) group<W>(xb, m, K, w, ldw, scale, bias, yb, N, g);
+  }
 }
 
 }  // namespace
