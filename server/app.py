@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
+from model.lab.steering import Directions
 from model.loading import LoadedModel, load_from
 
 from .engine import Engine
@@ -23,6 +24,7 @@ from .errors import install_error_handlers
 from .metrics import Metrics
 from .middleware import CORS, RequestGuard
 from .routes import lab, native, openai, ops, tokenizer
+from .routes import sae as sae_routes
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if loaded is not None:
+            app.state.directions = sae_routes.load_directions(settings, loaded)
             app.state.engine = _start_engine(loaded, settings, metrics)
         else:
             threading.Thread(target=_load_in_background, args=(app,), name="gpt2-loader", daemon=True).start()
@@ -50,6 +53,7 @@ def create_app(
     def _load_in_background(app: FastAPI) -> None:
         try:
             model = load_from(settings)
+            app.state.directions = sae_routes.load_directions(settings, model)  # --sae: with the model
             app.state.engine = _start_engine(model, settings, metrics)
         except Exception as e:
             log.error("cannot load the model: %s", e)
@@ -64,9 +68,11 @@ def create_app(
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.engine = None
+    app.state.directions = Directions(max_vectors=settings.max_steering_vectors)
     install_error_handlers(app)
     for router in (ops.router, native.router, openai.router, tokenizer.router, lab.router):
         app.include_router(router)
+    app.include_router(sae_routes.router)
     app.mount("/static", StaticFiles(directory=lab.STATIC), name="static")
     app.add_middleware(
         RequestGuard,

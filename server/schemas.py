@@ -4,6 +4,7 @@ the engine's plain parameter objects; the values themselves are checked by `Samp
 from __future__ import annotations
 
 import base64
+import math
 from typing import Any, Literal
 
 import torch
@@ -11,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from model.generate import SEED_RANGE, GenerationError, SamplingParams
 from model.interventions import Edit, EditSpec, InterventionError
+from model.lab.steering import STEERING_OPS, DirectionError, Directions
 from model.tokenizer import InvalidTextError, check_unicode
 
 PromptText = str | list[str]
@@ -36,16 +38,41 @@ class DumpValue(Strict):
     name: str | None = Field(default=None, description="tensor name in the dump (default: the edit's hook)")
 
 
+class FeatureDirection(Strict):
+    """An SAE feature's decoder row: the direction the feature writes."""
+
+    sae: str = Field(description="an SAE id the server loaded (GET /v1/model lists them)")
+    feature: int
+
+
+class NamedVector(Strict):
+    """A steering vector the server computed and stored (POST /v1/steering-vectors with a name)."""
+
+    vector: str
+
+
 class InterventionSpec(Strict):
     hook: str = Field(description="hook name or glob, e.g. blocks.3.hook_attn_out or blocks.*.attn.hook_z")
-    op: Literal["zero", "mean", "scale", "add", "set"]
+    op: Literal["zero", "mean", "scale", "add", "set", "steer", "orthogonal", "projection_cap", "clamp"]
     factor: float | None = Field(default=None, description="for scale")
-    value: float | list[Any] | DumpValue | None = Field(default=None, description="for add and set")
+    value: float | list[Any] | DumpValue | None = Field(
+        default=None, description="for add and set; projection_cap's cap; clamp's feature value"
+    )
     layers: list[int] | None = None
     heads: list[int] | None = None
     positions: list[int] | None = None
+    # steering (model/lab/steering.py): one `direction`, spelled as numbers, an SAE feature or a stored vector
+    scale: float | None = Field(default=None, description="for steer: the multiple of direction added")
+    direction: list[float] | FeatureDirection | NamedVector | None = Field(
+        default=None, description="for steer, orthogonal, projection_cap"
+    )
+    norm_match: bool = Field(default=False, description="steer: keep each vector's norm")
+    sae: str | None = Field(default=None, description="for clamp: the SAE id")
+    feature: int | None = Field(default=None, description="for clamp: the feature of that SAE")
 
-    def edit(self) -> Edit:
+    def edit(self, directions: Directions | None = None, where: str = "interventions") -> Edit:
+        if self.op in STEERING_OPS:
+            return self._steering_edit(directions or Directions(), where)
         value = None
         if isinstance(self.value, DumpValue):
             value = _tensor_from_dump(self.value, self.hook)
@@ -66,6 +93,44 @@ class InterventionSpec(Strict):
             _tuple(self.positions),
         )
 
+    def _steering_edit(self, directions: Directions, where: str) -> Edit:
+        """A steer, orthogonal, projection_cap or clamp edit, its direction resolved (`DirectionError`s
+        become 400s naming the field)."""
+        try:
+            return self._resolved(directions, where)
+        except DirectionError as e:
+            raise InterventionError(str(e), "interventions") from None
+
+    def _resolved(self, directions: Directions, where: str) -> Edit:
+        number = None
+        if self.op == "steer":
+            if self.scale is None or not math.isfinite(self.scale):
+                raise DirectionError(f"{where}.scale must be a finite number, got {self.scale!r}", "interventions")
+            number = self.scale
+        elif self.op in ("projection_cap", "clamp"):
+            v = self.value
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise DirectionError(f"{where}.value must be a finite number for {self.op}, got {v!r}", "interventions")
+            number = float(v)
+        sae, feature, direction = None, None, None
+        if self.op == "clamp":
+            if self.sae is None or self.feature is None:
+                raise DirectionError(f"{where}: clamp needs sae and feature", "interventions")
+            sae, feature = directions.feature(self.sae, self.feature, f"{where}.feature")
+        elif isinstance(self.direction, FeatureDirection):
+            found, n = directions.feature(self.direction.sae, self.direction.feature, f"{where}.direction")
+            direction = found.direction(n).cpu()
+        elif isinstance(self.direction, NamedVector):
+            direction = directions.vector(self.direction.vector, f"{where}.direction").vector
+        elif self.direction is not None:
+            if not all(math.isfinite(v) for v in self.direction):
+                raise DirectionError(f"{where}.direction holds numbers that are not finite", "interventions")
+            direction = torch.tensor(self.direction, dtype=torch.float32)
+        else:
+            raise DirectionError(f"{where}: {self.op} needs a direction", "interventions")
+        return Edit(self.hook, self.op, number, None, _tuple(self.layers), _tuple(self.heads), _tuple(self.positions),
+                    direction=direction, norm_match=self.norm_match, sae=sae, feature=feature)  # fmt: skip
+
 
 class ResidualSpec(Strict):
     """Sub-layers to run without their skip connection: layer lists, or "all"."""
@@ -80,18 +145,24 @@ class Edits(Strict):
     interventions: list[InterventionSpec] | None = None
     residual: ResidualSpec | None = None
 
-    def edit_spec(self, n_layer: int) -> EditSpec | None:
+    def edit_spec(self, n_layer: int, directions: Directions | None = None) -> EditSpec | None:
+        """`directions`: the SAEs and stored vectors a steering edit's direction may name."""
         if not self.interventions and self.residual is None:
             return None
-        return edit_spec(self.interventions or [], self.residual, n_layer)
+        return edit_spec(self.interventions or [], self.residual, n_layer, directions)
 
 
-def edit_spec(interventions: list[InterventionSpec], residual: ResidualSpec | None, n_layer: int) -> EditSpec:
+def edit_spec(
+    interventions: list[InterventionSpec],
+    residual: ResidualSpec | None,
+    n_layer: int,
+    directions: Directions | None = None,
+) -> EditSpec:
     def layers(spec: list[int] | Literal["all"]) -> tuple[int, ...]:
         return tuple(range(n_layer)) if spec == "all" else tuple(spec)
 
     return EditSpec(
-        tuple(i.edit() for i in interventions),
+        tuple(e.edit(directions, f"interventions[{i}]") for i, e in enumerate(interventions)),
         layers(residual.attn) if residual else (),
         layers(residual.mlp) if residual else (),
     )
@@ -287,3 +358,67 @@ def nth_seed(seed: int, j: int) -> int:
     if seed not in SEED_RANGE:
         return seed  # left for SamplingParams to refuse, with its message
     return (seed + j - SEED_RANGE.start) % (SEED_RANGE.stop - SEED_RANGE.start) + SEED_RANGE.start
+
+
+# --- SAE features and steering vectors (model/lab/sae.py, model/lab/steering.py) -------------------
+
+
+class FeaturesRequest(Edits):
+    """`/v1/features`: per token, an SAE's top features (or the asked-for ones), over the prompt and, with
+    `max_new_tokens`, its continuation (sampled as in /v1/generate; the interventions apply throughout)."""
+
+    prompt: str | None = None
+    input_ids: list[int] | None = None
+    sae: str = Field(description="an SAE id the server loaded (GET /v1/model lists them)")
+    top_k: int = Field(default=10, description="features per token, the largest (active ones only)")
+    features: list[int] | None = Field(default=None, description="these features' values instead of the top k")
+    format: Literal["json", "safetensors"] = "json"
+    max_new_tokens: int = 0
+    temperature: float = 1.0
+    seed: int | None = None
+
+    def sampling_params(self, max_new_tokens_cap: int) -> SamplingParams:
+        check_cap(self.max_new_tokens, max_new_tokens_cap, "max_new_tokens")
+        return SamplingParams(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            seed=self.seed,
+            ignore_eos=True,
+        )
+
+    def selection(self, d_sae: int) -> tuple[int | None, list[int] | None]:
+        """(top_k, feature ids): one of them, checked against the SAE's size."""
+        if self.features is not None:
+            if not 1 <= len(self.features) <= 1024:
+                raise GenerationError(f"features must list 1..1024 ids, got {len(self.features)}", "features")
+            for f in self.features:
+                if not 0 <= f < d_sae:
+                    raise GenerationError(
+                        f"features: {f} is out of range 0..{d_sae - 1} (SAE {self.sae!r})", "features"
+                    )
+            return None, list(self.features)
+        if not 1 <= self.top_k <= min(d_sae, 1024):
+            raise GenerationError(f"top_k must be in 1..{min(d_sae, 1024)}, got {self.top_k}", "top_k")
+        return self.top_k, None
+
+
+MAX_CONTRAST_PROMPTS = 64
+
+
+class SteeringVectorRequest(Strict):
+    """`/v1/steering-vectors`: mean(positive) - mean(negative) of the values at `hook`, each prompt's at its
+    last position or its mean over positions; stored under `name` if given (in memory, bounded)."""
+
+    positive: list[str] | list[list[int]] = Field(description="prompts (texts or token id lists)")
+    negative: list[str] | list[list[int]]
+    hook: str = Field(description="a hook with one vector per position, e.g. blocks.6.hook_resid_pre")
+    reduce: Literal["last", "mean"] = "last"
+    name: str | None = Field(default=None, description="store the vector under this name, for later edits")
+
+    def check(self) -> None:
+        for param in ("positive", "negative"):
+            n = len(getattr(self, param))
+            if not 1 <= n <= MAX_CONTRAST_PROMPTS:
+                raise GenerationError(f"{param} must hold 1..{MAX_CONTRAST_PROMPTS} prompts, got {n}", param)
+        if self.name is not None:
+            valid_text(self.name, "name")

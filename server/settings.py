@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -38,6 +39,15 @@ class Settings:
     max_activation_bytes: int = field(default=256 * 2**20, metadata={"help": "largest activation dump (bytes)"})
     max_body_bytes: int = field(default=4 * 2**20, metadata={"help": "largest request body (bytes)"})
     cors_origins: tuple[str, ...] = field(default=(), metadata={"help": "comma-separated origins allowed by CORS"})
+    sae: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "an SAE to serve, ID=PATH: a directory in SAELens' format or a hub repo/path[@revision]; "
+            "repeatable (comma-separated in the variable)",
+            "repeat": True,
+        },
+    )
+    max_steering_vectors: int = field(default=64, metadata={"help": "steering vectors kept by name, in memory"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error or critical"})
     # Slow and idle clients (see server/connections.py): each bound frees a connection a client holds.
     header_timeout: float = field(
@@ -61,6 +71,7 @@ class Settings:
             "max_activation_bytes",
             "max_body_bytes",
             "max_connections",
+            "max_steering_vectors",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -86,7 +97,10 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
     for f in fields(Settings):
         flag = "--" + f.name.replace("_", "-")
         kind = int if f.type in ("int", "int | None") else float if f.type == "float" else str
-        p.add_argument(flag, type=kind, help=f"{f.metadata['help']} [env {_env_name(f.name)}]")
+        if f.metadata.get("repeat"):
+            p.add_argument(flag, action="append", help=f"{f.metadata['help']} [env {_env_name(f.name)}]")
+        else:
+            p.add_argument(flag, type=kind, help=f"{f.metadata['help']} [env {_env_name(f.name)}]")
     args = p.parse_args(argv)
     values: dict[str, Any] = {}
     for f in fields(Settings):
@@ -113,6 +127,13 @@ def convert(name: str, raw: Any) -> Any:
     if name == "cors_origins":
         items = raw.split(",") if isinstance(raw, str) else raw
         return tuple(o.strip() for o in items if o.strip())
+    if name == "sae":
+        items = raw.split(",") if isinstance(raw, str) else raw
+        saes = tuple(str(o).strip() for o in items if str(o).strip())
+        for spec in saes:
+            if not re.fullmatch(r"[^=]+=.+", spec):
+                raise ValueError(f"must be ID=PATH (e.g. res8=./saes/blocks.8.hook_resid_pre), got {spec!r}")
+        return saes
     if kind in ("int", "int | None"):
         if isinstance(raw, bool) or not isinstance(raw, (int, str)):
             raise ValueError(f"must be an integer, got {raw!r}")

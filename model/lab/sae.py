@@ -26,11 +26,14 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast
 
 import torch
+
+from ..config import GPTConfig
 
 Architecture = Literal["standard", "topk", "jumprelu"]
 ARCHITECTURES = ("standard", "topk", "jumprelu")
@@ -285,6 +288,29 @@ def _download(repo: str, folder: str, revision: str | None, where: str) -> SAE:
     except HfHubHTTPError as e:
         raise SAEError(f"{where}: the Hugging Face hub refused the download: {e}") from None
     return _from_dir(cfg.parent, where, HUB_MODEL_KWARGS.get(repo))
+
+
+def load_saes(specs: Sequence[str], config: GPTConfig, device: torch.device | str = "cpu") -> dict[str, SAE]:
+    """The SAEs named `ID=PATH` (a directory, or a hub repo and path), each checked against the model: its
+    hook must be one of the model's, with one vector of d_in numbers per position."""
+    from ..hooks import hook_names, site_shape
+
+    saes: dict[str, SAE] = {}
+    for spec in specs:
+        sae_id, sep, source = spec.partition("=")
+        if not sep or not sae_id or not source:
+            raise SAEError(f"an SAE is given as ID=PATH (e.g. res8=./saes/blocks.8.hook_resid_pre), got {spec!r}")
+        if sae_id in saes:
+            raise SAEError(f"SAE id {sae_id!r} is given twice")
+        sae = load_sae(source, device)
+        hook = sae.cfg.hook_name
+        if hook not in hook_names(config.n_layer):
+            raise SAEError(f"SAE {sae_id!r} ({source}) reads {hook!r}, which this model does not have")
+        site = site_shape(hook, config.n_head, config.d_head, config.d_mlp, config.vocab_size)
+        if site != (sae.cfg.d_in,):
+            raise SAEError(f"SAE {sae_id!r} ({source}) reads vectors of {sae.cfg.d_in}, but {hook} holds {list(site)}")
+        saes[sae_id] = sae
+    return saes
 
 
 # --- what the server and the command line report ----------------------------------------------------

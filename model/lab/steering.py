@@ -119,6 +119,11 @@ class Directions:
 
     def store(self, name: str, vector: SteeringVector, param: str = "name") -> None:
         """Keep `vector` under `name` (replacing one of that name); refused beyond `max_vectors` names."""
+        self.check_room(name, param)
+        self._vectors[name] = vector
+
+    def check_room(self, name: str, param: str = "name") -> None:
+        """Raise the error `store` would raise for `name`, without storing anything."""
         if not name or len(name) > 128 or not name.isprintable():
             raise DirectionError(f"name must be 1..128 printable characters, got {name!r}", param)
         if name not in self._vectors and len(self._vectors) >= self.max_vectors:
@@ -127,7 +132,6 @@ class Directions:
                 f"(--max-steering-vectors {self.max_vectors}); reuse a name to replace one: {', '.join(self._vectors)}",
                 param,
             )
-        self._vectors[name] = vector
 
     def names(self) -> list[str]:
         return list(self._vectors)

@@ -16,6 +16,7 @@ from model.interventions import EditSpec, NonFiniteActivations
 
 from ..schemas import AnalyzeRequest
 from .deps import EngineDep, token_ids, unless_disconnected
+from .sae import DirectionsDep
 
 router = APIRouter(tags=["lab"])
 STATIC = Path(__file__).resolve().parents[1] / "static"
@@ -27,13 +28,15 @@ async def viewer() -> FileResponse:
 
 
 @router.post("/v1/analyze")
-async def analyze_prompt(req: AnalyzeRequest, engine: EngineDep, request: Request) -> dict[str, Any]:
+async def analyze_prompt(
+    req: AnalyzeRequest, engine: EngineDep, request: Request, directions: DirectionsDep
+) -> dict[str, Any]:
     (ids,) = await token_ids(engine, req.prompt, req.input_ids)
     config = engine.model.config
     validate_prompt(engine.model, ids, 0, "input_ids" if req.input_ids is not None else "prompt")
     if not 1 <= req.top_k <= 100:
         raise GenerationError(f"top_k must be in 1..100, got {req.top_k}", "top_k")
-    edits = req.edit_spec(config.n_layer)
+    edits = req.edit_spec(config.n_layer, directions)
     everything = tuple(range(config.n_layer))
     no_residual = EditSpec(edits.edits if edits else (), everything, everything)
 

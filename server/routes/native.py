@@ -28,6 +28,7 @@ from ..errors import APIError
 from ..schemas import ActivationSpec, ActivationsRequest, GenerateRequest, NextTokenRequest
 from ..settings import Settings
 from .deps import EngineDep, SettingsDep, json_response, merged, results, sse, token_ids, unless_disconnected
+from .sae import DirectionsDep, describe_saes
 
 router = APIRouter(tags=["native"])
 
@@ -39,7 +40,7 @@ QUANTIZATION_NOTES = {
 
 
 @router.get("/v1/model")
-async def model_info(engine: EngineDep) -> dict[str, Any]:
+async def model_info(engine: EngineDep, directions: DirectionsDep) -> dict[str, Any]:
     c, loaded = engine.model.config, engine.loaded
     return {
         "name": loaded.name,
@@ -58,15 +59,19 @@ async def model_info(engine: EngineDep) -> dict[str, Any]:
         "n_params": c.n_params(),
         "hook_names": engine.model.hook_names,
         "optional_hook_names": [n for n in engine.model.hook_names if is_optional(n)],
+        "saes": describe_saes(directions),
+        "steering_vectors": directions.names(),
     }
 
 
 @router.post("/v1/generate")
-async def generate(req: GenerateRequest, request: Request, engine: EngineDep, settings: SettingsDep) -> Response:
+async def generate(
+    req: GenerateRequest, request: Request, engine: EngineDep, settings: SettingsDep, directions: DirectionsDep
+) -> Response:
     prompts = await token_ids(engine, req.prompt, req.input_ids)
     params = req.sampling_params(settings.max_new_tokens)
     hooks = _checked_hooks(engine, settings, req.activations, prompts, params.max_new_tokens)
-    edits = req.edit_spec(engine.model.config.n_layer)
+    edits = req.edit_spec(engine.model.config.n_layer, directions)
     streams = engine.submit(prompts, [params] * len(prompts), hooks, edits)
     reply = _Reply(engine, req.activations)
     if req.stream:
@@ -76,7 +81,9 @@ async def generate(req: GenerateRequest, request: Request, engine: EngineDep, se
 
 
 @router.post("/v1/activations", response_class=Response, responses={200: {"content": {"application/octet-stream": {}}}})
-async def activations(req: ActivationsRequest, request: Request, engine: EngineDep, settings: SettingsDep) -> Response:
+async def activations(
+    req: ActivationsRequest, request: Request, engine: EngineDep, settings: SettingsDep, directions: DirectionsDep
+) -> Response:
     if req.stream:
         raise GenerationError("/v1/activations answers with one file: stream is not supported", "stream")
     prompts = await token_ids(engine, req.prompt, req.input_ids)
@@ -84,7 +91,7 @@ async def activations(req: ActivationsRequest, request: Request, engine: EngineD
     if len(prompts) > 1:
         _check_stackable(prompts, params.max_new_tokens, "input_ids" if req.input_ids is not None else "prompt")
     hooks = _checked_hooks(engine, settings, req.activations, prompts, params.max_new_tokens, file=True)
-    edits = req.edit_spec(engine.model.config.n_layer)
+    edits = req.edit_spec(engine.model.config.n_layer, directions)
     completions = await results(engine.submit(prompts, [params] * len(prompts), hooks, edits), request)
     blob = await run_in_threadpool(_Reply(engine, None).file, completions, req.activations.dtype, len(prompts) > 1)
     return Response(blob, media_type="application/octet-stream")
@@ -108,13 +115,15 @@ def _check_stackable(prompts: list[list[int]], max_new_tokens: int, param: str) 
 
 
 @router.post("/v1/next-token")
-async def next_token(req: NextTokenRequest, engine: EngineDep, request: Request) -> dict[str, Any]:
+async def next_token(
+    req: NextTokenRequest, engine: EngineDep, request: Request, directions: DirectionsDep
+) -> dict[str, Any]:
     (ids,) = await token_ids(engine, req.prompt, req.input_ids)
     vocab = engine.model.config.vocab_size
     if not 1 <= req.top_k <= vocab:
         raise GenerationError(f"top_k must be in 1..{vocab}, got {req.top_k}", "top_k")
     validate_prompt(engine.model, ids, 0, "input_ids" if req.input_ids is not None else "prompt")
-    edits = req.edit_spec(engine.model.config.n_layer)
+    edits = req.edit_spec(engine.model.config.n_layer, directions)
     hooks = edits.hooks(engine.model.config, len(ids)) if edits is not None else None
 
     def distribution(model: GPT) -> NextToken:

@@ -1,0 +1,189 @@
+"""Sparse-autoencoder features and steering vectors: `/v1/features` reads an SAE's features per token,
+`/v1/steering-vectors` measures a contrastive mean difference (and keeps it by name for later edits).
+
+The SAEs are loaded at start-up (`--sae ID=PATH`), never from a path a client names; the stored vectors
+live in this process's memory (`Directions`, bounded by `--max-steering-vectors`), never on disk."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import torch
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+
+from model.generate import GenerationError, validate_prompt
+from model.gpt import GPT
+from model.hooks import hook_names
+from model.interventions import site_shape
+from model.lab.sae import SAE, TokenFeatures, load_saes, token_features
+from model.lab.steering import DirectionError, Directions, SteeringVector, contrastive_vector
+from model.loading import LoadedModel
+
+from ..schemas import FeaturesRequest, SteeringVectorRequest
+from ..settings import Settings
+from .deps import EngineDep, SettingsDep, encode, results, token_ids, unless_disconnected
+
+router = APIRouter(tags=["sae"])
+
+
+def load_directions(settings: Settings, loaded: LoadedModel) -> Directions:
+    """The SAEs the settings name (checked against the model, on its device) and an empty vector store."""
+    saes = load_saes(settings.sae, loaded.model.config, loaded.device)
+    return Directions(saes, settings.max_steering_vectors)
+
+
+def get_directions(request: Request) -> Directions:
+    directions: Directions = request.app.state.directions
+    return directions
+
+
+DirectionsDep = Annotated[Directions, Depends(get_directions)]
+
+
+def describe_saes(directions: Directions) -> list[dict[str, Any]]:
+    """What /v1/model lists of each SAE."""
+    return [
+        {
+            "id": sae_id,
+            "hook_name": sae.cfg.hook_name,
+            "architecture": sae.cfg.architecture,
+            "d_in": sae.cfg.d_in,
+            "d_sae": sae.cfg.d_sae,
+            "k": sae.cfg.k,
+            "centred": sae.centred,
+            "source": sae.source,
+        }
+        for sae_id, sae in directions.saes.items()
+    ]
+
+
+@router.post("/v1/features", response_model=None)
+async def features(
+    req: FeaturesRequest, request: Request, engine: EngineDep, settings: SettingsDep, directions: DirectionsDep
+) -> dict[str, Any] | Response:
+    sae = _sae(directions, req.sae)
+    top_k, ids = req.selection(sae.cfg.d_sae)
+    prompts = await token_ids(engine, req.prompt, req.input_ids)
+    params = req.sampling_params(settings.max_new_tokens)
+    edits = req.edit_spec(engine.model.config.n_layer, directions)
+    (completion,) = await results(engine.submit(prompts, [params], [sae.cfg.hook_name], edits), request)
+    assert completion.activations is not None
+    x = completion.activations[sae.cfg.hook_name][0]  # [T, d_in]
+
+    def read(_: GPT) -> list[TokenFeatures]:
+        return token_features(sae, x, top_k, ids)
+
+    rows = await unless_disconnected(request, engine.call(read))
+    tokens = (completion.prompt_ids + completion.token_ids)[: x.shape[0]]
+    text = engine.tokenizer.token_text
+    body = {
+        "model": engine.loaded.name,
+        "sae": req.sae,
+        "hook_name": sae.cfg.hook_name,
+        "input_ids": tokens,
+        "tokens": [text(t) for t in tokens],
+        "prompt_tokens": len(completion.prompt_ids),
+        "text": completion.text,
+    }
+    if req.format == "safetensors":
+        blob = await run_in_threadpool(_file, rows, body)
+        return Response(blob, media_type="application/octet-stream")
+    body["features"] = [
+        {
+            "features": [{"id": i, "value": v} for i, v in r.features],
+            "l0": r.l0,
+            "mse": r.mse,
+            "error_norm": r.error_norm,
+            "variance_explained": r.variance_explained,
+        }
+        for r in rows
+    ]
+    return body
+
+
+def _file(rows: list[TokenFeatures], meta: dict[str, Any]) -> bytes:
+    """The features as a safetensors file: `indices` and `values` [T, k] (k the most any token has; a top-k
+    list shorter than k is padded with index -1 and value 0), and `l0`, `mse`, `variance_explained` [T]."""
+    from safetensors.torch import save
+
+    k = max((len(r.features) for r in rows), default=0)
+    indices = torch.full((len(rows), k), -1, dtype=torch.int64)
+    values = torch.zeros(len(rows), k)
+    for t, r in enumerate(rows):
+        for j, (i, v) in enumerate(r.features):
+            indices[t, j], values[t, j] = i, v
+    nan = float("nan")
+    return save(
+        {
+            "indices": indices,
+            "values": values,
+            "l0": torch.tensor([r.l0 for r in rows], dtype=torch.int64),
+            "mse": torch.tensor([r.mse for r in rows]),
+            "variance_explained": torch.tensor(
+                [nan if r.variance_explained is None else r.variance_explained for r in rows]
+            ),
+        },
+        {key: value if isinstance(value, str) else json.dumps(value) for key, value in meta.items()},
+    )
+
+
+@router.post("/v1/steering-vectors")
+async def steering_vectors(
+    req: SteeringVectorRequest, request: Request, engine: EngineDep, directions: DirectionsDep
+) -> dict[str, Any]:
+    req.check()
+    config = engine.model.config
+    if req.hook not in hook_names(config.n_layer) or len(site := site_shape(req.hook, config)) != 1 or site == (1,):
+        raise GenerationError(
+            f"hook {req.hook!r} is not a hook with one vector per position of this model (for example "
+            f"blocks.{config.n_layer // 2}.hook_resid_pre, hook_resid_post, hook_attn_out, hook_mlp_out)",
+            "hook",
+        )
+    sides = [await _prompts(engine, getattr(req, side), side) for side in ("positive", "negative")]
+    try:
+        if req.name is not None:  # refused before the work if the store is full
+            directions.check_room(req.name)
+    except DirectionError as e:
+        raise GenerationError(str(e), e.param) from None
+
+    def measure(model: GPT) -> SteeringVector:
+        return contrastive_vector(model, sides[0], sides[1], req.hook, req.reduce)
+
+    vector = await unless_disconnected(request, engine.call(measure))
+    if req.name is not None:
+        try:
+            directions.store(req.name, vector)
+        except DirectionError as e:
+            raise GenerationError(str(e), e.param) from None
+    return {
+        "name": req.name,
+        "hook": req.hook,
+        "reduce": req.reduce,
+        "n_positive": vector.n_positive,
+        "n_negative": vector.n_negative,
+        "norm": float(vector.vector.norm()),
+        "vector": vector.vector.tolist(),
+        "stored": directions.names(),
+    }
+
+
+async def _prompts(engine: EngineDep, prompts: list[str] | list[list[int]], param: str) -> list[list[int]]:
+    if prompts and isinstance(prompts[0], str):
+        ids = await encode(engine, [str(p) for p in prompts], param)
+    else:
+        ids = [list(p) for p in prompts if isinstance(p, list)]
+    for i, p in enumerate(ids):
+        validate_prompt(engine.model, p, 0, param)
+        if not p:
+            raise GenerationError(f"{param}[{i}] is empty", param)
+    return ids
+
+
+def _sae(directions: Directions, sae_id: str) -> SAE:
+    try:
+        return directions.sae(sae_id, "sae")
+    except DirectionError as e:
+        raise GenerationError(str(e), e.param) from None

@@ -1,0 +1,316 @@
+"""SAE features and steering over HTTP: /v1/features (JSON and safetensors) and /v1/steering-vectors,
+steering edits on generation (plain, streamed, batched) and next-token, equal to the model-level runs;
+bad input as 400s naming the field, the server serving on. In process, on the tiny random checkpoint
+with the real tokenizer and two random SAEs in SAELens' format."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import Checkpoint
+from fastapi.testclient import TestClient
+from sae_files import write_sae
+from safetensors.torch import load as load_safetensors
+
+from model.generate import SamplingParams, generate
+from model.gpt import GPT
+from model.hooks import run_with_cache
+from model.interventions import Edit, EditSpec
+from model.lab.sae import load_sae, token_features
+from model.loading import load
+from server.app import create_app
+from server.settings import Settings
+
+IDS = [464, 3797, 3332, 319, 262, 2603, 780, 340]  # "The cat sat on the mat because it"
+RES = "blocks.1.hook_resid_pre"
+MLP = "blocks.0.hook_mlp_out"
+
+
+@pytest.fixture(scope="module")
+def sae_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("saes")
+    return {
+        "res1": write_sae(root / "res1", hook=RES, d_in=64, d_sae=256, seed=1),
+        "mlp0": write_sae(root / "mlp0", hook=MLP, d_in=64, d_sae=128, architecture="topk", k=8, seed=2),
+    }
+
+
+@pytest.fixture(scope="module")
+def client(tiny: Checkpoint, tokenizer_dir: Path, sae_dirs: dict[str, Path]) -> Iterator[TestClient]:
+    settings = Settings(sae=tuple(f"{k}={v}" for k, v in sae_dirs.items()), max_steering_vectors=3)
+    app = create_app(settings, loaded=load(tiny.path, tokenizer_dir=tokenizer_dir, device="cpu"))
+    with TestClient(app) as c:
+        yield c
+
+
+def post(client: TestClient, path: str, body: dict[str, Any]) -> Any:
+    r = client.post(path, json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
+
+
+def test_model_lists_the_saes(client: TestClient) -> None:
+    info = client.get("/v1/model").json()
+    saes = {s["id"]: s for s in info["saes"]}
+    assert saes["res1"] | {"source": None} == {
+        "id": "res1", "hook_name": RES, "architecture": "standard", "d_in": 64, "d_sae": 256, "k": None,
+        "centred": False, "source": None,
+    }  # fmt: skip
+    assert saes["mlp0"]["architecture"] == "topk" and saes["mlp0"]["k"] == 8
+
+
+def test_features_equal_the_sae_on_the_models_values(client: TestClient, tiny_model: GPT, sae_dirs) -> None:
+    sae = load_sae(sae_dirs["res1"])
+    x = run_with_cache(tiny_model, torch.tensor([IDS]), [RES])[RES][0]
+    want = token_features(sae, x, 5, None)
+    body = post(client, "/v1/features", {"input_ids": IDS, "sae": "res1", "top_k": 5})
+    assert body["hook_name"] == RES and body["input_ids"] == IDS and len(body["features"]) == len(IDS)
+    for got, ref in zip(body["features"], want, strict=True):
+        assert [f["id"] for f in got["features"]] == [i for i, _ in ref.features]
+        assert [f["value"] for f in got["features"]] == pytest.approx([v for _, v in ref.features], abs=1e-5)
+        assert got["l0"] == ref.l0 and got["mse"] == pytest.approx(ref.mse, rel=1e-5)
+        assert got["variance_explained"] == pytest.approx(ref.variance_explained, abs=1e-5)
+    # the values of chosen features, and the same as a safetensors file
+    asked = post(client, "/v1/features", {"input_ids": IDS, "sae": "res1", "features": [7, 3]})
+    f = sae.encode(x)
+    for t, row in enumerate(asked["features"]):
+        assert [(e["id"], e["value"]) for e in row["features"]] == [
+            (7, pytest.approx(float(f[t, 7]), abs=1e-5)),
+            (3, pytest.approx(float(f[t, 3]), abs=1e-5)),
+        ]
+    r = client.post("/v1/features", json={"input_ids": IDS, "sae": "res1", "top_k": 5, "format": "safetensors"})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/octet-stream"
+    tensors = load_safetensors(r.content)
+    for t, row in enumerate(body["features"]):
+        n = len(row["features"])
+        assert tensors["indices"][t, :n].tolist() == [e["id"] for e in row["features"]]
+        assert tensors["values"][t, :n].tolist() == pytest.approx([e["value"] for e in row["features"]], abs=1e-6)
+    assert tensors["l0"].tolist() == [row["l0"] for row in body["features"]]
+
+
+def test_features_over_the_continuation_with_steering(client: TestClient, tiny_model: GPT, sae_dirs) -> None:
+    """Features of prompt and generated tokens, the generation steered: as one forward pass over the final
+    sequence with the same edit."""
+    sae = load_sae(sae_dirs["mlp0"])
+    steer = {"hook": RES, "op": "steer", "scale": 5.0, "direction": {"sae": "res1", "feature": 11}}
+    body = post(
+        client,
+        "/v1/features",
+        {"input_ids": IDS, "sae": "mlp0", "top_k": 4, "max_new_tokens": 4, "temperature": 0, "interventions": [steer]},
+    )
+    spec = EditSpec((Edit(RES, "steer", 5.0, direction=load_sae(sae_dirs["res1"]).direction(11)),))
+    (out,) = generate(tiny_model, [IDS], greedy(4), edits=spec)
+    full = IDS + out.token_ids
+    assert body["input_ids"] == full[: len(body["input_ids"])] and len(body["input_ids"]) >= len(full) - 1
+    n = len(body["input_ids"])
+    idx = torch.tensor([full[:n]])
+    x = run_with_cache(tiny_model, idx, [RES, MLP][1:], spec.hooks(tiny_model.config, n))[MLP][0]
+    want = token_features(sae, x, 4, None)
+    for got, ref in zip(body["features"], want, strict=True):
+        assert [e["id"] for e in got["features"]] == [i for i, _ in ref.features]
+
+
+def test_steered_generation_equals_the_model_level_run(client: TestClient, tiny_model: GPT, sae_dirs) -> None:
+    res1 = load_sae(sae_dirs["res1"])
+    steer = {"hook": RES, "op": "steer", "scale": 8.0, "direction": {"sae": "res1", "feature": 3}, "norm_match": True}
+    clamp = {"hook": RES, "op": "clamp", "sae": "res1", "feature": 5, "value": 4.0, "positions": [1, 2, 9]}
+    cap = {"hook": MLP, "op": "projection_cap", "value": 0.0, "direction": res1.direction(9).tolist()}
+    interventions = [steer, clamp, cap]
+    spec = EditSpec(
+        (
+            Edit(RES, "steer", 8.0, direction=res1.direction(3), norm_match=True),
+            Edit(RES, "clamp", 4.0, positions=(1, 2, 9), sae=res1, feature=5),
+            Edit(MLP, "projection_cap", 0.0, direction=res1.direction(9)),
+        )
+    )
+    (want,) = generate(tiny_model, [IDS], greedy(8), edits=spec)
+    (plain,) = generate(tiny_model, [IDS], greedy(8))
+    assert want.token_ids != plain.token_ids
+    body = {"input_ids": IDS, "max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    got = post(client, "/v1/generate", body | {"interventions": interventions})
+    assert got["choices"][0]["token_ids"] == want.token_ids
+    # streamed
+    with client.stream("POST", "/v1/generate", json=body | {"interventions": interventions, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert [e["token_id"] for e in events if "token_id" in e] == want.token_ids
+    # batched: two prompts in one request, and two requests at once, each equal to its solo run
+    other = [464, 3290, 3332, 319]
+    (want_other,) = generate(tiny_model, [other], greedy(8), edits=spec)
+    both = post(client, "/v1/generate", body | {"input_ids": [IDS, other], "interventions": interventions})
+    assert [c["token_ids"] for c in both["choices"]] == [want.token_ids, want_other.token_ids]
+    answers: dict[int, Any] = {}
+
+    def send(i: int, ids: list[int]) -> None:
+        answers[i] = client.post("/v1/generate", json=body | {"input_ids": ids, "interventions": interventions})
+
+    threads = [threading.Thread(target=send, args=(i, ids)) for i, ids in enumerate([IDS, other, IDS])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    tokens = [answers[i].json()["choices"][0]["token_ids"] for i in range(3)]
+    assert tokens == [want.token_ids, want_other.token_ids, want.token_ids]
+
+
+def test_clamp_to_the_present_value_and_scale_zero_change_nothing(client: TestClient, sae_dirs) -> None:
+    plain = post(client, "/v1/next-token", {"input_ids": IDS, "top_k": 5})
+    zero = {"hook": RES, "op": "steer", "scale": 0.0, "direction": {"sae": "res1", "feature": 0}}
+    assert post(client, "/v1/next-token", {"input_ids": IDS, "top_k": 5, "interventions": [zero]}) == plain
+    last = len(IDS) - 1
+    row = post(client, "/v1/features", {"input_ids": IDS, "sae": "res1", "top_k": 1})["features"][last]
+    feature, value = row["features"][0]["id"], row["features"][0]["value"]
+    clamp = {"hook": RES, "op": "clamp", "sae": "res1", "feature": feature, "value": value, "positions": [last]}
+    same = post(client, "/v1/next-token", {"input_ids": IDS, "top_k": 5, "interventions": [clamp]})
+    assert [t["id"] for t in same["top"]] == [t["id"] for t in plain["top"]]
+    assert [t["logprob"] for t in same["top"]] == pytest.approx([t["logprob"] for t in plain["top"]], abs=1e-5)
+
+
+def test_steering_vectors_are_measured_stored_and_used(client: TestClient, tiny_model: GPT) -> None:
+    pos, neg = ["I love this", "What a joy"], ["I hate this", "What a pain", "Awful"]
+    body = post(client, "/v1/steering-vectors", {"positive": pos, "negative": neg, "hook": RES, "name": "joy"})
+    assert body["name"] == "joy" and "joy" in body["stored"] and len(body["vector"]) == 64
+    tok = client.app.state.engine.tokenizer  # type: ignore[attr-defined]
+
+    def mean(texts: list[str]) -> torch.Tensor:
+        rows = [run_with_cache(tiny_model, torch.tensor([tok.encode(t)]), [RES])[RES][0, -1] for t in texts]
+        return torch.stack(rows).mean(0)
+
+    torch.testing.assert_close(torch.tensor(body["vector"]), mean(pos) - mean(neg), atol=1e-5, rtol=0)
+    by_name = {"hook": RES, "op": "steer", "scale": 3.0, "direction": {"vector": "joy"}}
+    spelled = by_name | {"direction": body["vector"]}
+    a = post(client, "/v1/next-token", {"input_ids": IDS, "interventions": [by_name]})
+    b = post(client, "/v1/next-token", {"input_ids": IDS, "interventions": [spelled]})
+    assert a == b and a != post(client, "/v1/next-token", {"input_ids": IDS})
+    assert "joy" in client.get("/v1/model").json()["steering_vectors"]
+    mean_body = post(client, "/v1/steering-vectors", {"positive": pos, "negative": neg, "hook": RES, "reduce": "mean"})
+    assert mean_body["name"] is None and mean_body["vector"] != body["vector"]
+
+
+def test_the_store_is_bounded(client: TestClient) -> None:
+    body = {"positive": [[1, 2]], "negative": [[3, 4]], "hook": RES}
+    stored = set(client.get("/v1/model").json()["steering_vectors"])
+    for i in range(3 - len(stored)):
+        post(client, "/v1/steering-vectors", body | {"name": f"v{i}"})
+    r = client.post("/v1/steering-vectors", json=body | {"name": "one-too-many"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "name"
+    assert "3 steering vectors are stored already" in r.json()["error"]["message"]
+    post(client, "/v1/steering-vectors", body | {"name": sorted(client.get("/v1/model").json()["steering_vectors"])[0]})
+
+
+BAD = {
+    "unknown SAE in features": ("/v1/features", {"sae": "nope"}, "sae", "unknown SAE 'nope'; loaded SAEs: mlp0, res1"),
+    "feature out of range": ("/v1/features", {"sae": "res1", "features": [256]}, "features", "out of range 0..255"),
+    "top_k zero": ("/v1/features", {"sae": "res1", "top_k": 0}, "top_k", "top_k must be in 1..256"),
+    "unknown SAE in a direction": (
+        "/v1/next-token",
+        {"interventions": [{"hook": RES, "op": "steer", "scale": 1.0, "direction": {"sae": "x", "feature": 0}}]},
+        "interventions",
+        "unknown SAE 'x'",
+    ),
+    "unknown feature in a direction": (
+        "/v1/generate",
+        {"interventions": [{"hook": RES, "op": "steer", "scale": 1.0, "direction": {"sae": "res1", "feature": -1}}]},
+        "interventions",
+        "feature -1 of SAE 'res1' is out of range 0..255",
+    ),
+    "unknown vector": (
+        "/v1/next-token",
+        {"interventions": [{"hook": RES, "op": "steer", "scale": 1.0, "direction": {"vector": "nothing"}}]},
+        "interventions",
+        "no stored steering vector 'nothing'",
+    ),
+    "wrong vector length": (
+        "/v1/analyze",
+        {"interventions": [{"hook": RES, "op": "steer", "scale": 1.0, "direction": [1.0, 2.0]}]},
+        "interventions",
+        "direction of shape [2] does not fit blocks.1.hook_resid_pre: give [64]",
+    ),
+    "non-finite scale": (
+        "/v1/generate",
+        {"interventions": [{"hook": RES, "op": "steer", "scale": float("inf"), "direction": [1.0] * 64}]},
+        "interventions",
+        "interventions[0].scale must be a finite number, got inf",
+    ),
+    "scale beyond float32": (
+        "/v1/next-token",
+        {"interventions": [{"hook": RES, "op": "steer", "scale": 1e39, "direction": [1.0] * 64}]},
+        "interventions",
+        "not a finite float32 number",
+    ),
+    "steer without scale": (
+        "/v1/next-token",
+        {"interventions": [{"hook": RES, "op": "steer", "direction": [1.0] * 64}]},
+        "interventions",
+        "interventions[0].scale must be a finite number, got None",
+    ),
+    "clamp at another hook": (
+        "/v1/next-token",
+        {"interventions": [{"hook": MLP, "op": "clamp", "sae": "res1", "feature": 0, "value": 1.0}]},
+        "interventions",
+        "the SAE reads blocks.1.hook_resid_pre, so clamp its feature there",
+    ),
+    "clamp value not a number": (
+        "/v1/next-token",
+        {"interventions": [{"hook": RES, "op": "clamp", "sae": "res1", "feature": 0, "value": [1.0]}]},
+        "interventions",
+        "interventions[0].value must be a finite number for clamp",
+    ),
+    "steer on a per-head hook": (
+        "/v1/next-token",
+        {"interventions": [{"hook": "blocks.0.attn.hook_z", "op": "steer", "scale": 1.0, "direction": [1.0] * 16}]},
+        "interventions",
+        "steer applies to hooks with one vector per position",
+    ),
+    "contrast at a per-head hook": (
+        "/v1/steering-vectors",
+        {"positive": ["a"], "negative": ["b"], "hook": "blocks.0.attn.hook_q"},
+        "hook",
+        "not a hook with one vector per position",
+    ),
+    "contrast with no prompts": (
+        "/v1/steering-vectors",
+        {"positive": [], "negative": ["b"], "hook": RES},
+        "positive",
+        "positive must hold 1..64 prompts",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD.values(), ids=BAD.keys())
+def test_bad_input_is_a_400_naming_the_field(client: TestClient, case: tuple[str, dict, str, str]) -> None:
+    path, body, param, says = case
+    base = {} if path == "/v1/steering-vectors" else {"input_ids": IDS[:4]}
+    headers = {"content-type": "application/json"}  # as Python's json writes it: inf is Infinity
+    r = client.post(path, content=json.dumps(base | body), headers=headers)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and says in error["message"], error
+    ok = post(client, "/v1/features", {"input_ids": IDS[:3], "sae": "res1", "top_k": 2})  # still serving
+    assert len(ok["features"]) == 3
+
+
+def test_an_sae_that_does_not_fit_the_model_ends_start_up(tiny: Checkpoint, tokenizer_dir: Path, tmp_path) -> None:
+    loaded = load(tiny.path, tokenizer_dir=tokenizer_dir, device="cpu")
+    from model.lab.sae import SAEError
+
+    wide = write_sae(tmp_path / "wide", hook=RES, d_in=32, d_sae=8)
+    app = create_app(Settings(sae=(f"w={wide}",)), loaded=loaded)
+    with (
+        pytest.raises(SAEError, match=r"reads vectors of 32, but blocks\.1\.hook_resid_pre holds \[64\]"),
+        TestClient(app),
+    ):
+        pass
+    deep = write_sae(tmp_path / "deep", hook="blocks.7.hook_resid_pre", d_in=64, d_sae=8)
+    app = create_app(Settings(sae=(f"d={deep}",)), loaded=loaded)
+    with pytest.raises(SAEError, match="which this model does not have"), TestClient(app):
+        pass
