@@ -1,0 +1,406 @@
+"""The harvest job: text in, activations at chosen hooks out, as resumable shards.
+
+`harvest(...)` runs it in this process; `model.harvest.ray_data` runs the same job on a Ray cluster. Both
+share what is here: the job's arguments (`HarvestSpec`), their resolution against the model (`Plan`: hook
+names, shapes, shard size), the contexts each shard gets (`shard_tokens`), one shard's forward passes
+(`compute_shard`, through `run_with_cache`, which stops after the last hook wanted and never runs the LM
+head unless asked for it) and its bytes (`encode_shard`). A shard's batches are always its own (a shard of
+S contexts runs as ceil(S / batch_size) batches), so whichever process computes it, it holds the same bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from ..config import ConfigError, GPTConfig
+from ..gpt import GPT
+from ..hooks import UnknownHookError, is_attention_square, run_with_cache, select_hooks, site_shape
+from ..loading import DTYPE_NAMES, INT8, LoadedModel, LoadError, load, locate, resolve_device, resolve_dtype
+from ..tokenizer import EOT, Tokenizer, TokenizerError
+from . import saelens
+from .errors import HarvestError
+from .shards import Manifest, ShardRecord, shard_name, write_atomic
+from .text import open_source, pack, tokenize
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("safetensors", "saelens")
+SHARD_TARGET_BYTES = 256 << 20  # the default shard size aims at this much activation data per shard
+
+
+@dataclass(frozen=True)
+class HarvestSpec:
+    """Everything a harvest job is asked: `model` and `source` as `load` and `open_source` take them,
+    `hooks` as names or globs. A restart with equal arguments resumes the job."""
+
+    model: str
+    source: str
+    hooks: tuple[str, ...]
+    text_field: str = "text"
+    context_size: int = 128
+    prepend_bos: bool = True
+    batch_size: int = 32
+    max_tokens: int | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    shard_size: int | None = None  # contexts per shard; None: about SHARD_TARGET_BYTES of activations
+    format: str = "safetensors"
+    revision: str | None = None
+    preset: str | None = None
+    tokenizer: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("context_size", "batch_size", "max_tokens", "shard_size"):
+            value = getattr(self, name)
+            if value is None and name in ("max_tokens", "shard_size"):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise HarvestError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.format not in FORMATS:
+            raise HarvestError(f"unknown format {self.format!r}; valid: {', '.join(FORMATS)}")
+        if not self.hooks:
+            raise HarvestError("no hooks asked for: name at least one hook or glob (e.g. blocks.8.hook_resid_pre)")
+        if self.max_tokens is not None and self.max_tokens < self.context_size:
+            raise HarvestError(
+                f"max-tokens {self.max_tokens} is less than one context of {self.context_size} tokens: "
+                "nothing to harvest"
+            )
+        if self.dtype not in ("auto", INT8, *DTYPE_NAMES):
+            raise HarvestError(f"unknown dtype {self.dtype!r}; use auto, float32, float16, bfloat16 or int8")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A spec resolved against the model: what the driver and every worker agree on."""
+
+    spec: HarvestSpec
+    names: tuple[str, ...]  # hook names, in model order
+    shapes: dict[str, list[int]]  # one context's shape at each hook
+    dtype: torch.dtype  # of the activations computed
+    shard_size: int
+    max_contexts: int | None
+    bos_id: int | None
+    separator_id: int
+    source: dict[str, Any] = field(default_factory=dict)  # what identifies the text
+
+    @property
+    def suffix(self) -> str:
+        return saelens.SUFFIX if self.spec.format == "saelens" else ".safetensors"
+
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        return saelens.stored_dtype(self.dtype) if self.spec.format == "saelens" else self.dtype
+
+    def job(self) -> dict[str, Any]:
+        """The arguments that decide every shard's bytes: a restart must give the same."""
+        s = self.spec
+        return {
+            "model": s.model,
+            "revision": s.revision,
+            "preset": s.preset,
+            "tokenizer": s.tokenizer,
+            "device": s.device,
+            "dtype": _dtype_name(self.dtype) if s.dtype != INT8 else INT8,
+            "hooks": list(self.names),
+            "text_field": s.text_field,
+            "context_size": s.context_size,
+            "prepend_bos": s.prepend_bos,
+            "batch_size": s.batch_size,
+            "max_contexts": self.max_contexts,
+            "shard_size": self.shard_size,
+            "format": s.format,
+            "source": self.source,
+        }
+
+    def header(self, model_name: str, revision: str | None) -> dict[str, Any]:
+        """What the shards hold, for their readers."""
+        s = self.spec
+        return {
+            "model": model_name,
+            "revision": revision,
+            "format": s.format,
+            "file_suffix": self.suffix,
+            "hooks": list(self.names),
+            "shapes": self.shapes,
+            "dtype": _dtype_name(self.stored_dtype),
+            "token_ids": {"dtype": "int32", "shape": [s.context_size]},
+            "packing": {
+                "context_size": s.context_size,
+                "prepend_bos": s.prepend_bos,
+                "bos_token_id": self.bos_id,
+                "separator": EOT,
+                "separator_token_id": self.separator_id,
+                "text_field": s.text_field,
+                "source": str(s.source),
+                "method": "SAELens concat_and_batch_sequences: a BOS opens each context, <|endoftext|> "
+                "between documents, documents run on into the next context, the last partial context dropped",
+            },
+        }
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def make_plan(spec: HarvestSpec, config: GPTConfig, tokenizer: Tokenizer, dtype: torch.dtype) -> Plan:
+    """Resolve `spec` against the model's shape: hooks, shapes, shard size; bad values are `HarvestError`s."""
+    if spec.context_size > config.n_positions:
+        raise HarvestError(f"context size {spec.context_size} is more than the model's {config.n_positions} positions")
+    try:
+        names = select_hooks(list(spec.hooks), config.n_layer)
+    except UnknownHookError as e:
+        raise HarvestError(str(e)) from None
+    T = spec.context_size
+    shapes: dict[str, list[int]] = {}
+    for name in names:
+        site = site_shape(name, config.n_head, config.d_head, config.d_mlp, config.vocab_size)
+        shapes[name] = [site[0], T, T] if is_attention_square(name) else [T, *site]
+    if spec.format == "saelens":
+        saelens.check_hooks(shapes)
+        saelens.stored_dtype(dtype)
+    bytes_per_context = sum(math.prod(s) for s in shapes.values()) * dtype.itemsize + 4 * T
+    if spec.shard_size is not None:
+        shard_size = spec.shard_size
+    else:  # a whole number of batches, about SHARD_TARGET_BYTES
+        batches = max(1, SHARD_TARGET_BYTES // (bytes_per_context * spec.batch_size))
+        shard_size = batches * spec.batch_size
+    max_contexts = None if spec.max_tokens is None else spec.max_tokens // T
+    source = open_source(spec.source, spec.text_field)
+    eot = tokenizer.eot_id
+    return Plan(
+        spec,
+        tuple(names),
+        shapes,
+        dtype,
+        shard_size,
+        max_contexts,
+        eot if spec.prepend_bos else None,
+        eot,
+        source.describe(),
+    )
+
+
+def shard_tokens(plan: Plan, tokenizer: Tokenizer) -> Iterator[tuple[int, int, np.ndarray]]:
+    """(shard index, first context's number, token ids [rows, context] int32) for every shard of the job,
+    in order; every shard but the last has `plan.shard_size` rows."""
+    spec = plan.spec
+    source = open_source(spec.source, spec.text_field)
+    contexts = pack(tokenize(source.documents(), tokenizer), spec.context_size, plan.bos_id, plan.separator_id)
+    if plan.max_contexts is not None:
+        contexts = islice(contexts, plan.max_contexts)
+    index = first = 0
+    while chunk := list(islice(contexts, plan.shard_size)):
+        yield index, first, np.asarray(chunk, dtype=np.int32)
+        index, first = index + 1, first + len(chunk)
+
+
+def compute_shard(
+    model: GPT, tokens: np.ndarray, names: tuple[str, ...], batch_size: int, on_batch: Any = None
+) -> dict[str, torch.Tensor]:
+    """The activations at `names` for token ids [rows, context], on the CPU, in batches of `batch_size`;
+    `on_batch(tokens)` is told after each batch."""
+    device = next(model.parameters()).device
+    ids = torch.from_numpy(tokens).to(torch.long)
+    out: dict[str, torch.Tensor] = {}
+    with torch.inference_mode():
+        for start in range(0, len(ids), batch_size):
+            idx = ids[start : start + batch_size].to(device)
+            got = run_with_cache(model, idx, list(names))
+            for name in names:
+                value = got[name]
+                if name not in out:
+                    out[name] = torch.empty((len(ids), *value.shape[1:]), dtype=value.dtype)
+                out[name][start : start + len(idx)].copy_(value)
+            if on_batch is not None:
+                on_batch(idx.numel())
+    return out
+
+
+def encode_shard(plan: Plan, acts: dict[str, torch.Tensor], tokens: np.ndarray) -> bytes:
+    """One shard's file: safetensors (a tensor per hook, [rows, ...], and `token_ids` [rows, context]),
+    or SAELens' Arrow."""
+    token_ids = torch.from_numpy(tokens)
+    if plan.spec.format == "saelens":
+        feats = saelens.features(plan.shapes, plan.spec.context_size, plan.dtype)
+        return saelens.shard_bytes(acts, token_ids, feats)
+    from safetensors.torch import save
+
+    tensors = {name: t.contiguous() for name, t in acts.items()} | {"token_ids": token_ids}
+    # one metadata key: safetensors writes its metadata map in no fixed order, and shards must be
+    # byte-identical from process to process (the shard's place is in the manifest)
+    return save(tensors, metadata={"format": "pt"})
+
+
+def write_shard_file(out_dir: Path, plan: Plan, index: int, first: int, rows: int, data: bytes) -> ShardRecord:
+    """Write one shard's bytes atomically into `out_dir`; what the manifest records of it."""
+    name = shard_name(index, plan.suffix)
+    digest = write_atomic(out_dir / name, data)
+    return ShardRecord(index, name, rows, first, digest, len(data))
+
+
+def record_shard(manifest: Manifest, plan: Plan, record: ShardRecord) -> None:
+    """Add a written shard to the manifest (and, in SAELens' format, to the dataset's own `state.json`)."""
+    if plan.spec.format == "saelens":
+        files = sorted({manifest.shards[i].file for i in manifest.shards} | {record.file})
+        feats = saelens.features(plan.shapes, plan.spec.context_size, plan.dtype)
+        saelens.write_dataset_files(manifest.out_dir, files, feats)
+    manifest.add(record)
+
+
+class Progress(Protocol):
+    """What a job tells whoever shows its progress (the command line's bar, or its log lines)."""
+
+    def start(self, total_tokens: int | None, done_tokens: int) -> None: ...
+
+    def advance(self, tokens: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def locate_model(spec: HarvestSpec) -> tuple[GPTConfig, Tokenizer, torch.dtype]:
+    """The model's shape, tokenizer and activation dtype, without reading its weights (for a driver that
+    plans a job its workers run)."""
+    try:
+        files = locate(spec.model, revision=spec.revision, preset_name=spec.preset)
+        tok_dir = spec.tokenizer or files.tokenizer_dir
+        if tok_dir is None:
+            raise HarvestError(f"{files.name} ships no tokenizer: give a tokenizer directory (--tokenizer DIR)")
+        tokenizer = Tokenizer.from_dir(tok_dir)
+        dtype = resolve_dtype(spec.dtype, resolve_device(spec.device))
+    except (LoadError, ConfigError, TokenizerError) as e:
+        raise HarvestError(str(e)) from None
+    return files.config, tokenizer, dtype
+
+
+def load_model(spec: HarvestSpec) -> LoadedModel:
+    try:
+        return load(
+            spec.model,
+            revision=spec.revision,
+            dtype=spec.dtype,
+            device=spec.device,
+            preset_name=spec.preset,
+            tokenizer_dir=spec.tokenizer,
+        )
+    except (LoadError, ConfigError) as e:
+        raise HarvestError(str(e)) from None
+
+
+def open_job(
+    spec: HarvestSpec, out_dir: str | Path, loaded: LoadedModel | None = None
+) -> tuple[Plan, Manifest, Tokenizer]:
+    """Plan the job and open (or resume) its output folder."""
+    if loaded is not None:
+        config, tokenizer, dtype = loaded.model.config, loaded.tokenizer, loaded.dtype
+        name, revision = loaded.name, loaded.revision
+    else:
+        config, tokenizer, dtype = locate_model(spec)
+        name, revision = spec.model, spec.revision
+    plan = make_plan(spec, config, tokenizer, dtype)
+    manifest = Manifest.open(out_dir, plan.job(), plan.header(name, revision))
+    return plan, manifest, tokenizer
+
+
+def run_harvest(
+    spec: HarvestSpec, out_dir: str | Path, *, loaded: LoadedModel | None = None, progress: Progress | None = None
+) -> Manifest:
+    """Run (or resume) the job `spec` in this process, writing its shards to `out_dir`."""
+    plan, manifest, tokenizer = open_job(spec, out_dir, loaded)
+    T = spec.context_size
+    if progress is not None:
+        total = None if plan.max_contexts is None else plan.max_contexts * T
+        progress.start(total, sum(r.rows for r in manifest.shards.values()) * T)
+    if manifest.complete:
+        log.info("%s: the harvest is complete already (%d shards)", manifest.out_dir, len(manifest.shards))
+        if progress is not None:
+            progress.close()
+        return manifest
+    lm = loaded if loaded is not None else load_model(spec)
+    on_batch = progress.advance if progress is not None else None
+    n_contexts = 0
+    try:
+        for index, first, tokens in _prefetched(shard_tokens(plan, tokenizer)):
+            n_contexts = first + len(tokens)
+            if index in manifest.shards:
+                continue
+            acts = compute_shard(lm.model, tokens, plan.names, spec.batch_size, on_batch)
+            data = encode_shard(plan, acts, tokens)
+            record_shard(manifest, plan, write_shard_file(manifest.out_dir, plan, index, first, len(tokens), data))
+            log.info("wrote shard %d (%d contexts) to %s", index, len(tokens), manifest.out_dir)
+    finally:
+        if progress is not None:
+            progress.close()
+    if n_contexts == 0:
+        raise HarvestError(f"{spec.source} holds fewer than {T} tokens: not one whole context of {T}")
+    manifest.finish(n_contexts)
+    return manifest
+
+
+def _prefetched(shards: Iterator[tuple[int, int, np.ndarray]]) -> Iterator[tuple[int, int, np.ndarray]]:
+    """`shards`, read and tokenized one shard ahead on a thread of its own (the tokenizer lets go of the
+    GIL), so that packing the next shard overlaps the forward passes of this one."""
+    q: queue.Queue[Any] = queue.Queue(maxsize=1)
+    done = object()
+    stop = threading.Event()
+
+    def work() -> None:
+        try:
+            for item in shards:
+                while not stop.is_set():
+                    try:
+                        q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put(done)
+        except BaseException as e:  # handed to the consumer, which raises it
+            q.put(e)
+
+    thread = threading.Thread(target=work, name="harvest-text", daemon=True)
+    thread.start()
+    try:
+        while (item := q.get()) is not done:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+
+
+def harvest(
+    model: str | Path,
+    source: str | Path,
+    out_dir: str | Path,
+    hooks: list[str] | tuple[str, ...],
+    *,
+    loaded: LoadedModel | None = None,
+    progress: Progress | None = None,
+    **options: Any,
+) -> Manifest:
+    """Harvest activations at `hooks` (names or globs) for the text at `source` into shards in `out_dir`.
+
+    `options` are `HarvestSpec`'s fields: `text_field`, `context_size`, `prepend_bos`, `batch_size`,
+    `max_tokens`, `dtype`, `device`, `shard_size`, `format` ("safetensors" or "saelens"), `revision`,
+    `preset`, `tokenizer`. `loaded` is the model already loaded (then `model` only names it in the
+    manifest). Interrupted and started again with the same arguments, it resumes; the result is the
+    output folder's manifest.
+    """
+    try:
+        spec = HarvestSpec(model=str(model), source=str(source), hooks=tuple(hooks), **options)
+    except TypeError as e:
+        raise HarvestError(f"harvest: {e}") from None
+    return run_harvest(spec, out_dir, loaded=loaded, progress=progress)

@@ -1,0 +1,144 @@
+"""The harvest job as a Ray Data pipeline: the one module that imports Ray.
+
+The driver plans the job and packs the text exactly as `run_harvest` does (`shard_tokens`), making one row
+per missing shard (its number, first context and token ids); `map_batches` hands the rows to a pool of
+`ShardActor`s (`ActorPoolStrategy`), each of which loads the model once and computes, encodes and writes
+whole shards with the functions the in-process job uses, so every shard holds the bytes a single process
+writes. The driver records each finished shard in the manifest as it arrives, so an interrupted Ray job
+resumes like any other, on Ray or not. The output folder must be one every worker can write (one machine,
+or a filesystem the cluster shares); the model and tokenizer paths, likewise, must be there for every
+worker (or be hub names).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import HarvestError
+from .job import (
+    HarvestSpec,
+    Plan,
+    Progress,
+    compute_shard,
+    encode_shard,
+    load_model,
+    open_job,
+    record_shard,
+    shard_tokens,
+    write_shard_file,
+)
+from .shards import Manifest, ShardRecord
+
+log = logging.getLogger(__name__)
+
+
+def _ray() -> Any:
+    try:
+        import ray
+        import ray.data  # the subpackage, for ray.data.from_items
+    except ImportError:  # the [ray] extra
+        raise HarvestError("--ray needs Ray Data: pip install 'gpt2-server[ray]'") from None
+    return ray
+
+
+class ShardActor:
+    """A Ray Data actor: loads the model once, then turns batches of shard rows into written shards."""
+
+    def __init__(self, plan: Plan, out_dir: str, threads: int) -> None:
+        torch.set_num_threads(threads)
+        self.plan, self.out_dir = plan, Path(out_dir)
+        self.lm = load_model(plan.spec)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
+        plan, T = self.plan, self.plan.spec.context_size
+        records: list[ShardRecord] = []
+        for index, first, rows, raw in zip(batch["index"], batch["first"], batch["rows"], batch["tokens"], strict=True):
+            tokens = np.frombuffer(raw, dtype=np.int32).reshape(int(rows), T)
+            acts = compute_shard(self.lm.model, tokens, plan.names, plan.spec.batch_size)
+            data = encode_shard(plan, acts, tokens)
+            records.append(write_shard_file(self.out_dir, plan, int(index), int(first), int(rows), data))
+        fields = ("index", "file", "rows", "first_context", "sha256", "bytes")
+        return {f: [getattr(r, f) for r in records] for f in fields}
+
+
+def run_on_ray(
+    spec: HarvestSpec,
+    out_dir: str | Path,
+    *,
+    address: str | None = None,
+    actors: int = 2,
+    cpus_per_actor: float = 1.0,
+    gpus_per_actor: float = 0.0,
+    progress: Progress | None = None,
+) -> Manifest:
+    """Run (or resume) the job `spec` on Ray: `actors` model actors with `cpus_per_actor` and
+    `gpus_per_actor` each. Uses the Ray instance this process is connected to, else connects to
+    `address` (`auto`, `ray://host:10001`; None: `RAY_ADDRESS`, or a new local instance) and disconnects
+    at the end."""
+    _ray()
+    if actors < 1:
+        raise HarvestError(f"actors must be a positive integer, got {actors}")
+    if cpus_per_actor <= 0 or gpus_per_actor < 0:
+        raise HarvestError(f"CPUs per actor must be > 0 and GPUs >= 0, got {cpus_per_actor} and {gpus_per_actor}")
+    plan, manifest, tokenizer = open_job(spec, out_dir)
+    T = spec.context_size
+    if progress is not None:
+        total = None if plan.max_contexts is None else plan.max_contexts * T
+        progress.start(total, sum(r.rows for r in manifest.shards.values()) * T)
+    try:
+        if not manifest.complete:
+            _run(plan, manifest, tokenizer, address, actors, cpus_per_actor, gpus_per_actor, progress)
+    finally:
+        if progress is not None:
+            progress.close()
+    return manifest
+
+
+def _run(
+    plan: Plan,
+    manifest: Manifest,
+    tokenizer: Any,
+    address: str | None,
+    actors: int,
+    cpus_per_actor: float,
+    gpus_per_actor: float,
+    progress: Progress | None,
+) -> None:
+    ray = _ray()
+    rows: list[dict[str, Any]] = []
+    n_contexts = 0
+    for index, first, tokens in shard_tokens(plan, tokenizer):
+        n_contexts = first + len(tokens)
+        if index not in manifest.shards:
+            rows.append({"index": index, "first": first, "rows": len(tokens), "tokens": tokens.tobytes()})
+    T = plan.spec.context_size
+    if n_contexts == 0:
+        raise HarvestError(f"{plan.spec.source} holds fewer than {T} tokens: not one whole context of {T}")
+    connected = ray.is_initialized()
+    if rows:
+        if not connected:
+            ray.init(address=address)
+        try:
+            shards = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
+                ShardActor,
+                fn_constructor_args=(plan, str(manifest.out_dir), max(1, int(cpus_per_actor))),
+                batch_size=1,
+                compute=ray.data.ActorPoolStrategy(size=min(actors, len(rows))),
+                num_cpus=cpus_per_actor,
+                num_gpus=gpus_per_actor,
+            )
+            for row in shards.iter_rows():
+                record = ShardRecord(**{k: v.item() if isinstance(v, np.generic) else v for k, v in row.items()})
+                record_shard(manifest, plan, record)
+                log.info("shard %d written on Ray (%d contexts)", record.index, record.rows)
+                if progress is not None:
+                    progress.advance(record.rows * T)
+        finally:
+            if not connected:
+                ray.shutdown()
+    manifest.finish(n_contexts)

@@ -1,0 +1,166 @@
+"""Shards on disk: atomic writes, the manifest, and resuming an interrupted job.
+
+A job's output folder holds numbered shards (`acts-00000.safetensors`, or `.arrow` in SAELens' format)
+and `manifest.json`, which says what the shards hold (model, hooks, shapes, dtype, how the text was
+packed) and lists each finished shard with its row count and sha256. Every file is written to a temporary
+name, fsynced and renamed, and the manifest is rewritten the same way after each shard, so a job killed at
+any instant leaves finished shards, a manifest that lists only finished shards, and at most a stray
+temporary file. Started again with the same arguments, the job checks them against the manifest, checks
+each listed shard against its sha256, and computes only the shards that are missing: packing is
+deterministic, so they get exactly the contexts an uninterrupted run gives them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import HarvestError
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+_TMP = ".tmp-"
+
+
+def shard_name(index: int, suffix: str) -> str:
+    return f"acts-{index:05d}{suffix}"
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """One finished shard: its file (in the output folder), rows (contexts), first context's number in the
+    job, and the file's sha256 and size."""
+
+    index: int
+    file: str
+    rows: int
+    first_context: int
+    sha256: str
+    bytes: int
+
+
+def write_atomic(path: Path, data: bytes) -> str:
+    """Write `data` to `path` so that `path` never holds a partial file; return its sha256."""
+    tmp = path.with_name(_TMP + path.name)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    return hashlib.sha256(data).hexdigest()
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # some platforms cannot open a directory
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class Manifest:
+    """`manifest.json` of one output folder: `job` (the arguments that decide every shard's bytes, which a
+    restart must repeat), `header` (what the shards hold), and the finished shards."""
+
+    def __init__(self, out_dir: Path, job: dict[str, Any], header: dict[str, Any]) -> None:
+        self.out_dir, self.job, self.header = out_dir, job, header
+        self.shards: dict[int, ShardRecord] = {}
+        self.complete = False
+        self.n_contexts: int | None = None
+
+    @classmethod
+    def open(cls, out_dir: str | Path, job: dict[str, Any], header: dict[str, Any]) -> Manifest:
+        """The manifest of `out_dir` for this job: a new one for a new or empty folder, the folder's own
+        when it holds this job's shards (its arguments must match `job`; shards whose bytes no longer match
+        their sha256 are dropped, to be computed again)."""
+        out = Path(out_dir)
+        if out.exists() and not out.is_dir():
+            raise HarvestError(f"output {out} is a file, not a folder")
+        out.mkdir(parents=True, exist_ok=True)
+        manifest = cls(out, job, header)
+        path = out / MANIFEST
+        if not path.is_file():
+            others = sorted(p.name for p in out.iterdir() if not p.name.startswith(_TMP))
+            if others:
+                raise HarvestError(
+                    f"output folder {out} is not empty and holds no {MANIFEST} ({', '.join(others[:5])}"
+                    f"{', ...' if len(others) > 5 else ''}): give an empty or new folder, or one a harvest wrote"
+                )
+            manifest.save()  # first, so that a folder with shards always says whose they are
+        else:
+            manifest._resume(path)
+        for stray in out.glob(_TMP + "*"):
+            stray.unlink()
+        return manifest
+
+    def _resume(self, path: Path) -> None:
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+            saved_job = saved["job"]
+            records = [ShardRecord(**r) for r in saved["shards"]]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise HarvestError(f"{path} is not a harvest manifest this version can read ({e})") from None
+        if saved_job != self.job:
+            diffs = [
+                f"{k}: {saved_job.get(k)!r} there, {self.job.get(k)!r} now"
+                for k in sorted(set(saved_job) | set(self.job))
+                if saved_job.get(k) != self.job.get(k)
+            ]
+            raise HarvestError(
+                f"{self.out_dir} holds a harvest with other arguments ({'; '.join(diffs)}): "
+                "start it again with the same arguments to resume it, or give another output folder"
+            )
+        for r in records:
+            file = self.out_dir / r.file
+            if file.is_file() and file.stat().st_size == r.bytes and sha256_file(file) == r.sha256:
+                self.shards[r.index] = r
+            else:
+                log.warning("shard %s is missing or does not match its sha256: computing it again", r.file)
+        self.complete = bool(saved.get("complete")) and len(self.shards) == len(records)
+        self.n_contexts = saved.get("n_contexts") if self.complete else None
+        log.info("resuming %s: %d shards already there", self.out_dir, len(self.shards))
+
+    def add(self, record: ShardRecord) -> None:
+        self.shards[record.index] = record
+        self.save()
+
+    def finish(self, n_contexts: int) -> None:
+        self.complete, self.n_contexts = True, n_contexts
+        self.save()
+
+    def to_dict(self) -> dict[str, Any]:
+        shards = [asdict(self.shards[i]) for i in sorted(self.shards)]
+        return {
+            "version": MANIFEST_VERSION,
+            **self.header,
+            "job": self.job,
+            "complete": self.complete,
+            "n_contexts": self.n_contexts,
+            "n_tokens": None if self.n_contexts is None else self.n_contexts * self.job["context_size"],
+            "shards": shards,
+        }
+
+    def save(self) -> None:
+        text = json.dumps(self.to_dict(), indent=2) + "\n"
+        write_atomic(self.out_dir / MANIFEST, text.encode("utf-8"))

@@ -1,0 +1,235 @@
+"""Reading text sources and packing them into fixed contexts, the way SAELens packs them.
+
+A source is a `.txt` file (one document), a `.jsonl` file (one document per line, in `text_field`), a
+`.parquet` file (one document per row of column `text_field`), a folder of such files (read recursively
+in path order), or a directory written by Hugging Face `datasets`' `save_to_disk`. Documents are
+tokenized without a BOS and packed as SAELens' `concat_and_batch_sequences` packs them
+(`sae_lens/tokenization_and_batching.py`, called by its `ActivationsStore` with `begin_batch_token_id` =
+BOS when `prepend_bos`, no per-sequence token, and the separator BOS): each context starts with
+`<|endoftext|>` unless its first token already is one, documents follow each other with `<|endoftext|>`
+between them, a document longer than the room left runs on into the next context, and the last,
+incomplete context is dropped. The same source and arguments always give the same contexts in the same
+order, which is what resuming an interrupted job relies on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..tokenizer import InvalidTextError, Tokenizer
+from .errors import HarvestError
+
+FILE_KINDS = (".txt", ".jsonl", ".parquet")
+_DOCS_PER_ENCODE = 256  # documents handed to the tokenizer at once (it encodes them on its own threads)
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where the text is: `files` in reading order, or a `datasets` directory (`dataset_dir`)."""
+
+    path: Path
+    text_field: str
+    files: tuple[Path, ...] = ()
+    dataset_dir: Path | None = None
+
+    def describe(self) -> dict[str, Any]:
+        """What identifies the text for a manifest (so that a resumed job reads the same text)."""
+        if self.dataset_dir is not None:
+            state = self.dataset_dir / "state.json"
+            fingerprint = json.loads(state.read_text()).get("_fingerprint") if state.is_file() else None
+            return {
+                "path": str(self.path),
+                "kind": "datasets",
+                "text_field": self.text_field,
+                "fingerprint": fingerprint,
+            }
+        return {
+            "path": str(self.path),
+            "kind": "files",
+            "text_field": self.text_field,
+            "files": [{"name": self._name(f), "bytes": f.stat().st_size} for f in self.files],
+        }
+
+    def _name(self, f: Path) -> str:
+        return f.name if f == self.path else f.relative_to(self.path).as_posix()
+
+    def documents(self) -> Iterator[str]:
+        """Every document's text, in order."""
+        if self.dataset_dir is not None:
+            yield from _dataset_documents(self.dataset_dir, self.text_field)
+            return
+        for f in self.files:
+            yield from _file_documents(f, self.text_field)
+
+
+def open_source(path: str | Path, text_field: str = "text") -> Source:
+    """The source at `path`, checked to exist and hold something readable (see the module docstring)."""
+    path = Path(path)
+    if not path.exists():
+        raise HarvestError(f"no text source at {path}: expected a .txt, .jsonl or .parquet file, or a folder")
+    if path.is_file():
+        if path.suffix not in FILE_KINDS:
+            raise HarvestError(
+                f"{path}: cannot read {path.suffix or 'a file without extension'}; valid: {', '.join(FILE_KINDS)}"
+            )
+        return Source(path, text_field, files=(path,))
+    if _is_datasets_dir(path):
+        return Source(path, text_field, dataset_dir=path)
+    files = tuple(
+        sorted(
+            (
+                f
+                for f in path.rglob("*")
+                if f.is_file()
+                and f.suffix in FILE_KINDS
+                and not any(p.startswith(".") for p in f.relative_to(path).parts)
+            ),
+            key=lambda f: f.relative_to(path).parts,
+        )
+    )
+    if not files:
+        raise HarvestError(
+            f"{path} holds no {', '.join(FILE_KINDS)} files and is not a Hugging Face datasets directory"
+        )
+    return Source(path, text_field, files=files)
+
+
+def _is_datasets_dir(path: Path) -> bool:
+    return (path / "dataset_dict.json").is_file() or (
+        (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+    )
+
+
+def _file_documents(path: Path, field: str) -> Iterator[str]:
+    if path.suffix == ".txt":
+        try:
+            yield path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise HarvestError(f"{path}: not UTF-8 text (byte {e.start}): {e.reason}") from None
+    elif path.suffix == ".jsonl":
+        yield from _jsonl_documents(path, field)
+    else:
+        yield from _parquet_documents(path, field)
+
+
+def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise HarvestError(f"{path} line {number}: not a JSON object ({e})") from None
+            if not isinstance(row, dict):
+                raise HarvestError(
+                    f"{path} line {number}: a JSON {type(row).__name__}, expected an object with {field!r}"
+                )
+            if field not in row:
+                raise HarvestError(
+                    f"{path} line {number}: no text field {field!r}; its fields are {sorted(row)} "
+                    "(choose one with --text-field)"
+                )
+            yield _text(row[field], f"{path} line {number}", field)
+
+
+def _parquet_documents(path: Path, field: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise HarvestError("reading parquet needs pyarrow: pip install 'gpt2-server[harvest]'") from None
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow's ArrowInvalid and friends
+        raise HarvestError(f"{path}: not a parquet file ({e})") from None
+    names = pf.schema_arrow.names
+    if field not in names:
+        raise HarvestError(f"{path}: no text column {field!r}; its columns are {names} (choose one with --text-field)")
+    row = 0
+    for batch in pf.iter_batches(columns=[field], batch_size=1024):
+        for value in batch.column(0).to_pylist():
+            yield _text(value, f"{path} row {row}", field)
+            row += 1
+
+
+def _dataset_documents(path: Path, field: str) -> Iterator[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise HarvestError("reading a datasets directory needs datasets: pip install 'gpt2-server[harvest]'") from None
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:  # datasets raises FileNotFoundError, ArrowInvalid, ...
+        raise HarvestError(f"{path}: not a readable Hugging Face datasets directory ({e})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise HarvestError(f"{path}: a DatasetDict without a 'train' split; its splits are {sorted(ds)}")
+        ds = ds["train"]
+    if field not in ds.column_names:
+        raise HarvestError(
+            f"{path}: no text column {field!r}; its columns are {ds.column_names} (choose one with --text-field)"
+        )
+    row = 0
+    for batch in ds.select_columns([field]).iter(batch_size=1024):
+        for value in batch[field]:
+            yield _text(value, f"{path} row {row}", field)
+            row += 1
+
+
+def _text(value: object, where: str, field: str) -> str:
+    if not isinstance(value, str):
+        raise HarvestError(f"{where}: {field!r} is a {type(value).__name__}, expected text")
+    return value
+
+
+def tokenize(documents: Iterable[str], tokenizer: Tokenizer) -> Iterator[list[int]]:
+    """Each document's token ids (no BOS; `<|endoftext|>` written in the text is the special token, as
+    SAELens' `to_tokens` reads it), encoded a few hundred documents at a time."""
+    group: list[str] = []
+    for doc in documents:
+        group.append(doc)
+        if len(group) == _DOCS_PER_ENCODE:
+            yield from _encode(group, tokenizer)
+            group = []
+    if group:
+        yield from _encode(group, tokenizer)
+
+
+def _encode(group: list[str], tokenizer: Tokenizer) -> list[list[int]]:
+    try:
+        return tokenizer.encode_batch(group)
+    except InvalidTextError as e:
+        raise HarvestError(f"a document is {e}") from None
+
+
+def pack(
+    token_docs: Iterable[list[int]], context_size: int, bos_id: int | None, separator_id: int | None
+) -> Iterator[list[int]]:
+    """Contexts of exactly `context_size` tokens from documents' ids, as SAELens'
+    `concat_and_batch_sequences(begin_batch_token_id=bos_id, sequence_separator_token_id=separator_id)`
+    makes them: `bos_id` opens each context (unless its first token is that id already), `separator_id`
+    goes between documents (unless the next one starts with it), the rest is dropped."""
+    if context_size < 1 or (bos_id is not None and context_size < 2):
+        raise HarvestError(f"context size {context_size} is too small: it must be at least 2 with a BOS, 1 without")
+    context: list[int] | None = None
+    for tokens in token_docs:
+        offset = 0
+        while offset < len(tokens):
+            first = tokens[offset]
+            if context is None:
+                prefix = [bos_id] if bos_id is not None and first != bos_id else []
+                take = context_size - len(prefix)
+                context = prefix + tokens[offset : offset + take]
+            else:
+                prefix = [separator_id] if separator_id is not None and first != separator_id else []
+                room = context_size - len(context)
+                take = max(room - len(prefix), 0)
+                context = context + prefix[:room] + tokens[offset : offset + take]
+            offset += take
+            if len(context) == context_size:
+                yield context
+                context = None

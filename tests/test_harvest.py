@@ -1,0 +1,442 @@
+"""The harvest pipeline in process: packing as SAELens packs, the text sources, shard values against
+transformers, SAELens' cached format read back by SAELens, resuming (kill -9 included), and the errors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from model.harvest import MANIFEST, HarvestError, harvest, open_source, pack
+from model.harvest.text import tokenize
+from model.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+EOT_ID = 50256
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "from", "home", ",", ".", "and"]
+
+
+def write_jsonl(path: Path, n_docs: int, seed: int = 0, max_words: int = 60) -> list[str]:
+    rnd = random.Random(seed)
+    docs = [" ".join(rnd.choice(WORDS) for _ in range(rnd.randint(1, max_words))) for _ in range(n_docs)]
+    docs[3] = "<|endoftext|> a document that opens with the separator"
+    docs[5] = ""  # an empty document adds nothing
+    path.write_text("".join(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(docs)), encoding="utf-8")
+    return docs
+
+
+def file_sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def tree_shas(directory: Path) -> dict[str, str]:
+    return {p.name: file_sha(p) for p in sorted(directory.iterdir())}
+
+
+# --- packing -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prepend_bos", [True, False])
+def test_pack_is_saelens_packing(prepend_bos: bool) -> None:
+    from sae_lens.tokenization_and_batching import concat_and_batch_sequences
+
+    rnd = random.Random(1)
+    for trial in range(60):
+        docs = []
+        for _ in range(rnd.randint(0, 12)):
+            doc = [rnd.randint(0, 20) for _ in range(rnd.choice([0, 1, 2, 3, 7, 30]))]
+            if doc and rnd.random() < 0.3:
+                doc[0] = EOT_ID  # a document that opens with the separator gets none added
+            docs.append(doc)
+        context = rnd.randint(2, 9)
+        bos = EOT_ID if prepend_bos else None
+        ours = list(pack(docs, context, bos, EOT_ID))
+        theirs = concat_and_batch_sequences(
+            iter(torch.tensor(d, dtype=torch.long) for d in docs),
+            context,
+            begin_batch_token_id=bos,
+            sequence_separator_token_id=EOT_ID,
+        )
+        assert ours == [t.tolist() for t in theirs], (trial, docs, context)
+
+
+def test_pack_refuses_a_context_the_bos_fills() -> None:
+    with pytest.raises(HarvestError, match="context size 1"):
+        list(pack([[1, 2, 3]], 1, EOT_ID, EOT_ID))
+
+
+# --- sources -----------------------------------------------------------------------------------
+
+
+def test_sources_read_in_order(tmp_path: Path) -> None:
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "corpus"
+    (folder / "b").mkdir(parents=True)
+    (folder / "a.txt").write_text("first file, one document\nwith two lines", encoding="utf-8")
+    (folder / "b" / "c.jsonl").write_text('{"body": "second"}\n\n{"body": "third"}\n', encoding="utf-8")
+    pq.write_table(pa.table({"body": ["fourth", "fifth"]}), folder / "b" / "d.parquet")
+    (folder / ".hidden.txt").write_text("skipped", encoding="utf-8")
+    (folder / "notes.md").write_text("not a source", encoding="utf-8")
+    expected = ["first file, one document\nwith two lines", "second", "third", "fourth", "fifth"]
+    assert list(open_source(folder, "body").documents()) == expected  # path order, hidden and other files skipped
+
+    ds_dir = tmp_path / "hf"
+    datasets.Dataset.from_dict({"text": ["x", "y"], "n": [1, 2]}).save_to_disk(str(ds_dir))
+    assert list(open_source(ds_dir).documents()) == ["x", "y"]
+    dict_dir = tmp_path / "hf_dict"
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["t"]})}).save_to_disk(str(dict_dir))
+    assert list(open_source(dict_dir).documents()) == ["t"]
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "field", "message"),
+    [
+        ("x.jsonl", '{"text": "ok"}\nnot json\n', "text", r"x\.jsonl line 2: not a JSON object"),
+        ("x.jsonl", '{"body": "ok"}\n', "text", r"x\.jsonl line 1: no text field 'text'; its fields are \['body'\]"),
+        ("x.jsonl", '{"text": 3}\n', "text", r"line 1: 'text' is a int, expected text"),
+        ("x.jsonl", "[1, 2]\n", "text", r"line 1: a JSON list"),
+        ("x.parquet", "PAR? no", "text", r"x\.parquet: not a parquet file"),
+        ("x.txt", b"\xff\xfe bad", "text", r"x\.txt: not UTF-8 text"),
+        ("x.csv", "a,b", "text", r"cannot read \.csv; valid: \.txt, \.jsonl, \.parquet"),
+    ],
+)
+def test_source_errors_name_the_file(tmp_path: Path, name: str, content: str | bytes, field: str, message: str) -> None:
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(HarvestError, match=message):
+        list(open_source(path, field).documents())
+
+
+def test_parquet_missing_column(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["a"]}), tmp_path / "x.parquet")
+    with pytest.raises(HarvestError, match=r"no text column 'text'; its columns are \['body'\]"):
+        list(open_source(tmp_path / "x.parquet").documents())
+
+
+def test_missing_and_empty_sources(tmp_path: Path) -> None:
+    with pytest.raises(HarvestError, match="no text source at"):
+        open_source(tmp_path / "nothing.jsonl")
+    with pytest.raises(HarvestError, match=r"holds no \.txt, \.jsonl, \.parquet files"):
+        open_source(tmp_path)
+
+
+# --- the job -----------------------------------------------------------------------------------
+
+
+HOOKS = ["blocks.1.hook_resid_pre", "blocks.0.attn.hook_pattern", "blocks.0.mlp.hook_post"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    return path, write_jsonl(path, 120)
+
+
+def expected_contexts(docs: list[str], tokenizer: Tokenizer, context: int) -> torch.Tensor:
+    """SAELens' own packing of our tokenizer's ids."""
+    from sae_lens.tokenization_and_batching import concat_and_batch_sequences
+
+    ids = [torch.tensor(t, dtype=torch.long) for t in tokenize(docs, tokenizer)]
+    return torch.stack(list(concat_and_batch_sequences(iter(ids), context, EOT_ID, None, EOT_ID)))
+
+
+def test_harvest_values_against_transformers(tiny, tokenizer_dir: Path, corpus, tmp_path: Path) -> None:
+    source, docs = corpus
+    out = tmp_path / "acts"
+    manifest = harvest(
+        tiny.path,
+        source,
+        out,
+        HOOKS,
+        context_size=32,
+        batch_size=8,
+        shard_size=12,
+        tokenizer=str(tokenizer_dir),
+        dtype="float32",
+        device="cpu",
+    )
+    contexts = expected_contexts(docs, Tokenizer.from_dir(tokenizer_dir), 32)
+    n = len(contexts)
+    assert manifest.complete and manifest.n_contexts == n
+    saved = json.loads((out / MANIFEST).read_text())
+    assert saved["hooks"] == ["blocks.0.attn.hook_pattern", "blocks.0.mlp.hook_post", "blocks.1.hook_resid_pre"]
+    assert saved["shapes"] == {
+        "blocks.0.attn.hook_pattern": [4, 32, 32],
+        "blocks.0.mlp.hook_post": [32, 256],
+        "blocks.1.hook_resid_pre": [32, 64],
+    }
+    assert saved["dtype"] == "float32" and saved["n_tokens"] == n * 32
+    assert saved["packing"]["separator_token_id"] == EOT_ID and saved["packing"]["prepend_bos"] is True
+    assert [s["rows"] for s in saved["shards"]] == [12] * (n // 12) + ([n % 12] if n % 12 else [])
+    assert sorted(p.name for p in out.iterdir()) == sorted([MANIFEST, *(s["file"] for s in saved["shards"])])
+    for s in saved["shards"]:
+        assert file_sha(out / s["file"]) == s["sha256"] and (out / s["file"]).stat().st_size == s["bytes"]
+
+    shards = [load_file(out / s["file"]) for s in saved["shards"]]
+    token_ids = torch.cat([s["token_ids"] for s in shards])
+    assert token_ids.dtype == torch.int32 and torch.equal(token_ids.long(), contexts)
+    with torch.no_grad():
+        hf = tiny.hf(contexts, output_hidden_states=True, output_attentions=True)
+    resid = torch.cat([s["blocks.1.hook_resid_pre"] for s in shards])
+    pattern = torch.cat([s["blocks.0.attn.hook_pattern"] for s in shards])
+    torch.testing.assert_close(resid, hf.hidden_states[1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(pattern, hf.attentions[0], atol=1e-5, rtol=1e-4)
+    mlp = torch.cat([s["blocks.0.mlp.hook_post"] for s in shards])
+    assert mlp.shape == (n, 32, 256)
+    with safe_open(out / saved["shards"][0]["file"], "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+
+
+def test_max_tokens_and_a_resume_that_repairs(tiny, tokenizer_dir: Path, corpus, tmp_path: Path) -> None:
+    source, _ = corpus
+    out = tmp_path / "acts"
+    opts = {
+        "context_size": 16,
+        "batch_size": 4,
+        "shard_size": 8,
+        "tokenizer": str(tokenizer_dir),
+        "max_tokens": 16 * 30 + 5,
+        "device": "cpu",
+    }
+    first = harvest(tiny.path, source, out, ["blocks.1.hook_resid_post"], **opts)
+    assert first.n_contexts == 30 and [r.rows for r in first.shards.values()] == [8, 8, 8, 6]
+    before = tree_shas(out)
+    (out / "acts-00001.safetensors").write_bytes(b"torn")  # a shard that no longer matches its sha256
+    (out / "acts-00003.safetensors").unlink()
+    (out / ".tmp-acts-00002.safetensors").write_bytes(b"left by a kill")
+    again = harvest(tiny.path, source, out, ["blocks.1.hook_resid_post"], **opts)
+    assert again.complete and tree_shas(out) == before
+    harvest(tiny.path, source, out, ["blocks.1.hook_resid_post"], **opts)  # complete: nothing to do
+    assert tree_shas(out) == before
+    with pytest.raises(HarvestError, match=r"other arguments \(batch_size: 4 there, 5 now\)"):
+        harvest(tiny.path, source, out, ["blocks.1.hook_resid_post"], **(opts | {"batch_size": 5}))
+
+
+def test_job_errors(tiny, tokenizer_dir: Path, corpus, tmp_path: Path) -> None:
+    source, _ = corpus
+    tok = {"tokenizer": str(tokenizer_dir), "device": "cpu"}
+    with pytest.raises(HarvestError, match=r"unknown hook 'blocks\.7\.hook_resid_pre'"):
+        harvest(tiny.path, source, tmp_path / "a", ["blocks.7.hook_resid_pre"], **tok)
+    with pytest.raises(HarvestError, match="context size 200 is more than the model's 128 positions"):
+        harvest(tiny.path, source, tmp_path / "a", ["blocks.0.hook_resid_pre"], context_size=200, **tok)
+    with pytest.raises(HarvestError, match="batch-size must be a positive integer, got 0"):
+        harvest(tiny.path, source, tmp_path / "a", ["blocks.0.hook_resid_pre"], batch_size=0, **tok)
+    with pytest.raises(HarvestError, match="unknown format 'hdf5'"):
+        harvest(tiny.path, source, tmp_path / "a", ["blocks.0.hook_resid_pre"], format="hdf5", **tok)
+    with pytest.raises(HarvestError, match="SAELens' cached format holds one \\[context, d_in\\] array per hook"):
+        harvest(tiny.path, source, tmp_path / "a", ["blocks.0.attn.hook_z"], format="saelens", **tok)
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "mine.txt").write_text("keep me")
+    with pytest.raises(HarvestError, match=r"not empty and holds no manifest\.json"):
+        harvest(tiny.path, source, busy, ["blocks.0.hook_resid_pre"], **tok)
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    with pytest.raises(HarvestError, match="fewer than 128 tokens"):
+        harvest(tiny.path, short, tmp_path / "b", ["blocks.0.hook_resid_pre"], **tok)
+
+
+# --- SAELens' format ---------------------------------------------------------------------------
+
+
+def test_saelens_format_read_by_saelens(tiny, tokenizer_dir: Path, corpus, tmp_path: Path) -> None:
+    import datasets
+    from sae_lens.training.activations_store import ActivationsStore
+
+    source, docs = corpus
+    out = tmp_path / "cache"
+    hooks = ["blocks.1.hook_resid_pre", "blocks.0.hook_mlp_out"]
+    harvest(
+        tiny.path,
+        source,
+        out,
+        hooks,
+        context_size=32,
+        batch_size=8,
+        shard_size=16,
+        format="saelens",
+        tokenizer=str(tokenizer_dir),
+        device="cpu",
+    )
+    contexts = expected_contexts(docs, Tokenizer.from_dir(tokenizer_dir), 32)
+    ds = datasets.load_from_disk(str(out))
+    assert ds.column_names == ["blocks.0.hook_mlp_out", "blocks.1.hook_resid_pre", "token_ids"]
+    assert ds.features["blocks.1.hook_resid_pre"] == datasets.Array2D(shape=(32, 64), dtype="float32")
+    assert ds.features["token_ids"] == datasets.Sequence(datasets.Value("int32"), length=32)
+    assert len(ds) == len(contexts)
+    ds.set_format("torch")
+    rows = ds[:]
+    assert torch.equal(rows["token_ids"].long(), contexts)
+    with torch.no_grad():
+        hf = tiny.hf(contexts, output_hidden_states=True)
+    torch.testing.assert_close(rows["blocks.1.hook_resid_pre"], hf.hidden_states[1], atol=1e-4, rtol=1e-4)
+
+    store = ActivationsStore(  # SAELens' own reader of cached activations, as its training runner builds it
+        model=None,  # type: ignore[arg-type]
+        dataset=None,  # type: ignore[arg-type]
+        streaming=False,
+        hook_name="blocks.1.hook_resid_pre",
+        hook_head_index=None,
+        context_size=32,
+        d_in=64,
+        n_batches_in_buffer=2,
+        total_training_tokens=len(contexts) * 32,
+        store_batch_size_prompts=4,
+        train_batch_size_tokens=64,
+        prepend_bos=True,
+        normalize_activations="none",
+        device=torch.device("cpu"),
+        dtype="float32",
+        cached_activations_path=str(out),
+    )
+    acts, token_ids = store.get_raw_llm_batch()
+    assert acts.shape == (4 * 32, 64)
+    torch.testing.assert_close(acts, hf.hidden_states[1][:4].reshape(-1, 64), atol=1e-4, rtol=1e-4)
+    assert token_ids is not None and torch.equal(token_ids.long(), contexts[:4].reshape(-1))
+
+
+# --- the command line --------------------------------------------------------------------------
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, str(ROOT / "scripts" / "harvest.py"), *args]
+
+
+def recorded_shards(out: Path) -> int:
+    try:
+        return len(json.loads((out / MANIFEST).read_text())["shards"])
+    except (OSError, ValueError):  # not written yet
+        return 0
+
+
+def test_kill_9_and_resume(tiny, tokenizer_dir: Path, tmp_path: Path) -> None:
+    """Killed for real once its manifest lists a shard, then started again: the same files, byte for byte,
+    as an uninterrupted run (in this process, one thread, as the CLI is told)."""
+    source = tmp_path / "docs.jsonl"
+    write_jsonl(source, 1500, seed=2, max_words=120)
+    args = [
+        "--model",
+        str(tiny.path),
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--hooks",
+        "blocks.1.hook_resid_pre",
+        "--hooks",
+        "blocks.0.hook_attn_out",
+        "--context-size",
+        "64",
+        "--batch-size",
+        "4",
+        "--shard-size",
+        "4",
+        "--threads",
+        "1",
+    ]
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(
+        cli(str(source), "--out", str(out), *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT
+    )
+    deadline = time.monotonic() + 120
+    while not recorded_shards(out):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no shard after 120 s"
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert not manifest["complete"], "the run ended before it was killed: nothing was interrupted"
+    interrupted_at = len(manifest["shards"])
+    done = subprocess.run(
+        cli(str(source), "--out", str(out), *args), capture_output=True, text=True, cwd=ROOT, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "resuming after" in done.stderr and "tokens/s" in done.stderr  # plain lines: stderr is not a terminal
+
+    reference = tmp_path / "whole"
+    harvest(
+        tiny.path,
+        source,
+        reference,
+        ["blocks.1.hook_resid_pre", "blocks.0.hook_attn_out"],
+        context_size=64,
+        batch_size=4,
+        shard_size=4,
+        tokenizer=str(tokenizer_dir),
+        device="cpu",
+        dtype="float32",
+    )
+    shas = tree_shas(out)
+    assert shas == tree_shas(reference)
+    assert len(shas) - 1 > interrupted_at  # shards were computed after the restart
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--hooks", "blocks.9.hook_resid_pre"], "unknown hook 'blocks.9.hook_resid_pre'"),
+        (["--hooks", "blocks.0.hook_resid_pre", "--text-field", "body"], "no text field 'body'"),
+        (["--hooks", "blocks.0.hook_resid_pre", "--context-size", "4096"], "context size 4096 is more than"),
+        (["--hooks", "blocks.0.hook_resid_pre", "--threads", "0"], "--threads must be a positive integer"),
+    ],
+)
+def test_cli_errors_are_one_line(
+    tiny, tokenizer_dir: Path, corpus, tmp_path: Path, capsys, extra: list[str], message: str
+) -> None:
+    from gpt2_scripts import harvest as harvest_cli
+
+    source, _ = corpus
+    model = ["--model", str(tiny.path), "--tokenizer", str(tokenizer_dir), "--device", "cpu"]
+    status = harvest_cli.main([str(source), "--out", str(tmp_path / "o"), *model, *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 1
+    assert len(err) == 1 and err[0].startswith("gpt2-harvest: error: ") and message in err[0], err
+
+
+def test_cli_bad_file(tiny, tokenizer_dir: Path, tmp_path: Path, capsys) -> None:
+    from gpt2_scripts import harvest as harvest_cli
+
+    bad = tmp_path / "data.parquet"
+    bad.write_text("this is not parquet")
+    argv = [
+        str(bad),
+        "--out",
+        str(tmp_path / "o"),
+        "--model",
+        str(tiny.path),
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--device",
+        "cpu",
+        "--hooks",
+        "blocks.0.hook_resid_pre",
+    ]
+    assert harvest_cli.main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "data.parquet: not a parquet file" in err[0], err
+
+
+def test_token_ids_numpy_roundtrip() -> None:
+    tokens = np.arange(12, dtype=np.int32).reshape(3, 4)
+    assert np.array_equal(np.frombuffer(tokens.tobytes(), dtype=np.int32).reshape(3, 4), tokens)
