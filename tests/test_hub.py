@@ -1,0 +1,134 @@
+"""SAEs and checkpoints from the Hugging Face hub, through huggingface-hub's own download, cache and
+revision code: `HF_ENDPOINT` points at a local server that speaks the hub's file protocol
+(`tests/hub_server.py`), files served from a temporary folder. huggingface-hub reads `HF_ENDPOINT` and
+`HF_HOME` when imported, so each load runs in a fresh process; its standard error is a terminal (a pty),
+where huggingface-hub shows its progress bars."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import shutil
+import struct
+import subprocess
+import sys
+import termios
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Checkpoint, load_ours, write_byte_tokenizer
+from hub_server import serve_hub
+from sae_files import write_sae
+
+from model.lab.sae import load_sae
+from model.tokenizer import Tokenizer
+
+SAE_REPO, MODEL_REPO, RES_JB = "someone/saes", "someone/tiny-gpt2", "jbloom/GPT2-Small-SAEs-Reformatted"
+HOOK = "blocks.1.hook_resid_pre"
+
+SCRIPT = r"""
+import json, sys, torch
+from model.lab.sae import SAEError, load_sae
+from model.loading import LoadError, load
+
+out = {}
+lm = load("someone/tiny-gpt2", revision="v1", device="cpu", dtype="float32")
+out["model"] = [lm.name, lm.revision]
+out["logits"] = lm.model(torch.tensor([[1, 2, 3]]))[0, -1, :8].tolist()
+out["tokens"] = lm.tokenizer.encode("hi")
+sae = load_sae("someone/saes/blocks.1.hook_resid_pre@v1")
+x = torch.linspace(-1, 1, 64)
+out["features"] = sae.encode(x).tolist()
+out["source_centred"] = load_sae("jbloom/GPT2-Small-SAEs-Reformatted/blocks.0.hook_resid_pre").centred
+for name, source in [("revision", "someone/saes/blocks.1.hook_resid_pre@v9"), ("repo", "nobody/none/x"),
+                     ("file", "someone/saes/blocks.7.hook_resid_pre")]:
+    try:
+        load_sae(source)
+        out[name] = None
+    except SAEError as e:
+        out[name] = str(e)
+try:
+    load("someone/tiny-gpt2", revision="v9", device="cpu")
+except LoadError as e:
+    out["model_revision"] = str(e)
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def hub_root(tmp_path_factory: pytest.TempPathFactory, tiny: Checkpoint) -> Path:
+    root = tmp_path_factory.mktemp("hub")
+    repo = root / MODEL_REPO
+    repo.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny.path / name, repo / name)
+    write_byte_tokenizer(repo)  # vocab.json and merges.txt: the loader's fallback when there is no tokenizer.json
+    write_sae(root / SAE_REPO / HOOK, hook=HOOK, d_in=64, d_sae=96, seed=7)
+    write_sae(root / RES_JB / "blocks.0.hook_resid_pre", hook="blocks.0.hook_resid_pre", d_in=64, d_sae=32, legacy=True)
+    return root
+
+
+def run(env: dict[str, str], tty: bool) -> tuple[dict, str]:
+    """SCRIPT in a fresh process with `env`; its stderr a pty when `tty`. (result, what stderr showed)"""
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))} | env
+    full.pop("TQDM_DISABLE", None)
+    if not tty:
+        p = subprocess.run([sys.executable, "-c", SCRIPT], env=full, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        return json.loads(p.stdout.split("RESULT ", 1)[1]), p.stderr
+    main, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a terminal 120 columns wide
+    with subprocess.Popen([sys.executable, "-c", SCRIPT], env=full, stdout=subprocess.PIPE, stderr=child) as p:
+        os.close(child)
+        shown = b""
+        while True:
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            shown += chunk
+        stdout = p.stdout.read().decode() if p.stdout else ""
+        assert p.wait(300) == 0, shown.decode(errors="replace")
+    os.close(main)
+    return json.loads(stdout.split("RESULT ", 1)[1]), shown.decode(errors="replace")
+
+
+def test_saes_and_checkpoints_through_the_hub(hub_root: Path, tmp_path: Path, tiny: Checkpoint) -> None:
+    with serve_hub(hub_root, revisions=("main", "v1")) as hub:
+        env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1"}
+        out, shown = run(env, tty=True)
+        commit = hub.commit(SAE_REPO)
+        assert ("HEAD", f"/{SAE_REPO}/resolve/v1/{HOOK}/cfg.json") in hub.requests
+        assert ("GET", f"/{SAE_REPO}/resolve/v1/{HOOK}/sae_weights.safetensors") in hub.requests
+        assert ("GET", f"/{MODEL_REPO}/resolve/v1/model.safetensors") in hub.requests
+        served = len(hub.requests)
+        # the same files again, offline: from the cache, not one request
+        again, _ = run(env | {"HF_HUB_OFFLINE": "1"}, tty=False)
+        assert len(hub.requests) == served
+    # what came over the wire is what the folder holds
+    want_sae = load_sae(hub_root / SAE_REPO / HOOK)
+    assert out["features"] == pytest.approx(want_sae.encode(torch.linspace(-1, 1, 64)).tolist(), abs=1e-6)
+    with torch.inference_mode():
+        want_logits = load_ours(tiny)(torch.tensor([[1, 2, 3]]))[0, -1, :8].tolist()
+    assert out["logits"] == pytest.approx(want_logits, abs=1e-5)
+    assert out["model"] == [MODEL_REPO, "v1"]
+    assert out["tokens"] == Tokenizer.from_dir(hub_root / MODEL_REPO).encode("hi")
+    assert again["features"] == out["features"] and again["logits"] == out["logits"]
+    # cached as huggingface-hub caches: snapshots/<commit>/ under the repo's folder, the revision a ref
+    cache = tmp_path / "hf" / "hub" / "models--someone--saes"
+    assert (cache / "snapshots" / commit / HOOK / "sae_weights.safetensors").is_file()
+    assert (cache / "refs" / "v1").read_text() == commit
+    # res-jb's repo: centred, as SAELens' release table says (its cfg.json does not)
+    assert out["source_centred"] is True
+    # errors name what was asked for
+    assert "has no revision 'v9'" in out["revision"]
+    assert "no repository 'nobody/none'" in out["repo"]
+    assert "has no blocks.7.hook_resid_pre/cfg.json" in out["file"]
+    assert "has no revision 'v9'" in out["model_revision"]
+    # on a terminal, huggingface-hub's progress bar
+    assert "sae_weights.safetensors" in shown and "100%" in shown, shown[-2000:]
