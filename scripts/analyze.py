@@ -18,9 +18,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gpt2_scripts.sae_cli import add_sae_arguments, directions, features_table
+
 from model.analysis import LayerStats, analyze
 from model.generate import GenerationError, validate_prompt
 from model.interventions import EditSpec
+from model.lab.sae import SAEError
 from model.loading import LoadError, add_checkpoint_arguments, load_from
 from model.tokenizer import InvalidTextError, Tokenizer
 
@@ -36,6 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=5, help=f"logit-lens tokens per position (1..{MAX_TOP_K})")
     p.add_argument("--no-ablated", action="store_true", help="skip the run without residual connections")
     p.add_argument("--plot", metavar="PNG", help="write norm, effective rank and collapse across layers here")
+    add_sae_arguments(p, steer=False)
     return p.parse_args(argv)
 
 
@@ -58,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         loaded = load_from(args)
         ids = validate_prompt(loaded.model, loaded.tokenizer.encode(prompt), 0)
-    except (LoadError, GenerationError, InvalidTextError) as e:
+        saes = directions(args, loaded)
+    except (LoadError, GenerationError, InvalidTextError, SAEError) as e:
         return fail(str(e))
 
     model, tok = loaded.model, loaded.tokenizer
@@ -71,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"{loaded.name}: {len(ids)} tokens; layer -1 is the embeddings, layer L the stream after block L")
     print(table(normal, ablated, tok))
+    for sae_id, sae in saes.saes.items():  # --sae: each SAE's features per token
+        print()
+        print(features_table(sae_id, sae, loaded, ids, args.top_k))
     if plt is not None:
         try:
             plot(plt, args.plot, normal, ablated, f"{loaded.name}: {prompt!r}")

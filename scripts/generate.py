@@ -3,6 +3,9 @@
     gpt2-generate "The meaning of life is" --model gpt2 --max-new-tokens 50 --temperature 0.8 --top-k 40
     gpt2-generate "Hello" --model ./my-checkpoint --greedy --dump-activations out.safetensors \
         --hooks 'blocks.*.hook_resid_post'
+    gpt2-generate "I think that" --model gpt2 --greedy --sae res8=./res-jb/blocks.8.hook_resid_pre \
+        --steer '{"hook": "blocks.8.hook_resid_pre",
+                 "op": "steer", "scale": 8, "direction": {"sae": "res8", "feature": 1}}'
 """
 
 from __future__ import annotations
@@ -11,11 +14,14 @@ import argparse
 import sys
 from pathlib import Path
 
+from gpt2_scripts.sae_cli import add_sae_arguments, directions, steering_edits
 from safetensors import SafetensorError
 
 from model.dump import save_dump
 from model.generate import Generation, GenerationError, SamplingParams
 from model.hooks import UnknownHookError
+from model.interventions import InterventionError
+from model.lab.sae import SAEError
 from model.loading import LoadError, add_checkpoint_arguments, load_from
 from model.tokenizer import InvalidTextError
 
@@ -47,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="PATTERN",
         help="hook names or globs to dump (repeatable; default: every hook point)",
     )
+    add_sae_arguments(p, steer=True)
     return p.parse_args(argv)
 
 
@@ -71,8 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         loaded = load_from(args)
         tok = loaded.tokenizer
         hooks = (args.hooks or ["*"]) if args.dump_activations else None
-        generation = Generation(loaded.model, [tok.encode(prompt)], params, tok, hooks)
-    except (LoadError, GenerationError, UnknownHookError, InvalidTextError) as e:
+        edits = steering_edits(args.steer, directions(args, loaded), loaded.model.config.n_layer)
+        generation = Generation(loaded.model, [tok.encode(prompt)], params, tok, hooks, edits)
+    except (LoadError, GenerationError, UnknownHookError, InvalidTextError, InterventionError, SAEError) as e:
         return fail(str(e))
 
     out = sys.stdout
