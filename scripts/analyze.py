@@ -9,6 +9,17 @@ mean cosine similarity between tokens, the mean attention entropy and the logit 
 last position; then the same with every skip connection removed, side by side, where the collapse shows
 (Dong, Cordonnier & Loukas 2021, "Attention is not all you need"). `--plot` draws norm, effective rank
 and collapse across layers (needs matplotlib: `pip install 'gpt2-server[plot]'`).
+
+    gpt2-analyze "The cat sat on the mat because" --model gpt2 --gradients --plot highway.png
+    gpt2-analyze --attribution "The Eiffel Tower is in" "The Colosseum is in" --model gpt2 \
+        --metric '{"type": "logit_diff", "tokens": [" Paris", " Rome"]}' --verify 5
+
+`--gradients` adds the gradient highway (He et al. 2016): per layer, the norm of the language-model loss's
+gradient at the residual stream, and per block the RMS gain of its Jacobian ∂resid_post/∂resid_pre against
+the identity, with and without the skips. `--attribution CLEAN CORRUPT` scores every site (the residual
+stream per layer and position, each head's hook_z, attn_out and mlp_out per layer) by attribution
+patching for `--metric` (`loss`, or the HTTP API's metric as JSON), and with `--verify K` patches the top
+K for real; `--plot` draws the scores as heatmaps.
 """
 
 from __future__ import annotations
@@ -22,7 +33,9 @@ from gpt2_scripts.sae_cli import add_sae_arguments, directions, features_table
 
 from model.analysis import LayerStats, analyze
 from model.generate import GenerationError, validate_prompt
-from model.interventions import EditSpec
+from model.interventions import EditSpec, InterventionError
+from model.lab.attribution import Attribution, attribution
+from model.lab.gradients import LayerGradient, Loss, Metric, highway
 from model.lab.sae import SAEError
 from model.loading import LoadError, add_checkpoint_arguments, load_from
 from model.tokenizer import InvalidTextError, Tokenizer
@@ -40,6 +53,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-ablated", action="store_true", help="skip the run without residual connections")
     p.add_argument("--plot", metavar="PNG", help="write norm, effective rank and collapse across layers here")
     add_sae_arguments(p, steer=False)
+    p.add_argument(
+        "--gradients", action="store_true", help="add the gradient highway: the loss's gradient, each block's Jacobian"
+    )
+    p.add_argument(
+        "--attribution", nargs=2, metavar=("CLEAN", "CORRUPT"), help="attribution patching of CLEAN into CORRUPT"
+    )
+    p.add_argument("--metric", default="loss", help="for --attribution: loss, or the API's metric as JSON")
+    p.add_argument("--verify", type=int, default=0, metavar="K", help="for --attribution: patch the top K for real")
     return p.parse_args(argv)
 
 
@@ -58,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             return fail(
                 f"--plot {args.plot}: the name must end in a format matplotlib writes ({', '.join(sorted(formats))})"
             )
+    if args.attribution:
+        return attribution_main(args, plt)
     prompt = sys.stdin.read() if args.prompt in (None, "-") else args.prompt
     try:
         loaded = load_from(args)
@@ -70,18 +93,27 @@ def main(argv: list[str] | None = None) -> int:
     n_layer = model.config.n_layer
     normal = analyze(model, ids, args.top_k)
     ablated = None
+    everything = tuple(range(n_layer))
+    no_skips = EditSpec((), everything, everything)
     if not args.no_ablated:
-        everything = tuple(range(n_layer))
-        ablated = analyze(model, ids, args.top_k, EditSpec((), everything, everything).hooks(model.config, len(ids)))
+        ablated = analyze(model, ids, args.top_k, no_skips.hooks(model.config, len(ids)))
+    grads: tuple[list[LayerGradient], list[LayerGradient] | None] | None = None
+    if args.gradients:
+        if len(ids) < 2:
+            return fail("--gradients needs a prompt of at least 2 tokens (the loss predicts the second)")
+        grads = highway(model, ids), None if args.no_ablated else highway(model, ids, no_skips)
 
     print(f"{loaded.name}: {len(ids)} tokens; layer -1 is the embeddings, layer L the stream after block L")
     print(table(normal, ablated, tok))
     for sae_id, sae in saes.saes.items():  # --sae: each SAE's features per token
         print()
         print(features_table(sae_id, sae, loaded, ids, args.top_k))
+    if grads is not None:
+        print()
+        print(highway_table(*grads))
     if plt is not None:
         try:
-            plot(plt, args.plot, normal, ablated, f"{loaded.name}: {prompt!r}")
+            plot(plt, args.plot, normal, ablated, f"{loaded.name}: {prompt!r}", grads)
         except OSError as e:
             return fail(f"cannot write {args.plot}: {e.strerror or e}")
         except RuntimeError as e:  # a format whose tool is missing (pgf needs LaTeX)
@@ -127,14 +159,25 @@ def _pyplot() -> Any:
     return plt
 
 
-def plot(plt: Any, path: str, normal: list[LayerStats], ablated: list[LayerStats] | None, title: str) -> None:
-    """Norm, effective rank and collapse across layers, with (and without) residual connections."""
+def plot(
+    plt: Any,
+    path: str,
+    normal: list[LayerStats],
+    ablated: list[LayerStats] | None,
+    title: str,
+    grads: tuple[list[LayerGradient], list[LayerGradient] | None] | None = None,
+) -> None:
+    """Norm, effective rank and collapse across layers, with (and without) residual connections; with
+    `grads`, a second row: the loss's gradient norm per layer and each block's Jacobian RMS gain."""
     measures = [
         ("mean residual norm", lambda s: sum(s.norms) / len(s.norms)),
         ("effective rank", lambda s: s.effective_rank),
         ("rank collapse ‖X − 1x̄ᵀ‖ / ‖X‖", lambda s: s.collapse),
     ]
-    fig, axes = plt.subplots(1, len(measures), figsize=(15, 4.2))
+    fig, grid = plt.subplots(2 if grads else 1, len(measures), figsize=(15, 8.4 if grads else 4.2), squeeze=False)
+    axes = grid[0]
+    if grads is not None:
+        _plot_highway(grid[1], *grads)
     layers = [s.layer for s in normal]
     for ax, (name, value) in zip(axes, measures, strict=True):
         ax.plot(layers, [value(s) for s in normal], "o-", label="with residual connections")
@@ -147,6 +190,153 @@ def plot(plt: Any, path: str, normal: list[LayerStats], ablated: list[LayerStats
     axes[2].set_ylim(bottom=0)
     axes[0].legend()
     fig.suptitle(title if len(title) <= 100 else title[:99] + "…")
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+
+
+_GRAD_COLUMNS = f"{'grad_norm':>10} {'jac_rms':>8} {'|J-I|_rms':>9}"
+
+
+def highway_table(normal: list[LayerGradient], ablated: list[LayerGradient] | None) -> str:
+    """The gradient highway, one row per layer: ‖∂loss/∂x‖ at the stream (mean over positions), and the
+    block's Jacobian ‖J‖_F/√n and ‖J - I‖_F/√n (1 and 0 for the identity); with and without the skips."""
+    width = len(_GRAD_COLUMNS)
+    rows = [f"{'':5} {'gradient, with residual connections':^{width}}", f"{'layer':>5} {_GRAD_COLUMNS}"]
+    if ablated is not None:
+        rows[0] += f" | {'without residual connections':^{width}}"
+        rows[1] += f" | {_GRAD_COLUMNS}"
+    for i, g in enumerate(normal):
+        row = f"{g.layer:>5} {_grad_cells(g)}"
+        if ablated is not None:
+            row += f" | {_grad_cells(ablated[i])}"
+        rows.append(row)
+    ratio = f"first / last layer gradient norm: {normal[0].grad_norm / normal[-1].grad_norm:.3g} with the skips"
+    if ablated is not None:
+        ratio += f", {ablated[0].grad_norm / ablated[-1].grad_norm:.3g} without"
+    return "\n".join([*(row.rstrip() for row in rows), ratio])
+
+
+def _grad_cells(g: LayerGradient) -> str:
+    if g.jacobian_norm is None or g.jacobian_identity_distance is None:
+        return f"{g.grad_norm:10.3e} {'-':>8} {'-':>9}"
+    return f"{g.grad_norm:10.3e} {g.jacobian_norm:8.3f} {g.jacobian_identity_distance:9.3f}"
+
+
+def _plot_highway(axes: Any, normal: list[LayerGradient], ablated: list[LayerGradient] | None) -> None:
+    series = [("with residual connections", "o-", normal), ("without residual connections", "s--", ablated)]
+    blocks = [g for g in normal if g.jacobian_norm is not None]
+    for label, style, run in series:
+        if run is None:
+            continue
+        axes[0].plot([g.layer for g in run], [g.grad_norm for g in run], style, label=label)
+        inner = [g for g in run if g.jacobian_norm is not None]
+        axes[1].plot([g.layer for g in inner], [g.jacobian_norm for g in inner], style, label=label)
+        axes[2].plot([g.layer for g in inner], [g.jacobian_identity_distance for g in inner], style, label=label)
+    axes[0].set_yscale("log")
+    axes[0].set_title("‖∂loss/∂x‖ at the stream (mean over positions)")
+    axes[1].axhline(1.0, color="grey", lw=1, ls=":", label="the identity")
+    axes[1].set_title("block Jacobian RMS gain ‖J‖_F / √n")
+    axes[2].set_title("distance from the identity ‖J - I‖_F / √n")
+    for ax in axes:
+        ax.set_xlabel("layer (-1: embeddings)" if ax is axes[0] else "block")
+        ax.grid(alpha=0.3)
+    axes[0].set_xticks([g.layer for g in normal])
+    axes[1].set_xticks([g.layer for g in blocks])
+    axes[2].set_xticks([g.layer for g in blocks])
+    axes[0].legend()
+    axes[1].legend()
+
+
+def attribution_main(args: argparse.Namespace, plt: Any) -> int:
+    """gpt2-analyze --attribution CLEAN CORRUPT: the scores as tables (and heatmaps with --plot)."""
+    if not 0 <= args.verify <= 64:
+        return fail(f"--verify must be in 0..64, got {args.verify}")
+    try:
+        loaded = load_from(args)
+        tok = loaded.tokenizer
+        clean, corrupt = (validate_prompt(loaded.model, tok.encode(p), 0) for p in args.attribution)
+        metric = parse_metric(args.metric, tok)
+        result = attribution(loaded.model, clean, corrupt, metric, args.verify)
+    except (LoadError, GenerationError, InvalidTextError, InterventionError) as e:
+        return fail(str(e))
+    print(f"{loaded.name}: {len(clean)} tokens; metric {args.metric}")
+    print(attribution_table(result, [tok.token_text(t) for t in clean], [tok.token_text(t) for t in corrupt]))
+    if plt is not None:
+        try:
+            plot_attribution(plt, args.plot, result, [tok.token_text(t) for t in clean])
+        except (OSError, RuntimeError) as e:
+            return fail(f"cannot write {args.plot}: {getattr(e, 'strerror', None) or e}")
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def parse_metric(text: str, tok: Tokenizer) -> Metric:
+    """`loss`, or the metric as the HTTP API takes it (JSON), with token texts turned into ids."""
+    if text.strip() == "loss":
+        return Loss()
+    from pydantic import TypeAdapter, ValidationError
+
+    from server.schemas import MetricSpec
+
+    adapter: TypeAdapter[Any] = TypeAdapter(MetricSpec)
+    try:
+        spec = adapter.validate_json(text)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise GenerationError(f"--metric {text!r}: {where + ': ' if where else ''}{first['msg']}") from None
+    return spec.metric(tok)
+
+
+def attribution_table(result: Attribution, clean: list[str], corrupt: list[str]) -> str:
+    """The residual stream's scores (layer x position), each head's, attn_out's and mlp_out's, and the
+    patched sites: each estimate beside the real change."""
+    lines = [
+        f"metric: clean {result.clean_metric:.4f}, corrupted {result.corrupted_metric:.4f} "
+        f"(patching everything would change it by {result.clean_metric - result.corrupted_metric:+.4f})",
+        "",
+        "attribution at blocks.L.hook_resid_pre, per position (clean token / corrupted token):",
+    ]
+    labels = [repr(a) if a == b else f"{a!r}/{b!r}" for a, b in zip(clean, corrupt, strict=True)]
+    width = max(9, *(min(len(s), 18) for s in labels))
+    lines.append(f"{'layer':>5} " + " ".join(f"{s[:18]:>{width}}" for s in labels))
+    for i, row in enumerate(result.resid_pre.tolist()):
+        lines.append(f"{i:>5} " + " ".join(f"{v:>{width}.4f}" for v in row))
+    H = result.z.shape[1]
+    lines += ["", "attribution at blocks.L.attn.hook_z, per head (every position):"]
+    lines.append(f"{'layer':>5} " + " ".join(f"{'head ' + str(h):>9}" for h in range(H)))
+    lines += [f"{i:>5} " + " ".join(f"{v:9.4f}" for v in row) for i, row in enumerate(result.z.tolist())]
+    lines += ["", f"{'layer':>5} {'attn_out':>9} {'mlp_out':>9}"]
+    lines += [f"{i:>5} {a:9.4f} {m:9.4f}" for i, (a, m) in enumerate(zip(result.attn_out, result.mlp_out, strict=True))]
+    if result.verified:
+        lines += ["", f"{'patched for real (the `set` edit)':<44} {'estimate':>9} {'change':>9}"]
+        for v in result.verified:
+            s = v.site
+            where = s.hook + (f" @ position {s.position}" if s.position is not None else "")
+            where += f" head {s.head}" if s.head is not None else ""
+            lines.append(f"{where:<44} {v.attribution:9.4f} {v.patched_change:9.4f}")
+    return "\n".join(lines)
+
+
+def plot_attribution(plt: Any, path: str, result: Attribution, tokens: list[str]) -> None:
+    """Heatmaps of the residual stream's scores (layer x position) and each head's (layer x head)."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [max(3, len(tokens)), 4]})
+    for ax, scores, xlabel, ticks in (
+        (left, result.resid_pre, "position", [repr(t) for t in tokens]),
+        (right, result.z, "head", [str(h) for h in range(result.z.shape[1])]),
+    ):
+        bound = float(scores.abs().max()) or 1.0
+        image = ax.imshow(scores.numpy(), cmap="RdBu", vmin=-bound, vmax=bound, aspect="auto")
+        ax.set_xticks(range(len(ticks)), ticks, rotation=60 if xlabel == "position" else 0, fontsize=8)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("layer")
+        ax.set_yticks(range(scores.shape[0]))
+        fig.colorbar(image, ax=ax)
+    left.set_title("attribution at hook_resid_pre")
+    right.set_title("attribution at attn.hook_z (every position)")
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=110)

@@ -23,7 +23,7 @@ from .engine import Engine
 from .errors import install_error_handlers
 from .metrics import Metrics
 from .middleware import CORS, RequestGuard
-from .routes import lab, native, openai, ops, tokenizer
+from .routes import gradients, lab, native, openai, ops, tokenizer
 from .routes import sae as sae_routes
 from .settings import Settings
 
@@ -70,7 +70,7 @@ def create_app(
     app.state.engine = None
     app.state.directions = Directions(max_vectors=settings.max_steering_vectors)
     install_error_handlers(app)
-    for router in (ops.router, native.router, openai.router, tokenizer.router, lab.router):
+    for router in (ops.router, native.router, openai.router, tokenizer.router, lab.router, gradients.router):
         app.include_router(router)
     app.include_router(sae_routes.router)
     app.mount("/static", StaticFiles(directory=lab.STATIC), name="static")

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import base64
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from model.generate import SEED_RANGE, GenerationError, SamplingParams
+from model.hooks import UnknownHookError, select_hooks
 from model.interventions import Edit, EditSpec, InterventionError
+from model.lab.gradients import LogitDiff, LogProb, Loss, Metric
 from model.lab.steering import STEERING_OPS, DirectionError, Directions
-from model.tokenizer import InvalidTextError, check_unicode
+from model.tokenizer import InvalidTextError, Tokenizer, check_unicode
 
 PromptText = str | list[str]
 PromptIds = list[int] | list[list[int]]
@@ -237,6 +239,94 @@ class AnalyzeRequest(Edits):
     input_ids: list[int] | None = None
     top_k: int = Field(default=5, description="tokens per position in the logit lens")
     compare_ablated: bool = Field(default=True, description="also run with every residual connection removed")
+    gradients: bool = Field(default=False, description="add the loss's gradient norm and each block's Jacobian")
+
+
+# --- gradients and attribution: one metric shape for both ------------------------------------------
+
+MAX_TOKEN_TEXT = 256  # characters of a token given as text
+
+
+def _token(value: int | str, tokenizer: Tokenizer, param: str) -> int:
+    """A token id, or text that encodes to exactly one token (its id)."""
+    if isinstance(value, int):
+        return value  # its range is checked against the model's vocabulary with the metric
+    if len(value) > MAX_TOKEN_TEXT:
+        raise GenerationError(f"{param} is {len(value)} characters long: one token is at most {MAX_TOKEN_TEXT}", param)
+    ids = tokenizer.encode(valid_text(value, param))
+    if len(ids) != 1:
+        raise GenerationError(
+            f"{param} {value!r} is {len(ids)} tokens ({ids}), not one: give a token id or the text of one token", param
+        )
+    return ids[0]
+
+
+class LogProbMetric(Strict):
+    """log p(token) at `position`: the log-softmax of the logits there."""
+
+    type: Literal["logprob"]
+    token: int | str = Field(description="token id, or text that is exactly one token (' Paris')")
+    position: int = Field(default=-1, description="the position whose next-token distribution is read; -1: the last")
+
+    def metric(self, tokenizer: Tokenizer) -> Metric:
+        return LogProb(_token(self.token, tokenizer, "metric.token"), self.position)
+
+
+class LogitDiffMetric(Strict):
+    """logit[a] - logit[b] at `position`."""
+
+    type: Literal["logit_diff"]
+    tokens: list[int | str] = Field(min_length=2, max_length=2, description="[a, b]: ids, or texts of one token")
+    position: int = -1
+
+    def metric(self, tokenizer: Tokenizer) -> Metric:
+        a, b = (_token(t, tokenizer, "metric.tokens") for t in self.tokens)
+        return LogitDiff((a, b), self.position)
+
+
+class LossMetric(Strict):
+    """The next-token cross-entropy over the prompt's tokens [start, end), each predicted from the one before."""
+
+    type: Literal["loss"]
+    span: list[int] | None = Field(default=None, min_length=2, max_length=2, description="[start, end); null: 1..T")
+
+    def metric(self, tokenizer: Tokenizer) -> Metric:
+        return Loss(None if self.span is None else (self.span[0], self.span[1]))
+
+
+MetricSpec = Annotated[LogProbMetric | LogitDiffMetric | LossMetric, Field(discriminator="type")]
+
+
+class GradientsRequest(Edits):
+    """`/v1/gradients`: ∂metric/∂(value at each hook), with the request's edits applied."""
+
+    prompt: str | None = None
+    input_ids: list[int] | None = None
+    metric: MetricSpec
+    hooks: list[str] = Field(min_length=1, description="hook names or globs, e.g. blocks.*.hook_resid_pre")
+    format: Literal["json", "safetensors"] = Field(default="json", description="safetensors: the answer is a file")
+
+    def hook_names(self, n_layer: int) -> list[str]:
+        try:
+            return select_hooks(self.hooks, n_layer)
+        except UnknownHookError as e:
+            raise GenerationError(str(e), "hooks") from None
+
+
+MAX_VERIFY = 64  # sites patched for real in one attribution request
+
+
+class AttributionRequest(Strict):
+    """`/v1/attribution`: attribution patching of `clean` into `corrupted` (prompts of one length)."""
+
+    clean: str | list[int]
+    corrupted: str | list[int]
+    metric: MetricSpec
+    verify: int = Field(default=0, description=f"also patch the top k sites for real (0..{MAX_VERIFY})")
+
+    def check(self) -> None:
+        if not 0 <= self.verify <= MAX_VERIFY:
+            raise GenerationError(f"verify must be in 0..{MAX_VERIFY}, got {self.verify}", "verify")
 
 
 class TokenizeRequest(BaseModel):

@@ -38,6 +38,10 @@ class Settings:
     max_new_tokens: int = field(default=1024, metadata={"help": "server-wide cap on tokens per completion"})
     max_activation_bytes: int = field(default=256 * 2**20, metadata={"help": "largest activation dump (bytes)"})
     max_body_bytes: int = field(default=4 * 2**20, metadata={"help": "largest request body (bytes)"})
+    max_gradient_bytes: int = field(
+        default=4 * 2**30,
+        metadata={"help": "largest autograd graph a gradient request may build (bytes, estimated from its shape)"},
+    )
     cors_origins: tuple[str, ...] = field(default=(), metadata={"help": "comma-separated origins allowed by CORS"})
     sae: tuple[str, ...] = field(
         default=(),
@@ -70,6 +74,7 @@ class Settings:
             "max_new_tokens",
             "max_activation_bytes",
             "max_body_bytes",
+            "max_gradient_bytes",
             "max_connections",
             "max_steering_vectors",
         ):

@@ -61,13 +61,7 @@ def attribution(model: GPT, clean: list[int], corrupted: list[int], metric: Metr
     """Attribution scores of every site in `SITES` for patching `clean`'s values into `corrupted` (same
     length), and, for the `verify` sites of largest |score|, the metric with each really patched in. The
     loss's targets are the clean prompt's tokens in both runs (a metric is one function of the logits)."""
-    if len(clean) != len(corrupted):
-        raise MetricError(
-            f"the clean prompt has {len(clean)} tokens and the corrupted one {len(corrupted)}: patching needs "
-            "the same length",
-            "corrupted",
-        )
-    check_metric(metric, len(clean), model.config.vocab_size)
+    check_attribution(clean, corrupted, metric, model.config.vocab_size)
     L = model.config.n_layer
     names = [f"blocks.{i}.{site}" for i in range(L) for site in SITES]
     targets = clean  # what the loss predicts, in both runs
@@ -100,6 +94,17 @@ def attribution(model: GPT, clean: list[int], corrupted: list[int], metric: Metr
         patched = patched_metric(model, corrupted, targets, metric, site.edit(cache[site.hook]))
         verified.append(Verified(site, estimate, patched, patched - corrupt.metric))
     return Attribution(clean_metric, corrupt.metric, resid, z, attn, mlp, verified)
+
+
+def check_attribution(clean: list[int], corrupted: list[int], metric: Metric, vocab_size: int) -> None:
+    """Refuse (`MetricError`, naming the field) prompts of different lengths and a metric they cannot give."""
+    if len(clean) != len(corrupted):
+        raise MetricError(
+            f"the clean prompt has {len(clean)} tokens and the corrupted one {len(corrupted)}: patching needs "
+            "the same length",
+            "corrupted",
+        )
+    check_metric(metric, len(clean), vocab_size)
 
 
 @dataclass(frozen=True)

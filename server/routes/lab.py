@@ -13,9 +13,11 @@ from model.analysis import LayerStats, analyze
 from model.generate import GenerationError, validate_prompt
 from model.gpt import GPT
 from model.interventions import EditSpec, NonFiniteActivations
+from model.lab.gradients import LayerGradient, highway
 
 from ..schemas import AnalyzeRequest
-from .deps import EngineDep, token_ids, unless_disconnected
+from .deps import EngineDep, SettingsDep, token_ids, unless_disconnected
+from .gradients import check_graph
 from .sae import DirectionsDep
 
 router = APIRouter(tags=["lab"])
@@ -29,7 +31,7 @@ async def viewer() -> FileResponse:
 
 @router.post("/v1/analyze")
 async def analyze_prompt(
-    req: AnalyzeRequest, engine: EngineDep, request: Request, directions: DirectionsDep
+    req: AnalyzeRequest, engine: EngineDep, request: Request, settings: SettingsDep, directions: DirectionsDep
 ) -> dict[str, Any]:
     (ids,) = await token_ids(engine, req.prompt, req.input_ids)
     config = engine.model.config
@@ -40,20 +42,31 @@ async def analyze_prompt(
     everything = tuple(range(config.n_layer))
     no_residual = EditSpec(edits.edits if edits else (), everything, everything)
 
-    def run(model: GPT) -> tuple[list[LayerStats], list[LayerStats] | None]:
-        main = analyze(model, ids, req.top_k, edits.hooks(config, len(ids)) if edits else None)
+    if req.gradients:
+        if len(ids) < 2:
+            raise GenerationError("gradients need a prompt of at least 2 tokens (the loss predicts one)", "gradients")
+        check_graph(engine, settings, len(ids), "gradients")
+    Run = tuple[list[LayerStats], list[LayerGradient] | None]
+
+    def measured(model: GPT, spec: EditSpec | None) -> Run:
+        stats = analyze(model, ids, req.top_k, spec.hooks(config, len(ids)) if spec else None)
+        return stats, highway(model, ids, spec) if req.gradients else None
+
+    def run(model: GPT) -> tuple[Run, Run | None]:
+        main = measured(model, edits)
         if not req.compare_ablated:
             return main, None
         try:
-            return main, analyze(model, ids, req.top_k, no_residual.hooks(config, len(ids)))
+            return main, measured(model, no_residual)
         except NonFiniteActivations as e:  # say which run: the edits also apply to the one without skips
             raise NonFiniteActivations(f"{e}, in the run without residual connections (compare_ablated)") from None
 
     main, ablated = await unless_disconnected(request, engine.call(run))
     text = engine.tokenizer.token_text
 
-    def layers(stats: list[LayerStats]) -> list[dict[str, Any]]:
-        return [
+    def layers(run: Run) -> list[dict[str, Any]]:
+        stats, grads = run
+        out = [
             {
                 "layer": s.layer,
                 "norms": s.norms,
@@ -65,6 +78,11 @@ async def analyze_prompt(
             }
             for s in stats
         ]
+        for layer, g in zip(out, grads or [], strict=False):  # the same layers, in the same order
+            layer["grad_norm"] = g.grad_norm
+            layer["jacobian_norm"] = g.jacobian_norm
+            layer["jacobian_identity_distance"] = g.jacobian_identity_distance
+        return out
 
     return {
         "model": engine.loaded.name,

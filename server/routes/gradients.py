@@ -1,0 +1,160 @@
+"""Gradients and attribution patching over HTTP: the metric's gradient at hook points (`/v1/gradients`) and
+attribution scores for every site with optional real patching (`/v1/attribution`).
+
+Each request is one job on the engine's thread (`Engine.call`, between two decode steps), which builds
+the only autograd graph alive at a time; a graph estimated over the server's `--max-gradient-bytes` is
+refused with 413 before anything runs."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+
+from model.generate import validate_prompt
+from model.gpt import GPT
+from model.lab.attribution import Attribution, Site, attribution, check_attribution
+from model.lab.gradients import Gradients, Metric, check_metric, grad_name, gradients, graph_bytes
+
+from .. import encoding
+from ..engine import Engine
+from ..errors import APIError
+from ..schemas import AttributionRequest, GradientsRequest
+from ..settings import Settings
+from .deps import EngineDep, SettingsDep, encode, json_response, token_ids, unless_disconnected
+from .sae import DirectionsDep
+
+router = APIRouter(tags=["lab"])
+
+
+def check_graph(engine: Engine, settings: Settings, n_tokens: int, param: str) -> None:
+    """Refuse (413, naming `param`) a request whose autograd graph, estimated from its shape, would not fit."""
+    size = graph_bytes(engine.model.config, n_tokens, engine.loaded.dtype)
+    if size > settings.max_gradient_bytes:
+        raise APIError(
+            413,
+            f"a graph for {n_tokens} tokens would take about {size} bytes, over the server's limit of "
+            f"{settings.max_gradient_bytes} (--max-gradient-bytes): send a shorter prompt",
+            param,
+        )
+
+
+@router.post("/v1/gradients", responses={200: {"content": {"application/octet-stream": {}}}})
+async def gradients_at_hooks(
+    req: GradientsRequest, request: Request, engine: EngineDep, settings: SettingsDep, directions: DirectionsDep
+) -> Response:
+    (ids,) = await token_ids(engine, req.prompt, req.input_ids)
+    param = "input_ids" if req.input_ids is not None else "prompt"
+    validate_prompt(engine.model, ids, 0, param)
+    config = engine.model.config
+    names, metric, edits = (
+        req.hook_names(config.n_layer),
+        req.metric.metric(engine.tokenizer),
+        req.edit_spec(config.n_layer),
+    )
+    check_metric(metric, len(ids), config.vocab_size)
+    if edits is not None:
+        edits.hooks(config, len(ids))  # a bad edit is refused here, before it takes the engine's time
+    wire: encoding.Wire = "safetensors" if req.format == "safetensors" else "json"
+    size = encoding.dump_bytes_on_wire(config, names, len(ids), "float32", wire)
+    if size > settings.max_activation_bytes:
+        raise APIError(
+            413,
+            f"the gradients would take up to {size} bytes as {wire}, over the server's limit of "
+            f"{settings.max_activation_bytes}: ask for fewer hooks or fewer tokens"
+            + (", or format safetensors" if wire == "json" else ""),
+            "hooks",
+        )
+    check_graph(engine, settings, len(ids), param)
+
+    def run(model: GPT) -> Gradients:
+        return gradients(model, ids, metric, names, edits)
+
+    result = await unless_disconnected(request, engine.call(run))
+    if wire == "json":
+        return await json_response(_body, engine, ids, req.metric.type, metric, result)
+    return await _file(engine, ids, req.metric.type, metric, result)
+
+
+def _body(engine: Engine, ids: list[int], kind: str, metric: Metric, result: Gradients) -> dict[str, Any]:
+    text = engine.tokenizer.token_text
+    grads = {grad_name(n): g for n, g in result.grads.items()}
+    return {
+        "model": engine.loaded.name,
+        "input_ids": ids,
+        "tokens": [text(t) for t in ids],
+        "metric": {"type": kind, "value": result.metric, **_metric_fields(metric)},
+        "gradients": encoding.to_json(grads, "float32"),
+    }
+
+
+async def _file(engine: Engine, ids: list[int], kind: str, metric: Metric, result: Gradients) -> Response:
+    meta = {
+        "model": engine.loaded.name,
+        "token_ids": ids,
+        "metric": json.dumps({"type": kind, "value": result.metric, **_metric_fields(metric)}),
+    }
+    grads = {grad_name(n): g for n, g in result.grads.items()}
+    blob = await run_in_threadpool(encoding.to_safetensors, grads, "float32", meta)
+    return Response(blob, media_type="application/octet-stream")
+
+
+def _metric_fields(metric: Metric) -> dict[str, Any]:
+    """The metric as resolved (token texts turned into ids)."""
+    fields = dict(vars(metric))
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}
+
+
+@router.post("/v1/attribution")
+async def attribution_patching(
+    req: AttributionRequest, request: Request, engine: EngineDep, settings: SettingsDep
+) -> dict[str, Any]:
+    req.check()
+    clean, corrupted = [
+        await _prompt(engine, p, name) for p, name in ((req.clean, "clean"), (req.corrupted, "corrupted"))
+    ]
+    metric = req.metric.metric(engine.tokenizer)
+    check_attribution(clean, corrupted, metric, engine.model.config.vocab_size)
+    check_graph(engine, settings, len(corrupted), "corrupted")
+
+    def run(model: GPT) -> Attribution:
+        return attribution(model, clean, corrupted, metric, req.verify)
+
+    result = await unless_disconnected(request, engine.call(run))
+    text = engine.tokenizer.token_text
+
+    def site(s: Site) -> dict[str, Any]:
+        return {"hook": s.hook, "layer": s.layer, "position": s.position, "head": s.head}
+
+    return {
+        "model": engine.loaded.name,
+        "clean": {"input_ids": clean, "tokens": [text(t) for t in clean], "metric": result.clean_metric},
+        "corrupted": {
+            "input_ids": corrupted,
+            "tokens": [text(t) for t in corrupted],
+            "metric": result.corrupted_metric,
+        },
+        "metric": {"type": req.metric.type, **_metric_fields(metric)},
+        "resid_pre": result.resid_pre.tolist(),  # [layer][position]
+        "z": result.z.tolist(),  # [layer][head]
+        "attn_out": result.attn_out.tolist(),  # [layer]
+        "mlp_out": result.mlp_out.tolist(),  # [layer]
+        "verified": [
+            {
+                "site": site(v.site),
+                "attribution": v.attribution,
+                "patched_metric": v.patched_metric,
+                "patched_change": v.patched_change,
+            }
+            for v in result.verified
+        ],
+    }
+
+
+async def _prompt(engine: Engine, prompt: str | list[int], param: str) -> list[int]:
+    """Token ids of `prompt` (text, or ids), errors naming `param` (`clean`, `corrupted`)."""
+    ids = (await encode(engine, [prompt], param))[0] if isinstance(prompt, str) else list(prompt)
+    return validate_prompt(engine.model, ids, 0, param)

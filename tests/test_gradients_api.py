@@ -1,0 +1,240 @@
+"""/v1/gradients, /v1/attribution and /v1/analyze's gradients over HTTP, in process on the tiny checkpoint
+with the real tokenizer: answers equal the model-level functions (themselves checked against
+transformers), edits are honoured, bad input is a 400/413 naming the field (and the server keeps serving),
+and a gradient job runs between two decode steps of the continuous batch, never several in a row."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import torch
+from contract import assert_error
+from fastapi.testclient import TestClient
+from inprocess import assert_still_serving, post_ok, serve, wait_until
+from safetensors.torch import load as load_safetensors
+
+from model.interventions import Edit, EditSpec
+from model.lab.attribution import attribution
+from model.lab.gradients import LogitDiff, LogProb, Loss, gradients, highway
+from model.loading import LoadedModel
+
+CLEAN = [464, 3797, 3332, 319, 262, 2603, 780, 340]  # "The cat sat on the mat because it"
+CORRUPTED = [464, 3290, 3332, 319, 262, 2603, 780, 340]  # "The dog sat on the mat because it"
+HOOKS = ["blocks.*.hook_resid_pre", "blocks.1.attn.hook_pattern", "unembed.hook_in"]
+NAMES = ["blocks.0.hook_resid_pre", "blocks.1.hook_resid_pre", "blocks.1.attn.hook_pattern", "unembed.hook_in"]
+
+
+@pytest.fixture(scope="module")
+def client(loaded: LoadedModel) -> Iterator[TestClient]:
+    with serve(loaded) as c:
+        yield c
+
+
+def tensor(entry: dict[str, Any]) -> torch.Tensor:
+    return torch.tensor(entry["data"], dtype=torch.float32).reshape(entry["shape"])
+
+
+def test_gradients_in_json_equal_the_model(client: TestClient, loaded: LoadedModel) -> None:
+    body = post_ok(client, "/v1/gradients", {"input_ids": CLEAN, "metric": {"type": "loss"}, "hooks": HOOKS})
+    want = gradients(loaded.model, CLEAN, Loss(), NAMES)
+    assert body["metric"] == {"type": "loss", "value": pytest.approx(want.metric), "span": None}
+    assert body["input_ids"] == CLEAN and len(body["tokens"]) == len(CLEAN)
+    assert sorted(body["gradients"]) == sorted(n + "_grad" for n in NAMES)
+    for name in NAMES:
+        got = tensor(body["gradients"][name + "_grad"])
+        torch.testing.assert_close(got, want.grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_gradients_as_safetensors_with_edits_and_a_token_given_as_text(client: TestClient, loaded: LoadedModel) -> None:
+    edits = {
+        "interventions": [{"hook": "blocks.0.hook_attn_out", "op": "scale", "factor": 0.5}],
+        "residual": {"mlp": [1]},
+    }
+    metric = {"type": "logprob", "token": " was", "position": -1}
+    hooks = ["blocks.*.hook_resid_post"]
+    body = {"prompt": "The cat sat on the mat because it", "metric": metric, "hooks": hooks, "format": "safetensors"}
+    r = client.post("/v1/gradients", json=body | edits)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "application/octet-stream"
+    got = load_safetensors(r.content)
+    spec = EditSpec((Edit("blocks.0.hook_attn_out", "scale", factor=0.5),), (), (1,))
+    names = ["blocks.0.hook_resid_post", "blocks.1.hook_resid_post"]
+    want = gradients(loaded.model, CLEAN, LogProb(373, -1), names, spec)  # " was" is token 373
+    for name in names:
+        torch.testing.assert_close(got[name + "_grad"], want.grads[name], rtol=1e-5, atol=1e-7)
+    plain = gradients(loaded.model, CLEAN, LogProb(373, -1), names)
+    assert not torch.allclose(plain.grads[names[0]], want.grads[names[0]])
+
+
+def test_attribution_equals_the_model_and_verifies(client: TestClient, loaded: LoadedModel) -> None:
+    metric = {"type": "logit_diff", "tokens": [" was", 318]}
+    body = post_ok(client, "/v1/attribution", {"clean": CLEAN, "corrupted": CORRUPTED, "metric": metric, "verify": 3})
+    want = attribution(loaded.model, CLEAN, CORRUPTED, LogitDiff((373, 318)), 3)
+    assert body["metric"] == {"type": "logit_diff", "tokens": [373, 318], "position": -1}
+    assert body["clean"]["metric"] == pytest.approx(want.clean_metric)
+    assert body["corrupted"]["metric"] == pytest.approx(want.corrupted_metric)
+    for key, value in (
+        ("resid_pre", want.resid_pre),
+        ("z", want.z),
+        ("attn_out", want.attn_out),
+        ("mlp_out", want.mlp_out),
+    ):
+        torch.testing.assert_close(torch.tensor(body[key], dtype=torch.float64), value, rtol=1e-5, atol=1e-7, msg=key)
+    assert [v["site"]["hook"] for v in body["verified"]] == [v.site.hook for v in want.verified]
+    for got, v in zip(body["verified"], want.verified, strict=True):
+        assert got["patched_metric"] == pytest.approx(v.patched_metric, rel=1e-5)
+        assert got["attribution"] == pytest.approx(v.attribution, rel=1e-5)
+    # text prompts: the same
+    prompts = {"clean": "The cat sat on the mat because it", "corrupted": "The dog sat on the mat because it"}
+    text = post_ok(client, "/v1/attribution", {**prompts, "metric": metric})
+    assert text["clean"]["input_ids"] == CLEAN and text["verified"] == []
+    torch.testing.assert_close(torch.tensor(text["resid_pre"]), torch.tensor(body["resid_pre"]))
+
+
+def test_analyze_with_gradients_adds_the_highway_to_both_runs(client: TestClient, loaded: LoadedModel) -> None:
+    body = post_ok(client, "/v1/analyze", {"input_ids": CLEAN, "gradients": True})
+    every = tuple(range(loaded.model.config.n_layer))
+    for run, spec in (("layers", None), ("ablated", EditSpec((), every, every))):
+        want = highway(loaded.model, CLEAN, spec)
+        assert [layer["layer"] for layer in body[run]] == [g.layer for g in want]
+        for layer, g in zip(body[run], want, strict=True):
+            assert layer["grad_norm"] == pytest.approx(g.grad_norm, rel=1e-5)
+            if g.jacobian_norm is None:
+                assert layer["jacobian_norm"] is None and layer["jacobian_identity_distance"] is None
+            else:
+                assert layer["jacobian_norm"] == pytest.approx(g.jacobian_norm, rel=1e-5)
+                assert layer["jacobian_identity_distance"] == pytest.approx(g.jacobian_identity_distance, rel=1e-5)
+    assert body["layers"][0]["grad_norm"] != body["ablated"][0]["grad_norm"]
+    plain = post_ok(client, "/v1/analyze", {"input_ids": CLEAN})
+    assert "grad_norm" not in plain["layers"][0]
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+
+def grad(**fields: Any) -> dict[str, Any]:
+    return {"input_ids": CLEAN, "metric": {"type": "loss"}, "hooks": ["logits"], **fields}
+
+
+def attr(**fields: Any) -> dict[str, Any]:
+    return {"clean": CLEAN, "corrupted": CORRUPTED, "metric": {"type": "loss"}, **fields}
+
+
+BAD = [
+    ("metric-type", "/v1/gradients", grad(metric={"type": "kl"}), 400, "metric"),
+    ("metric-missing", "/v1/gradients", {"input_ids": CLEAN, "hooks": ["logits"]}, 400, "metric"),
+    ("metric-extra-field", "/v1/gradients", grad(metric={"type": "loss", "token": 5}), 400, "metric"),
+    ("token-over-vocab", "/v1/gradients", grad(metric={"type": "logprob", "token": 50257}), 400, "metric.token"),
+    (
+        "token-text-of-two",
+        "/v1/gradients",
+        grad(metric={"type": "logprob", "token": " Eiffel Tower"}),
+        400,
+        "metric.token",
+    ),
+    ("token-bool", "/v1/gradients", grad(metric={"type": "logprob", "token": True}), 400, "metric"),
+    ("tokens-one", "/v1/gradients", grad(metric={"type": "logit_diff", "tokens": [5]}), 400, "metric"),
+    (
+        "tokens-over-vocab",
+        "/v1/gradients",
+        grad(metric={"type": "logit_diff", "tokens": [5, -1]}),
+        400,
+        "metric.tokens",
+    ),
+    ("position", "/v1/gradients", grad(metric={"type": "logprob", "token": 5, "position": 8}), 400, "metric.position"),
+    ("span", "/v1/gradients", grad(metric={"type": "loss", "span": [0, 3]}), 400, "metric.span"),
+    ("one-token-loss", "/v1/gradients", grad(input_ids=[464]), 400, "metric.span"),
+    ("unknown-hook", "/v1/gradients", grad(hooks=["blocks.7.hook_resid_pre"]), 400, "hooks"),
+    ("no-hooks", "/v1/gradients", grad(hooks=[]), 400, "hooks"),
+    ("format", "/v1/gradients", grad(format="npy"), 400, "format"),
+    ("bad-edit", "/v1/gradients", grad(interventions=[{"hook": "nope", "op": "zero"}]), 400, "interventions"),
+    ("answer-too-large", "/v1/gradients", grad(input_ids=[464] * 60, hooks=["logits", "*"]), 413, "hooks"),
+    ("graph-too-large", "/v1/gradients", grad(input_ids=[464] * 100, hooks=["hook_embed"]), 413, "input_ids"),
+    (
+        "graph-too-large-text",
+        "/v1/gradients",
+        {**grad(hooks=["hook_embed"]), "input_ids": None, "prompt": "a b " * 60},
+        413,
+        "prompt",
+    ),
+    ("lengths", "/v1/attribution", attr(corrupted=CORRUPTED[:-1]), 400, "corrupted"),
+    ("clean-empty", "/v1/attribution", attr(clean=""), 400, "clean"),
+    ("corrupted-vocab", "/v1/attribution", attr(corrupted=[99999] * 8), 400, "corrupted"),
+    ("verify-negative", "/v1/attribution", attr(verify=-1), 400, "verify"),
+    ("verify-too-many", "/v1/attribution", attr(verify=65), 400, "verify"),
+    (
+        "attribution-token",
+        "/v1/attribution",
+        attr(metric={"type": "logprob", "token": "two tokens"}),
+        400,
+        "metric.token",
+    ),
+    ("attribution-graph", "/v1/attribution", attr(clean=[464] * 100, corrupted=[465] * 100), 413, "corrupted"),
+    ("analyze-one-token", "/v1/analyze", {"input_ids": [464], "gradients": True}, 400, "gradients"),
+    ("analyze-gradients-string", "/v1/analyze", {"input_ids": CLEAN, "gradients": "yes"}, 400, "gradients"),
+]
+
+
+@pytest.fixture(scope="module")
+def small_limits(loaded: LoadedModel) -> Iterator[TestClient]:
+    """A graph limit between a 60-token and a 100-token prompt's graph on the tiny model."""
+    from model.lab.gradients import graph_bytes
+
+    c = loaded.model.config
+    limit = (graph_bytes(c, 60, torch.float32) + graph_bytes(c, 100, torch.float32)) // 2
+    with serve(loaded, max_gradient_bytes=limit) as client:
+        yield client
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_input_names_the_field(small_limits: TestClient, path: str, body: Any, status: int, param: str) -> None:
+    body = {k: v for k, v in body.items() if v is not None}
+    assert_error(small_limits.post(path, json=body), status, param)
+    assert_still_serving(small_limits)
+
+
+# --- the engine: one gradient job between two decode steps ---------------------------------------------
+
+
+def test_gradient_jobs_run_between_decode_steps(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a generation decodes, a burst of gradient requests runs one job per engine step: the decode
+    steps go on between them (each job holds the engine for its own forward and backward pass only)."""
+    import server.routes.gradients as route
+
+    engine = client.app.state.engine  # type: ignore[attr-defined]
+    log: list[str] = []
+    real_step, real_gradients = engine._step, route.gradients
+
+    def step() -> None:
+        if len(engine._batch):
+            log.append("step")
+        real_step()
+
+    def job(*args: Any) -> Any:
+        log.append("job")
+        return real_gradients(*args)
+
+    monkeypatch.setattr(engine, "_step", step)
+    monkeypatch.setattr(route, "gradients", job)
+    gen = {"input_ids": CLEAN, "max_new_tokens": 60, "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(7) as pool:
+        generation = pool.submit(_post, client, "/v1/generate", gen)
+        wait_until(lambda: "step" in log)
+        requests = [pool.submit(_post, client, "/v1/gradients", grad(hooks=["hook_embed"])) for _ in range(6)]
+        assert [r.result(60) for r in requests] == [200] * 6
+        assert generation.result(60) == 200
+    jobs = [i for i, e in enumerate(log) if e == "job"]
+    assert len(jobs) == 6
+    last_step = max(i for i, e in enumerate(log) if e == "step")
+    assert jobs[0] < last_step, "the gradient jobs came after the generation ended: nothing was interleaved"
+    for a, b in itertools.pairwise(jobs):  # while the generation still decodes, a step between jobs
+        if b < last_step:
+            assert "step" in log[a:b], log
+
+
+def _post(client: TestClient, path: str, body: dict[str, Any]) -> int:
+    return client.post(path, json=body).status_code
