@@ -1,0 +1,141 @@
+// The viewer's SAE panel: per token, an SAE's top features (POST /v1/features), and a steering control
+// that regenerates the steered text beside the unsteered one (POST /v1/generate with a steer edit). It
+// uses app.js's `api` (the API key field) and the main form's prompt and max new tokens; it is shown
+// only when the server loaded SAEs or holds steering vectors (GET /v1/model).
+"use strict";
+
+const sae = {
+  saes: [], // /v1/model's saes
+  vectors: [], // /v1/model's steering_vectors
+  generation: 0, // the latest steering run; older answers are dropped
+};
+
+function saeById(id) {
+  return sae.saes.find((s) => s.id === id);
+}
+
+function fillOptions(select, values, label) {
+  select.replaceChildren();
+  for (const v of values) {
+    const o = document.createElement("option");
+    o.value = v;
+    o.textContent = label ? label(v) : v;
+    select.append(o);
+  }
+}
+
+async function loadSaePanel() {
+  const m = await api("GET", "/v1/model");
+  sae.saes = m.saes || [];
+  sae.vectors = m.steering_vectors || [];
+  $("sae-panel").hidden = sae.saes.length === 0 && sae.vectors.length === 0;
+  fillOptions($("sae-select"), sae.saes.map((s) => s.id), (id) => `${id} (${saeById(id).hook_name}, ${saeById(id).d_sae})`);
+  fillOptions($("steer-vector"), sae.vectors);
+  if (!$("steer-hook").value && sae.saes.length) $("steer-hook").value = sae.saes[0].hook_name;
+  if (!sae.saes.length) document.querySelector('input[name="steer-source"][value="vector"]').checked = true;
+}
+
+async function showFeatures() {
+  const id = $("sae-select").value;
+  $("sae-status").textContent = "Reading features…";
+  try {
+    const body = await api("POST", "/v1/features", {
+      prompt: $("prompt").value,
+      sae: id,
+      top_k: Number($("sae-top-k").value),
+    });
+    renderFeatures(body);
+    $("sae-status").textContent = `${body.tokens.length} tokens · SAE ${id} at ${body.hook_name}`;
+  } catch (e) {
+    $("sae-status").textContent = e.message;
+  }
+}
+
+function renderFeatures(body) {
+  const table = $("sae-table");
+  table.replaceChildren();
+  const head = table.createTHead().insertRow();
+  for (const h of ["pos", "token", "top features (id: value)", "L0", "var. expl."]) {
+    const th = document.createElement("th");
+    th.textContent = h;
+    head.append(th);
+  }
+  const rows = table.createTBody();
+  body.features.forEach((f, i) => {
+    const tr = rows.insertRow();
+    tr.insertCell().textContent = String(i);
+    tr.insertCell().textContent = JSON.stringify(body.tokens[i]);
+    const cell = tr.insertCell();
+    cell.className = "features";
+    for (const { id, value } of f.features) {
+      const b = document.createElement("button");
+      b.type = "button";
+      b.className = "feature";
+      b.dataset.feature = String(id);
+      b.textContent = `${id}: ${value.toFixed(2)}`;
+      b.title = "steer with this feature";
+      b.addEventListener("click", () => chooseFeature(body.sae, id));
+      cell.append(b);
+    }
+    tr.insertCell().textContent = String(f.l0);
+    tr.insertCell().textContent = f.variance_explained === null ? "–" : f.variance_explained.toFixed(3);
+  });
+}
+
+function chooseFeature(id, feature) {
+  document.querySelector('input[name="steer-source"][value="feature"]').checked = true;
+  $("sae-select").value = id;
+  $("steer-feature").value = String(feature);
+  $("steer-hook").value = saeById(id).hook_name;
+  steer();
+}
+
+function steeringEdit() {
+  const source = document.querySelector('input[name="steer-source"]:checked').value;
+  const direction =
+    source === "vector"
+      ? { vector: $("steer-vector").value }
+      : { sae: $("sae-select").value, feature: Number($("steer-feature").value) };
+  return {
+    hook: $("steer-hook").value.trim(),
+    op: "steer",
+    scale: Number($("steer-strength").value),
+    direction,
+    norm_match: $("steer-norm-match").checked,
+  };
+}
+
+async function steer() {
+  const run = ++sae.generation;
+  const body = {
+    prompt: $("prompt").value,
+    max_new_tokens: Number($("max-new-tokens").value),
+    temperature: 0,
+  };
+  $("steer-steered").textContent = "…";
+  try {
+    const [plain, steered] = await Promise.all([
+      api("POST", "/v1/generate", body),
+      api("POST", "/v1/generate", { ...body, interventions: [steeringEdit()] }),
+    ]);
+    if (run !== sae.generation) return; // a newer strength is on its way
+    $("steer-plain").textContent = body.prompt + plain.choices[0].text;
+    $("steer-steered").textContent = body.prompt + steered.choices[0].text;
+  } catch (e) {
+    if (run === sae.generation) $("steer-steered").textContent = e.message;
+  }
+}
+
+window.addEventListener("DOMContentLoaded", () => {
+  loadSaePanel().catch((e) => {
+    $("sae-status").textContent = e.message;
+  });
+  $("run-form").addEventListener("submit", () => loadSaePanel().catch(() => {})); // with the API key, if one is needed
+  $("sae-run").addEventListener("click", showFeatures);
+  $("steer-run").addEventListener("click", steer);
+  const regenerate = debounce(steer, 250);
+  $("steer-strength").addEventListener("input", () => {
+    $("steer-strength-value").textContent = $("steer-strength").value;
+    regenerate();
+  });
+});

@@ -1,0 +1,81 @@
+"""The viewer's SAE panel in a real headless Chromium, against a real server (its own process) on the tiny
+checkpoint with a random SAE: the per-token feature table equals /v1/features, and the steering control
+(a clicked feature, the strength slider) shows the steered text beside the unsteered one, each equal to
+/v1/generate's answer for the same request. Needs Debian's chromium and playwright; skips without them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sae_files import write_sae
+from serving import free_port, launch, shut_down, wait_ready
+from test_viewer import CHROMIUM, CHROMIUM_ARGS
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
+HOOK = "blocks.1.hook_resid_pre"
+PROMPT = "The cat sat on the mat"
+
+
+@pytest.fixture(scope="module")
+def base_url(tiny: Any, tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    root = tmp_path_factory.mktemp("viewer_sae")
+    sae = write_sae(root / "sae", hook=HOOK, d_in=64, d_sae=256, seed=9)
+    port = free_port()
+    args = ["--model", str(tiny.path), "--tokenizer", str(tokenizer_dir), "--port", str(port), "--sae", f"s={sae}"]
+    process = launch(args, root / "server.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(process, url, root / "server.log")
+        yield url
+    finally:
+        shut_down(process)
+
+
+@pytest.fixture
+def page(base_url: str) -> Iterator[Any]:
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(base_url + "/")
+        yield page
+        browser.close()
+        assert not errors, errors
+
+
+def test_feature_panel_and_steering(page: Any, base_url: str) -> None:
+    page.wait_for_selector("#sae-panel:not([hidden])")
+    page.fill("#prompt", PROMPT)
+    page.fill("#max-new-tokens", "8")
+    page.fill("#sae-top-k", "3")
+    page.click("#sae-run")
+    want = httpx.post(base_url + "/v1/features", json={"prompt": PROMPT, "sae": "s", "top_k": 3}, timeout=60).json()
+    rows = page.locator("#sae-table tbody tr")
+    rows.nth(len(want["tokens"]) - 1).wait_for()
+    assert rows.count() == len(want["tokens"])
+    for i, row in enumerate(want["features"]):
+        shown = rows.nth(i).locator("button.feature")
+        assert [shown.nth(j).get_attribute("data-feature") for j in range(shown.count())] == [
+            str(f["id"]) for f in row["features"]
+        ]
+    # a feature clicked, then the strength slider moved: steered and unsteered side by side
+    feature = want["features"][-1]["features"][0]["id"]
+    rows.nth(len(want["tokens"]) - 1).locator("button.feature").first.click()
+    assert page.input_value("#steer-feature") == str(feature) and page.input_value("#steer-hook") == HOOK
+    page.evaluate("() => { const s = document.querySelector('#steer-strength'); s.value = '60';"
+                  " s.dispatchEvent(new Event('input')); }")  # fmt: skip
+    body = {"prompt": PROMPT, "max_new_tokens": 8, "temperature": 0}
+    edit = {"hook": HOOK, "op": "steer", "scale": 60, "direction": {"sae": "s", "feature": feature}}
+    plain = httpx.post(base_url + "/v1/generate", json=body, timeout=60).json()["choices"][0]["text"]
+    steered = httpx.post(base_url + "/v1/generate", json=body | {"interventions": [edit]}, timeout=60).json()
+    steered_text = steered["choices"][0]["text"]
+    page.wait_for_function(
+        "(t) => document.querySelector('#steer-steered').textContent === t", arg=PROMPT + steered_text, timeout=60_000
+    )
+    assert page.inner_text("#steer-plain") == PROMPT + plain
+    assert steered_text != plain
