@@ -1,0 +1,96 @@
+"""The viewer's gradient panels in a real headless Chromium, against a real server (its own process) on the
+tiny checkpoint: the gradient-highway charts are drawn with both curves after a run, and attribution
+patching draws its heatmaps and the table of sites patched for real, equal to /v1/attribution's answer.
+Needs Debian's chromium and playwright; skips without them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from serving import free_port, launch, shut_down, wait_ready
+from test_viewer import CANVAS_INK, CHROMIUM, CHROMIUM_ARGS
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
+N_LAYER, N_HEAD = 2, 4  # conftest's `tiny`
+SCREENSHOT = Path(__file__).resolve().parents[1] / "artifacts" / "viewer_gradients.png"
+CLEAN, CORRUPTED = "The cat sat on the mat because it", "The dog sat on the mat because it"
+
+
+@pytest.fixture(scope="module")
+def base_url(tiny: Any, tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    log = tmp_path_factory.mktemp("viewer_gradients") / "server.log"
+    port = free_port()
+    process = launch(["--model", str(tiny.path), "--tokenizer", str(tokenizer_dir), "--port", str(port)], log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(process, url, log)
+        yield url
+    finally:
+        shut_down(process)
+
+
+@pytest.fixture
+def page(base_url: str) -> Iterator[Any]:
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(base_url + "/")
+        yield page
+        browser.close()
+        assert not errors, errors
+
+
+def finished(page: Any, selector: str) -> str:
+    page.wait_for_function(
+        f"['done', 'error'].includes(document.querySelector('{selector}').dataset.state)", timeout=60_000
+    )
+    return page.get_attribute(selector, "data-state")
+
+
+def test_the_highway_charts_after_a_run(page: Any) -> None:
+    page.fill("#prompt", CLEAN)
+    page.fill("#max-new-tokens", "2")
+    page.click("#run")
+    assert finished(page, "#grad-status") == "done", page.inner_text("#grad-status")
+    assert "First / last layer gradient norm" in page.inner_text("#grad-status")
+    charts = page.evaluate(CANVAS_INK, "#grad-panel .grad-charts canvas")
+    assert len(charts) == 2
+    for chart in charts:  # both curves: with (blue) and without (orange) residual connections
+        assert chart["ink"] > 0.02 and chart["blue"] > 50 and chart["orange"] > 50, chart
+    assert "with residual connections" in page.get_attribute("#chart-grad", "aria-label")
+
+
+def test_attribution_heatmaps_and_the_patched_sites(page: Any, base_url: str) -> None:
+    page.fill("#prompt", CLEAN)
+    page.fill("#max-new-tokens", "2")
+    page.click("#run")
+    finished(page, "#grad-status")
+    page.fill("#attr-clean", CLEAN)
+    page.fill("#attr-corrupted", CORRUPTED)
+    page.fill("#attr-verify", "4")
+    page.click("#attr-run")
+    assert finished(page, "#attr-status") == "done", page.inner_text("#attr-status")
+    metric = {"type": "logit_diff", "tokens": [" was", " is"]}
+    body = {"clean": CLEAN, "corrupted": CORRUPTED, "metric": metric, "verify": 4}
+    want = httpx.post(base_url + "/v1/attribution", json=body, timeout=60).json()
+    maps = page.evaluate(CANVAS_INK, "#grad-panel canvas.attr-map")
+    cells = [int(c) for c in page.eval_on_selector_all("canvas.attr-map", "cs => cs.map(c => c.dataset.cells)")]
+    assert cells == [N_LAYER * len(want["clean"]["tokens"]), N_LAYER * N_HEAD, N_LAYER * 2]
+    assert all(m["ink"] > 0.05 and m["colours"] > 5 for m in maps), maps
+    rows = page.locator("#attr-verified tbody tr")
+    assert rows.count() == 4
+    for i, v in enumerate(want["verified"]):
+        assert rows.nth(i).locator("td").first.inner_text().startswith(v["site"]["hook"])
+    SCREENSHOT.parent.mkdir(exist_ok=True)
+    page.locator("#grad-panel").screenshot(path=str(SCREENSHOT))
+    # a refused request says why in the panel
+    page.fill("#attr-corrupted", "The dog")
+    page.click("#attr-run")
+    assert finished(page, "#attr-status") == "error"
+    assert "same length" in page.inner_text("#attr-status")
