@@ -188,6 +188,32 @@ def _tensor_from_dump(dump: DumpValue, hook: str) -> torch.Tensor:
     return t[0] if t.dim() > 1 and t.shape[0] == 1 else t  # a dump's batch dimension of 1
 
 
+class FeatureCapture(Strict):
+    """An SAE's features at every position (prompt and generated), like a capture: per token the `top_k`
+    largest, or the values of `features`."""
+
+    sae: str = Field(description="an SAE id the server loaded (GET /v1/model lists them)")
+    top_k: int = Field(default=10, description="features per token, the largest (active ones only)")
+    features: list[int] | None = Field(default=None, description="these features' values instead of the top k")
+
+    def selection(self, d_sae: int, where: str = "") -> tuple[int | None, list[int] | None]:
+        """(top_k, feature ids): one of them, checked against the SAE's size (errors name `where` + field)."""
+        if self.features is not None:
+            if not 1 <= len(self.features) <= 1024:
+                raise GenerationError(
+                    f"{where}features must list 1..1024 ids, got {len(self.features)}", f"{where}features"
+                )
+            for f in self.features:
+                if not 0 <= f < d_sae:
+                    raise GenerationError(
+                        f"{where}features: {f} is out of range 0..{d_sae - 1} (SAE {self.sae!r})", f"{where}features"
+                    )
+            return None, list(self.features)
+        if not 1 <= self.top_k <= min(d_sae, 1024):
+            raise GenerationError(f"{where}top_k must be in 1..{min(d_sae, 1024)}, got {self.top_k}", f"{where}top_k")
+        return self.top_k, None
+
+
 class GenerateRequest(Edits):
     prompt: PromptText | None = None
     input_ids: PromptIds | None = None
@@ -202,6 +228,7 @@ class GenerateRequest(Edits):
     logprobs: int | None = None
     stream: bool = False
     activations: ActivationSpec | None = None
+    features: FeatureCapture | None = Field(default=None, description="an SAE's features at every position")
 
     def sampling_params(self, max_new_tokens_cap: int) -> SamplingParams:
         check_cap(self.max_new_tokens, max_new_tokens_cap, "max_new_tokens")
@@ -226,6 +253,7 @@ class ActivationsRequest(GenerateRequest):
     input_ids: PromptIds | None = None
     max_new_tokens: int = 0
     activations: ActivationSpec = Field(default_factory=lambda: ActivationSpec(hooks=["*"]))
+    features: None = Field(default=None, description="not here: /v1/generate or /v1/features give features")
 
 
 class NextTokenRequest(Edits):
@@ -453,15 +481,12 @@ def nth_seed(seed: int, j: int) -> int:
 # --- SAE features and steering vectors (model/lab/sae.py, model/lab/steering.py) -------------------
 
 
-class FeaturesRequest(Edits):
+class FeaturesRequest(Edits, FeatureCapture):
     """`/v1/features`: per token, an SAE's top features (or the asked-for ones), over the prompt and, with
     `max_new_tokens`, its continuation (sampled as in /v1/generate; the interventions apply throughout)."""
 
     prompt: str | None = None
     input_ids: list[int] | None = None
-    sae: str = Field(description="an SAE id the server loaded (GET /v1/model lists them)")
-    top_k: int = Field(default=10, description="features per token, the largest (active ones only)")
-    features: list[int] | None = Field(default=None, description="these features' values instead of the top k")
     format: Literal["json", "safetensors"] = "json"
     max_new_tokens: int = 0
     temperature: float = 1.0
@@ -475,21 +500,6 @@ class FeaturesRequest(Edits):
             seed=self.seed,
             ignore_eos=True,
         )
-
-    def selection(self, d_sae: int) -> tuple[int | None, list[int] | None]:
-        """(top_k, feature ids): one of them, checked against the SAE's size."""
-        if self.features is not None:
-            if not 1 <= len(self.features) <= 1024:
-                raise GenerationError(f"features must list 1..1024 ids, got {len(self.features)}", "features")
-            for f in self.features:
-                if not 0 <= f < d_sae:
-                    raise GenerationError(
-                        f"features: {f} is out of range 0..{d_sae - 1} (SAE {self.sae!r})", "features"
-                    )
-            return None, list(self.features)
-        if not 1 <= self.top_k <= min(d_sae, 1024):
-            raise GenerationError(f"top_k must be in 1..{min(d_sae, 1024)}, got {self.top_k}", "top_k")
-        return self.top_k, None
 
 
 MAX_CONTRAST_PROMPTS = 64

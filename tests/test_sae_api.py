@@ -314,3 +314,38 @@ def test_an_sae_that_does_not_fit_the_model_ends_start_up(tiny: Checkpoint, toke
     app = create_app(Settings(sae=(f"d={deep}",)), loaded=loaded)
     with pytest.raises(SAEError, match="which this model does not have"), TestClient(app):
         pass
+
+
+def test_features_as_a_capture_in_generate(client: TestClient) -> None:
+    """/v1/generate's `features`: every position's, as /v1/features gives them for the same run; the SAE's
+    hook stays out of the dump unless asked for; streamed, in each choice's final event."""
+    body = {"input_ids": IDS, "max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    steer = {"hook": RES, "op": "steer", "scale": 4.0, "direction": {"sae": "res1", "feature": 2}}
+    want = post(
+        client,
+        "/v1/features",
+        {"input_ids": IDS, "sae": "mlp0", "top_k": 3, "max_new_tokens": 5, "temperature": 0, "interventions": [steer]},
+    )
+    spec = {"sae": "mlp0", "top_k": 3}
+    got = post(
+        client,
+        "/v1/generate",
+        body | {"features": spec, "interventions": [steer], "activations": {"hooks": ["hook_embed"]}},
+    )
+    (choice,) = got["choices"]
+    assert choice["features"] == want["features"]
+    assert len(choice["features"]) == len(want["input_ids"])
+    assert want["input_ids"] == (IDS + choice["token_ids"])[: len(want["input_ids"])]
+    assert list(choice["activations"]) == ["hook_embed"]
+    with client.stream(
+        "POST", "/v1/generate", json=body | {"features": spec, "interventions": [steer], "stream": True}
+    ) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    (final,) = [e for e in events if e.get("finish_reason")]
+    assert final["features"] == want["features"] and "activations" not in final
+    r = client.post("/v1/generate", json=body | {"features": {"sae": "nope"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "features.sae", r.text
+    r = client.post("/v1/generate", json=body | {"features": {"sae": "res1", "top_k": 0}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "features.top_k", r.text
+    r = client.post("/v1/activations", json={"input_ids": IDS, "features": spec})
+    assert r.status_code == 400 and "features" in r.json()["error"]["param"], r.text

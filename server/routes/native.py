@@ -28,7 +28,7 @@ from ..errors import APIError
 from ..schemas import ActivationSpec, ActivationsRequest, GenerateRequest, NextTokenRequest
 from ..settings import Settings
 from .deps import EngineDep, SettingsDep, json_response, merged, results, sse, token_ids, unless_disconnected
-from .sae import DirectionsDep, describe_saes
+from .sae import DirectionsDep, FeatureReader, describe_saes, feature_reader
 
 router = APIRouter(tags=["native"])
 
@@ -71,9 +71,11 @@ async def generate(
     prompts = await token_ids(engine, req.prompt, req.input_ids)
     params = req.sampling_params(settings.max_new_tokens)
     hooks = _checked_hooks(engine, settings, req.activations, prompts, params.max_new_tokens)
+    reader = feature_reader(directions, req.features, "features.")  # SAE features: a capture of its hook
     edits = req.edit_spec(engine.model.config.n_layer, directions)
-    streams = engine.submit(prompts, [params] * len(prompts), hooks, edits)
-    reply = _Reply(engine, req.activations)
+    captured = hooks if reader is None else [*(hooks or []), reader.hook]
+    streams = engine.submit(prompts, [params] * len(prompts), captured, edits)
+    reply = _Reply(engine, req.activations, reader, hooks)
     if req.stream:
         return sse(reply.stream(merged(streams)))
     completions = await results(streams, request)
@@ -175,8 +177,17 @@ def _checked_hooks(
 class _Reply:
     """Shapes completions into the native response and stream events."""
 
-    def __init__(self, engine: Engine, spec: ActivationSpec | None) -> None:
-        self.engine, self.spec = engine, spec
+    def __init__(
+        self,
+        engine: Engine,
+        spec: ActivationSpec | None,
+        reader: FeatureReader | None = None,
+        hooks: list[str] | None = None,
+    ) -> None:
+        """`reader`: the SAE features to add per choice; `hooks`: the activations the client asked for
+        (the SAE's hook is captured for the reader, and left out of the dump unless asked for)."""
+        self.engine, self.spec, self.reader = engine, spec, reader
+        self.hooks = None if hooks is None else set(hooks)
         self.id = "gen-" + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -197,14 +208,17 @@ class _Reply:
             out["logprobs"] = [self._logprob(lp) for lp in c.logprobs]
         if self.spec is not None and c.activations is not None:
             out["activations"] = self._activations(c)
+        if self.reader is not None and c.activations is not None:
+            out["features"] = self.reader.json(c.activations[self.reader.hook][0])
         return out
 
     def _activations(self, c: Completion) -> Any:
         assert self.spec is not None and c.activations is not None
+        acts = {name: t for name, t in c.activations.items() if self.hooks is None or name in self.hooks}
         if self.spec.format == "json":
-            return encoding.to_json(c.activations, self.spec.dtype)
+            return encoding.to_json(acts, self.spec.dtype)
         meta = {"model": self.engine.loaded.name, "token_ids": c.prompt_ids + c.token_ids}
-        return encoding.to_safetensors_base64(c.activations, self.spec.dtype, meta)
+        return encoding.to_safetensors_base64(acts, self.spec.dtype, meta)
 
     def file(self, completions: list[Completion], dtype: str, batch: bool) -> bytes:
         """/v1/activations' answer: the dump as a safetensors file, its metadata holding the result. A
@@ -254,13 +268,18 @@ class _Reply:
                 "finish_reason": c.finish_reason,
                 "usage": _usage(len(c.prompt_ids), len(c.token_ids)),
             }
-            if self.spec is not None and c.activations is not None:  # a dump: encoded off the event loop
+            if (self.spec or self.reader) is not None and c.activations is not None:  # encoded off the event loop
                 yield await run_in_threadpool(self._final_json, final, c)
             else:
                 yield final
 
     def _final_json(self, final: dict[str, Any], c: Completion) -> bytes:
-        return encoding.json_bytes(final | {"activations": self._activations(c)})
+        extra: dict[str, Any] = {}
+        if self.spec is not None:
+            extra["activations"] = self._activations(c)
+        if self.reader is not None and c.activations is not None:
+            extra["features"] = self.reader.json(c.activations[self.reader.hook][0])
+        return encoding.json_bytes(final | extra)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -7,6 +7,7 @@ live in this process's memory (`Directions`, bounded by `--max-steering-vectors`
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import torch
@@ -22,7 +23,7 @@ from model.lab.sae import SAE, TokenFeatures, load_saes, token_features
 from model.lab.steering import DirectionError, Directions, SteeringVector, contrastive_vector
 from model.loading import LoadedModel
 
-from ..schemas import FeaturesRequest, SteeringVectorRequest
+from ..schemas import FeatureCapture, FeaturesRequest, SteeringVectorRequest
 from ..settings import Settings
 from .deps import EngineDep, SettingsDep, encode, results, token_ids, unless_disconnected
 
@@ -60,12 +61,57 @@ def describe_saes(directions: Directions) -> list[dict[str, Any]]:
     ]
 
 
+@dataclass(frozen=True)
+class FeatureReader:
+    """One request's SAE reading: which SAE, and the top k or the chosen features."""
+
+    sae_id: str
+    sae: SAE
+    top_k: int | None
+    ids: list[int] | None
+
+    @property
+    def hook(self) -> str:
+        return self.sae.cfg.hook_name
+
+    def read(self, x: torch.Tensor) -> list[TokenFeatures]:
+        """Per position of `x` [T, d_in], the model's values at the SAE's hook."""
+        return token_features(self.sae, x, self.top_k, self.ids)
+
+    def json(self, x: torch.Tensor) -> list[dict[str, Any]]:
+        return [_row(r) for r in self.read(x)]
+
+
+def feature_reader(directions: Directions, spec: FeatureCapture | None, where: str = "") -> FeatureReader | None:
+    """The reader a request's features spec asks for (None without one); a 400 for an unknown SAE, top_k
+    or feature id, naming `where` + the field."""
+    if spec is None:
+        return None
+    try:
+        sae = directions.sae(spec.sae, where + "sae")
+    except DirectionError as e:
+        raise GenerationError(f"{where}sae: {e}", e.param) from None
+    top_k, ids = spec.selection(sae.cfg.d_sae, where)
+    return FeatureReader(spec.sae, sae, top_k, ids)
+
+
+def _row(r: TokenFeatures) -> dict[str, Any]:
+    return {
+        "features": [{"id": i, "value": v} for i, v in r.features],
+        "l0": r.l0,
+        "mse": r.mse,
+        "error_norm": r.error_norm,
+        "variance_explained": r.variance_explained,
+    }
+
+
 @router.post("/v1/features", response_model=None)
 async def features(
     req: FeaturesRequest, request: Request, engine: EngineDep, settings: SettingsDep, directions: DirectionsDep
 ) -> dict[str, Any] | Response:
-    sae = _sae(directions, req.sae)
-    top_k, ids = req.selection(sae.cfg.d_sae)
+    reader = feature_reader(directions, req)
+    assert reader is not None
+    sae = reader.sae
     prompts = await token_ids(engine, req.prompt, req.input_ids)
     params = req.sampling_params(settings.max_new_tokens)
     edits = req.edit_spec(engine.model.config.n_layer, directions)
@@ -74,7 +120,7 @@ async def features(
     x = completion.activations[sae.cfg.hook_name][0]  # [T, d_in]
 
     def read(_: GPT) -> list[TokenFeatures]:
-        return token_features(sae, x, top_k, ids)
+        return reader.read(x)
 
     rows = await unless_disconnected(request, engine.call(read))
     tokens = (completion.prompt_ids + completion.token_ids)[: x.shape[0]]
@@ -91,16 +137,7 @@ async def features(
     if req.format == "safetensors":
         blob = await run_in_threadpool(_file, rows, body)
         return Response(blob, media_type="application/octet-stream")
-    body["features"] = [
-        {
-            "features": [{"id": i, "value": v} for i, v in r.features],
-            "l0": r.l0,
-            "mse": r.mse,
-            "error_norm": r.error_norm,
-            "variance_explained": r.variance_explained,
-        }
-        for r in rows
-    ]
+    body["features"] = [_row(r) for r in rows]
     return body
 
 
@@ -180,10 +217,3 @@ async def _prompts(engine: EngineDep, prompts: list[str] | list[list[int]], para
         if not p:
             raise GenerationError(f"{param}[{i}] is empty", param)
     return ids
-
-
-def _sae(directions: Directions, sae_id: str) -> SAE:
-    try:
-        return directions.sae(sae_id, "sae")
-    except DirectionError as e:
-        raise GenerationError(str(e), e.param) from None
