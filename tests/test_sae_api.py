@@ -349,3 +349,16 @@ def test_features_as_a_capture_in_generate(client: TestClient) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "features.top_k", r.text
     r = client.post("/v1/activations", json={"input_ids": IDS, "features": spec})
     assert r.status_code == 400 and "features" in r.json()["error"]["param"], r.text
+
+
+def test_sae_settings(capsys) -> None:
+    from server.settings import parse_settings
+
+    assert parse_settings(["--sae", "a=./x", "--sae", "b=o/r/f@v1"], {}).sae == ("a=./x", "b=o/r/f@v1")
+    assert parse_settings([], {"GPT2_SAE": "a=./x, b=./y"}).sae == ("a=./x", "b=./y")
+    assert parse_settings(["--sae", "c=./z"], {"GPT2_SAE": "a=./x"}).sae == ("c=./z",)  # the flag wins
+    with pytest.raises(SystemExit) as e:
+        parse_settings(["--sae", "no-equals-sign"], {})
+    assert e.value.code == 2 and "must be ID=PATH" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_settings(["--max-steering-vectors", "0"], {})
