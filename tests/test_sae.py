@@ -32,15 +32,26 @@ CASES = [  # (architecture, apply_b_dec_to_input, normalize_activations, extra c
     ("topk", False, "constant_norm_rescale", {"k": 7, "rescale_acts_by_decoder_norm": True}),
     ("jumprelu", True, "none", {}),
     ("jumprelu", False, "constant_norm_rescale", {}),
+    ("standard", True, "layer_norm", {}),  # OpenAI's v5 SAEs, as SAELens reformats them
+    ("topk", True, "layer_norm", {"k": 6}),
 ]
 
 
 def reference_encode(w: dict[str, torch.Tensor], arch: str, b_dec_in: bool, norm: str, extra: dict, x: torch.Tensor):
-    """The formulas, written out: f = act((x * c - b_dec [if applied]) W_enc + b_enc), c = sqrt(d_in)/|x| for
-    constant_norm_rescale; act = ReLU, ReLU of the top k (pre-activations times |W_dec| if rescaled), or
-    ReLU where pre > threshold. x_hat = (f [/ |W_dec|]) W_dec + b_dec, divided by c."""
-    c = D_IN**0.5 / x.norm(dim=-1, keepdim=True) if norm == "constant_norm_rescale" else torch.ones((*x.shape[:-1], 1))
-    pre = (x * c - (w["b_dec"] if b_dec_in else 0)) @ w["W_enc"] + w["b_enc"]
+    """The formulas, written out: f = act((x - m) * c - b_dec [if applied]) W_enc + b_enc), with m = 0 and
+    c = sqrt(d_in)/|x| for constant_norm_rescale, m = mean(x) and c = 1/(std(x) + 1e-5) (std unbiased) for
+    layer_norm; act = ReLU, ReLU of the top k (pre-activations times |W_dec| if rescaled), or ReLU where
+    pre > threshold. x_hat = (f [/ |W_dec|]) W_dec + b_dec, then / c + m (layer_norm: * std + m)."""
+    one = torch.ones((*x.shape[:-1], 1))
+    m, c, out = 0 * one, one, one
+    if norm == "constant_norm_rescale":
+        c = D_IN**0.5 / x.norm(dim=-1, keepdim=True)
+        out = 1 / c
+    elif norm == "layer_norm":
+        m = x.mean(-1, keepdim=True)
+        std = (x - m).std(-1, keepdim=True)
+        c, out = 1 / (std + 1e-5), std
+    pre = ((x - m) * c - (w["b_dec"] if b_dec_in else 0)) @ w["W_enc"] + w["b_enc"]
     if arch == "topk":
         if extra.get("rescale_acts_by_decoder_norm"):
             pre = pre * w["W_dec"].norm(dim=-1)
@@ -51,7 +62,7 @@ def reference_encode(w: dict[str, torch.Tensor], arch: str, b_dec_in: bool, norm
     else:
         f = pre.relu()
     g = f / w["W_dec"].norm(dim=-1) if extra.get("rescale_acts_by_decoder_norm") else f
-    return f, (g @ w["W_dec"] + w["b_dec"]) / c
+    return f, (g @ w["W_dec"] + w["b_dec"]) * out + m
 
 
 @pytest.mark.parametrize(("arch", "b_dec_in", "norm", "extra"), CASES)
@@ -124,7 +135,7 @@ def test_equals_saelens(sae_lens, tmp_path: Path, arch: str, b_dec_in: bool, nor
     torch.testing.assert_close(f_ours, f_theirs, atol=TOL, rtol=0)
     torch.testing.assert_close(x_hat_ours, x_hat_theirs, atol=TOL, rtol=0)
     assert int((f_ours > 0).sum()) > 0
-    if norm == "none":  # decode on its own (constant_norm_rescale's decode needs the input it encoded)
+    if norm == "none":  # decode on its own (a run-time normalisation's decode needs the input it encoded)
         f = torch.rand(5, D_SAE, generator=torch.Generator().manual_seed(3))
         with torch.no_grad():
             torch.testing.assert_close(ours.decode(f), theirs.decode(f), atol=TOL, rtol=0)
@@ -191,16 +202,22 @@ def test_centred_residual_stream_equals_transformer_lens(tiny: Checkpoint, tmp_p
             torch.testing.assert_close(ours.encode(ours.read(raw[hook])), theirs.encode(cache[hook]), atol=TOL, rtol=0)
 
 
-def test_res_jb_repo_is_centred_as_saelens_release_table_says() -> None:
-    """res-jb's cfg.json does not say it; SAELens' pretrained_saes.yaml does (config_overrides)."""
+def test_centred_releases_as_saelens_release_table_says() -> None:
+    """res-jb's cfg.json does not say it; SAELens' pretrained_saes.yaml does (config_overrides): every
+    gpt2-small release processed with center_writing_weights is marked so here, and no other."""
     from model.lab.sae import HUB_MODEL_KWARGS
 
     assert HUB_MODEL_KWARGS["jbloom/GPT2-Small-SAEs-Reformatted"] == {"center_writing_weights": True}
     yaml = pytest.importorskip("yaml")
     sae_lens_dir = Path(pytest.importorskip("sae_lens").__file__).parent
-    release = yaml.safe_load((sae_lens_dir / "pretrained_saes.yaml").read_text())["gpt2-small-res-jb"]
-    assert release["repo_id"] == "jbloom/GPT2-Small-SAEs-Reformatted"
-    assert release["config_overrides"]["model_from_pretrained_kwargs"] == {"center_writing_weights": True}
+    releases = yaml.safe_load((sae_lens_dir / "pretrained_saes.yaml").read_text())
+    theirs = {
+        r["repo_id"]: r["config_overrides"]["model_from_pretrained_kwargs"]
+        for r in releases.values()
+        if r.get("model") == "gpt2-small" and "model_from_pretrained_kwargs" in (r.get("config_overrides") or {})
+    }
+    assert releases["gpt2-small-res-jb"]["repo_id"] in theirs
+    assert theirs == HUB_MODEL_KWARGS
 
 
 def test_token_features(tmp_path: Path) -> None:

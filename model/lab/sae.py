@@ -29,7 +29,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal, NamedTuple, cast
 
 import torch
 
@@ -37,18 +37,28 @@ from ..config import GPTConfig
 
 Architecture = Literal["standard", "topk", "jumprelu"]
 ARCHITECTURES = ("standard", "topk", "jumprelu")
-Normalization = Literal["none", "expected_average_only_in", "constant_norm_rescale"]
-NORMALIZATIONS = ("none", "expected_average_only_in", "constant_norm_rescale")
+Normalization = Literal["none", "expected_average_only_in", "constant_norm_rescale", "layer_norm"]
+NORMALIZATIONS = ("none", "expected_average_only_in", "constant_norm_rescale", "layer_norm")
 CFG_FILE, WEIGHTS_FILE = "cfg.json", "sae_weights.safetensors"
 
 # Releases whose cfg.json does not say how the model was processed, though SAELens' release table
 # (`pretrained_saes.yaml`, `config_overrides`) does: repo id -> the model's `from_pretrained` arguments.
 HUB_MODEL_KWARGS: dict[str, dict[str, Any]] = {
     "jbloom/GPT2-Small-SAEs-Reformatted": {"center_writing_weights": True},  # gpt2-small-res-jb
+    "jbloom/GPT2-Small-Feature-Splitting-Experiment-Layer-8": {"center_writing_weights": True},
+    "tommmcgrath/gpt2-small-mlp-out-saes": {"center_writing_weights": True},  # gpt2-small-mlp-tm
 }
 # The sites TransformerLens' centring changes: the residual stream and what writes into it.
 CENTRED_SITES = ("hook_embed", "hook_pos_embed", "hook_resid_pre", "hook_resid_mid", "hook_resid_post",
                  "hook_attn_out", "hook_mlp_out", "attn.hook_result")  # fmt: skip
+
+
+class Norm(NamedTuple):
+    """A run-time normalisation of an SAE's input: in (x - shift) * scale_in, out x̂ * scale_out + shift."""
+
+    shift: torch.Tensor  # [..., 1]
+    scale_in: torch.Tensor
+    scale_out: torch.Tensor
 
 
 class SAEError(ValueError):
@@ -167,18 +177,26 @@ class SAE:
     def centred(self) -> bool:
         return self.cfg.center_writing_weights and self.cfg.hook_name.endswith(CENTRED_SITES)
 
-    def norm_coefficient(self, x: torch.Tensor) -> torch.Tensor | None:
-        """`constant_norm_rescale`: the factor that gives each position's input norm √d_in ([..., 1]); None
-        otherwise (`expected_average_only_in` is a training-time scale that SAELens folds into the saved
-        weights: at inference it is the identity, in SAELens too)."""
-        if self.cfg.normalize_activations == "constant_norm_rescale":
-            return math.sqrt(self.cfg.d_in) / x.norm(dim=-1, keepdim=True)
+    def norm_stats(self, x: torch.Tensor) -> Norm | None:
+        """How each position's input is normalised before encoding, and the reconstruction un-normalised
+        (SAELens' run-time normalisation), or None. `constant_norm_rescale`: x * c with c = √d_in/‖x‖, out
+        x̂ / c. `layer_norm`: (x - mu)/(s + 1e-5) with s the unbiased std over d_in, out x̂ s + mu.
+        (`expected_average_only_in` is a training-time scale that SAELens folds into the saved weights: at
+        inference it is the identity, in SAELens too.)"""
+        norm = self.cfg.normalize_activations
+        if norm == "constant_norm_rescale":
+            c = math.sqrt(self.cfg.d_in) / x.norm(dim=-1, keepdim=True)  # [..., 1]
+            return Norm(torch.zeros_like(c), c, 1 / c)
+        if norm == "layer_norm":
+            mu = x.mean(dim=-1, keepdim=True)
+            std = (x - mu).std(dim=-1, keepdim=True)
+            return Norm(mu, 1 / (std + 1e-5), std)
         return None
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """SAELens' `encode`: [..., d_in] -> the feature activations [..., d_sae]."""
-        coeff = self.norm_coefficient(x)
-        x_in = x * coeff if coeff is not None else x
+        norm = self.norm_stats(x)
+        x_in = (x - norm.shift) * norm.scale_in if norm is not None else x
         if self.cfg.apply_b_dec_to_input:
             x_in = x_in - self.b_dec
         pre = x_in @ self.W_enc + self.b_enc  # [..., d_sae]
@@ -193,18 +211,18 @@ class SAE:
             f = f * (pre > self.threshold).to(f.dtype)
         return f
 
-    def decode(self, f: torch.Tensor, coeff: torch.Tensor | None = None) -> torch.Tensor:
-        """SAELens' `decode`: feature activations [..., d_sae] -> the reconstruction [..., d_in]. `coeff`:
-        the input's `norm_coefficient` (constant_norm_rescale divides the reconstruction by it)."""
+    def decode(self, f: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:
+        """SAELens' `decode`: feature activations [..., d_sae] -> the reconstruction [..., d_in]. `norm`:
+        the input's `norm_stats`, which the reconstruction is un-normalised with."""
         if self.cfg.rescale_acts_by_decoder_norm:
             f = f / self.W_dec.norm(dim=-1)
         x_hat = f @ self.W_dec + self.b_dec
-        return x_hat / coeff if coeff is not None else x_hat
+        return x_hat * norm.scale_out + norm.shift if norm is not None else x_hat
 
     def reconstruct(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(features, reconstruction) of SAE inputs x [..., d_in] (what `read` gives)."""
         f = self.encode(x)
-        return f, self.decode(f, self.norm_coefficient(x))
+        return f, self.decode(f, self.norm_stats(x))
 
     def direction(self, feature: int) -> torch.Tensor:
         """Feature `feature`'s decoder row W_dec[feature] [d_in]: the direction it writes."""

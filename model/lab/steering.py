@@ -57,11 +57,11 @@ def clamp(x: torch.Tensor, sae: SAE, feature: int, value: float) -> torch.Tensor
     """Feature `feature` of `sae` set to `value`: encode, set, decode, and add back the SAE's error term
     (x - x̂), which is x + decode(f') - decode(f) (exactly x when f' = f)."""
     x_in = sae.read(x)  # [..., d_in] float32
-    coeff = sae.norm_coefficient(x_in)
+    norm = sae.norm_stats(x_in)
     f = sae.encode(x_in)  # [..., d_sae]
     clamped = f.clone()
     clamped[..., feature] = value
-    delta = sae.decode(clamped, coeff) - sae.decode(f, coeff)
+    delta = sae.decode(clamped, norm) - sae.decode(f, norm)
     return x + delta.to(device=x.device, dtype=x.dtype)
 
 
