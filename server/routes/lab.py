@@ -48,24 +48,28 @@ async def analyze_prompt(
         check_graph(engine, settings, len(ids), "gradients")
     Run = tuple[list[LayerStats], list[LayerGradient] | None]
 
-    def measured(model: GPT, spec: EditSpec | None) -> Run:
-        stats = analyze(model, ids, req.top_k, spec.hooks(config, len(ids)) if spec else None)
-        return stats, highway(model, ids, spec) if req.gradients else None
-
-    def run(model: GPT) -> tuple[Run, Run | None]:
-        main = measured(model, edits)
+    def run(model: GPT) -> tuple[list[LayerStats], list[LayerStats] | None]:
+        main = analyze(model, ids, req.top_k, edits.hooks(config, len(ids)) if edits else None)
         if not req.compare_ablated:
             return main, None
         try:
-            return main, measured(model, no_residual)
+            return main, analyze(model, ids, req.top_k, no_residual.hooks(config, len(ids)))
         except NonFiniteActivations as e:  # say which run: the edits also apply to the one without skips
             raise NonFiniteActivations(f"{e}, in the run without residual connections (compare_ablated)") from None
 
-    main, ablated = await unless_disconnected(request, engine.call(run))
+    async def gradients(spec: EditSpec | None) -> list[LayerGradient]:
+        """One run's gradient highway, as a job of its own: the decode steps go on between the jobs."""
+        return await unless_disconnected(request, engine.call(lambda model: highway(model, ids, spec)))
+
+    stats, ablated_stats = await unless_disconnected(request, engine.call(run))
+    main: Run = (stats, await gradients(edits) if req.gradients else None)
+    ablated: Run | None = None
+    if ablated_stats is not None:
+        ablated = (ablated_stats, await gradients(no_residual) if req.gradients else None)
     text = engine.tokenizer.token_text
 
-    def layers(run: Run) -> list[dict[str, Any]]:
-        stats, grads = run
+    def layers(measured: Run) -> list[dict[str, Any]]:
+        stats, grads = measured
         out = [
             {
                 "layer": s.layer,
