@@ -363,3 +363,26 @@ def test_the_highway_on_the_gpt2_small_shape(small: Checkpoint) -> None:
     without = ablated[0].grad_norm / ablated[-1].grad_norm
     print(f"first / last layer gradient norm: {with_skips:.3g} with residual connections, {without:.3g} without")
     assert without < 0.1 * with_skips
+
+
+@pytest.mark.parametrize(
+    "names", [["hook_embed"], [f"blocks.{i}.attn.hook_pattern" for i in range(2)] + ["hook_embed"]]
+)
+@pytest.mark.parametrize("n_tokens", [8, 64])
+def test_graph_bytes_bounds_what_the_graph_saves(ours64: GPT, names: list[str], n_tokens: int) -> None:
+    """Every tensor autograd saves for the backward pass (counted once per storage, the weights left out:
+    they exist anyway) fits in the estimate, with the fused attention and with the explicit one."""
+    weights = {p.untyped_storage().data_ptr() for p in ours64.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    ids = torch.randint(0, 50257, (n_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        gradients(ours64, ids, Loss(), names)
+    estimate = graph_bytes(ours64.config, n_tokens, torch.float64)
+    assert 0 < sum(saved.values()) <= estimate, (sum(saved.values()), estimate)
