@@ -150,6 +150,10 @@ def test_legacy_layout_at_the_top_level(sae_lens, tmp_path: Path) -> None:
     x = torch.randn(7, D_IN, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(ours.encode(x), theirs.encode(x), atol=TOL, rtol=0)
+    cfg = json.loads((path / "cfg.json").read_text())
+    del cfg["d_sae"]  # the oldest configs give the expansion factor only
+    (path / "cfg.json").write_text(json.dumps(cfg | {"expansion_factor": D_SAE // D_IN}))
+    assert load_sae(path).cfg.d_sae == D_SAE
 
 
 def test_centred_residual_stream_equals_transformer_lens(tiny: Checkpoint, tmp_path: Path, sae_lens) -> None:

@@ -110,6 +110,8 @@ class SAEConfig:
         if not isinstance(hook, str):
             raise SAEError(f"{where}: no hook_name (under metadata, or at the top level as older releases keep it)")
         d_in, d_sae = cfg.get("d_in"), cfg.get("d_sae")
+        if d_sae is None and isinstance(d_in, int) and isinstance(cfg.get("expansion_factor"), int):
+            d_sae = d_in * cfg["expansion_factor"]  # the oldest training configs give only the ratio
         if not (isinstance(d_in, int) and isinstance(d_sae, int) and d_in > 0 and d_sae > 0):
             raise SAEError(f"{where}: d_in and d_sae must be positive integers, got {d_in!r} and {d_sae!r}")
         k = cfg.get("k")
