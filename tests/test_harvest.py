@@ -331,7 +331,7 @@ def test_kill_9_and_resume(tiny, tokenizer_dir: Path, tmp_path: Path) -> None:
     """Killed for real once its manifest lists a shard, then started again: the same files, byte for byte,
     as an uninterrupted run (in this process, one thread, as the CLI is told)."""
     source = tmp_path / "docs.jsonl"
-    write_jsonl(source, 1500, seed=2, max_words=120)
+    write_jsonl(source, 800, seed=2, max_words=120)
     args = [
         "--model",
         str(tiny.path),
@@ -440,3 +440,76 @@ def test_cli_bad_file(tiny, tokenizer_dir: Path, tmp_path: Path, capsys) -> None
 def test_token_ids_numpy_roundtrip() -> None:
     tokens = np.arange(12, dtype=np.int32).reshape(3, 4)
     assert np.array_equal(np.frombuffer(tokens.tobytes(), dtype=np.int32).reshape(3, 4), tokens)
+
+
+def test_saelens_trains_from_the_cache(tiny, tokenizer_dir: Path, corpus, tmp_path: Path) -> None:
+    """SAELens' training runner, given the folder as `cached_activations_path`, trains an SAE from our
+    activations (its model, a random TransformerLens one, is only there because the runner wants one)."""
+    import datasets
+    import transformer_lens as tl
+    from sae_lens import LanguageModelSAERunnerConfig, LanguageModelSAETrainingRunner, StandardTrainingSAEConfig
+    from sae_lens.config import LoggingConfig
+
+    source, _ = corpus
+    cache = tmp_path / "cache"
+    manifest = harvest(
+        tiny.path,
+        source,
+        cache,
+        ["blocks.1.hook_resid_pre"],
+        context_size=32,
+        batch_size=8,
+        format="saelens",
+        tokenizer=str(tokenizer_dir),
+        device="cpu",
+    )
+    n = manifest.n_contexts or 0
+    tokens = datasets.load_from_disk(str(cache)).with_format("numpy")[:]["token_ids"]
+    cfg = LanguageModelSAERunnerConfig(
+        model_name="gpt2",
+        hook_name="blocks.1.hook_resid_pre",
+        dataset_path="unused",
+        use_cached_activations=True,
+        cached_activations_path=str(cache),
+        context_size=32,
+        prepend_bos=True,
+        training_tokens=n * 32,
+        store_batch_size_prompts=8,
+        train_batch_size_tokens=64,
+        n_batches_in_buffer=2,
+        sae=StandardTrainingSAEConfig(d_in=64, d_sae=128),
+        logger=LoggingConfig(log_to_wandb=False),
+        device="cpu",
+        output_path=str(tmp_path / "sae"),
+        n_checkpoints=0,
+    )
+    tl_cfg = tl.HookedTransformerConfig(
+        n_layers=2,
+        d_model=64,
+        n_ctx=128,
+        d_head=16,
+        n_heads=4,
+        d_vocab=50257,
+        act_fn="gelu_new",
+        normalization_type="LN",
+    )
+    runner = LanguageModelSAETrainingRunner(
+        cfg,
+        override_dataset=datasets.Dataset.from_dict({"tokens": tokens}),
+        override_model=tl.HookedTransformer(tl_cfg),
+    )
+    store = runner.activations_store
+    assert store.cached_activation_dataset is not None
+    acts, _ = store.get_raw_llm_batch()
+    first = cached_column(cache)[:8].reshape(-1, 64)
+    assert torch.equal(acts, first)  # what it trains on is what we wrote
+    store.current_row_idx = 0
+    sae = runner.run()
+    assert sae.cfg.d_in == 64 and (tmp_path / "sae" / "cfg.json").is_file()
+    assert all(torch.isfinite(p).all() for p in sae.parameters())
+
+
+def cached_column(cache: Path) -> torch.Tensor:
+    import datasets
+
+    return torch.from_numpy(datasets.load_from_disk(str(cache)).with_format("numpy")[:]["blocks.1.hook_resid_pre"])
