@@ -13,6 +13,7 @@ worker (or be hub names).
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,11 @@ class ShardActor:
     def __init__(self, plan: Plan, out_dir: str, threads: int) -> None:
         torch.set_num_threads(threads)
         self.plan, self.out_dir = plan, Path(out_dir)
-        self.lm = load_model(plan.spec)
+        # the dtype the driver planned (and the manifest names), not `auto` resolved again on this worker
+        spec = plan.spec
+        if spec.dtype == "auto":
+            spec = replace(spec, dtype=str(plan.dtype).removeprefix("torch."))
+        self.lm = load_model(spec)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
         plan, T = self.plan, self.plan.spec.context_size
