@@ -386,3 +386,32 @@ def test_graph_bytes_bounds_what_the_graph_saves(ours64: GPT, names: list[str], 
         gradients(ours64, ids, Loss(), names)
     estimate = graph_bytes(ours64.config, n_tokens, torch.float64)
     assert 0 < sum(saved.values()) <= estimate, (sum(saved.values()), estimate)
+
+
+@pytest.mark.parametrize("switches", ["split", "attn_in"])
+def test_optional_hook_gradients_equal_transformer_lens(tiny: Checkpoint, ours64: GPT, switches: str) -> None:
+    """The optional hooks (each head's input copies and output, the MLP's copy of the stream) against a
+    TransformerLens model with the switches that create them: the gradient through that path alone."""
+    pytest.importorskip("transformer_lens", reason="TransformerLens (test-only oracle) is not installed")
+    from test_transformer_lens import SWITCHES, hooked
+
+    model = hooked(tiny, torch.float64, **SWITCHES[switches])
+    sites = ["hook_attn_in"] if switches == "attn_in" else ["hook_q_input", "hook_k_input", "hook_v_input"]
+    if switches == "split":
+        sites += ["attn.hook_result", "hook_mlp_in"]
+    names = [f"blocks.{i}.{s}" for i in range(2) for s in sites]
+    grads: dict[str, torch.Tensor] = {}
+
+    def keep(g: torch.Tensor, hook: Any) -> None:
+        grads[hook.name] = g.detach()
+
+    metric = LogProb(2068, 5)
+    with model.hooks(bwd_hooks=[(n, keep) for n in names]):
+        metric_value(metric, model(torch.tensor([PROMPT]))[0], PROMPT).backward()
+    got = gradients(ours64, PROMPT, metric, names).grads
+    assert set(grads) == set(names)
+    for name in names:
+        torch.testing.assert_close(got[name], grads[name], rtol=0, atol=EXACT, msg=name)
+    if switches == "split":  # a path's own gradient: the MLP's copy is not the whole stream's
+        whole = gradients(ours64, PROMPT, metric, ["blocks.0.hook_resid_mid"]).grads["blocks.0.hook_resid_mid"]
+        assert not torch.allclose(got["blocks.0.hook_mlp_in"], whole)
