@@ -362,3 +362,25 @@ def test_sae_settings(capsys) -> None:
     assert e.value.code == 2 and "must be ID=PATH" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_settings(["--max-steering-vectors", "0"], {})
+
+
+ROUTES_WITH_EDITS = {
+    "/v1/generate": {"max_new_tokens": 2, "temperature": 0},
+    "/v1/activations": {"activations": {"hooks": [RES]}},
+    "/v1/next-token": {},
+    "/v1/analyze": {"compare_ablated": False},
+    "/v1/gradients": {"metric": {"type": "loss"}, "hooks": [RES]},
+    "/v1/features": {"sae": "res1"},
+}
+
+
+@pytest.mark.parametrize("path", list(ROUTES_WITH_EDITS))
+def test_every_route_with_interventions_takes_an_sae_feature_direction(client: TestClient, path: str) -> None:
+    """A steering edit's direction may name an SAE feature on every route that takes interventions."""
+    steer = {"hook": RES, "op": "steer", "scale": 2.0, "direction": {"sae": "res1", "feature": 3}}
+    body = {"input_ids": IDS, "interventions": [steer], **ROUTES_WITH_EDITS[path]}
+    r = client.post(path, json=body)
+    assert r.status_code == 200, r.text
+    unknown = {**steer, "direction": {"sae": "nope", "feature": 3}}
+    r = client.post(path, json={**body, "interventions": [unknown]})
+    assert r.status_code == 400 and "nope" in r.json()["error"]["message"], r.text

@@ -53,7 +53,7 @@ async def gradients_at_hooks(
     names, metric, edits = (
         req.hook_names(config.n_layer),
         req.metric.metric(engine.tokenizer),
-        req.edit_spec(config.n_layer),
+        req.edit_spec(config.n_layer, directions),
     )
     check_metric(metric, len(ids), config.vocab_size)
     if edits is not None:
