@@ -183,7 +183,7 @@ def test_parameters_get_no_grad_and_inference_stays_inference(ours64: GPT) -> No
 
 def test_every_default_hook_gradient_equals_transformer_lens(tiny: Checkpoint, ours64: GPT) -> None:
     tl = pytest.importorskip("transformer_lens", reason="TransformerLens (test-only oracle) is not installed")
-    from test_transformer_lens import hooked
+    from tl_oracle import hooked
 
     model = hooked(tiny, torch.float64)
     names = [n for n in hook_names(2) if not is_optional(n) and n != "logits"]
@@ -393,7 +393,7 @@ def test_optional_hook_gradients_equal_transformer_lens(tiny: Checkpoint, ours64
     """The optional hooks (each head's input copies and output, the MLP's copy of the stream) against a
     TransformerLens model with the switches that create them: the gradient through that path alone."""
     pytest.importorskip("transformer_lens", reason="TransformerLens (test-only oracle) is not installed")
-    from test_transformer_lens import SWITCHES, hooked
+    from tl_oracle import SWITCHES, hooked
 
     model = hooked(tiny, torch.float64, **SWITCHES[switches])
     sites = ["hook_attn_in"] if switches == "attn_in" else ["hook_q_input", "hook_k_input", "hook_v_input"]

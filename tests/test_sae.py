@@ -160,27 +160,13 @@ def test_centred_residual_stream_equals_transformer_lens(tiny: Checkpoint, tmp_p
     """An SAE trained with center_writing_weights reads TransformerLens' processed residual stream: ours
     centres the raw value over d_model, which equals that stream, and the features equal SAELens' on it."""
     tl = pytest.importorskip("transformer_lens", reason="TransformerLens (test-only oracle) is not installed")
-    from transformer_lens.pretrained.weight_conversions.gpt2 import convert_gpt2_weights
+    from tl_oracle import tl_config, tl_weights
 
     c = tiny.hf.config
-    cfg = tl.HookedTransformerConfig(
-        n_layers=c.n_layer,
-        d_model=c.n_embd,
-        n_ctx=c.n_positions,
-        d_head=c.n_embd // c.n_head,
-        n_heads=c.n_head,
-        d_mlp=4 * c.n_embd,
-        d_vocab=c.vocab_size,
-        act_fn="gelu_new",
-        normalization_type="LN",
-        eps=c.layer_norm_epsilon,
-        original_architecture="GPT2LMHeadModel",
-        dtype=torch.float32,
-        device="cpu",
-    )
+    cfg = tl_config(tiny, torch.float32)
     processed = tl.HookedTransformer(cfg)
     processed.load_and_process_state_dict(
-        convert_gpt2_weights(tiny.hf, cfg), fold_ln=False, center_writing_weights=True, center_unembed=False
+        tl_weights(tiny, cfg), fold_ln=False, center_writing_weights=True, center_unembed=False
     )
     ids = torch.tensor([[5, 99, 1234, 7, 42, 300]])
     hooks = ["blocks.0.hook_mlp_out", "blocks.1.hook_resid_pre"]  # in model order

@@ -21,40 +21,11 @@ from model.gpt import GPT
 from model.hooks import OPTIONAL_SITES, Capture, hook_names, is_optional
 from model.interventions import Edit, EditSpec
 
-tl = pytest.importorskip("transformer_lens", reason="TransformerLens (test-only oracle) is not installed")
-from transformer_lens.pretrained.weight_conversions.gpt2 import convert_gpt2_weights  # noqa: E402
+pytest.importorskip("transformer_lens", reason="TransformerLens (test-only oracle) is not installed")
+from tl_oracle import SWITCHES, hooked
 
 EXACT = 1e-9
 F32 = 1e-4
-SWITCHES = {
-    "default": {},
-    "split": {"use_attn_result": True, "use_split_qkv_input": True, "use_hook_mlp_in": True},
-    "attn_in": {"use_attn_in": True},
-}
-
-
-def hooked(ck: Checkpoint, dtype: torch.dtype, **switches: bool) -> tl.HookedTransformer:
-    c = ck.hf.config
-    cfg = tl.HookedTransformerConfig(
-        n_layers=c.n_layer,
-        d_model=c.n_embd,
-        n_ctx=c.n_positions,
-        d_head=c.n_embd // c.n_head,
-        n_heads=c.n_head,
-        d_mlp=4 * c.n_embd,
-        d_vocab=c.vocab_size,
-        act_fn="gelu_new",
-        normalization_type="LN",
-        eps=c.layer_norm_epsilon,
-        original_architecture="GPT2LMHeadModel",
-        dtype=dtype,
-        device="cpu",
-        **switches,
-    )
-    model = tl.HookedTransformer(cfg)
-    state = convert_gpt2_weights(ck.hf, cfg)
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
