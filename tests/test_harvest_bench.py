@@ -48,7 +48,8 @@ def test_bench_harvest_quick(tiny, tokenizer_dir: Path, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(out.read_text())
     ways = {"transformers_stop", "transformers_hidden_states", "harvest", "server"}
-    assert set(report["tokens_per_s"]) == ways
+    assert set(report["tokens_per_s"]) == {*ways, "transformers_stop_after_server"}
+    assert set(report["ratio_to_transformers_stop"]) == ways
     assert all(math.isfinite(v) and v > 0 for v in report["tokens_per_s"].values())
     assert report["ratio_to_transformers_stop"]["transformers_stop"] == 1.0
     assert set(report["max_abs_diff_to_transformers"]) == {"harvest", "server"}
