@@ -9,6 +9,7 @@ from .config import PRESETS, ConfigError, GPTConfig
 from .dump import load_dump, save_dump
 from .generate import Completion, Generation, GenerationError, SamplingParams, TokenEvent, generate
 from .gpt import GPT
+from .harvest import HarvestError, harvest
 from .hooks import Capture, UnknownHookError, hook_names, run_with_cache, select_hooks
 from .kv_cache import KVCache
 from .loading import LoadedModel, LoadError, load, load_weights, save_checkpoint
@@ -23,6 +24,7 @@ __all__ = [
     "GPTConfig",
     "Generation",
     "GenerationError",
+    "HarvestError",
     "KVCache",
     "LoadError",
     "LoadedModel",
@@ -31,6 +33,7 @@ __all__ = [
     "Tokenizer",
     "UnknownHookError",
     "generate",
+    "harvest",
     "hook_names",
     "load",
     "load_dump",
