@@ -257,7 +257,7 @@ def test_ray_a_killed_replica_fails_its_streams_and_the_other_serves(ray_app: st
     with an error (no hang, no [DONE]), the others finish; new requests are served meanwhile by the
     survivor; Ray starts a new replica in its place."""
     wait_until(lambda: in_flight() == 0, timeout=GUARD)
-    body = {"input_ids": [464], "max_new_tokens": LONG // 2, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {"input_ids": [464], "max_new_tokens": LONG, "temperature": 0, "ignore_eos": True, "stream": True}
     outcomes: list[str] = []
     started = threading.Barrier(5, timeout=GUARD)
 
