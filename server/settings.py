@@ -22,7 +22,8 @@ class Settings:
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer directory, for checkpoints without one"})
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:N or mps"})
     dtype: str = field(
-        default="auto", metadata={"help": "auto, float32, float16, bfloat16 or int8 (int8 weights, float32 activations)"}
+        default="auto",
+        metadata={"help": "auto, float32, float16, bfloat16 or int8 (int8 weights, float32 activations)"},
     )
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind (loopback by default)"})
     port: int = field(default=8000, metadata={"help": "port to listen on"})
