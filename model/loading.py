@@ -234,10 +234,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 def load_state(
-    files: list[Path], config: GPTConfig, dtype: torch.dtype, device: torch.device
+    files: list[Path], config: GPTConfig, dtype: torch.dtype, device: torch.device, decode_kernels: bool = True
 ) -> dict[str, torch.Tensor]:
     """Read an official checkpoint into a state dict of our modules, one tensor at a time, checking names
-    and shapes against `official_shapes` (every error names the tensor)."""
+    and shapes against `official_shapes` (every error names the tensor). `decode_kernels`: lay the weights
+    out for our decode kernels where they will run (see `_stored`)."""
     expected = official_shapes(config)
     sources: dict[str, tuple[SafetensorsFile, str]] = {}  # name without prefix -> (file, name in file)
     lm_head: tuple[SafetensorsFile, str] | None = None
@@ -274,7 +275,7 @@ def load_state(
         if not entry.dtype.is_floating_point:
             raise LoadError(f"tensor {key!r} has dtype {entry.dtype}, expected a floating-point type")
         t = _read(st, key).to(device=device, dtype=dtype)
-        state[name] = _stored(name, t)
+        state[name] = _stored(name, t, decode_kernels)
         del t
     if lm_head is not None:
         st, key = lm_head
@@ -286,7 +287,7 @@ def load_state(
     return state
 
 
-def _stored(name: str, t: torch.Tensor) -> torch.Tensor:
+def _stored(name: str, t: torch.Tensor, decode_kernels: bool = True) -> torch.Tensor:
     """`t` laid out in memory as the matrix kernels of its dtype and device read fastest (same shape and values).
 
     Every weight matrix is the right-hand side W of some x @ W. Our float32 CPU kernels (`model/kernels/`),
@@ -294,11 +295,14 @@ def _stored(name: str, t: torch.Tensor) -> torch.Tensor:
     output's weights together): there the projections are stored column-major and wte as it is. Without our
     kernels, MKL's float32 GEMM streams W fastest row-major ([in, out] contiguous) for the few rows of a
     decode step, so there the projections stay as the file has them and wte ([vocab, C], used as wte.T) is
-    stored column-major. An embedding lookup only gathers a few rows either way.
+    stored column-major (also for work of many rows only, a harvest's prefill: without `decode_kernels`,
+    MKL's GEMM at 2048 rows is about 8% faster on W row-major). An embedding lookup only gathers a few
+    rows either way.
     """
     if t.ndim != 2 or name == "wpe.weight":
         return t.contiguous()
-    w_row_major = t.device.type == "cpu" and t.dtype == torch.float32 and not kernels.available()
+    on_kernels = decode_kernels and kernels.available()
+    w_row_major = t.device.type == "cpu" and t.dtype == torch.float32 and not on_kernels
     is_w = name != "wte.weight"  # a projection is W; wte is W transposed (the LM head is x @ wte.T)
     return t.contiguous() if w_row_major == is_w else t.t().contiguous().t()
 
@@ -344,9 +348,10 @@ def load_weights(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "auto",
     preset_name: str | None = None,
+    decode_kernels: bool = True,
 ) -> GPT:
     """Just the network: see `load`."""
-    return _load(source, revision, dtype, device, preset_name)[0]
+    return _load(source, revision, dtype, device, preset_name, decode_kernels)[0]
 
 
 def load(
@@ -357,6 +362,7 @@ def load(
     device: str | torch.device = "auto",
     preset_name: str | None = None,
     tokenizer_dir: str | Path | None = None,
+    decode_kernels: bool = True,
 ) -> LoadedModel:
     """Load GPT-2 and its tokenizer.
 
@@ -367,8 +373,11 @@ def load(
     with a scale per output channel, float32 activations: `model/quantize.py`).
     `device`: auto (cuda, then mps, then cpu) or a torch device name.
     `tokenizer_dir`: where the tokenizer is, for checkpoints that ship none.
+    `decode_kernels`: float32 on a CPU, the few-row products of decode steps run on our kernels
+    (`model/kernels/`); False keeps stock torch and lays the weights out for products of many rows, for a
+    job that only prefills (a harvest).
     """
-    model, files, dev, dt = _load(source, revision, dtype, device, preset_name)
+    model, files, dev, dt = _load(source, revision, dtype, device, preset_name, decode_kernels)
     tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else files.tokenizer_dir
     if tok_dir is None:
         raise LoadError(
@@ -433,6 +442,7 @@ def _load(
     dtype: str | torch.dtype,
     device: str | torch.device,
     preset_name: str | None,
+    decode_kernels: bool = True,
 ) -> tuple[GPT, CheckpointFiles, torch.device, torch.dtype]:
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
@@ -442,11 +452,11 @@ def _load(
         raise LoadError(str(e)) from None
     as_what = "int8 weights, float32 activations" if dtype == INT8 else dt
     log.info("loading %s (%s) to %s as %s", files.name, ", ".join(map(str, files.weights)), dev, as_what)
-    state = load_state(files.weights, files.config, dt, dev)
+    state = load_state(files.weights, files.config, dt, dev, decode_kernels)
     model = build_model(files.config, state)
     if dtype == INT8:
         quantize_(model)
-    else:
+    elif decode_kernels:
         use_kernels(model)  # float32 on a CPU: the decode step's products on our kernels
     return model, files, dev, dt
 

@@ -238,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         corpus = tmp / "corpus.jsonl"
         n_tokens = args.contexts * args.context_size
         write_corpus(corpus, n_tokens)
-        lm = load(model, dtype=args.dtype, device=args.device, tokenizer_dir=args.tokenizer)
+        # as gpt2-harvest loads it: weights laid out for products of many rows (no decode kernels)
+        lm = load(model, dtype=args.dtype, device=args.device, tokenizer_dir=args.tokenizer, decode_kernels=False)
         if layer >= lm.model.config.n_layer:
             raise SystemExit(f"--hook {args.hook}: the model has {lm.model.config.n_layer} blocks")
         select_hooks([args.hook], lm.model.config.n_layer)

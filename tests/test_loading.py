@@ -516,3 +516,18 @@ def test_unreadable_config(tiny: Checkpoint, tmp_path: Path, monkeypatch: pytest
     monkeypatch.setattr(Path, "read_text", denied)  # chmod would not stop root
     with pytest.raises(LoadError, match=r"cannot read .*config\.json: Permission denied$"):
         load_weights(ckpt, **CPU)
+
+
+def test_a_model_for_prefill_only_keeps_stock_layers_and_the_row_major_layout(tiny: Checkpoint) -> None:
+    """`decode_kernels=False` (what a harvest loads): no kernel layers, W [in, out] row-major for MKL's
+    many-row products, and the same logits as the default load."""
+    from model.gpt import Conv1D
+    from model.loading import load_weights
+
+    plain = load_weights(tiny.path, dtype="float32", device="cpu", decode_kernels=False)
+    default = load_weights(tiny.path, dtype="float32", device="cpu")
+    assert type(plain.h[0].attn.c_attn) is Conv1D
+    assert plain.h[0].mlp.c_fc.weight.stride() == (plain.h[0].mlp.c_fc.weight.shape[1], 1)
+    ids = torch.tensor([[464, 3797, 3332, 319, 262, 2603]])
+    with torch.inference_mode():
+        torch.testing.assert_close(plain(ids), default(ids), rtol=1e-5, atol=1e-5)

@@ -292,6 +292,7 @@ def load_model(spec: HarvestSpec) -> LoadedModel:
             device=spec.device,
             preset_name=spec.preset,
             tokenizer_dir=spec.tokenizer,
+            decode_kernels=False,  # a harvest only prefills: weights laid out for products of many rows
         )
     except (LoadError, ConfigError) as e:
         raise HarvestError(str(e)) from None
