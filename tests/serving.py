@@ -7,6 +7,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -52,6 +54,19 @@ def wait_ready(process: subprocess.Popen[bytes], url: str, log: Path, timeout: f
         if time.monotonic() > deadline:
             pytest.fail(f"gpt2-serve not ready after {timeout:.0f} s:\n{log.read_text(errors='replace')}")
         time.sleep(0.1)
+
+
+@contextmanager
+def served(args: list[str], log: Path) -> Iterator[str]:
+    """A real `gpt2-serve` (its own process) with ARGS on a free port, ready: yields its URL, then stops it."""
+    port = free_port()
+    process = launch([*args, "--port", str(port)], log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(process, url, log)
+        yield url
+    finally:
+        shut_down(process)
 
 
 def shut_down(process: subprocess.Popen[bytes]) -> None:

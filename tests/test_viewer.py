@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
-from serving import free_port, launch, shut_down, wait_ready
+from serving import served
 
 CHROMIUM = Path("/usr/bin/chromium")
 if not CHROMIUM.is_file():
@@ -68,20 +69,14 @@ CANVAS_INK = """
 @pytest.fixture(scope="module")
 def base_url(tiny: Any, tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real server (its own process) on the tiny checkpoint, requiring an API key."""
-    port = free_port()
     log = tmp_path_factory.mktemp("viewer") / "server.log"
-    args = ["--model", str(tiny.path), "--tokenizer", str(tokenizer_dir), "--port", str(port), "--api-key", API_KEY]
-    process = launch(args, log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(process, url, log)
+    with served(["--model", str(tiny.path), "--tokenizer", str(tokenizer_dir), "--api-key", API_KEY], log) as url:
         yield url
-    finally:
-        shut_down(process)
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
+@contextmanager
+def chromium() -> Iterator[Any]:
+    """Debian's headless Chromium, driven by playwright."""
     with sync_api.sync_playwright() as p:
         b = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
@@ -90,8 +85,8 @@ def browser() -> Iterator[Any]:
             b.close()
 
 
-@pytest.fixture
-def page(browser: Any, base_url: str) -> Iterator[Any]:
+@contextmanager
+def viewer_page(browser: Any, base_url: str) -> Iterator[Any]:
     """The viewer, opened fresh; fails the test on any uncaught JavaScript error."""
     context = browser.new_context(viewport={"width": 1280, "height": 900})
     page = context.new_page()
@@ -101,6 +96,18 @@ def page(browser: Any, base_url: str) -> Iterator[Any]:
     yield page
     context.close()
     assert not js_errors, f"JavaScript errors in the page: {js_errors}"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    with chromium() as b:
+        yield b
+
+
+@pytest.fixture
+def page(browser: Any, base_url: str) -> Iterator[Any]:
+    with viewer_page(browser, base_url) as p:
+        yield p
 
 
 def run_prompt(page: Any, prompt: str, max_new_tokens: int, key: str | None = API_KEY) -> str:

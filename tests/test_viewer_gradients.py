@@ -11,8 +11,8 @@ from typing import Any
 
 import httpx
 import pytest
-from serving import free_port, launch, shut_down, wait_ready
-from test_viewer import CANVAS_INK, CHROMIUM, CHROMIUM_ARGS
+from serving import served
+from test_viewer import CANVAS_INK, chromium, viewer_page
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
 N_LAYER, N_HEAD = 2, 4  # conftest's `tiny`
@@ -23,27 +23,14 @@ CLEAN, CORRUPTED = "The cat sat on the mat because it", "The dog sat on the mat 
 @pytest.fixture(scope="module")
 def base_url(tiny: Any, tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("viewer_gradients") / "server.log"
-    port = free_port()
-    process = launch(["--model", str(tiny.path), "--tokenizer", str(tokenizer_dir), "--port", str(port)], log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(process, url, log)
+    with served(["--model", str(tiny.path), "--tokenizer", str(tokenizer_dir)], log) as url:
         yield url
-    finally:
-        shut_down(process)
 
 
 @pytest.fixture
 def page(base_url: str) -> Iterator[Any]:
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
-        errors: list[str] = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.goto(base_url + "/")
-        yield page
-        browser.close()
-        assert not errors, errors
+    with chromium() as browser, viewer_page(browser, base_url) as p:
+        yield p
 
 
 def finished(page: Any, selector: str) -> str:

@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 from sae_files import write_sae
-from serving import free_port, launch, shut_down, wait_ready
-from test_viewer import CHROMIUM, CHROMIUM_ARGS
+from serving import served
+from test_viewer import chromium, viewer_page
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
 HOOK = "blocks.1.hook_resid_pre"
@@ -24,28 +24,15 @@ PROMPT = "The cat sat on the mat"
 def base_url(tiny: Any, tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     root = tmp_path_factory.mktemp("viewer_sae")
     sae = write_sae(root / "sae", hook=HOOK, d_in=64, d_sae=256, seed=9)
-    port = free_port()
-    args = ["--model", str(tiny.path), "--tokenizer", str(tokenizer_dir), "--port", str(port), "--sae", f"s={sae}"]
-    process = launch(args, root / "server.log")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(process, url, root / "server.log")
+    args = ["--model", str(tiny.path), "--tokenizer", str(tokenizer_dir), "--sae", f"s={sae}"]
+    with served(args, root / "server.log") as url:
         yield url
-    finally:
-        shut_down(process)
 
 
 @pytest.fixture
 def page(base_url: str) -> Iterator[Any]:
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
-        errors: list[str] = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.goto(base_url + "/")
-        yield page
-        browser.close()
-        assert not errors, errors
+    with chromium() as browser, viewer_page(browser, base_url) as p:
+        yield p
 
 
 def test_feature_panel_and_steering(page: Any, base_url: str) -> None:
