@@ -424,8 +424,9 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def load_from(where: Checkpoint) -> LoadedModel:
-    """`load` with the options of a command line (`add_checkpoint_arguments`) or of the server's settings."""
+def load_from(where: Checkpoint, decode_kernels: bool = True) -> LoadedModel:
+    """`load` with the options of a command line (`add_checkpoint_arguments`), of the server's settings or
+    of a harvest job."""
     return load(
         where.model,
         revision=where.revision,
@@ -433,6 +434,7 @@ def load_from(where: Checkpoint) -> LoadedModel:
         device=where.device,
         preset_name=where.preset,
         tokenizer_dir=where.tokenizer,
+        decode_kernels=decode_kernels,
     )
 
 

@@ -26,7 +26,7 @@ import torch
 from ..config import ConfigError, GPTConfig
 from ..gpt import GPT
 from ..hooks import UnknownHookError, is_attention_square, run_with_cache, select_hooks, site_shape
-from ..loading import DTYPE_NAMES, INT8, LoadedModel, LoadError, load, locate, resolve_device, resolve_dtype
+from ..loading import DTYPE_NAMES, INT8, LoadedModel, LoadError, load_from, locate, resolve_device, resolve_dtype
 from ..tokenizer import EOT, Tokenizer, TokenizerError
 from . import saelens
 from .errors import HarvestError
@@ -285,15 +285,7 @@ def locate_model(spec: HarvestSpec) -> tuple[GPTConfig, Tokenizer, torch.dtype]:
 
 def load_model(spec: HarvestSpec) -> LoadedModel:
     try:
-        return load(
-            spec.model,
-            revision=spec.revision,
-            dtype=spec.dtype,
-            device=spec.device,
-            preset_name=spec.preset,
-            tokenizer_dir=spec.tokenizer,
-            decode_kernels=False,  # a harvest only prefills: weights laid out for products of many rows
-        )
+        return load_from(spec, decode_kernels=False)  # a harvest only prefills: W laid out for many rows
     except (LoadError, ConfigError) as e:
         raise HarvestError(str(e)) from None
 
