@@ -19,7 +19,7 @@ import torch
 
 from .cuda_graph import StaticDecode
 from .gpt import GPT
-from .hooks import HEAD_HOOKS, Capture, Hooks, Index, RowHooks, StopAfter, StopForward, hook_names, select_hooks
+from .hooks import HEAD_HOOKS, Capture, Hooks, Index, RowHooks, hook_names, run_until, select_hooks
 from .interventions import EditSpec, HookChain
 from .kv_cache import KVCache, PackedBatch
 from .sampling import sample, top_logprobs
@@ -274,9 +274,7 @@ def prefill_prompts(model: GPT, seqs: Sequence[SequenceState]) -> None:
                 parts.append((s.hooks, (slice(b, b + 1), t)))
                 squares.append((s.hooks, (slice(b, b + 1), every, t, t)))
         try:
-            model(idx, hooks=StopAfter(RowHooks(parts, squares), last[0]))
-        except StopForward:
-            pass
+            run_until(model, idx, RowHooks(parts, squares), last[0])
         except Exception as e:  # an edit that cannot be applied to these values, say: every row fails with it
             for s in seqs:
                 s.finish_reason, s.error = "error", e

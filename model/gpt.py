@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import GPTConfig
-from .hooks import HookPoint, Hooks, hook_names
+from .hooks import HEAD_HOOKS, HookPoint, Hooks, hook_names
 from .kv_cache import KVCache, PackedBatch
 
 
@@ -225,8 +225,6 @@ class GPT(nn.Module):
         self.hook_unembed_in = HookPoint("unembed.hook_in")
         self.hook_unembed_out = HookPoint("unembed.hook_out")
         self.hook_logits = HookPoint("logits")  # the same values as unembed.hook_out, under the older name
-        head = (self.ln_f.hook_scale, self.ln_f.hook_normalized, self.hook_unembed_in, self.hook_unembed_out)
-        self._head_hooks = [h.name for h in (*head, self.hook_logits)]  # they need every position's logits
 
     @property
     def hook_names(self) -> list[str]:
@@ -264,7 +262,7 @@ class GPT(nn.Module):
             x = block(x, cache, hooks)
         if isinstance(cache, PackedBatch):
             x = x[:, cache.outputs]
-        elif last_only and not (hooks and any(hooks.active(name) for name in self._head_hooks)):
+        elif last_only and not (hooks and any(hooks.active(name) for name in HEAD_HOOKS)):  # those need every position
             x = x[:, -1:]
         x = self.hook_unembed_in(self.ln_f(x, hooks), hooks)
         logits = self.hook_unembed_out(self.lm_head(x, self.wte.weight), hooks)  # LM head tied to wte: [B, T, vocab]

@@ -289,10 +289,14 @@ def run_with_cache(
     from .interventions import HookChain  # interventions imports this module
 
     capture = Capture(names)
-    hooks: Hooks = capture if edits is None else HookChain(edits, capture)
-    with contextlib.suppress(StopForward):
-        model(idx, hooks=StopAfter(hooks, names[-1]))
+    run_until(model, idx, capture if edits is None else HookChain(edits, capture), names[-1])
     return capture.tensors()
+
+
+def run_until(model: GPT, idx: torch.Tensor, hooks: Hooks, last: str) -> None:
+    """A forward pass over `idx` [B, T] with `hooks`, ended once hook `last` has had its value."""
+    with contextlib.suppress(StopForward):
+        model(idx, hooks=StopAfter(hooks, last))
 
 
 def _widen(chunk: torch.Tensor, n_keys: int, fill: float) -> torch.Tensor:
