@@ -21,11 +21,13 @@ from .cuda_graph import StaticDecode
 from .gpt import GPT
 from .hooks import HEAD_HOOKS, Capture, Hooks, Index, RowHooks, hook_names, run_until, select_hooks
 from .interventions import EditSpec, HookChain
+from .kernels.decode import FusedDecode
 from .kv_cache import KVCache, PackedBatch
 from .sampling import sample, top_logprobs
 from .tokenizer import EOT_ID, Tokenizer
 
 MAX_LOGPROBS = 20
+MAX_FUSED_TOKENS = 96  # a pass of at most this many tokens may run on the fused CPU pass (model/kernels/decode.py)
 SEED_RANGE = range(-(2**63), 2**63)  # an int64, as torch's generators take it (and vLLM accepts)
 MAX_STOPS = 16  # stop strings per request: each is looked for after every token
 MAX_STOP_CHARS = 256  # characters per stop string
@@ -367,6 +369,8 @@ class DecodeBatch:
         self.static = StaticDecode(model, self.cache) if static else None
         if self.static is not None:
             self.static.capture()
+        # on a CPU, plain decode steps (no hooks) run as one C++ call (model/kernels/decode.py) where they can
+        self.fused = FusedDecode.make(model, self.cache) if self.static is None else None
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -430,8 +434,15 @@ class DecodeBatch:
         """Prompt tokens start..end of row `b`, alone in the pass (with its hooks)."""
         seq = self.seqs[b]
         want_all = seq.params.prompt_logprobs is not None
-        idx = torch.tensor([seq.prompt[start:end]], device=self.model.wte.weight.device)  # [1, T]
-        logits = self.model(idx, self.cache.row(b), seq.hooks, last_only=not want_all)[0]  # [T or 1, vocab]
+        if self._fused_fits(seq.hooks, end - start):
+            assert self.fused is not None
+            T = end - start
+            logits = self.fused.forward(
+                seq.prompt[start:end], [b] * T, list(range(start, end)), list(range(0 if want_all else T - 1, T))
+            )
+        else:
+            idx = torch.tensor([seq.prompt[start:end]], device=self.model.wte.weight.device)  # [1, T]
+            logits = self.model(idx, self.cache.row(b), seq.hooks, last_only=not want_all)[0]  # [T or 1, vocab]
         self.cache.set_length(b, end)
         return self._prefilled(seq, start, end, logits)
 
@@ -454,11 +465,14 @@ class DecodeBatch:
             spans.append((len(outputs), len(outputs) + len(wanted)))
             outputs += wanted
         hooks, piece_hooks = self._packed_hooks(decoding, chunks, spans)
-        packed = PackedBatch(
-            self.cache, bool(decoding), [(b, end - start) for b, start, end in chunks], outputs, piece_hooks
-        )
-        idx = torch.tensor([tokens], device=self.model.wte.weight.device)  # [1, N]
-        logits = self.model(idx, packed, hooks)[0]  # [len(outputs), vocab]
+        if self._fused_fits(hooks, len(tokens)):
+            logits = self._packed_fused(decoding, chunks, outputs)
+        else:
+            packed = PackedBatch(
+                self.cache, bool(decoding), [(b, end - start) for b, start, end in chunks], outputs, piece_hooks
+            )
+            idx = torch.tensor([tokens], device=self.model.wte.weight.device)  # [1, N]
+            logits = self.model(idx, packed, hooks)[0]  # [len(outputs), vocab]
         out: list[tuple[SequenceState, TokenEvent | None]] = []
         if decoding:
             self.cache.advance(steps)
@@ -468,6 +482,30 @@ class DecodeBatch:
         for (b, start, end), (lo, hi) in zip(chunks, spans, strict=True):
             out += self._prefilled(self.seqs[b], start, end, logits[lo:hi])
         return out
+
+    def _fused_fits(self, hooks: Hooks | None, n_tokens: int) -> bool:
+        """Whether a pass of `n_tokens` goes to the fused CPU pass: no hooks, and few enough tokens for our
+        few-row kernels (a long prompt chunk is faster on MKL's GEMM)."""
+        return self.fused is not None and hooks is None and n_tokens <= MAX_FUSED_TOKENS and not torch.is_grad_enabled()
+
+    def _packed_fused(
+        self, decoding: list[int], chunks: list[tuple[int, int, int]], outputs: list[int]
+    ) -> torch.Tensor:
+        """`_packed`'s pass on the fused CPU pass: the decode tokens of the decoding rows (no dummies) and the
+        prompt chunks, each token at its row and position; `outputs` index the packed tokens as `_packed`
+        lays them out (a decode token for every row first), so they are mapped onto these."""
+        assert self.fused is not None
+        tokens = [self.seqs[b].tokens[-1] for b in decoding]
+        rows, positions = list(decoding), [self.cache.lengths[b] for b in decoding]
+        at = {b: j for j, b in enumerate(decoding)}  # packed index of a decode token -> its index here
+        first = len(self.seqs) if decoding else 0  # where the chunks begin among the packed tokens
+        for b, start, end in chunks:
+            tokens += self.seqs[b].prompt[start:end]
+            rows += [b] * (end - start)
+            positions += range(start, end)
+        shift = first - len(decoding)
+        index = [at[o] if o < first else o - shift for o in outputs]
+        return self.fused.forward(tokens, rows, positions, index)  # [len(outputs), vocab]
 
     def _packed_hooks(
         self, decoding: list[int], chunks: list[tuple[int, int, int]], spans: list[tuple[int, int]]
@@ -521,6 +559,8 @@ class DecodeBatch:
         tokens = [s.tokens[-1] for s in self.seqs]
         if self.static is not None and hooks is None:
             logits = self.static(tokens, list(self.cache.lengths))  # [B, vocab]
+        elif self._fused_fits(hooks, len(tokens)):
+            logits = self.fused(tokens, self.cache.lengths)  # [B, vocab], the same math in one C++ call
         else:
             idx = torch.tensor(tokens, device=self.model.wte.weight.device)[:, None]  # [B, 1]
             logits = self.model(idx, self.cache, hooks, last_only=True)[:, -1]  # [B, vocab]

@@ -3,7 +3,8 @@ channel (symmetric: w ~= q * scale, q in -127..127, scale = max |w| of the chann
 LayerNorms, biases, embeddings and the KV cache stay float32.
 
 `quantize_(model)` swaps the layers of a loaded float32 model in place. On a CPU the few-row products of a
-decode step run on our int8 kernel (`model/kernels/`: dequantized in registers, float32 accumulation);
+decode step run on our int8 kernel (`model/kernels/matmul.h`: inside each product the row of x is rounded to
+int16 with a scale of its own, 15 bits, finer than bfloat16; int32 sums, float32 accumulation and output);
 larger products (prefill), other devices (CUDA) and autograd dequantize the weight and use torch's float32
 matmul. Hooks, edits and dumps work as on float32: they see the float32 activations of the quantized model.
 `state_dict` (and so `save_checkpoint`) gives the dequantized weights, q * scale, in the float32 layout.

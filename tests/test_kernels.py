@@ -63,7 +63,14 @@ def test_int8_matches_dequantized(k: int, n: int) -> None:
     for m in ROWS if n * k < 2**22 else (1, 3, 8, 33):
         x = torch.randn(m, k, generator=g)
         y = kernels.matmul_int8(x, q, scale, bias)
-        torch.testing.assert_close(y, reference(x, w, bias), rtol=0, atol=tolerance(x, w))
+        assert ((y - reference(x, w, bias)).abs() <= int8_tolerance(x, w)).all()
+
+
+def int8_tolerance(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """[M, N]: float32 rounding, plus the int8 kernel's rounding of each row of x to int16 (at most half a
+    step of max|x| / 32767 per element, times |w|)."""
+    step = x.abs().amax(dim=1, keepdim=True) / 32767  # [M, 1]
+    return tolerance(x, w) + 0.5 * step * w.abs().sum(dim=1)[None, :] * (1 + 1e-5)
 
 
 @needs_kernels

@@ -73,14 +73,18 @@ def test_int8_fidelity_distilgpt2_shape(distil: Checkpoint) -> None:
 
 
 def test_kernel_and_dequantized_paths_agree(tiny: Checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU kernel (int8 weights against rows of x rounded to int16) and the dequantizing path (float32
+    activations: prefill, CUDA) differ by that rounding only: under 1% of int8's own distance from float32."""
     model = load_weights(tiny.path, dtype="int8", device="cpu")
+    dense = load_weights(tiny.path, dtype="float32", device="cpu")
     assert type(model.h[0].attn.c_attn) is Int8Conv1D and type(model.lm_head) is Int8LMHead
     idx = torch.tensor([[5, 6, 7, 8]])
     with torch.inference_mode():
+        reference = dense(idx)
         fast = model(idx)  # 4 rows: the kernel where it is built
         monkeypatch.setattr(kernels, "usable", lambda x: False)
-        slow = model(idx)  # dequantize + torch matmul (the CUDA and prefill path)
-    torch.testing.assert_close(fast, slow, rtol=0, atol=1e-4)
+        slow = model(idx)  # dequantize + torch matmul
+    assert float((fast - slow).abs().max()) <= 0.01 * float((slow - reference).abs().max())
 
 
 def test_hooks_and_edits_on_int8(tiny: Checkpoint) -> None:
@@ -119,7 +123,12 @@ def test_int8_exports_its_dequantized_weights(tiny: Checkpoint, tmp_path: Path) 
         cap8, cap32 = Capture(["ln_final.hook_normalized"]), Capture(["ln_final.hook_normalized"])
         model(idx, hooks=cap8)
         back(idx, hooks=cap32)
-    torch.testing.assert_close(cap8.tensors()["ln_final.hook_normalized"], cap32.tensors()["ln_final.hook_normalized"])
+        dense = load_weights(tiny.path, dtype="float32", device="cpu")
+        cap = Capture(["ln_final.hook_normalized"])
+        dense(idx, hooks=cap)
+    # equal up to the int8 kernel's rounding of activations to int16: 1% of int8's distance from float32
+    ours, exported, reference = (c.tensors()["ln_final.hook_normalized"] for c in (cap8, cap32, cap))
+    assert float((ours - exported).abs().max()) <= 0.01 * float((exported - reference).abs().max())
 
 
 def test_model_info_says_int8(tiny: Checkpoint, tokenizer_dir: Path) -> None:

@@ -1,5 +1,6 @@
-"""Our CPU matrix kernels for the decode step (`matmul.cpp`): y = x @ W.T + b for a few rows x, W [N, K]
-contiguous, in float32 or in int8 with a scale per output. Built at first use with the system's C++
+"""Our CPU kernels for the decode step: y = x @ W.T + b for a few rows x, W [N, K] contiguous, in float32 or in
+int8 with a scale per output (`matmul.h`, `matmul.cpp`), and a whole decode step in one call (`decode.cpp`,
+driven by `decode.py`). Built at first use with the system's C++
 compiler into a cache directory (a second or two, once per source version), loaded with ctypes; where
 that cannot be done (no compiler, no AVX2/FMA, not x86-64) `available()` is False, one warning says why,
 and callers use stock torch.
@@ -30,7 +31,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("matmul.cpp")
+HERE = Path(__file__).parent
+SOURCES = [HERE / "matmul.cpp", HERE / "decode.cpp"]  # compiled together into one library
+HEADERS = [HERE / "matmul.h"]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 BUILD_TIMEOUT_S = 300
 MAX_ROWS = 96  # products of more rows (prefill) go to MKL's GEMM; up to here (a server step's decode rows and
@@ -54,12 +57,14 @@ def _compiler() -> str | None:
 def library_path() -> Path:
     """Where the library of this source and these flags lives in the cache (a container builds it once and
     may drop the compiler afterwards)."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    return cache_dir() / f"gpt2_matmul-{key}.so"
+    digest = hashlib.sha256(" ".join(FLAGS).encode())
+    for f in SOURCES + HEADERS:
+        digest.update(f.read_bytes())
+    return cache_dir() / f"gpt2_kernels-{digest.hexdigest()[:16]}.so"
 
 
 def build(compiler: str | None = None) -> Path:
-    """Compile `matmul.cpp` into the cache (if it is not there yet, or with `compiler` given) and return the
+    """Compile the sources into the cache (if it is not there yet, or with `compiler` given) and return the
     library's path; raises RuntimeError saying why it cannot."""
     path = library_path()
     if compiler is None and path.is_file():
@@ -72,7 +77,7 @@ def build(compiler: str | None = None) -> Path:
         out = Path(tmp) / path.name
         try:
             done = subprocess.run(
-                [compiler, *FLAGS, str(SOURCE), "-o", str(out)],
+                [compiler, *FLAGS, *map(str, SOURCES), "-o", str(out)],
                 capture_output=True,
                 text=True,
                 timeout=BUILD_TIMEOUT_S,
@@ -152,6 +157,8 @@ def _library() -> ctypes.CDLL | None:
     lib.gpt2_matmul_f32.restype = None
     lib.gpt2_matmul_i8.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, i64, ctypes.c_int]
     lib.gpt2_matmul_i8.restype = None
+    lib.gpt2_forward.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ctypes.c_int]
+    lib.gpt2_forward.restype = None
     return lib
 
 

@@ -34,8 +34,9 @@ router = APIRouter(tags=["native"])
 
 QUANTIZATION_NOTES = {
     "int8": "weight-only int8: every projection and the LM head hold int8 weights with a float32 scale per output "
-    "channel; activations are float32, so dumps hold the float32 activations of this quantized model, not of the "
-    "original float32 weights"
+    "channel; activations are float32 (on a CPU the decode step's products round each row of their input to "
+    "int16, 15 bits, inside the product), so dumps hold the float32 activations of this quantized model, not of "
+    "the original float32 weights"
 }
 
 

@@ -1,0 +1,189 @@
+"""The CPU decode step in one call: `FusedDecode` hands a model's weights and the KV cache to `decode.cpp`,
+which runs the embedding, every block and the LM head for one new token per row.
+
+Why: at batch 1 on a small CPU, an eager step's ~250 ATen calls, views and Python (attention at one query,
+the cache writes, LayerNorms, GELU, residual adds) cost as much as its matrix products. This is the same
+math (the parity tests hold it to the eager step), for the one case that dominates generation: a plain
+decode step, no hooks, float32 or int8 weights laid out for our kernels (`model/kernels/layers.py`,
+`model/quantize.py`). Everything else (prefill, prompt chunks, hooks and edits, other dtypes and devices)
+goes through `GPT.forward`, as `DecodeBatch` chooses.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ..gpt import GPT, Conv1D, TiedLMHead
+from ..kv_cache import KVCache
+from . import _library, available
+from .layers import KernelConv1D, KernelLMHead
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+class _Norm(ctypes.Structure):
+    _fields_ = [("gain", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+class _Block(ctypes.Structure):
+    _fields_ = [
+        ("ln_1", _Norm),
+        ("c_attn", _Linear),
+        ("attn_proj", _Linear),
+        ("ln_2", _Norm),
+        ("c_fc", _Linear),
+        ("mlp_proj", _Linear),
+    ]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        ("n_layer", ctypes.c_int64),
+        ("n_embd", ctypes.c_int64),
+        ("n_head", ctypes.c_int64),
+        ("d_mlp", ctypes.c_int64),
+        ("vocab", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("wte", ctypes.c_void_p),
+        ("wpe", ctypes.c_void_p),
+        ("blocks", ctypes.POINTER(_Block)),
+        ("ln_f", _Norm),
+        ("lm_head", _Linear),
+    ]
+
+
+class _Cache(ctypes.Structure):
+    _fields_ = [
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("capacity", ctypes.c_int64),
+        ("max_len", ctypes.c_int64),
+    ]
+
+
+def _f32(t: torch.Tensor) -> int:
+    assert t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
+    return t.data_ptr()
+
+
+def _linear(layer: torch.nn.Module) -> _Linear:
+    """A projection as decode.cpp reads it: [out, in] rows (float32, or int8 with a scale per output)."""
+    from ..quantize import Int8Conv1D  # quantize imports this package
+
+    if isinstance(layer, Int8Conv1D):
+        assert layer.q.is_contiguous()
+        return _Linear(layer.q.data_ptr(), _f32(layer.scale), _f32(layer.bias))
+    return _Linear(_f32(layer.weight.t()), None, _f32(layer.bias))
+
+
+def _norm(ln: torch.nn.LayerNorm) -> _Norm:
+    return _Norm(_f32(ln.weight), _f32(ln.bias))
+
+
+def unsupported(model: GPT, cache: KVCache) -> str | None:
+    """Why `FusedDecode` cannot run this model's decode steps over this cache, or None if it can."""
+    from ..quantize import Int8Conv1D, Int8LMHead
+
+    if not available():
+        return "our CPU kernels are not available"
+    if cache.k.device.type != "cpu" or cache.k.dtype != torch.float32:
+        return "the KV cache is not float32 on the CPU"
+    w = model.wte.weight
+    if w.device.type != "cpu" or w.dtype != torch.float32:
+        return "the model is not float32 (or int8) on the CPU"
+    for name, module in model.named_modules():
+        if isinstance(module, Conv1D) and not (
+            isinstance(module, Int8Conv1D) or (type(module) is KernelConv1D and module.weight.t().is_contiguous())
+        ):
+            return f"{name} is not laid out for our kernels"
+        if isinstance(module, TiedLMHead) and not (
+            isinstance(module, Int8LMHead) or (type(module) is KernelLMHead and w.is_contiguous())
+        ):
+            return "the LM head is not laid out for our kernels"
+    return None
+
+
+class FusedDecode:
+    """Plain decode steps of `model` over `cache` (float32 on the CPU, no hooks) in one C++ call each."""
+
+    def __init__(self, model: GPT, cache: KVCache) -> None:
+        self.model, self.cache = model, cache
+        self.library = _library()
+        self._model, self._blocks = self._weights()
+
+    @classmethod
+    def make(cls, model: GPT, cache: KVCache) -> FusedDecode | None:
+        """One for `model` and `cache`, or None where it cannot run (see `unsupported`)."""
+        return cls(model, cache) if unsupported(model, cache) is None else None
+
+    def _weights(self) -> tuple[_Model, ctypes.Array[_Block]]:
+        """The model's weights as decode.cpp reads them: their addresses, taken once (weights changed in place
+        are seen; a parameter replaced by a new tensor afterwards needs a new FusedDecode, as a new
+        DecodeBatch makes). The model keeps the tensors alive."""
+        m, config = self.model, self.model.config
+        blocks = (_Block * config.n_layer)(
+            *(
+                _Block(
+                    _norm(b.ln_1),
+                    _linear(b.attn.c_attn),
+                    _linear(b.attn.c_proj),
+                    _norm(b.ln_2),
+                    _linear(b.mlp.c_fc),
+                    _linear(b.mlp.c_proj),
+                )
+                for b in m.h
+            )
+        )
+        head = m.lm_head
+        wte = m.wte.weight
+        lm_head = (
+            _Linear(head.q.data_ptr(), _f32(head.scale), None) if hasattr(head, "q") else _Linear(_f32(wte), None, None)
+        )
+        weights = _Model(
+            config.n_layer,
+            config.n_embd,
+            config.n_head,
+            config.d_mlp,
+            config.vocab_size,
+            config.layer_norm_epsilon,
+            _f32(wte),
+            _f32(m.wpe.weight),
+            ctypes.cast(blocks, ctypes.POINTER(_Block)),
+            _norm(m.ln_f),
+            lm_head,
+        )
+        return weights, blocks
+
+    def __call__(self, tokens: list[int], lengths: list[int]) -> torch.Tensor:
+        """A decode step: logits [B, vocab] of one new token per row, `tokens[b]` at position `lengths[b]` of
+        cache row b (its key and value are written there; the caller moves the lengths on)."""
+        B = len(tokens)
+        return self.forward(tokens, list(range(B)), list(lengths), list(range(B)))
+
+    def forward(self, tokens: list[int], rows: list[int], positions: list[int], outputs: list[int]) -> torch.Tensor:
+        """A pass over N new tokens: `tokens[t]` goes at position `positions[t]` of cache row `rows[t]` (each
+        row's tokens in order, from its length on). Returns the logits [len(outputs), vocab] of the tokens at
+        `outputs` (indices into the N)."""
+        N, cache, config = len(tokens), self.cache, self.model.config
+        if not N == len(rows) == len(positions) or N == 0:
+            raise ValueError("tokens, rows and positions must be of one length, and not empty")
+        if not all(0 <= r < cache.batch_size for r in rows) or not all(0 <= o < N for o in outputs):
+            raise ValueError(
+                f"a row outside the cache's {cache.batch_size} rows in use, or an output outside the tokens"
+            )
+        if max(positions) >= cache.max_len or min(positions) < 0:
+            raise ValueError(f"KV cache overflow: position {max(positions)} is past its {cache.max_len}")
+        if not all(0 <= t < config.vocab_size for t in tokens):
+            raise ValueError(f"a token id is outside the vocabulary (0..{config.vocab_size - 1})")
+        kv = _Cache(_f32(cache.k), _f32(cache.v), cache.capacity, cache.max_len)
+        ids, at, row, out = (torch.tensor(v, dtype=torch.int64) for v in (tokens, positions, rows, outputs))
+        logits = torch.empty(len(outputs), config.vocab_size, dtype=torch.float32)
+        self.library.gpt2_forward(
+            ctypes.byref(self._model), ctypes.byref(kv), ids.data_ptr(), row.data_ptr(), at.data_ptr(), N,
+            out.data_ptr(), len(outputs), logits.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return logits

@@ -1,0 +1,238 @@
+// Small-M matrix products for the decode step: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), M a few rows.
+//
+// W is stored [N, K] row-major (nn.Linear's layout: one output's weights contiguous), so every output is a
+// dot product over a contiguous row and each thread streams one contiguous slab of W: the threads split the
+// outputs N, not K, and never share a cache line of W. A tile holds MR rows of x against NR rows of W in
+// MR * NR AVX2 accumulators, summed across lanes at the end. Two weight types:
+// - float32: 8 lanes of K per FMA, accumulated in float32;
+// - int8 with one float32 scale per output (symmetric, per output channel): each row of x is first rounded
+//   to int16 with a scale of its own (|x| max -> 32767: 15 bits, finer than bfloat16's 8), and 16 weights
+//   at a time are widened to int16 and multiplied in pairs into int32 lanes (`_mm256_madd_epi16`, exact),
+//   turned into float32 every KC steps of K, long before an int32 could overflow; the scales of x and of
+//   the output are applied once, at the end. Per weight that is a third of the float path's instructions.
+//
+// Each output ends with an epilogue (`Op`): stored, or added to y (the residual stream's `x += f(x)`), so
+// the decode step (decode.cpp) needs no pass of its own for it. `gelu` is GPT-2's activation, vectorised.
+// While a tile runs it prefetches the next group's rows of W: at one row of x the products are bound by how
+// fast memory streams in, and the hardware's prefetchers alone left int8 at a third of the bandwidth.
+#pragma once
+
+#include <immintrin.h>
+#include <stdint.h>
+
+#include <cmath>
+#include <vector>
+
+namespace gpt2 {
+
+enum class Op { kStore, kAdd };  // y = s; y += s
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hsum(__m256i v) { return hsum(_mm256_cvtepi32_ps(v)); }  // int32 lanes, each rounded to float32
+
+inline void finish(Op op, float s, float* y) {
+  if (op == Op::kAdd)
+    *y += s;
+  else
+    *y = s;
+}
+
+// e^x for 8 floats (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, a degree-6 polynomial for e^r, 2^n put
+// into the exponent bits); relative error about 1e-7, x clamped to where float32 stays finite.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// GPT-2's "gelu_new", 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), in place over n floats, with
+// tanh(u) = 1 - 2 / (e^(2u) + 1).
+inline void gelu(float* x, int64_t n) {
+  const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256 u = _mm256_mul_ps(_mm256_set1_ps(c), _mm256_fmadd_ps(_mm256_mul_ps(v, v), _mm256_mul_ps(v, _mm256_set1_ps(0.044715f)), v));
+    const __m256 e = exp8(_mm256_add_ps(u, u));
+    const __m256 t = _mm256_sub_ps(_mm256_set1_ps(1.0f), _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
+    _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), v), _mm256_add_ps(_mm256_set1_ps(1.0f), t)));
+  }
+  for (; i < n; ++i) x[i] = 0.5f * x[i] * (1.0f + std::tanh(c * (x[i] + 0.044715f * x[i] * x[i] * x[i])));
+}
+
+struct F32 {  // float32 weights against float32 rows of x
+  using T = float;  // a weight
+  using X = float;  // an element of x as the tile reads it
+  using Acc = __m256;
+  static constexpr int64_t kStep = 8;  // K per step
+  static inline Acc zero() { return _mm256_setzero_ps(); }
+  static inline __m256 load_x(const float* x) { return _mm256_loadu_ps(x); }
+  static inline __m256 load_w(const float* w) { return _mm256_loadu_ps(w); }
+  static inline Acc fma(__m256 x, __m256 w, Acc acc) { return _mm256_fmadd_ps(x, w, acc); }
+};
+
+struct I8 {  // int8 weights against int16 rows of x: 16 products per step, summed in pairs into 8 int32 lanes
+  using T = int8_t;
+  using X = int16_t;
+  using Acc = __m256i;
+  static constexpr int64_t kStep = 16;
+  static inline Acc zero() { return _mm256_setzero_si256(); }
+  static inline __m256i load_x(const int16_t* x) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)); }
+  static inline __m256i load_w(const int8_t* w) {
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  }
+  static inline Acc fma(__m256i x, __m256i w, Acc acc) { return _mm256_add_epi32(acc, _mm256_madd_epi16(x, w)); }
+};
+
+// Steps of K between turning int32 sums into float32: each int32 lane adds 2 products of at most
+// 32767 * 127 per step, so 2048 steps stay below 2^31.
+constexpr int64_t KC = 2048 * 16;
+
+constexpr int NR = 4;  // outputs per tile
+constexpr int MR = 3;  // rows of x per tile: 3 x 4 accumulators, 3 x values and a weight vector in 16 registers
+
+// One tile: TM rows of x against TN outputs (TM <= MR, TN <= NR), over all of K. x's rows are K apart (as
+// W::X); xs: each row's scale (int8 only: x = xq * xs); xf: the float32 rows (the int8 path's last K % kStep).
+template <typename W, int TM, int TN>
+inline void tile(const typename W::X* x, const float* xs, const float* xf, int64_t K, const typename W::T* w,
+                 int64_t ldw, const float* scale, const float* bias, float* y, int64_t ldy, Op op) {
+  float sum[TM][TN] = {};
+  const int64_t Ks = K - K % W::kStep;
+  for (int64_t k0 = 0; k0 < Ks; k0 += KC) {
+    const int64_t k1 = Ks - k0 < KC ? Ks : k0 + KC;
+    typename W::Acc acc[TM][TN];
+    for (int i = 0; i < TM; ++i)
+      for (int j = 0; j < TN; ++j) acc[i][j] = W::zero();
+    for (int64_t k = k0; k < k1; k += W::kStep) {
+      decltype(W::load_x(x)) xv[TM];
+      for (int i = 0; i < TM; ++i) xv[i] = W::load_x(x + i * K + k);
+      for (int j = 0; j < TN; ++j) {
+        // the same place in the next group's rows, so that memory streams ahead of the products (prefetches
+        // never fault, also past the last row)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (j + NR) * ldw + k), _MM_HINT_T0);
+        const auto wv = W::load_w(w + j * ldw + k);
+        for (int i = 0; i < TM; ++i) acc[i][j] = W::fma(xv[i], wv, acc[i][j]);
+      }
+    }
+    for (int i = 0; i < TM; ++i)
+      for (int j = 0; j < TN; ++j) sum[i][j] += hsum(acc[i][j]);
+  }
+  for (int i = 0; i < TM; ++i) {
+    for (int j = 0; j < TN; ++j) {
+      float s = sum[i][j];
+      if (xs) {  // int8: the int16 sums in x's units, then the float32 tail
+        s *= xs[i];
+        for (int64_t k = Ks; k < K; ++k) s += xf[i * K + k] * static_cast<float>(w[j * ldw + k]);
+      } else {
+        for (int64_t k = Ks; k < K; ++k) s += static_cast<float>(x[i * K + k]) * static_cast<float>(w[j * ldw + k]);
+      }
+      if (scale) s *= scale[j];
+      if (bias) s += bias[j];
+      finish(op, s, y + i * ldy + j);
+    }
+  }
+}
+
+template <typename W>
+struct Rows {  // rows of x as the tiles read them
+  const typename W::X* x;  // [M, K]
+  const float* xs;         // [M]: int8 only, each row's scale (x = xq * xs)
+  const float* xf;         // [M, K]: int8 only, the float32 rows
+  Rows from(int64_t m, int64_t K) const { return {x + m * K, xs ? xs + m : nullptr, xf ? xf + m * K : nullptr}; }
+};
+
+template <typename W, int MR>
+inline void tile_rows(Rows<W> x, int64_t K, const typename W::T* w, int64_t ldw, const float* scale,
+                      const float* bias, float* y, int64_t ldy, int nr, Op op) {
+  switch (nr) {
+    case 4: tile<W, MR, 4>(x.x, x.xs, x.xf, K, w, ldw, scale, bias, y, ldy, op); break;
+    case 3: tile<W, MR, 3>(x.x, x.xs, x.xf, K, w, ldw, scale, bias, y, ldy, op); break;
+    case 2: tile<W, MR, 2>(x.x, x.xs, x.xf, K, w, ldw, scale, bias, y, ldy, op); break;
+    default: tile<W, MR, 1>(x.x, x.xs, x.xf, K, w, ldw, scale, bias, y, ldy, op); break;
+  }
+}
+
+
+// Outputs [g * NR, g * NR + NR) (fewer in the last group) for every row of x: W's nr rows stay in cache
+// while the row tiles go by.
+template <typename W>
+inline void group(Rows<W> x, int64_t M, int64_t K, const typename W::T* w, int64_t ldw, const float* scale,
+                  const float* bias, float* y, int64_t N, int64_t g, Op op) {
+  const int64_t n0 = g * NR;
+  const int nr = static_cast<int>(N - n0 < NR ? N - n0 : NR);
+  w += n0 * ldw, y += n0;
+  scale = scale ? scale + n0 : nullptr, bias = bias ? bias + n0 : nullptr;
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR) tile_rows<W, MR>(x.from(m, K), K, w, ldw, scale, bias, y + m * N, N, nr, op);
+  if (M - m == 2) tile_rows<W, 2>(x.from(m, K), K, w, ldw, scale, bias, y + m * N, N, nr, op);
+  if (M - m == 1) tile_rows<W, 1>(x.from(m, K), K, w, ldw, scale, bias, y + m * N, N, nr, op);
+}
+
+// Rows of x per pass over W: as many as keep the block in L2 (about 256 KiB), a multiple of MR.
+inline int64_t row_block(int64_t K) {
+  int64_t rows = 65536 / (K > 0 ? K : 1);
+  rows = rows < 2 * MR ? 2 * MR : rows > 16 * MR ? 16 * MR : rows;
+  return rows / MR * MR;
+}
+
+// x's rows as W's tiles read them: as they are for float32; rounded to int16 with a scale per row for int8
+// (into `xq` and `xs`, which must outlive the product).
+inline Rows<F32> prepare(const float* x, int64_t, int64_t, std::vector<int16_t>&, std::vector<float>&, F32) {
+  return {x, nullptr, nullptr};
+}
+
+inline Rows<I8> prepare(const float* x, int64_t M, int64_t K, std::vector<int16_t>& xq, std::vector<float>& xs, I8) {
+  xq.resize(static_cast<size_t>(M * K));
+  xs.resize(static_cast<size_t>(M));
+  for (int64_t m = 0; m < M; ++m) {
+    const float* r = x + m * K;
+    float amax = 0;
+    for (int64_t k = 0; k < K; ++k) amax = std::fabs(r[k]) > amax ? std::fabs(r[k]) : amax;
+    xs[m] = amax > 0 ? amax / 32767.0f : 1.0f;
+    const float inv = 1.0f / xs[m];
+    for (int64_t k = 0; k < K; ++k) xq[m * K + k] = static_cast<int16_t>(std::lrintf(r[k] * inv));
+  }
+  return {xq.data(), xs.data(), x};
+}
+
+// y[M, N] (op) x[M, K] @ w[N, K]^T * scale + bias, on `threads` threads (scale: int8 only; bias may be null).
+template <typename W>
+void matmul(const float* x, int64_t M, int64_t K, const typename W::T* w, int64_t ldw, const float* scale,
+            const float* bias, float* y, int64_t N, int threads, Op op = Op::kStore) {
+  thread_local std::vector<int16_t> xq;
+  thread_local std::vector<float> xs;
+  const Rows<W> rows = prepare(x, M, K, xq, xs, W());
+  const int64_t groups = (N + NR - 1) / NR;
+  const int64_t rb = row_block(K);
+  for (int64_t m0 = 0; m0 < M; m0 += rb) {  // one pass over W per block of rows
+    const int64_t m = M - m0 < rb ? M - m0 : rb;
+    const Rows<W> xb = rows.from(m0, K);
+    float* yb = y + m0 * N;
+    if (threads <= 1) {
+      for (int64_t g = 0; g < groups; ++g) group<W>(xb, m, K, w, ldw, scale, bias, yb, N, g, op);
+      continue;
+    }
+    // static schedule: each thread one contiguous run of outputs, so one contiguous slab of W
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t g = 0; g < groups; ++g) group<W>(xb, m, K, w, ldw, scale, bias, yb, N, g, op);
+  }
+}
+
+}  // namespace gpt2

@@ -1,0 +1,247 @@
+"""The fused CPU pass (model/kernels/decode.cpp, decode.py) against the eager forward pass it stands in for:
+decode steps of ragged rows, prompt chunks packed with decode tokens, the KV cache it writes, float32 and
+int8, the choice DecodeBatch makes, and clear errors for what it cannot take."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from conftest import Checkpoint, load_ours
+
+from model import kernels
+from model.generate import MAX_FUSED_TOKENS, DecodeBatch, SamplingParams, generate, new_sequence
+from model.kernels.decode import FusedDecode, unsupported
+from model.kv_cache import KVCache
+from model.loading import load_weights
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="our CPU kernels cannot be built here")
+generate_module = sys.modules["model.generate"]
+# int8: both paths round each row of x to int16 inside the product (model/kernels/matmul.h), so a float32
+# difference of 1e-7 between them (LayerNorm's summation order) can move a rounding by one step of
+# max|x| / 32767, which these random weights amplify through the layers (distil's shape: 2e-3 in logits of
+# spread 4.3). Against int8's own distance from float32 (0.79 there) that is a few tenths of a percent.
+INT8_SHARE = 0.01
+
+
+def eager_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DecodeBatch without the fused pass: every step through GPT.forward."""
+    monkeypatch.setattr(generate_module.FusedDecode, "make", classmethod(lambda cls, model, cache: None))
+
+
+def prefilled(model, prompts: list[list[int]], max_len: int = 64) -> KVCache:
+    cache = KVCache.empty(model.config, len(prompts) + 1, max_len, dtype=torch.float32, device="cpu")
+    for b, p in enumerate(prompts):
+        cache.add_row()
+        model(torch.tensor([p]), cache.row(b))
+        cache.set_length(b, len(p))
+    return cache
+
+
+def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 50257, (n,), generator=g).tolist() for n in lengths]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+@pytest.mark.parametrize("shape", ["tiny", "distil"])
+def test_decode_steps_match_the_eager_step(dtype: str, shape: str, request: pytest.FixtureRequest) -> None:
+    """Rows of different lengths, several steps: the same logits and the same keys and values in the cache,
+    within 1e-4 in float32; in int8 within 1% of int8's own distance from float32 (see INT8_SHARE)."""
+    ck: Checkpoint = request.getfixturevalue(shape)
+    model = load_weights(ck.path, dtype=dtype, device="cpu")
+    dense = load_weights(ck.path, dtype="float32", device="cpu")
+    prompts = prompts_of([5, 11, 1])
+    with torch.inference_mode():
+        eager, fused_cache, dense_cache = (prefilled(m, prompts) for m in (model, model, dense))
+        fused = FusedDecode.make(model, fused_cache)
+        assert fused is not None
+        tokens = [7, 8, 9]
+        for _ in range(5):
+            expected = model(torch.tensor(tokens)[:, None], eager, None, last_only=True)[:, -1]
+            reference = dense(torch.tensor(tokens)[:, None], dense_cache, None, last_only=True)[:, -1]
+            eager.advance(1)
+            dense_cache.advance(1)
+            got = fused(tokens, fused_cache.lengths)
+            fused_cache.advance(1)
+            bound = 1e-4 if dtype == "float32" else INT8_SHARE * float((expected - reference).abs().max())
+            assert float((got - expected).abs().max()) <= bound
+            tokens = expected.argmax(-1).tolist()
+        n = max(eager.lengths)
+        for ours, theirs, dense_kv in (
+            (fused_cache.k, eager.k, dense_cache.k),
+            (fused_cache.v, eager.v, dense_cache.v),
+        ):
+            ours, theirs, dense_kv = (t[:, :3, :, :n] for t in (ours, theirs, dense_kv))
+            bound = 1e-5 if dtype == "float32" else INT8_SHARE * float((theirs - dense_kv).abs().max())
+            assert float((ours - theirs).abs().max()) <= bound
+
+
+@needs_kernels
+def test_logits_match_transformers(small: Checkpoint) -> None:
+    """gpt2-small's shape: every fused decode step's logits within 1e-4 of transformers' on the same sequence."""
+    model = load_ours(small)
+    prompt = prompts_of([9])[0]
+    with torch.inference_mode():
+        cache = prefilled(model, [prompt], max_len=32)
+        fused = FusedDecode.make(model, cache)
+        assert fused is not None
+        ids, token = list(prompt), 464
+        for _ in range(4):
+            got = fused([token], cache.lengths)[0]
+            cache.advance(1)
+            ids.append(token)
+            expected = small.hf(torch.tensor([ids])).logits[0, -1]
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+            token = int(expected.argmax())
+
+
+@needs_kernels
+def test_a_packed_pass_matches_the_eager_one(tiny: Checkpoint) -> None:
+    """Decode tokens of two rows and prompt chunks of two others in one pass, logits at chosen tokens."""
+    model = load_ours(tiny)
+    prompts = prompts_of([6, 3, 10, 4])
+    with torch.inference_mode():
+        cache = prefilled(model, [p[:2] for p in prompts] + [], max_len=40)
+        fused = FusedDecode.make(model, cache)
+        assert fused is not None
+        # rows 0 and 1 decode one token at position 2; rows 2 and 3 add chunks of 5 and 2 prompt tokens
+        tokens = [prompts[0][2], prompts[1][2], *prompts[2][2:7], *prompts[3][2:4]]
+        rows = [0, 1, 2, 2, 2, 2, 2, 3, 3]
+        positions = [2, 2, 2, 3, 4, 5, 6, 2, 3]
+        outputs = [0, 1, 4, 6, 8]
+        got = fused.forward(tokens, rows, positions, outputs)
+        full = [prompts[0][:3], prompts[1][:3], prompts[2][:7], prompts[3][:4]]
+        expected = torch.stack(
+            [model(torch.tensor([s]))[0, -1] for s in full[:2]]
+            + [model(torch.tensor([full[2][:5]]))[0, -1], model(torch.tensor([full[2]]))[0, -1]]
+            + [model(torch.tensor([full[3]]))[0, -1]]
+        )
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_generation_is_unchanged(tiny: Checkpoint, dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy generation of a ragged batch: the same tokens with the fused pass as without, and as transformers."""
+    model = load_weights(tiny.path, dtype=dtype, device="cpu")
+    prompts = prompts_of([5, 17, 1, 40], seed=1)
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    fused = [c.token_ids for c in generate(model, prompts, params)]
+    with monkeypatch.context() as m:
+        eager_only(m)
+        eager = [c.token_ids for c in generate(model, prompts, params)]
+    assert fused == eager
+    if dtype == "float32":
+        for prompt, tokens in zip(prompts, fused, strict=True):
+            out = tiny.hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+            assert out[0, len(prompt) :].tolist() == tokens
+
+
+@needs_kernels
+@pytest.mark.parametrize("chunk", [3, 16, None])
+def test_continuous_batch_with_chunked_prefill(
+    tiny: Checkpoint, monkeypatch: pytest.MonkeyPatch, chunk: int | None
+) -> None:
+    """Sequences joining a running batch, prompts prefilled in chunks packed with decode tokens, one asking
+    for prompt logprobs: tokens and log-probabilities equal the eager batch's."""
+    model = load_ours(tiny)
+    prompts = prompts_of([7, 30, 2, 19], seed=2)
+
+    def run() -> list[tuple[list[int], list[tuple[int, float]]]]:
+        with torch.inference_mode():
+            batch = DecodeBatch(model, 4, 96, prefill_chunk=chunk)
+            seqs = [
+                new_sequence(
+                    model,
+                    i,
+                    p,
+                    SamplingParams(max_new_tokens=9, temperature=0, prompt_logprobs=3 if i == 1 else None),
+                    None,
+                )
+                for i, p in enumerate(prompts)
+            ]
+            batch.add(seqs[0])
+            batch.step()
+            batch.step()
+            for s in seqs[1:]:
+                batch.add(s)
+            while batch:
+                batch.step()
+        return [(s.tokens, [(lp.id, lp.logprob) for lp in (s.prompt_logprobs or [None])[1:]]) for s in seqs]
+
+    fused = run()
+    with monkeypatch.context() as m:
+        eager_only(m)
+        eager = run()
+    for (t1, lp1), (t2, lp2) in zip(fused, eager, strict=True):
+        assert t1 == t2
+        assert [i for i, _ in lp1] == [i for i, _ in lp2]
+        torch.testing.assert_close(
+            torch.tensor([p for _, p in lp1]), torch.tensor([p for _, p in lp2]), rtol=0, atol=1e-4
+        )
+
+
+@needs_kernels
+def test_decode_batch_chooses_the_fused_pass(tiny: Checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain steps run fused; a step with a hooked sequence, or more tokens than MAX_FUSED_TOKENS, runs eager."""
+    model = load_ours(tiny)
+    calls: list[int] = []
+    forward = FusedDecode.forward
+    monkeypatch.setattr(
+        FusedDecode, "forward", lambda self, tokens, *a: calls.append(len(tokens)) or forward(self, tokens, *a)
+    )
+    with torch.inference_mode():
+        batch = DecodeBatch(model, 2, 128)
+        assert batch.fused is not None
+        batch.add(new_sequence(model, 0, [1, 2, 3], SamplingParams(max_new_tokens=3, temperature=0), None))
+        while batch:
+            batch.step()
+        assert calls == [3, 1, 1]  # the prompt, then two decode steps
+        calls.clear()
+        batch.add(
+            new_sequence(model, 0, [1] * (MAX_FUSED_TOKENS + 1), SamplingParams(max_new_tokens=2, temperature=0), None)
+        )
+        batch.add(
+            new_sequence(
+                model, 1, [1, 2], SamplingParams(max_new_tokens=2, temperature=0), None, ["blocks.0.hook_resid_pre"]
+            )
+        )
+        while batch:
+            batch.step()
+        assert calls == []  # a long prompt, then every step has a hooked row
+
+
+def test_what_it_cannot_run(tiny: Checkpoint) -> None:
+    """bfloat16, a model laid out for prefill only, or a cache not float32: a reason, and no fused pass."""
+    model16 = load_weights(tiny.path, dtype="bfloat16", device="cpu")
+    cache16 = KVCache(model16.config, 1, 8, dtype=torch.bfloat16, device="cpu")
+    assert unsupported(model16, cache16) is not None and FusedDecode.make(model16, cache16) is None
+    prefill_only = load_weights(tiny.path, dtype="float32", device="cpu", decode_kernels=False)
+    cache = KVCache(prefill_only.config, 1, 8, dtype=torch.float32, device="cpu")
+    assert unsupported(prefill_only, cache) is not None
+    if kernels.available():
+        model = load_ours(tiny)
+        assert unsupported(model, cache) is None
+        cache64 = KVCache(model.config, 1, 8, dtype=torch.float64, device="cpu")
+        assert unsupported(model, cache64) == "the KV cache is not float32 on the CPU"
+
+
+@needs_kernels
+def test_bad_passes_are_clear_errors(tiny: Checkpoint) -> None:
+    model = load_ours(tiny)
+    with torch.inference_mode():
+        cache = prefilled(model, [[1, 2]], max_len=4)
+        fused = FusedDecode.make(model, cache)
+        assert fused is not None
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            fused([50257], [2])
+        with pytest.raises(ValueError, match="overflow"):
+            fused([1], [4])
+        with pytest.raises(ValueError, match="rows in use"):
+            fused.forward([1], [3], [2], [0])
+        with pytest.raises(ValueError, match="one length"):
+            fused.forward([1, 2], [0], [2], [0])
+        torch.testing.assert_close(fused([5], [2]), model(torch.tensor([[1, 2, 5]]))[:, -1], rtol=0, atol=1e-4)
