@@ -110,9 +110,11 @@ constexpr int MR = 3;  // rows of x per tile: 3 x 4 accumulators, 3 x values and
 
 // One tile: TM rows of x against TN outputs (TM <= MR, TN <= NR), over all of K. x's rows are K apart (as
 // W::X); xs: each row's scale (int8 only: x = xq * xs); xf: the float32 rows (the int8 path's last K % kStep).
+// next: where to prefetch the next group's rows (the first row tile of a group only), or null.
 template <typename W, int TM, int TN>
 inline void tile(const typename W::X* x, const float* xs, const float* xf, int64_t K, const typename W::T* w,
-                 int64_t ldw, const float* scale, const float* bias, float* y, int64_t ldy, Op op) {
+                 int64_t ldw, const float* scale, const float* bias, float* y, int64_t ldy, Op op,
+                 const typename W::T* next) {
   float sum[TM][TN] = {};
   const int64_t Ks = K - K % W::kStep;
   for (int64_t k0 = 0; k0 < Ks; k0 += KC) {
@@ -125,8 +127,8 @@ inline void tile(const typename W::X* x, const float* xs, const float* xf, int64
       for (int i = 0; i < TM; ++i) xv[i] = W::load_x(x + i * K + k);
       for (int j = 0; j < TN; ++j) {
         // the same place in the next group's rows, so that memory streams ahead of the products (prefetches
-        // never fault, also past the last row)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (j + NR) * ldw + k), _MM_HINT_T0);
+        // never fault, also past the last row; one per step measured faster than one per cache line)
+        if (next) _mm_prefetch(reinterpret_cast<const char*>(next + j * ldw + k), _MM_HINT_T0);
         const auto wv = W::load_w(w + j * ldw + k);
         for (int i = 0; i < TM; ++i) acc[i][j] = W::fma(xv[i], wv, acc[i][j]);
       }
@@ -160,12 +162,12 @@ struct Rows {  // rows of x as the tiles read them
 
 template <typename W, int MR>
 inline void tile_rows(Rows<W> x, int64_t K, const typename W::T* w, int64_t ldw, const float* scale,
-                      const float* bias, float* y, int64_t ldy, int nr, Op op) {
+                      const float* bias, float* y, int64_t ldy, int nr, Op op, const typename W::T* next) {
   switch (nr) {
-    case 4: tile<W, MR, 4>(x.x, x.xs, x.xf, K, w, ldw, scale, bias, y, ldy, op); break;
-    case 3: tile<W, MR, 3>(x.x, x.xs, x.xf, K, w, ldw, scale, bias, y, ldy, op); break;
-    case 2: tile<W, MR, 2>(x.x, x.xs, x.xf, K, w, ldw, scale, bias, y, ldy, op); break;
-    default: tile<W, MR, 1>(x.x, x.xs, x.xf, K, w, ldw, scale, bias, y, ldy, op); break;
+    case 4: tile<W, MR, 4>(x.x, x.xs, x.xf, K, w, ldw, scale, bias, y, ldy, op, next); break;
+    case 3: tile<W, MR, 3>(x.x, x.xs, x.xf, K, w, ldw, scale, bias, y, ldy, op, next); break;
+    case 2: tile<W, MR, 2>(x.x, x.xs, x.xf, K, w, ldw, scale, bias, y, ldy, op, next); break;
+    default: tile<W, MR, 1>(x.x, x.xs, x.xf, K, w, ldw, scale, bias, y, ldy, op, next); break;
   }
 }
 
@@ -179,10 +181,12 @@ inline void group(Rows<W> x, int64_t M, int64_t K, const typename W::T* w, int64
   const int nr = static_cast<int>(N - n0 < NR ? N - n0 : NR);
   w += n0 * ldw, y += n0;
   scale = scale ? scale + n0 : nullptr, bias = bias ? bias + n0 : nullptr;
+  const typename W::T* next = w + NR * ldw;  // the first row tile prefetches the next group's rows
   int64_t m = 0;
-  for (; m + MR <= M; m += MR) tile_rows<W, MR>(x.from(m, K), K, w, ldw, scale, bias, y + m * N, N, nr, op);
-  if (M - m == 2) tile_rows<W, 2>(x.from(m, K), K, w, ldw, scale, bias, y + m * N, N, nr, op);
-  if (M - m == 1) tile_rows<W, 1>(x.from(m, K), K, w, ldw, scale, bias, y + m * N, N, nr, op);
+  for (; m + MR <= M; m += MR, next = nullptr)
+    tile_rows<W, MR>(x.from(m, K), K, w, ldw, scale, bias, y + m * N, N, nr, op, next);
+  if (M - m == 2) tile_rows<W, 2>(x.from(m, K), K, w, ldw, scale, bias, y + m * N, N, nr, op, next);
+  if (M - m == 1) tile_rows<W, 1>(x.from(m, K), K, w, ldw, scale, bias, y + m * N, N, nr, op, next);
 }
 
 // Rows of x per pass over W: as many as keep the block in L2 (about 256 KiB), a multiple of MR.
