@@ -559,7 +559,7 @@ class DecodeBatch:
         tokens = [s.tokens[-1] for s in self.seqs]
         if self.static is not None and hooks is None:
             logits = self.static(tokens, list(self.cache.lengths))  # [B, vocab]
-        elif self._fused_fits(hooks, len(tokens)):
+        elif self._fused_fits(hooks, len(tokens)) and self.fused is not None:
             logits = self.fused(tokens, self.cache.lengths)  # [B, vocab], the same math in one C++ call
         else:
             idx = torch.tensor(tokens, device=self.model.wte.weight.device)[:, None]  # [B, 1]

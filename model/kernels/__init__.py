@@ -199,7 +199,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 
 
 def matmul_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """(x [..., K] @ q.T) * scale + bias: q [N, K] int8 with contiguous rows, scale [N] float32 -> [..., N]."""
+    """(x [..., K] @ q.T) * scale + bias: q [N, K] int8 with contiguous rows, scale [N] float32 -> [..., N].
+    Each row of x is rounded to int16 with its own scale inside the product (matmul.h)."""
     lib = _library()
     assert lib is not None and q.dtype == torch.int8 and q.stride(1) == 1 and scale.is_contiguous()
     x2 = _rows(x)

@@ -12,10 +12,11 @@ goes through `GPT.forward`, as `DecodeBatch` chooses.
 from __future__ import annotations
 
 import ctypes
+from typing import cast
 
 import torch
 
-from ..gpt import GPT, Conv1D, TiedLMHead
+from ..gpt import GPT, Block, Conv1D, TiedLMHead
 from ..kv_cache import KVCache
 from . import _library, available
 from .layers import KernelConv1D, KernelLMHead
@@ -65,23 +66,28 @@ class _Cache(ctypes.Structure):
     ]
 
 
-def _f32(t: torch.Tensor) -> int:
-    assert t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
-    return t.data_ptr()
+class _Pointers:
+    """Addresses of tensors for decode.cpp, each tensor kept alive for as long as its address may be used."""
 
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
 
-def _linear(layer: torch.nn.Module) -> _Linear:
-    """A projection as decode.cpp reads it: [out, in] rows (float32, or int8 with a scale per output)."""
-    from ..quantize import Int8Conv1D  # quantize imports this package
+    def __call__(self, t: torch.Tensor, dtype: torch.dtype = torch.float32) -> int:
+        assert t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"
+        self.tensors.append(t)
+        return t.data_ptr()
 
-    if isinstance(layer, Int8Conv1D):
-        assert layer.q.is_contiguous()
-        return _Linear(layer.q.data_ptr(), _f32(layer.scale), _f32(layer.bias))
-    return _Linear(_f32(layer.weight.t()), None, _f32(layer.bias))
+    def linear(self, layer: Conv1D) -> _Linear:
+        """A projection (a Conv1D, or the Int8Conv1D that replaced it) as decode.cpp reads it: [out, in] rows
+        (float32, or int8 with a scale per output)."""
+        from ..quantize import Int8Conv1D  # quantize imports this package
 
+        if isinstance(layer, Int8Conv1D):
+            return _Linear(self(layer.q, torch.int8), self(layer.scale), self(layer.bias))
+        return _Linear(self(layer.weight.t()), None, self(layer.bias))  # W [in, out] laid out as [out, in] rows
 
-def _norm(ln: torch.nn.LayerNorm) -> _Norm:
-    return _Norm(_f32(ln.weight), _f32(ln.bias))
+    def norm(self, ln: torch.nn.LayerNorm) -> _Norm:
+        return _Norm(self(ln.weight), self(ln.bias))
 
 
 def unsupported(model: GPT, cache: KVCache) -> str | None:
@@ -92,6 +98,8 @@ def unsupported(model: GPT, cache: KVCache) -> str | None:
         return "our CPU kernels are not available"
     if cache.k.device.type != "cpu" or cache.k.dtype != torch.float32:
         return "the KV cache is not float32 on the CPU"
+    if not (cache.k.is_contiguous() and cache.v.is_contiguous()):
+        return "the KV cache is a view (decode.cpp reads whole [layer, row, head, position, d_head] tensors)"
     w = model.wte.weight
     if w.device.type != "cpu" or w.dtype != torch.float32:
         return "the model is not float32 (or int8) on the CPU"
@@ -112,36 +120,42 @@ class FusedDecode:
 
     def __init__(self, model: GPT, cache: KVCache) -> None:
         self.model, self.cache = model, cache
-        self.library = _library()
-        self._model, self._blocks = self._weights()
+        library = _library()
+        assert library is not None, "make it with FusedDecode.make"
+        self.library = library
+        self._model, self._pointers, self._blocks = self._weights()
 
     @classmethod
     def make(cls, model: GPT, cache: KVCache) -> FusedDecode | None:
         """One for `model` and `cache`, or None where it cannot run (see `unsupported`)."""
         return cls(model, cache) if unsupported(model, cache) is None else None
 
-    def _weights(self) -> tuple[_Model, ctypes.Array[_Block]]:
-        """The model's weights as decode.cpp reads them: their addresses, taken once (weights changed in place
-        are seen; a parameter replaced by a new tensor afterwards needs a new FusedDecode, as a new
-        DecodeBatch makes). The model keeps the tensors alive."""
-        m, config = self.model, self.model.config
+    def _weights(self) -> tuple[_Model, _Pointers, ctypes.Array[_Block]]:
+        """The model's weights as decode.cpp reads them: their addresses, taken once and kept alive (weights
+        changed in place are seen; a parameter replaced by a new tensor afterwards is not: make a new
+        FusedDecode, as each new DecodeBatch does)."""
+        from ..quantize import Int8LMHead
+
+        m, config, ptr = self.model, self.model.config, _Pointers()
+        layers = cast(list[Block], list(m.h))
         blocks = (_Block * config.n_layer)(
             *(
                 _Block(
-                    _norm(b.ln_1),
-                    _linear(b.attn.c_attn),
-                    _linear(b.attn.c_proj),
-                    _norm(b.ln_2),
-                    _linear(b.mlp.c_fc),
-                    _linear(b.mlp.c_proj),
+                    ptr.norm(b.ln_1),
+                    ptr.linear(b.attn.c_attn),
+                    ptr.linear(b.attn.c_proj),
+                    ptr.norm(b.ln_2),
+                    ptr.linear(b.mlp.c_fc),
+                    ptr.linear(b.mlp.c_proj),
                 )
-                for b in m.h
+                for b in layers
             )
         )
-        head = m.lm_head
-        wte = m.wte.weight
+        head, wte = m.lm_head, m.wte.weight
         lm_head = (
-            _Linear(head.q.data_ptr(), _f32(head.scale), None) if hasattr(head, "q") else _Linear(_f32(wte), None, None)
+            _Linear(ptr(head.q, torch.int8), ptr(head.scale), None)
+            if isinstance(head, Int8LMHead)
+            else _Linear(ptr(wte), None, None)
         )
         weights = _Model(
             config.n_layer,
@@ -150,13 +164,13 @@ class FusedDecode:
             config.d_mlp,
             config.vocab_size,
             config.layer_norm_epsilon,
-            _f32(wte),
-            _f32(m.wpe.weight),
+            ptr(wte),
+            ptr(m.wpe.weight),
             ctypes.cast(blocks, ctypes.POINTER(_Block)),
-            _norm(m.ln_f),
+            ptr.norm(m.ln_f),
             lm_head,
         )
-        return weights, blocks
+        return weights, ptr, blocks
 
     def __call__(self, tokens: list[int], lengths: list[int]) -> torch.Tensor:
         """A decode step: logits [B, vocab] of one new token per row, `tokens[b]` at position `lengths[b]` of
@@ -179,7 +193,7 @@ class FusedDecode:
             raise ValueError(f"KV cache overflow: position {max(positions)} is past its {cache.max_len}")
         if not all(0 <= t < config.vocab_size for t in tokens):
             raise ValueError(f"a token id is outside the vocabulary (0..{config.vocab_size - 1})")
-        kv = _Cache(_f32(cache.k), _f32(cache.v), cache.capacity, cache.max_len)
+        kv = _Cache(cache.k.data_ptr(), cache.v.data_ptr(), cache.capacity, cache.max_len)
         ids, at, row, out = (torch.tensor(v, dtype=torch.int64) for v in (tokens, positions, rows, outputs))
         logits = torch.empty(len(outputs), config.vocab_size, dtype=torch.float32)
         self.library.gpt2_forward(

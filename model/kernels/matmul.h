@@ -5,11 +5,13 @@
 // outputs N, not K, and never share a cache line of W. A tile holds MR rows of x against NR rows of W in
 // MR * NR AVX2 accumulators, summed across lanes at the end. Two weight types:
 // - float32: 8 lanes of K per FMA, accumulated in float32;
-// - int8 with one float32 scale per output (symmetric, per output channel): each row of x is first rounded
-//   to int16 with a scale of its own (|x| max -> 32767: 15 bits, finer than bfloat16's 8), and 16 weights
-//   at a time are widened to int16 and multiplied in pairs into int32 lanes (`_mm256_madd_epi16`, exact),
-//   turned into float32 every KC steps of K, long before an int32 could overflow; the scales of x and of
-//   the output are applied once, at the end. Per weight that is a third of the float path's instructions.
+// - int8 with one float32 scale per output (symmetric, per output channel). Up to kInt16Rows rows, each row
+//   of x is first rounded to int16 with a scale of its own (|x| max -> 32767: 15 bits, finer than bfloat16's
+//   8), and 16 weights at a time are widened to int16 and multiplied in pairs into int32 lanes
+//   (`_mm256_madd_epi16`, exact), turned into float32 every KC steps of K, long before an int32 could
+//   overflow; the scales of x and of the output are applied once, at the end: a third of the instructions
+//   per weight of converting each weight to float32. For more rows, each group of W is dequantized once
+//   and multiplied with float32 x.
 //
 // Each output ends with an epilogue (`Op`): stored, or added to y (the residual stream's `x += f(x)`), so
 // the decode step (decode.cpp) needs no pass of its own for it. `gelu` is GPT-2's activation, vectorised.
@@ -21,6 +23,7 @@
 #include <stdint.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace gpt2 {
@@ -101,6 +104,16 @@ struct I8 {  // int8 weights against int16 rows of x: 16 products per step, summ
   static inline Acc fma(__m256i x, __m256i w, Acc acc) { return _mm256_add_epi32(acc, _mm256_madd_epi16(x, w)); }
 };
 
+// Up to this many rows of x, the int8 path multiplies in int16 (I8); beyond, each group of W is dequantized
+// once into a cached buffer and the float32 tiles run over it: on AVX2 an int16 multiply-add is no faster
+// per lane than a float32 FMA, so once the conversion of W is shared by enough rows float32 wins (and x
+// stays float32). Measured on the 48 block matrices of gpt2-small, 2 threads: int16 faster at 4 and 8 rows
+// (14.5 vs 21.1 ms, 27.5 vs 32.3), even at 16, dequantized faster at 32 (94 vs 140).
+#ifndef GPT2_INT16_ROWS
+#define GPT2_INT16_ROWS 12
+#endif
+constexpr int64_t kInt16Rows = GPT2_INT16_ROWS;
+
 // Steps of K between turning int32 sums into float32: each int32 lane adds 2 products of at most
 // 32767 * 127 per step, so 2048 steps stay below 2^31.
 constexpr int64_t KC = 2048 * 16;
@@ -154,10 +167,12 @@ inline void tile(const typename W::X* x, const float* xs, const float* xf, int64
 
 template <typename W>
 struct Rows {  // rows of x as the tiles read them
-  const typename W::X* x;  // [M, K]
+  const typename W::X* x;  // [M, K]; int8: null where x stays float32 (more than kInt16Rows rows)
   const float* xs;         // [M]: int8 only, each row's scale (x = xq * xs)
   const float* xf;         // [M, K]: int8 only, the float32 rows
-  Rows from(int64_t m, int64_t K) const { return {x + m * K, xs ? xs + m : nullptr, xf ? xf + m * K : nullptr}; }
+  Rows from(int64_t m, int64_t K) const {
+    return {x ? x + m * K : nullptr, xs ? xs + m : nullptr, xf ? xf + m * K : nullptr};
+  }
 };
 
 template <typename W, int MR>
@@ -172,8 +187,19 @@ inline void tile_rows(Rows<W> x, int64_t K, const typename W::T* w, int64_t ldw,
 }
 
 
-// Outputs [g * NR, g * NR + NR) (fewer in the last group) for every row of x: W's nr rows stay in cache
-// while the row tiles go by.
+// nr (<= NR) outputs, from w, for every row of x: W's nr rows stay in cache while the row tiles go by; the
+// first tile prefetches `next`.
+template <typename W>
+inline void rows_of(Rows<W> x, int64_t M, int64_t K, const typename W::T* w, int64_t ldw, const float* scale,
+                    const float* bias, float* y, int64_t N, int nr, Op op, const typename W::T* next) {
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR, next = nullptr)
+    tile_rows<W, MR>(x.from(m, K), K, w, ldw, scale, bias, y + m * N, N, nr, op, next);
+  if (M - m == 2) tile_rows<W, 2>(x.from(m, K), K, w, ldw, scale, bias, y + m * N, N, nr, op, next);
+  if (M - m == 1) tile_rows<W, 1>(x.from(m, K), K, w, ldw, scale, bias, y + m * N, N, nr, op, next);
+}
+
+// Outputs [g * NR, g * NR + NR) (fewer in the last group) for every row of x.
 template <typename W>
 inline void group(Rows<W> x, int64_t M, int64_t K, const typename W::T* w, int64_t ldw, const float* scale,
                   const float* bias, float* y, int64_t N, int64_t g, Op op) {
@@ -181,12 +207,29 @@ inline void group(Rows<W> x, int64_t M, int64_t K, const typename W::T* w, int64
   const int nr = static_cast<int>(N - n0 < NR ? N - n0 : NR);
   w += n0 * ldw, y += n0;
   scale = scale ? scale + n0 : nullptr, bias = bias ? bias + n0 : nullptr;
-  const typename W::T* next = w + NR * ldw;  // the first row tile prefetches the next group's rows
-  int64_t m = 0;
-  for (; m + MR <= M; m += MR, next = nullptr)
-    tile_rows<W, MR>(x.from(m, K), K, w, ldw, scale, bias, y + m * N, N, nr, op, next);
-  if (M - m == 2) tile_rows<W, 2>(x.from(m, K), K, w, ldw, scale, bias, y + m * N, N, nr, op, next);
-  if (M - m == 1) tile_rows<W, 1>(x.from(m, K), K, w, ldw, scale, bias, y + m * N, N, nr, op, next);
+  const typename W::T* next = w + NR * ldw;  // the next group's rows
+  if constexpr (std::is_same<W, I8>::value) {
+    if (!x.x) {  // many rows, x left float32 (prepare): dequantize these nr rows of W once, scale folded in,
+      // into a buffer that stays in cache, and run float32 tiles over it
+      thread_local std::vector<float> buffer;
+      buffer.resize(static_cast<size_t>(NR * K));
+      for (int j = 0; j < nr; ++j) {
+        const int8_t* q = w + j * ldw;
+        float* d = buffer.data() + j * K;
+        const __m256 sv = _mm256_set1_ps(scale[j]);
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) {
+          if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(next + j * ldw + k), _MM_HINT_T0);
+          const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k));
+          _mm256_storeu_ps(d + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), sv));
+        }
+        for (; k < K; ++k) d[k] = static_cast<float>(q[k]) * scale[j];
+      }
+      rows_of<F32>({x.xf, nullptr, nullptr}, M, K, buffer.data(), K, nullptr, bias, y, N, nr, op, nullptr);
+      return;
+    }
+  }
+  rows_of<W>(x, M, K, w, ldw, scale, bias, y, N, nr, op, next);
 }
 
 // Rows of x per pass over W: as many as keep the block in L2 (about 256 KiB), a multiple of MR.
@@ -203,6 +246,7 @@ inline Rows<F32> prepare(const float* x, int64_t, int64_t, std::vector<int16_t>&
 }
 
 inline Rows<I8> prepare(const float* x, int64_t M, int64_t K, std::vector<int16_t>& xq, std::vector<float>& xs, I8) {
+  if (M > kInt16Rows) return {nullptr, nullptr, x};  // float32 rows against dequantized weights (group)
   xq.resize(static_cast<size_t>(M * K));
   xs.resize(static_cast<size_t>(M));
   for (int64_t m = 0; m < M; ++m) {
