@@ -66,3 +66,14 @@ def engine_held(client: TestClient) -> Iterator[Engine]:
     finally:
         release.set()
         job.result(10)
+
+
+def wrap_forward_passes(monkeypatch: Any, model: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Send every forward pass of `model` through `wrap(original)`: the eager `GPT.forward` and, on a CPU,
+    the fused pass (`FusedDecode.forward`, which decode steps without hooks take instead), so that a test
+    that makes "the forward pass" fail or wait reaches both."""
+    from model.kernels.decode import FusedDecode
+
+    monkeypatch.setattr(model, "forward", wrap(model.forward))
+    fused = wrap(FusedDecode.forward)  # called with the FusedDecode as its first argument
+    monkeypatch.setattr(FusedDecode, "forward", lambda self, *args, **kwargs: fused(self, *args, **kwargs))

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from contract import ACTS, CMPL, GEN, NEXT, Bad, assert_error
 from fastapi.testclient import TestClient
-from inprocess import assert_still_serving, post_ok, serve
+from inprocess import assert_still_serving, post_ok, serve, wrap_forward_passes
 
 from model.loading import LoadedModel
 
@@ -264,16 +264,18 @@ def test_a_disconnected_client_frees_its_rows(
     leave nothing behind for asyncio to log as an error."""
     with serve(loaded, max_batch_size=4) as c:
         passes, paused, resume = [], threading.Event(), threading.Event()
-        forward = loaded.model.forward
 
-        def gated(*args: Any, **kwargs: Any) -> Any:
-            passes.append(None)
-            if len(passes) == 2:  # the first decode step
-                paused.set()
-                resume.wait(30)
-            return forward(*args, **kwargs)
+        def gated(forward: Callable[..., Any]) -> Callable[..., Any]:
+            def gate(*args: Any, **kwargs: Any) -> Any:
+                passes.append(None)
+                if len(passes) == 2:  # the first decode step
+                    paused.set()
+                    resume.wait(30)
+                return forward(*args, **kwargs)
 
-        monkeypatch.setattr(loaded.model, "forward", gated)
+            return gate
+
+        wrap_forward_passes(monkeypatch, loaded.model, gated)
         body = json.dumps({"input_ids": [[464] * 8] * 4, "max_new_tokens": 60, "temperature": 0, "ignore_eos": True})
         gone = asyncio.Event()
         sent: list[dict[str, Any]] = []

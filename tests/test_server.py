@@ -33,7 +33,7 @@ from contract import (
     sse_events,
 )
 from fastapi.testclient import TestClient
-from inprocess import assert_still_serving, engine_held, post_ok, serve, settings, wait_until
+from inprocess import assert_still_serving, engine_held, post_ok, serve, settings, wait_until, wrap_forward_passes
 from prometheus_client.parser import text_string_to_metric_families
 
 import server.app as app_module
@@ -676,17 +676,19 @@ SECRET = "secret detail at /srv/model/weights.py line 7"
 def test_internal_error_leaks_nothing(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     """A forward pass that raises on the engine's thread: 500 (or an error event in a stream), no traceback
     or exception text, and the engine keeps serving."""
-    original = loaded.model.forward
 
-    def broken(*args: Any, **kwargs: Any) -> torch.Tensor:
-        raise Boom(SECRET)
+    def broken(original: Any) -> Any:
+        def fail(*args: Any, **kwargs: Any) -> torch.Tensor:
+            raise Boom(SECRET)
 
-    with serve(loaded) as c, ThreadPoolExecutor(1) as pool:
+        return fail
+
+    with serve(loaded) as c, ThreadPoolExecutor(1) as pool, monkeypatch.context() as patch:
 
         def call(method: str, path: str, body: Any, **kwargs: Any) -> Any:
             return pool.submit(c.request, method, path, json=body, **kwargs).result(30)  # a hang fails the test
 
-        monkeypatch.setattr(loaded.model, "forward", broken)
+        wrap_forward_passes(patch, loaded.model, broken)
         for path, body in (
             (GEN, {"prompt": "Hi", "max_new_tokens": 3}),
             (CMPL, {"prompt": "Hi", "max_tokens": 3}),
@@ -704,7 +706,7 @@ def test_internal_error_leaks_nothing(loaded: LoadedModel, monkeypatch: pytest.M
             events = sse_events(r.text)
             assert "error" in events[-1] and set(events[-1]["error"]) >= {"type", "message"}
             assert SECRET not in r.text and "Traceback" not in r.text
-        monkeypatch.setattr(loaded.model, "forward", original)
+        patch.undo()  # the forward passes work again
         assert_still_serving(c)
         body = call("POST", GEN, {"prompt": PROMPTS, "max_new_tokens": 4, "temperature": 0}).json()
         for text, choice in zip(PROMPTS, body["choices"], strict=True):

@@ -96,6 +96,8 @@ def unsupported(model: GPT, cache: KVCache) -> str | None:
 
     if not available():
         return "our CPU kernels are not available"
+    if not isinstance(model, GPT):
+        return f"the model is a {type(model).__name__}, not model.gpt.GPT"
     if cache.k.device.type != "cpu" or cache.k.dtype != torch.float32:
         return "the KV cache is not float32 on the CPU"
     if not (cache.k.is_contiguous() and cache.v.is_contiguous()):
