@@ -1,10 +1,11 @@
-// A whole decode step of GPT-2 in one call: for B rows of one new token each, the embedding, every block
-// (LayerNorm, Q/K/V, the new key and value into the KV cache, attention over the row's keys, the output
-// projection and residual add, LayerNorm, MLP and residual add), the final LayerNorm and the LM head. The
-// same math as GPT.forward (model/gpt.py) without the ATen calls and Python of an eager step, which cost a
-// batch-1 step on a 2-core CPU as much as its matrix products. The pass takes any few tokens of rows of the
-// cache, so a continuous batch's decode tokens and prompt chunks go in one call too. model/kernels/decode.py
-// hands it the weights (float32, or int8 with a scale per output) and the cache; shapes in the comments.
+// A forward pass of GPT-2 over a few new tokens in one call, as a decode step needs (one token per row of
+// the KV cache): the embedding, every block (LayerNorm, Q/K/V, the new keys and values into the cache,
+// attention over each row's keys, the output projection and residual add, LayerNorm, MLP and residual add),
+// the final LayerNorm and the LM head. The same math as GPT.forward (model/gpt.py) without the ATen calls
+// and Python of an eager step, which cost a batch-1 step on a 2-core CPU as much as its matrix products.
+// Any few tokens of rows of the cache can go in one pass, so a continuous batch's decode tokens and prompt
+// chunks share it. model/kernels/decode.py hands it the weights (float32, or int8 with a scale per output)
+// and the cache; shapes in the comments.
 #include <float.h>
 
 #include <cmath>
