@@ -36,8 +36,9 @@ SOURCES = [HERE / "matmul.cpp", HERE / "decode.cpp"]  # compiled together into o
 HEADERS = [HERE / "matmul.h"]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 BUILD_TIMEOUT_S = 300
-MAX_ROWS = 96  # products of more rows (prefill) go to MKL's GEMM; up to here (a server step's decode rows and
-# prompt chunk) ours was as fast or faster on an AVX2 host
+MAX_ROWS_AVX2 = 512  # products of more rows (long prefills) go to torch's GEMM (MKL): on an AVX2 host our tiles
+# matched or beat it up to here (2 threads: 60 vs 48 GFLOP/s at 128 rows, 62 vs 62 at 512, 60 vs 60 at 1024)
+MAX_ROWS_AVX512 = 96  # with AVX-512, MKL's wider vectors win sooner: only a server step's rows come here
 
 
 def cache_dir() -> Path:
@@ -162,6 +163,11 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+def max_rows() -> int:
+    """The most rows of x a product sends to our kernels on this CPU (more go to torch's GEMM)."""
+    return MAX_ROWS_AVX512 if "avx512f" in cpu_flags() else MAX_ROWS_AVX2
+
+
 def available() -> bool:
     """Whether the kernels are built and loaded (building them on the first call)."""
     return _library() is not None
@@ -173,7 +179,7 @@ def usable(x: torch.Tensor) -> bool:
     return (
         x.device.type == "cpu"
         and x.dtype == torch.float32
-        and x.numel() <= MAX_ROWS * x.shape[-1]
+        and x.numel() <= max_rows() * x.shape[-1]
         and not (torch.is_grad_enabled() and x.requires_grad)
         and available()
     )

@@ -96,31 +96,25 @@ inline void axpy(float a, const float* x, float* y, int64_t n) {  // y += a x
   for (; i < n; ++i) y[i] += a * x[i];
 }
 
-// Causal self-attention of N new tokens: qkv [N, 3C] -> z [N, C]. Token t belongs to cache row rows[t] at
-// position positions[t]: first every token's key and value go into the cache there, then each query attends
-// over keys 0..positions[t] of its row (its own row's earlier tokens, stored before or in this pass). One task
-// per (token, head).
-void attention(const float* qkv, int64_t N, int64_t C, int64_t H, const int64_t* rows, const int64_t* positions,
-               const Cache& cache, int64_t layer, float* z, int threads) {
+// Offset of (cache row, head h) in layer `layer` of the cache: [max_len, D] of keys (or values) there.
+inline int64_t head_offset(const Cache& cache, int64_t layer, int64_t row, int64_t H, int64_t h, int64_t D) {
+  return ((layer * cache.capacity + row) * H + h) * cache.max_len * D;
+}
+
+// Tasks [t0, t1) of attention: task = (token t, head h), its query attending over keys 0..positions[t] of its
+// row. A function of its own with its arguments by value, as matmul.h's `groups` (an OpenMP body reads
+// shared variables through pointers).
+__attribute__((noinline)) void attend(const float* qkv, int64_t C, int64_t H, const int64_t* rows,
+                                      const int64_t* positions, Cache cache, int64_t layer, float* z, int64_t t0,
+                                      int64_t t1) {
   const int64_t D = C / H;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  auto head = [&](int64_t t, int64_t h) {  // offset of (row of t, head h) in this layer's cache: [max_len, D]
-    return ((layer * cache.capacity + rows[t]) * H + h) * cache.max_len * D;
-  };
-  for (int64_t t = 0; t < N; ++t)
-    for (int64_t h = 0; h < H; ++h) {
-      const float* kv = qkv + t * 3 * C + C + h * D;  // its key; its value C further on
-      float* keys = cache.k + head(t, h) + positions[t] * D;
-      float* values = cache.v + head(t, h) + positions[t] * D;
-      for (int64_t d = 0; d < D; ++d) keys[d] = kv[d], values[d] = kv[C + d];
-    }
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t task = 0; task < N * H; ++task) {
+  thread_local std::vector<float> weights;
+  for (int64_t task = t0; task < t1; ++task) {
     const int64_t t = task / H, h = task % H, p = positions[t];
     const float* q = qkv + t * 3 * C + h * D;  // [D]
-    const float* keys = cache.k + head(t, h);  // [max_len, D]
-    const float* values = cache.v + head(t, h);
-    thread_local std::vector<float> weights;
+    const float* keys = cache.k + head_offset(cache, layer, rows[t], H, h, D);  // [max_len, D]
+    const float* values = cache.v + head_offset(cache, layer, rows[t], H, h, D);
     weights.resize(static_cast<size_t>(p + 1));
     float best = -FLT_MAX;
     for (int64_t s = 0; s <= p; ++s) {
@@ -134,6 +128,32 @@ void attention(const float* qkv, int64_t N, int64_t C, int64_t H, const int64_t*
     for (int64_t s = 0; s <= p; ++s) axpy(weights[s], values + s * D, out, D);
     const float inv = 1.0f / total;
     for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+  }
+}
+
+// Causal self-attention of N new tokens: qkv [N, 3C] -> z [N, C]. Token t belongs to cache row rows[t] at
+// position positions[t]: first every token's key and value go into the cache there, then each query attends
+// over keys 0..positions[t] of its row (its own row's earlier tokens, stored before or in this pass). One task
+// per (token, head), split evenly among the threads.
+void attention(const float* qkv, int64_t N, int64_t C, int64_t H, const int64_t* rows, const int64_t* positions,
+               const Cache& cache, int64_t layer, float* z, int threads) {
+  const int64_t D = C / H;
+  for (int64_t t = 0; t < N; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      const float* kv = qkv + t * 3 * C + C + h * D;  // its key; its value C further on
+      float* keys = cache.k + head_offset(cache, layer, rows[t], H, h, D) + positions[t] * D;
+      float* values = cache.v + head_offset(cache, layer, rows[t], H, h, D) + positions[t] * D;
+      for (int64_t d = 0; d < D; ++d) keys[d] = kv[d], values[d] = kv[C + d];
+    }
+  const int64_t tasks = N * H;
+  if (threads <= 1) {
+    attend(qkv, C, H, rows, positions, cache, layer, z, 0, tasks);
+    return;
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
+    attend(qkv, C, H, rows, positions, cache, layer, z, tasks * id / nt, tasks * (id + 1) / nt);
   }
 }
 
