@@ -7,7 +7,10 @@ is the same kind of requests served one at a time, measured before and after eac
 change in the machine's speed between runs does not skew a ratio); throughput is reported as a ratio to
 the two baselines around it, and p99 inter-token latency as a ratio to their batch-1 latency, both its
 p50 and its p99 (on a shared machine even identical steps vary: the p99 of a batch-1 step is often over
-twice its p50).
+twice its p50). On a CPU it also prints each level's compute bound: the FLOPs its requests need (every
+token's products, attention, the LM head where a token is chosen), however well they are batched, at the
+float32 GEMM rate measured before the server starts; so the tokens/s and the ratio no scheduler could beat
+on this host.
 
     python scripts/bench_server.py                       # a random gpt2-small-shaped checkpoint
     python scripts/bench_server.py --model ./gpt2 --levels 1 4 16 --json server.json
@@ -30,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_TOKENIZER = ROOT.parent / "shared" / "gpt2-tokenizer"
@@ -89,6 +93,20 @@ def make_requests(n: int, args: argparse.Namespace, seed: int) -> list[Request]:
         )
         for _ in range(n)
     ]
+
+
+def forward_flops(config: dict[str, Any], requests: list[Request]) -> float:
+    """FLOPs the model must spend on `requests`, however they are batched: every block's products for each
+    token fed (the prompt, then each new token but the last), attention over each token's earlier
+    positions, and the LM head at each token whose logits choose a new token (2 FLOPs a multiply-add)."""
+    C, L, V = config["n_embd"], config["n_layer"], config["vocab_size"]
+    block = 2 * 12 * C * C  # Q, K, V, output projection (4 C^2) and the MLP (8 C^2), per token and layer
+    total = 0.0
+    for r in requests:
+        fed = len(r.input_ids) + r.max_new_tokens - 1  # positions 0..fed-1
+        total += L * (fed * block + 2 * 2 * C * fed * (fed + 1) / 2)  # + QK^T and AV over the positions so far
+        total += r.max_new_tokens * 2 * C * V
+    return total
 
 
 async def stream_one(client: httpx.AsyncClient, req: Request) -> Outcome:
@@ -227,6 +245,14 @@ def main(argv: list[str] | None = None) -> int:
 
             model = str(Path(tmp) / "gpt2-small-random")
             make_random_checkpoint(Path(model))
+        config = json.loads((Path(model) / "config.json").read_text())
+        peak = None
+        if not args.ray and args.device in ("auto", "cpu") and not torch.cuda.is_available():
+            # the bound a level could reach on this machine: its FLOPs at the CPU's GEMM rate (measured now,
+            # before the server runs, at the server's thread count)
+            from gpt2_scripts.bench_common import matmul_flops
+
+            peak = matmul_flops(torch.device("cpu"), torch.float32, torch.get_num_threads())
         port = free_port()
         log = Path(args.server_log) if args.server_log else Path(tmp) / "server.log"
         if args.ray:  # the same app behind Ray Serve's proxy (its log is Ray's, under its temp directory)
@@ -248,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
             levels = []
             for clients in args.levels:  # A B A B: a baseline before and after each level
                 n = args.requests or max(2 * clients, 16)
-                levels.append(asyncio.run(run_level(url, make_requests(n, args, seed=clients), clients)))
+                requests = make_requests(n, args, seed=clients)
+                levels.append(asyncio.run(run_level(url, requests, clients)))
+                levels[-1]["tflop"] = forward_flops(config, requests) / 1e12
                 baselines.append(asyncio.run(run_level(url, one_at_a_time, 1)))
         except BaseException:
             print(f"the benchmark failed; the server's log ends:\n{log_tail(log)}", file=sys.stderr)
@@ -265,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_at_start": load_before,
         "load_average_at_end": os.getloadavg()[0],
         "cpus": os.cpu_count(),
+        "matmul_flop_per_s": peak,
     }
     rates = [b["tokens_per_s"] for b in baselines]
     print(
@@ -286,6 +315,21 @@ def main(argv: list[str] | None = None) -> int:
             f"{lv['ttft_p50_ms']:>7.0f}ms {lv['ttft_p99_ms']:>7.0f}ms {lv['itl_p50_ms']:>6.1f}ms "
             f"{lv['itl_p99_ms']:>6.1f}ms {lv['itl_p99_over_batch1']:>22.2f} {lv['itl_p99_over_batch1_p99']:>14.2f}"
         )
+    if peak is not None:  # no level can beat its FLOPs at the GEMM's rate, however well it batches
+        print(
+            f"\ncompute bound: float32 GEMM at {peak / 1e9:.0f} GFLOP/s (2048^2, {torch.get_num_threads()} threads, "
+            "measured before the server started); a level's requests need their FLOPs (every token's products, "
+            "attention, the LM head where a token is chosen) however they are batched:"
+        )
+        for i, lv in enumerate(levels):
+            base = (baselines[i]["tokens_per_s"] + baselines[i + 1]["tokens_per_s"]) / 2
+            lv["bound_tokens_per_s"] = lv["tokens"] / (lv["tflop"] * 1e12 / peak)
+            lv["bound_ratio"] = lv["bound_tokens_per_s"] / base
+            print(
+                f"{lv['clients']:>7} clients: {lv['tflop']:.2f} TFLOP -> at most {lv['bound_tokens_per_s']:.1f} tok/s "
+                f"= {lv['bound_ratio']:.2f}x one at a time; measured {lv['tokens_per_s']:.1f} tok/s "
+                f"({100 * lv['tokens_per_s'] / lv['bound_tokens_per_s']:.0f}% of the bound)"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0

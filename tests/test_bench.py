@@ -89,6 +89,10 @@ def test_bench_server_quick(tiny, tokenizer_dir: Path, tmp_path: Path) -> None:
         assert positive(lv["throughput_ratio"]) and positive(lv["itl_p99_over_batch1"]), lv
         assert positive(lv["itl_p99_over_batch1_p99"]), lv
         assert positive(lv["ttft_p50_ms"]) and lv["ttft_p99_ms"] >= lv["ttft_p50_ms"], lv
+        # the compute bound: no level beats its requests' FLOPs at the GEMM's rate
+        assert positive(lv["tflop"]) and lv["tokens_per_s"] <= lv["bound_tokens_per_s"], lv
+        assert positive(lv["bound_ratio"]), lv
+    assert positive(report["matmul_flop_per_s"])
     baselines = report["baselines_one_at_a_time"]
     assert len(baselines) == len(levels) + 1  # one before the first level and one after each
     assert all(b["clients"] == 1 and positive(b["tokens_per_s"]) for b in baselines)
