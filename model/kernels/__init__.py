@@ -1,14 +1,15 @@
 """Our CPU kernels for the decode step: y = x @ W.T + b for a few rows x, W [N, K] contiguous, in float32 or in
 int8 with a scale per output (`matmul.h`, `matmul.cpp`), and a whole decode step in one call (`decode.cpp`,
-driven by `decode.py`). Built at first use with the system's C++
-compiler into a cache directory (a second or two, once per source version), loaded with ctypes; where
+driven by `decode.py`). Built at first use with the system's C++ compiler into a cache directory (about
+12 s on a 2-core host, once per source version), loaded with ctypes; where
 that cannot be done (no compiler, no AVX2/FMA, not x86-64) `available()` is False, one warning says why,
 and callers use stock torch.
 
 Why: for 1-32 rows, torch's float32 CPU GEMM (MKL) streams the weights from one thread (a second core
 adds nothing at batch 1) and reaches a fraction of the FLOP rate at batch 8; here every thread streams
 its own contiguous slab of W (the threads split the outputs) and 3 x 4 tiles of accumulators keep the
-FMA units busy. Thread count: torch's (`torch.get_num_threads()`), through torch's own OpenMP runtime.
+FMA units busy. On an AVX2-only host they also beat MKL for prompt-sized products, up to `max_rows()`.
+Thread count: torch's (`torch.get_num_threads()`), through torch's own OpenMP runtime.
 
 Environment: `GPT2_KERNELS=0` turns them off (for A/B runs); `GPT2_KERNEL_CACHE` is where the library is
 built (default `$XDG_CACHE_HOME/gpt2-server` or `~/.cache/gpt2-server`); `CXX` names the compiler.
