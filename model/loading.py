@@ -19,6 +19,7 @@ import torch
 from . import kernels
 from .config import PRESETS, ConfigError, GPTConfig, preset
 from .gpt import GPT
+from .hub import hub_errors
 from .kernels.layers import use_kernels
 from .quantize import quantize_
 from .safetensors_file import SafetensorsError, SafetensorsFile
@@ -146,18 +147,18 @@ def _locate_dir(path: Path, name: str, preset_name: str | None) -> CheckpointFil
 def _download(name: str, repo_id: str, revision: str | None) -> CheckpointFiles:
     """Fetch config, weights and tokenizer from the hub (cached; honours HF_HOME and HF_HUB_OFFLINE)."""
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import (
-        EntryNotFoundError,
-        HfHubHTTPError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
+    from huggingface_hub.errors import EntryNotFoundError
 
     def fetch(filename: str) -> Path:
         return Path(hf_hub_download(repo_id, filename, revision=revision))
 
-    try:
+    with hub_errors(
+        LoadError,
+        repo_id,
+        revision,
+        missing=lambda e: f"repository {repo_id!r} lacks a file this loader needs: {e}",
+        offline="pass a local checkpoint directory instead (for example --model ./gpt2)",
+    ):
         config = GPTConfig.from_json_file(fetch("config.json"))
         weights = fetch("model.safetensors")
         try:
@@ -165,19 +166,6 @@ def _download(name: str, repo_id: str, revision: str | None) -> CheckpointFiles:
         except EntryNotFoundError:
             fetch("vocab.json")
             tok_dir = fetch("merges.txt").parent
-    except LocalEntryNotFoundError:
-        raise LoadError(
-            f"cannot reach the Hugging Face hub to download {repo_id!r}, and it is not in the local cache; "
-            "pass a local checkpoint directory instead (for example --model ./gpt2)"
-        ) from None
-    except RepositoryNotFoundError:
-        raise LoadError(f"no repository {repo_id!r} on the Hugging Face hub (or it is private)") from None
-    except RevisionNotFoundError:
-        raise LoadError(f"repository {repo_id!r} has no revision {revision!r}") from None
-    except EntryNotFoundError as e:
-        raise LoadError(f"repository {repo_id!r} lacks a file this loader needs: {e}") from None
-    except HfHubHTTPError as e:
-        raise LoadError(f"the Hugging Face hub refused the download of {repo_id!r}: {e}") from None
     return CheckpointFiles(name, [weights], config, tok_dir, revision)
 
 

@@ -34,6 +34,7 @@ from typing import Any, Literal, NamedTuple, cast
 import torch
 
 from ..config import GPTConfig
+from ..hub import hub_errors
 
 Architecture = Literal["standard", "topk", "jumprelu"]
 ARCHITECTURES = ("standard", "topk", "jumprelu")
@@ -282,31 +283,18 @@ def _from_dir(path: Path, where: str, model_kwargs: dict[str, Any] | None) -> SA
 def _download(repo: str, folder: str, revision: str | None, where: str) -> SAE:
     """Fetch both files from the hub (cached; honours HF_HOME, HF_ENDPOINT and HF_HUB_OFFLINE)."""
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import (
-        EntryNotFoundError,
-        HfHubHTTPError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
 
     prefix = f"{folder}/" if folder else ""
-    try:
+    with hub_errors(
+        SAEError,
+        repo,
+        revision,
+        missing=lambda e: f"repository {repo!r} has no {prefix}{CFG_FILE} and {prefix}{WEIGHTS_FILE}",
+        offline="give a local directory instead",
+        where=f"{where}: ",
+    ):
         cfg = Path(hf_hub_download(repo, prefix + CFG_FILE, revision=revision))
         hf_hub_download(repo, prefix + WEIGHTS_FILE, revision=revision)
-    except LocalEntryNotFoundError:
-        raise SAEError(
-            f"{where}: cannot reach the Hugging Face hub to download it, and it is not in the local cache; "
-            "give a local directory instead"
-        ) from None
-    except RepositoryNotFoundError:
-        raise SAEError(f"{where}: no repository {repo!r} on the Hugging Face hub (or it is private)") from None
-    except RevisionNotFoundError:
-        raise SAEError(f"{where}: repository {repo!r} has no revision {revision!r}") from None
-    except EntryNotFoundError:
-        raise SAEError(f"{where}: repository {repo!r} has no {prefix}{CFG_FILE} and {prefix}{WEIGHTS_FILE}") from None
-    except HfHubHTTPError as e:
-        raise SAEError(f"{where}: the Hugging Face hub refused the download: {e}") from None
     return _from_dir(cfg.parent, where, HUB_MODEL_KWARGS.get(repo))
 
 
