@@ -7,10 +7,10 @@ is the same kind of requests served one at a time, measured before and after eac
 change in the machine's speed between runs does not skew a ratio); throughput is reported as a ratio to
 the two baselines around it, and p99 inter-token latency as a ratio to their batch-1 latency, both its
 p50 and its p99 (on a shared machine even identical steps vary: the p99 of a batch-1 step is often over
-twice its p50). On a CPU it also prints each level's compute bound: the FLOPs its requests need (every
-token's products, attention, the LM head where a token is chosen), however well they are batched, at the
-float32 GEMM rate measured before the server starts; so the tokens/s and the ratio no scheduler could beat
-on this host.
+twice its p50). On a CPU (float32 or int8 weights) it also prints each level's compute bound: the FLOPs
+its requests need (every token's products, attention, the LM head where a token is chosen), however well
+they are batched, at the float32 GEMM rate measured before and after the levels (the better of the two).
+It is approximate: a server beats it only by running its products faster than that GEMM.
 
     python scripts/bench_server.py                       # a random gpt2-small-shaped checkpoint
     python scripts/bench_server.py --model ./gpt2 --levels 1 4 16 --json server.json
@@ -93,6 +93,13 @@ def make_requests(n: int, args: argparse.Namespace, seed: int) -> list[Request]:
         )
         for _ in range(n)
     ]
+
+
+def measure_gemm() -> float:
+    """float32 GEMM FLOP/s on the CPU at torch's thread count (what the server uses)."""
+    from gpt2_scripts.bench_common import matmul_flops
+
+    return matmul_flops(torch.device("cpu"), torch.float32, torch.get_num_threads())
 
 
 def forward_flops(config: dict[str, Any], requests: list[Request]) -> float:
@@ -246,13 +253,15 @@ def main(argv: list[str] | None = None) -> int:
             model = str(Path(tmp) / "gpt2-small-random")
             make_random_checkpoint(Path(model))
         config = json.loads((Path(model) / "config.json").read_text())
-        peak = None
-        if not args.ray and args.device in ("auto", "cpu") and not torch.cuda.is_available():
-            # the bound a level could reach on this machine: its FLOPs at the CPU's GEMM rate (measured now,
-            # before the server runs, at the server's thread count)
-            from gpt2_scripts.bench_common import matmul_flops
+        # The bound a level could reach on this machine: its FLOPs at the CPU's GEMM rate, at the server's
+        # thread count, measured before the server runs and again after it stops (the higher counts). Only
+        # for float32 and int8 weights on a CPU (int8's prompt-sized products run float32 tiles).
+        from model.loading import resolve_device
 
-            peak = matmul_flops(torch.device("cpu"), torch.float32, torch.get_num_threads())
+        bounded = (
+            not args.ray and resolve_device(args.device).type == "cpu" and args.dtype in ("auto", "float32", "int8")
+        )
+        gemm_rates = [measure_gemm()] if bounded else []
         port = free_port()
         log = Path(args.server_log) if args.server_log else Path(tmp) / "server.log"
         if args.ray:  # the same app behind Ray Serve's proxy (its log is Ray's, under its temp directory)
@@ -283,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         finally:
             stop()
+    if bounded:
+        gemm_rates.append(measure_gemm())
+    peak = max(gemm_rates) if gemm_rates else None
     report = {
         "ray_replicas": args.ray,
         "ray_threads": args.ray_threads if args.ray else None,
@@ -315,11 +327,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{lv['ttft_p50_ms']:>7.0f}ms {lv['ttft_p99_ms']:>7.0f}ms {lv['itl_p50_ms']:>6.1f}ms "
             f"{lv['itl_p99_ms']:>6.1f}ms {lv['itl_p99_over_batch1']:>22.2f} {lv['itl_p99_over_batch1_p99']:>14.2f}"
         )
-    if peak is not None:  # no level can beat its FLOPs at the GEMM's rate, however well it batches
+    if peak is not None:  # a level beats this only by running its products faster than the GEMM measured
         print(
-            f"\ncompute bound: float32 GEMM at {peak / 1e9:.0f} GFLOP/s (2048^2, {torch.get_num_threads()} threads, "
-            "measured before the server started); a level's requests need their FLOPs (every token's products, "
-            "attention, the LM head where a token is chosen) however they are batched:"
+            f"\ncompute bound (approximate): float32 GEMM at {peak / 1e9:.0f} GFLOP/s (2048^2, "
+            f"{torch.get_num_threads()} threads, the better of before and after the levels); a level's requests need "
+            "their FLOPs (every token's products, attention, the LM head where a token is chosen) however they are "
+            "batched:"
         )
         for i, lv in enumerate(levels):
             base = (baselines[i]["tokens_per_s"] + baselines[i + 1]["tokens_per_s"]) / 2

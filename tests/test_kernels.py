@@ -140,6 +140,29 @@ def test_kernel_layers_fall_back_for_prefill_and_autograd() -> None:
     torch.testing.assert_close(head(x.detach(), wte), TiedLMHead()(x.detach(), wte), rtol=1e-5, atol=1e-5)
 
 
+@needs_kernels
+def test_max_rows_can_be_set(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """GPT2_KERNEL_MAX_ROWS caps the rows a product sends to the kernels; a value that is not a number is
+    ignored with a warning, and the default depends on the CPU (512 without AVX-512, 96 with it)."""
+    default = kernels.MAX_ROWS_AVX512 if "avx512f" in kernels.cpu_flags() else kernels.MAX_ROWS_AVX2
+    try:
+        monkeypatch.setenv("GPT2_KERNEL_MAX_ROWS", "7")
+        kernels.max_rows.cache_clear()
+        assert kernels.max_rows() == 7
+        assert kernels.usable(torch.zeros(7, 4)) and not kernels.usable(torch.zeros(8, 4))
+        monkeypatch.setenv("GPT2_KERNEL_MAX_ROWS", "lots")
+        kernels.max_rows.cache_clear()
+        with caplog.at_level("WARNING", logger="model.kernels"):
+            assert kernels.max_rows() == default
+        assert "GPT2_KERNEL_MAX_ROWS='lots' is not a whole number" in caplog.text
+        monkeypatch.delenv("GPT2_KERNEL_MAX_ROWS")
+        kernels.max_rows.cache_clear()
+        assert kernels.max_rows() == default
+    finally:
+        monkeypatch.undo()
+        kernels.max_rows.cache_clear()
+
+
 def test_build_failure_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPT2_KERNEL_CACHE", str(tmp_path))
     with pytest.raises(RuntimeError, match="failed"):

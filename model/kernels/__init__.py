@@ -11,7 +11,8 @@ its own contiguous slab of W (the threads split the outputs) and 3 x 4 tiles of 
 FMA units busy. On an AVX2-only host they also beat MKL for prompt-sized products, up to `max_rows()`.
 Thread count: torch's (`torch.get_num_threads()`), through torch's own OpenMP runtime.
 
-Environment: `GPT2_KERNELS=0` turns them off (for A/B runs); `GPT2_KERNEL_CACHE` is where the library is
+Environment: `GPT2_KERNELS=0` turns them off (for A/B runs); `GPT2_KERNEL_MAX_ROWS` caps the rows of x
+a product sends to them (`max_rows()`); `GPT2_KERNEL_CACHE` is where the library is
 built (default `$XDG_CACHE_HOME/gpt2-server` or `~/.cache/gpt2-server`); `CXX` names the compiler.
 """
 
@@ -164,8 +165,15 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+@cache
 def max_rows() -> int:
-    """The most rows of x a product sends to our kernels on this CPU (more go to torch's GEMM)."""
+    """The most rows of x a product sends to our kernels on this CPU (more go to torch's GEMM): 512 without
+    AVX-512 and 96 with it (measured on a 2-core AVX2 host); `GPT2_KERNEL_MAX_ROWS` sets it (0 or more)."""
+    if os.environ.get("GPT2_KERNEL_MAX_ROWS"):
+        try:
+            return max(0, int(os.environ["GPT2_KERNEL_MAX_ROWS"]))
+        except ValueError:
+            log.warning("GPT2_KERNEL_MAX_ROWS=%r is not a whole number: ignored", os.environ["GPT2_KERNEL_MAX_ROWS"])
     return MAX_ROWS_AVX512 if "avx512f" in cpu_flags() else MAX_ROWS_AVX2
 
 

@@ -101,16 +101,17 @@ inline int64_t head_offset(const Cache& cache, int64_t layer, int64_t row, int64
   return ((layer * cache.capacity + row) * H + h) * cache.max_len * D;
 }
 
-// Tasks [t0, t1) of attention: task = (token t, head h), its query attending over keys 0..positions[t] of its
-// row. A function of its own with its arguments by value, as matmul.h's `groups` (an OpenMP body reads
-// shared variables through pointers).
+// Tasks first, first + stride, ... below `tasks` of attention: task = (token t, head h), its query attending
+// over keys 0..positions[t] of its row. Interleaved among the threads, because a prompt chunk's later tokens
+// attend over more keys. A function of its own with its arguments by value, as matmul.h's `groups` (an
+// OpenMP body reads shared variables through pointers).
 __attribute__((noinline)) void attend(const float* qkv, int64_t C, int64_t H, const int64_t* rows,
-                                      const int64_t* positions, Cache cache, int64_t layer, float* z, int64_t t0,
-                                      int64_t t1) {
+                                      const int64_t* positions, Cache cache, int64_t layer, float* z, int64_t first,
+                                      int64_t stride, int64_t tasks) {
   const int64_t D = C / H;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   thread_local std::vector<float> weights;
-  for (int64_t task = t0; task < t1; ++task) {
+  for (int64_t task = first; task < tasks; task += stride) {
     const int64_t t = task / H, h = task % H, p = positions[t];
     const float* q = qkv + t * 3 * C + h * D;  // [D]
     const float* keys = cache.k + head_offset(cache, layer, rows[t], H, h, D);  // [max_len, D]
@@ -134,7 +135,7 @@ __attribute__((noinline)) void attend(const float* qkv, int64_t C, int64_t H, co
 // Causal self-attention of N new tokens: qkv [N, 3C] -> z [N, C]. Token t belongs to cache row rows[t] at
 // position positions[t]: first every token's key and value go into the cache there, then each query attends
 // over keys 0..positions[t] of its row (its own row's earlier tokens, stored before or in this pass). One task
-// per (token, head), split evenly among the threads.
+// per (token, head).
 void attention(const float* qkv, int64_t N, int64_t C, int64_t H, const int64_t* rows, const int64_t* positions,
                const Cache& cache, int64_t layer, float* z, int threads) {
   const int64_t D = C / H;
@@ -147,14 +148,11 @@ void attention(const float* qkv, int64_t N, int64_t C, int64_t H, const int64_t*
     }
   const int64_t tasks = N * H;
   if (threads <= 1) {
-    attend(qkv, C, H, rows, positions, cache, layer, z, 0, tasks);
+    attend(qkv, C, H, rows, positions, cache, layer, z, 0, 1, tasks);
     return;
   }
 #pragma omp parallel num_threads(threads)
-  {
-    const int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
-    attend(qkv, C, H, rows, positions, cache, layer, z, tasks * id / nt, tasks * (id + 1) / nt);
-  }
+  attend(qkv, C, H, rows, positions, cache, layer, z, omp_get_thread_num(), omp_get_num_threads(), tasks);
 }
 
 }  // namespace

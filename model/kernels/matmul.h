@@ -233,8 +233,8 @@ inline void group(Rows<W> x, int64_t M, int64_t K, const typename W::T* w, int64
   rows_of<W>(x, M, K, w, ldw, scale, bias, y, N, nr, op, next);
 }
 
-// Rows of x per pass over W (a multiple of MR): every product the decode step and a server step make (up to
-// 96 rows) reads W once. Fewer rows per pass, to keep x's block in L2, measured slower at 2 threads on an
+// Rows of x per pass over W (a multiple of MR): a decode step's products, and a server step's at its default
+// batch size and prompt chunk (up to 96 rows), read W once. Fewer rows per pass, to keep x's block in L2, measured slower at 2 threads on an
 // AVX2 host (73 rows, K 3072: 50 vs 57 GFLOP/s; the 48 block matrices 4-14% faster in one pass): reading W
 // again costs more than x's rows coming from L3.
 constexpr int64_t kRowBlock = 96;
