@@ -146,13 +146,8 @@ void attention(const float* qkv, int64_t N, int64_t C, int64_t H, const int64_t*
       float* values = cache.v + head_offset(cache, layer, rows[t], H, h, D) + positions[t] * D;
       for (int64_t d = 0; d < D; ++d) keys[d] = kv[d], values[d] = kv[C + d];
     }
-  const int64_t tasks = N * H;
-  if (threads <= 1) {
-    attend(qkv, C, H, rows, positions, cache, layer, z, 0, 1, tasks);
-    return;
-  }
-#pragma omp parallel num_threads(threads)
-  attend(qkv, C, H, rows, positions, cache, layer, z, omp_get_thread_num(), omp_get_num_threads(), tasks);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  attend(qkv, C, H, rows, positions, cache, layer, z, omp_get_thread_num(), omp_get_num_threads(), N * H);
 }
 
 }  // namespace

@@ -234,9 +234,9 @@ inline void group(Rows<W> x, int64_t M, int64_t K, const typename W::T* w, int64
 }
 
 // Rows of x per pass over W (a multiple of MR): a decode step's products, and a server step's at its default
-// batch size and prompt chunk (up to 96 rows), read W once. Fewer rows per pass, to keep x's block in L2, measured slower at 2 threads on an
-// AVX2 host (73 rows, K 3072: 50 vs 57 GFLOP/s; the 48 block matrices 4-14% faster in one pass): reading W
-// again costs more than x's rows coming from L3.
+// batch size and prompt chunk (up to 96 rows), read W once. Fewer rows per pass, to keep x's block in L2,
+// measured slower at 2 threads on an AVX2 host (73 rows, K 3072: 50 vs 57 GFLOP/s; the 48 block matrices
+// 4-14% faster in one pass): reading W again costs more than x's rows coming from L3.
 constexpr int64_t kRowBlock = 96;
 
 // x's rows as W's tiles read them: as they are for float32; rounded to int16 with a scale per row for int8
@@ -282,12 +282,8 @@ void matmul(const float* x, int64_t M, int64_t K, const typename W::T* w, int64_
     const int64_t m = M - m0 < kRowBlock ? M - m0 : kRowBlock;
     const Rows<W> xb = rows.from(m0, K);
     float* yb = y + m0 * N;
-    if (threads <= 1) {
-      groups<W>(xb, m, K, w, ldw, scale, bias, yb, N, 0, n_groups, op);
-      continue;
-    }
     // static split: each thread one contiguous run of outputs, so one contiguous slab of W
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(threads) if (threads > 1)
     {
       const int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
       groups<W>(xb, m, K, w, ldw, scale, bias, yb, N, n_groups * id / nt, n_groups * (id + 1) / nt, op);
