@@ -103,16 +103,24 @@ def measure_gemm() -> float:
 
 
 def forward_flops(config: dict[str, Any], requests: list[Request]) -> float:
-    """FLOPs the model must spend on `requests`, however they are batched: every block's products for each
-    token fed (the prompt, then each new token but the last), attention over each token's earlier
-    positions, and the LM head at each token whose logits choose a new token (2 FLOPs a multiply-add)."""
+    """FLOPs the model must spend on `requests`, however they are batched (2 FLOPs a multiply-add): every
+    block's products for each token fed (the prompt, then each new token but the last) and attention over
+    its earlier positions, except that in the last block a prompt token whose logits choose nothing (all
+    but the prompt's last) needs only its key and value; and the LM head at each token that chooses one."""
     C, L, V = config["n_embd"], config["n_layer"], config["vocab_size"]
     block = 2 * 12 * C * C  # Q, K, V, output projection (4 C^2) and the MLP (8 C^2), per token and layer
+    key_value = 2 * 2 * C * C  # K and V alone
+
+    def attention(first: int, last: int) -> float:  # QK^T and AV of the tokens at positions first..last
+        return 2 * 2 * C * (last * (last + 1) - (first - 1) * first) / 2 + 2 * 2 * C * (last - first + 1)
+
     total = 0.0
     for r in requests:
-        fed = len(r.input_ids) + r.max_new_tokens - 1  # positions 0..fed-1
-        total += L * (fed * block + 2 * 2 * C * fed * (fed + 1) / 2)  # + QK^T and AV over the positions so far
-        total += r.max_new_tokens * 2 * C * V
+        P, n = len(r.input_ids), r.max_new_tokens
+        fed = P + n - 1  # positions 0..fed-1; positions P-1.. choose the n new tokens
+        total += (L - 1) * (fed * block + attention(0, fed - 1))
+        total += n * block + attention(P - 1, fed - 1) + (P - 1) * key_value  # the last block
+        total += n * 2 * C * V
     return total
 
 

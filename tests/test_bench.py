@@ -96,3 +96,26 @@ def test_bench_server_quick(tiny, tokenizer_dir: Path, tmp_path: Path) -> None:
     baselines = report["baselines_one_at_a_time"]
     assert len(baselines) == len(levels) + 1  # one before the first level and one after each
     assert all(b["clients"] == 1 and positive(b["tokens_per_s"]) for b in baselines)
+
+
+def test_forward_flops_counts_what_each_token_needs() -> None:
+    """The server bench's bound, against a count token by token: each token fed (a prompt's, then each new
+    one but the last) through every block with attention over its positions so far, except that in the last
+    block a prompt token whose logits choose nothing needs only its key and value; the LM head wherever a
+    token is chosen."""
+    from gpt2_scripts.bench_server import Request, forward_flops
+
+    C, L, V = 8, 3, 50
+    requests = [Request([1] * 5, 3), Request([2], 1), Request([3] * 4, 1)]
+    want = 0
+    for r in requests:
+        P, n = len(r.input_ids), r.max_new_tokens
+        for p in range(P + n - 1):  # the token fed at position p
+            chooses = p >= P - 1
+            for layer in range(L):
+                if layer < L - 1 or chooses:
+                    want += 2 * 12 * C * C + 2 * 2 * C * (p + 1)
+                else:
+                    want += 2 * 2 * C * C
+            want += 2 * C * V if chooses else 0
+    assert forward_flops({"n_embd": C, "n_layer": L, "vocab_size": V}, requests) == want

@@ -100,7 +100,9 @@ def test_logits_match_transformers(small: Checkpoint) -> None:
 
 @needs_kernels
 def test_a_packed_pass_matches_the_eager_one(tiny: Checkpoint) -> None:
-    """Decode tokens of two rows and prompt chunks of two others in one pass, logits at chosen tokens."""
+    """Decode tokens of two rows and prompt chunks of two others in one pass, logits at chosen tokens (in
+    the order asked for), and every layer's keys and values of every token in the cache, the last layer's
+    too (only the output tokens go past it)."""
     model = load_ours(tiny)
     prompts = prompts_of([6, 3, 10, 4])
     with torch.inference_mode():
@@ -111,15 +113,35 @@ def test_a_packed_pass_matches_the_eager_one(tiny: Checkpoint) -> None:
         tokens = [prompts[0][2], prompts[1][2], *prompts[2][2:7], *prompts[3][2:4]]
         rows = [0, 1, 2, 2, 2, 2, 2, 3, 3]
         positions = [2, 2, 2, 3, 4, 5, 6, 2, 3]
-        outputs = [0, 1, 4, 6, 8]
+        outputs = [8, 0, 4, 1, 6]
         got = fused.forward(tokens, rows, positions, outputs)
         full = [prompts[0][:3], prompts[1][:3], prompts[2][:7], prompts[3][:4]]
-        expected = torch.stack(
-            [model(torch.tensor([s]))[0, -1] for s in full[:2]]
-            + [model(torch.tensor([full[2][:5]]))[0, -1], model(torch.tensor([full[2]]))[0, -1]]
-            + [model(torch.tensor([full[3]]))[0, -1]]
-        )
-        torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+        last = {0: model(torch.tensor([full[0]]))[0, -1], 1: model(torch.tensor([full[1]]))[0, -1]}
+        last |= {4: model(torch.tensor([full[2][:5]]))[0, -1], 6: model(torch.tensor([full[2]]))[0, -1]}
+        last[8] = model(torch.tensor([full[3]]))[0, -1]
+        torch.testing.assert_close(got, torch.stack([last[o] for o in outputs]), rtol=0, atol=1e-4)
+        eager = prefilled(model, full, max_len=40)
+        for b, seq in enumerate(full):
+            for got_kv, want_kv in ((cache.k, eager.k), (cache.v, eager.v)):
+                torch.testing.assert_close(got_kv[:, b, :, : len(seq)], want_kv[:, b, :, : len(seq)], rtol=0, atol=1e-5)
+
+
+@needs_kernels
+def test_a_chunk_without_outputs_fills_the_cache(tiny: Checkpoint) -> None:
+    """A prompt chunk whose logits nobody wants (not the prompt's last): no logits, every layer's keys and
+    values stored, and the next pass over the rest of the prompt gives the eager logits."""
+    model = load_ours(tiny)
+    (prompt,) = prompts_of([9])
+    with torch.inference_mode():
+        cache = prefilled(model, [prompt[:1]], max_len=16)
+        fused = FusedDecode.make(model, cache)
+        assert fused is not None
+        assert fused.forward(prompt[1:6], [0] * 5, list(range(1, 6)), []).shape == (0, model.config.vocab_size)
+        eager = prefilled(model, [prompt[:6]], max_len=16)
+        torch.testing.assert_close(cache.k[:, 0, :, :6], eager.k[:, 0, :, :6], rtol=0, atol=1e-5)
+        torch.testing.assert_close(cache.v[:, 0, :, :6], eager.v[:, 0, :, :6], rtol=0, atol=1e-5)
+        got = fused.forward(prompt[6:], [0] * 3, [6, 7, 8], [2])
+        torch.testing.assert_close(got[0], model(torch.tensor([prompt]))[0, -1], rtol=0, atol=1e-4)
 
 
 @needs_kernels
@@ -244,4 +266,6 @@ def test_bad_passes_are_clear_errors(tiny: Checkpoint) -> None:
             fused.forward([1], [3], [2], [0])
         with pytest.raises(ValueError, match="one length"):
             fused.forward([1, 2], [0], [2], [0])
+        with pytest.raises(ValueError, match="named twice"):
+            fused.forward([1], [0], [2], [0, 0])
         torch.testing.assert_close(fused([5], [2]), model(torch.tensor([[1, 2, 5]]))[:, -1], rtol=0, atol=1e-4)

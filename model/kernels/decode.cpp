@@ -8,6 +8,7 @@
 // and the cache; shapes in the comments.
 #include <float.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -132,12 +133,10 @@ __attribute__((noinline)) void attend(const float* qkv, int64_t C, int64_t H, co
   }
 }
 
-// Causal self-attention of N new tokens: qkv [N, 3C] -> z [N, C]. Token t belongs to cache row rows[t] at
-// position positions[t]: first every token's key and value go into the cache there, then each query attends
-// over keys 0..positions[t] of its row (its own row's earlier tokens, stored before or in this pass). One task
-// per (token, head).
-void attention(const float* qkv, int64_t N, int64_t C, int64_t H, const int64_t* rows, const int64_t* positions,
-               const Cache& cache, int64_t layer, float* z, int threads) {
+// The keys and values of N new tokens (qkv [N, 3C]) into the cache: token t's at position positions[t] of
+// cache row rows[t].
+void store_kv(const float* qkv, int64_t N, int64_t C, int64_t H, const int64_t* rows, const int64_t* positions,
+              const Cache& cache, int64_t layer) {
   const int64_t D = C / H;
   for (int64_t t = 0; t < N; ++t)
     for (int64_t h = 0; h < H; ++h) {
@@ -146,6 +145,13 @@ void attention(const float* qkv, int64_t N, int64_t C, int64_t H, const int64_t*
       float* values = cache.v + head_offset(cache, layer, rows[t], H, h, D) + positions[t] * D;
       for (int64_t d = 0; d < D; ++d) keys[d] = kv[d], values[d] = kv[C + d];
     }
+}
+
+// Causal self-attention of N new tokens whose keys and values are in the cache (store_kv): qkv [N, 3C] ->
+// z [N, C], each query attending over keys 0..positions[t] of its row rows[t] (its own row's earlier tokens,
+// stored before or in this pass). One task per (token, head).
+void attention(const float* qkv, int64_t N, int64_t C, int64_t H, const int64_t* rows, const int64_t* positions,
+               const Cache& cache, int64_t layer, float* z, int threads) {
 #pragma omp parallel num_threads(threads) if (threads > 1)
   attend(qkv, C, H, rows, positions, cache, layer, z, omp_get_thread_num(), omp_get_num_threads(), N * H);
 }
@@ -157,18 +163,34 @@ extern "C" {
 // A forward pass over N new tokens of rows of the cache: token t, id tokens[t], goes at position positions[t]
 // of cache row rows[t] (a row's tokens in order, every earlier position of the row already stored or in this
 // pass: the caller checks). Logits [n_out, vocab] of the tokens outputs[0..n_out). A decode step is one token
-// per row, at the row's length; a prompt chunk is a run of tokens of one row.
+// per row, at the row's length; a prompt chunk is a run of tokens of one row. Past the last layer's keys and
+// values only the output tokens go on: the others' last attention and MLP would feed nothing (a prompt
+// chunk's, in a 12-layer model, a 14th of its products).
 void gpt2_forward(const Model* m, const Cache* cache, const int64_t* tokens, const int64_t* rows,
                   const int64_t* positions, int64_t N, const int64_t* outputs, int64_t n_out, float* logits,
                   int threads) {
   const int64_t C = m->n_embd;
   std::vector<float> x(N * C), h(N * C), qkv(N * 3 * C), z(N * C), u(N * m->d_mlp);  // the stream and scratch
+  std::vector<int64_t> kept_rows, kept_positions;  // of the output tokens, in the last layer
   for (int64_t t = 0; t < N; ++t)
     for (int64_t c = 0; c < C; ++c) x[t * C + c] = m->wte[tokens[t] * C + c] + m->wpe[positions[t] * C + c];
   for (int64_t l = 0; l < m->n_layer; ++l) {
     const Block& w = m->blocks[l];
     layer_norm(w.ln_1, x.data(), N, C, m->eps, h.data());
     linear(w.c_attn, h.data(), N, C, qkv.data(), 3 * C, threads, Op::kStore);
+    store_kv(qkv.data(), N, C, m->n_head, rows, positions, *cache, l);
+    if (l == m->n_layer - 1) {  // from here on, the output tokens' rows only, in the order of outputs
+      std::vector<float> x_out(n_out * C), qkv_out(n_out * 3 * C);
+      kept_rows.resize(n_out), kept_positions.resize(n_out);
+      for (int64_t o = 0; o < n_out; ++o) {
+        const int64_t t = outputs[o];
+        std::copy(x.begin() + t * C, x.begin() + (t + 1) * C, x_out.begin() + o * C);
+        std::copy(qkv.begin() + t * 3 * C, qkv.begin() + (t + 1) * 3 * C, qkv_out.begin() + o * 3 * C);
+        kept_rows[o] = rows[t], kept_positions[o] = positions[t];
+      }
+      x.swap(x_out), qkv.swap(qkv_out);
+      N = n_out, rows = kept_rows.data(), positions = kept_positions.data();
+    }
     attention(qkv.data(), N, C, m->n_head, rows, positions, *cache, l, z.data(), threads);
     linear(w.attn_proj, z.data(), N, C, x.data(), C, threads, Op::kAdd);  // x += attn(ln_1(x))
     layer_norm(w.ln_2, x.data(), N, C, m->eps, h.data());
@@ -176,8 +198,7 @@ void gpt2_forward(const Model* m, const Cache* cache, const int64_t* tokens, con
     gelu(u.data(), N * m->d_mlp, threads);
     linear(w.mlp_proj, u.data(), N, m->d_mlp, x.data(), C, threads, Op::kAdd);  // x += mlp(ln_2(x))
   }
-  for (int64_t o = 0; o < n_out; ++o)  // only the tokens whose logits are wanted
-    layer_norm(m->ln_f, x.data() + outputs[o] * C, 1, C, m->eps, h.data() + o * C);
+  layer_norm(m->ln_f, x.data(), n_out, C, m->eps, h.data());  // x: the output tokens' rows
   linear(m->lm_head, h.data(), n_out, C, logits, m->vocab, threads, Op::kStore);
 }
 }

@@ -191,6 +191,8 @@ class FusedDecode:
             raise ValueError(
                 f"a row outside the cache's {cache.batch_size} rows in use, or an output outside the tokens"
             )
+        if len(set(outputs)) != len(outputs):
+            raise ValueError("an output token named twice")
         if max(positions) >= cache.max_len or min(positions) < 0:
             raise ValueError(f"KV cache overflow: position {max(positions)} is past its {cache.max_len}")
         if not all(0 <= t < config.vocab_size for t in tokens):
