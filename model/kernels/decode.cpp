@@ -130,11 +130,13 @@ inline int64_t head_offset(const Cache& cache, int64_t layer, int64_t row, int64
   return ((layer * cache.capacity + row) * H + h) * cache.max_len * D;
 }
 
-// Tasks first, first + stride, ... below `tasks` (N tokens x H heads) of attention: task = (head h, token
-// t), its query attending over keys 0..positions[t] of its row. Head by head, so that a prompt chunk's
+// Tasks first, first + stride, ... below `tasks` (N tokens x H heads) of attention: each a query of head h
+// and token t attending over keys 0..positions[t] of its row. Head by head, so that a prompt chunk's
 // tokens, which share their row's keys and values, find them in cache (token by token, every task read
 // another head's: the attention of a 62-token chunk at 300-360 positions took 20% longer); interleaved
-// among the threads, because a chunk's later tokens attend over more keys. A function of its own with its
+// among the threads, because a chunk's later tokens attend over more keys, with each head's tokens rotated
+// by h, so that a token's heads spread over the threads even when their count divides N (two decode rows,
+// one long and one short, would otherwise each go to one thread). A function of its own with its
 // arguments by value, as matmul.h's `groups` (an OpenMP body reads shared variables through pointers).
 __attribute__((noinline)) void attend(const float* qkv, int64_t C, int64_t H, const int64_t* rows,
                                       const int64_t* positions, Cache cache, int64_t layer, float* z, int64_t first,
@@ -143,17 +145,17 @@ __attribute__((noinline)) void attend(const float* qkv, int64_t C, int64_t H, co
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   thread_local std::vector<float> weights;
   for (int64_t task = first; task < tasks; task += stride) {
-    const int64_t h = task / N, t = task % N, p = positions[t];
+    const int64_t h = task / N, t = (task + h) % N, p = positions[t];
     const float* q = qkv + t * 3 * C + h * D;  // [D]
     const float* keys = cache.k + head_offset(cache, layer, rows[t], H, h, D);  // [max_len, D]
     const float* values = cache.v + head_offset(cache, layer, rows[t], H, h, D);
     const int64_t n = p + 1;  // keys
-    weights.resize(static_cast<size_t>(n + 8));  // room for exp8's last vector
+    weights.resize(static_cast<size_t>(n + 7));  // room for exp8's last vector
     scores(q, keys, n, D, scale, weights.data());
     float best = -FLT_MAX;
     for (int64_t s = 0; s < n; ++s) best = weights[s] > best ? weights[s] : best;
     const __m256 top = _mm256_set1_ps(best);
-    for (int64_t s = 0; s < n; s += 8)  // softmax, unnormalised (the padding past n is never read)
+    for (int64_t s = 0; s < n; s += 8)  // softmax, unnormalised (what it makes of the padding is not used)
       _mm256_storeu_ps(&weights[s], gpt2::exp8(_mm256_sub_ps(_mm256_loadu_ps(&weights[s]), top)));
     float total = 0;
     for (int64_t s = 0; s < n; ++s) total += weights[s];
@@ -200,10 +202,10 @@ extern "C" {
 
 // A forward pass over N new tokens of rows of the cache: token t, id tokens[t], goes at position positions[t]
 // of cache row rows[t] (a row's tokens in order, every earlier position of the row already stored or in this
-// pass: the caller checks). Logits [n_out, vocab] of the tokens outputs[0..n_out). A decode step is one token
-// per row, at the row's length; a prompt chunk is a run of tokens of one row. Past the last layer's keys and
-// values only the output tokens go on: the others' last attention and MLP would feed nothing (a prompt
-// chunk's, in a 12-layer model, a 14th of its products).
+// pass: the caller checks). Logits [n_out, vocab] of the tokens outputs[0..n_out) (distinct, so n_out <= N:
+// the caller checks). A decode step is one token per row, at the row's length; a prompt chunk is a run of
+// tokens of one row. Past the last layer's keys and values only the output tokens go on: the others' last
+// attention and MLP would feed nothing (a prompt chunk's, in a 12-layer model, a 14th of its products).
 void gpt2_forward(const Model* m, const Cache* cache, const int64_t* tokens, const int64_t* rows,
                   const int64_t* positions, int64_t N, const int64_t* outputs, int64_t n_out, float* logits,
                   int threads) {

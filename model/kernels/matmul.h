@@ -126,7 +126,7 @@ constexpr int MR = 3;  // rows of x per tile: 3 x 4 accumulators, 3 x values and
 // What a row tile prefetches of the next group's rows of W (`next`, or null for nothing): every `period`-th
 // step of K, from step `phase`. Each of a group's row tiles takes its own phase, so the next group streams in
 // evenly while the group runs; all of it in the first tile left memory idle for the rest (on an AVX2 host at
-// 2 threads, the 48 block matrices of gpt2-small took 8% longer at 73-128 rows, 25% at 16).
+// 2 threads, gpt2-small's 48 float32 block matrices took 8% longer at 73-128 rows, 25% at 16).
 template <typename T>
 struct Ahead {
   const T* next;
