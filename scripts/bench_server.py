@@ -111,8 +111,9 @@ def forward_flops(config: dict[str, Any], requests: list[Request]) -> float:
     block = 2 * 12 * C * C  # Q, K, V, output projection (4 C^2) and the MLP (8 C^2), per token and layer
     key_value = 2 * 2 * C * C  # K and V alone
 
-    def attention(first: int, last: int) -> float:  # QK^T and AV of the tokens at positions first..last
-        return 2 * 2 * C * (last * (last + 1) - (first - 1) * first) / 2 + 2 * 2 * C * (last - first + 1)
+    def attention(first: int, last: int) -> float:  # QK^T and AV of the tokens at positions first..last,
+        keys = (last + 1) * (last + 2) // 2 - first * (first + 1) // 2  # each over p + 1 keys
+        return 2 * 2 * C * keys
 
     total = 0.0
     for r in requests:

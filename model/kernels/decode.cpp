@@ -81,35 +81,29 @@ void gelu(float* x, int64_t n, int threads) {  // in place, in blocks of 8 float
   for (int64_t i = 0; i < blocks; ++i) gpt2::gelu(x + i * 1024, i * 1024 + 1024 <= n ? 1024 : n - i * 1024);
 }
 
-// out[s] = (q . keys[s]) * scale for the n keys, keys [n, D]: four keys at a time, so four independent sums
-// are in flight (one key's dot product alone waits on its FMA chain); each key's sum in the order of d.
-inline void scores(const float* q, const float* keys, int64_t n, int64_t D, float scale, float* out) {
+// out[i] = (q . k_i) * scale for R keys k_0, k_1, ... (D apart): R independent sums in flight (one key's dot
+// product alone waits on its FMA chain), each in the order of d.
+template <int R>
+inline void dots(const float* q, const float* k, int64_t D, float scale, float* out) {
   const int64_t Dv = D - D % 8;
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < Dv; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + i * D + d), acc[i]);
+  }
+  for (int i = 0; i < R; ++i) {
+    float r = gpt2::hsum(acc[i]);
+    for (int64_t d = Dv; d < D; ++d) r += q[d] * k[i * D + d];
+    out[i] = r * scale;
+  }
+}
+
+// out[s] = (q . keys[s]) * scale for the n keys, keys [n, D]: four keys at a time.
+inline void scores(const float* q, const float* keys, int64_t n, int64_t D, float scale, float* out) {
   int64_t s = 0;
-  for (; s + 4 <= n; s += 4) {
-    const float* k = keys + s * D;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t d = 0; d < Dv; d += 8) {
-      const __m256 qv = _mm256_loadu_ps(q + d);
-      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + d), a0);
-      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + D + d), a1);
-      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * D + d), a2);
-      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * D + d), a3);
-    }
-    float r[4] = {gpt2::hsum(a0), gpt2::hsum(a1), gpt2::hsum(a2), gpt2::hsum(a3)};
-    for (int i = 0; i < 4; ++i) {
-      for (int64_t d = Dv; d < D; ++d) r[i] += q[d] * k[i * D + d];
-      out[s + i] = r[i] * scale;
-    }
-  }
-  for (; s < n; ++s) {
-    const float* k = keys + s * D;
-    __m256 a = _mm256_setzero_ps();
-    for (int64_t d = 0; d < Dv; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a);
-    float r = gpt2::hsum(a);
-    for (int64_t d = Dv; d < D; ++d) r += q[d] * k[d];
-    out[s] = r * scale;
-  }
+  for (; s + 4 <= n; s += 4) dots<4>(q, keys + s * D, D, scale, out + s);
+  for (; s < n; ++s) dots<1>(q, keys + s * D, D, scale, out + s);
 }
 
 // out[d0, d0 + 8 V) = sum over the n keys of weights[s] * values[s][d0, d0 + 8 V), values [n, D]: V vectors
