@@ -65,6 +65,7 @@ from scripts.bench_common import (  # noqa: E402
     cpu_ticks,
     maxrss_bytes,
     measure_limit,
+    memory_pages,
     others_share,
     vm_hwm_bytes,
 )
@@ -530,6 +531,7 @@ def run(args: argparse.Namespace, path: str, load_start: tuple[float, float, flo
         "ours_label": ours_label,
         "labels": [c.label for c in contenders],
         "cpu_features": cpu_features() if device.type == "cpu" else None,
+        "memory_pages": memory_pages() if device.type == "cpu" else None,
         "notes": notes,
         "load_average_start": load_start,
         "load_average_end": load_end,
@@ -766,6 +768,8 @@ def print_versus(report: dict[str, Any]) -> None:
     if report["cpu_features"] is not None:
         f = report["cpu_features"]
         print("host CPU extensions: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in f.items()))
+    if report.get("memory_pages"):
+        print(f"host memory: {report['memory_pages']}")
     fid = report.get("int8_fidelity")
     if fid:
         g = fid["greedy"]

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from model import huge_pages
+
 BUSY_LOAD = 0.5  # 1-minute load average above which other processes are competing for the cores
 CPU_READ_BYTES = 256 * 2**20  # bandwidth tensors: far larger than any last-level cache
 GPU_READ_BYTES = 2 * 2**30
@@ -61,8 +63,10 @@ def read_bandwidth(device: torch.device, threads: int, reps: int = 8) -> float:
     product over it as a [4096, n / 4096] matrix (decode's own kind of kernel; on some CPUs one thread's
     torch.sum is compute-bound at well under the memory's speed)."""
     torch.set_num_threads(threads)
-    nbytes = GPU_READ_BYTES if device.type == "cuda" else CPU_READ_BYTES
-    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)  # written once: the pages exist
+    if device.type == "cuda":
+        x = torch.ones(GPU_READ_BYTES // 4, dtype=torch.float32, device=device)
+    else:  # in 2 MB pages where there are, as our weights are (model/huge_pages.py)
+        x = huge_pages.zeros((CPU_READ_BYTES // 4,), torch.float32).fill_(1)  # written once: the pages exist
     m = x.view(4096, -1)
     v = torch.ones(m.shape[1], dtype=torch.float32, device=device)
     best = float("inf")
@@ -176,3 +180,10 @@ def cpu_features() -> dict[str, bool]:
     from model.kernels import matrix_features
 
     return matrix_features()
+
+
+def memory_pages() -> str:
+    """The host's transparent-huge-page mode, and whether our weights are in 2 MB pages there."""
+    return f"transparent huge pages {huge_pages.mode() or 'absent'}: our CPU weights in " + (
+        "2 MB pages" if huge_pages.available() else "4 KB pages"
+    )

@@ -303,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
             stop()
     if bounded:
         gemm_rates.append(measure_gemm())
+    from gpt2_scripts.bench_common import cpu_features, cpu_name, memory_pages
+
     peak = max(gemm_rates) if gemm_rates else None
     report = {
         "ray_replicas": args.ray,
@@ -315,7 +317,14 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_at_end": os.getloadavg()[0],
         "cpus": os.cpu_count(),
         "matmul_flop_per_s": peak,
+        "host": {"cpu": cpu_name(), "cpu_features": cpu_features(), "memory_pages": memory_pages()},
     }
+    host = report["host"]
+    print(
+        f"\nhost: {host['cpu']}, {os.cpu_count()} CPUs; extensions: "
+        + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in host["cpu_features"].items())
+        + f"; {host['memory_pages']}"
+    )
     rates = [b["tokens_per_s"] for b in baselines]
     print(
         f"\nbaseline, the same kind of requests one at a time, measured before and after each level: "
