@@ -586,7 +586,10 @@ class DecodeBatch:
         # a row is finite where its max and min are (a NaN is its max): two passes over the logits, not the
         # three and a bool copy of argmax and isfinite().all() (at 32 rows on a 2-core CPU, 1.5 ms against 5.9)
         top, top_index = logits.max(dim=-1)  # the first of equal maxima, as argmax
-        all_finite = top.isfinite() & logits.amin(dim=-1).isfinite()
+        if logits.device.type in ("cpu", "cuda"):  # where max and min propagate NaN
+            all_finite = top.isfinite() & logits.amin(dim=-1).isfinite()
+        else:  # MPS reductions have skipped NaN
+            all_finite = logits.isfinite().all(dim=-1)
         argmax, finite = torch.stack([top_index, all_finite.long()]).tolist()  # one device sync for every row
         out: list[tuple[SequenceState, TokenEvent | None]] = []
         for seq, row, best, ok in zip(seqs, logits, argmax, finite, strict=True):

@@ -65,7 +65,7 @@ def read_bandwidth(device: torch.device, threads: int, reps: int = 8) -> float:
     torch.set_num_threads(threads)
     if device.type == "cuda":
         x = torch.ones(GPU_READ_BYTES // 4, dtype=torch.float32, device=device)
-    else:  # in 2 MB pages where there are, as our weights are (model/huge_pages.py)
+    else:  # in huge pages where there are, as our weights are (model/huge_pages.py)
         x = huge_pages.zeros((CPU_READ_BYTES // 4,), torch.float32).fill_(1)  # written once: the pages exist
     m = x.view(4096, -1)
     v = torch.ones(m.shape[1], dtype=torch.float32, device=device)
@@ -183,7 +183,8 @@ def cpu_features() -> dict[str, bool]:
 
 
 def memory_pages() -> str:
-    """The host's transparent-huge-page mode, and whether our weights are in 2 MB pages there."""
-    return f"transparent huge pages {huge_pages.mode() or 'absent'}: our CPU weights in " + (
-        "2 MB pages" if huge_pages.available() else "4 KB pages"
+    """The host's transparent-huge-page mode, and whether our weights go into memory advised for huge pages
+    there (model/huge_pages.py; the kernel backs it with them where it has them free)."""
+    return f"transparent huge pages {huge_pages.mode() or 'absent'}: our CPU weights " + (
+        f"advised into {huge_pages.page_size() >> 20} MB pages" if huge_pages.available() else "in ordinary pages"
     )

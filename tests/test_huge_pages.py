@@ -5,8 +5,12 @@ with the model, and where there are no 2 MB pages nothing moves."""
 from __future__ import annotations
 
 import gc
+import io
+import pickle
+import weakref
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import Checkpoint
@@ -74,7 +78,13 @@ def test_the_move_keeps_every_tensor_as_it_was() -> None:
     assert where is not None and "hg" in where[1]
     span, _ = where
     assert all(t.data_ptr() in span for t in m.state_dict().values())
-    assert m.w.data_ptr() % huge_pages.PAGE == 0  # w went first, at the start of the region
+    assert m.w.data_ptr() % huge_pages.page_size() == 0  # w went first, at the start of the region
+    # each old storage a storage of its own still: pickle and torch.save see a's and b's, not the mapping
+    assert m.w.untyped_storage().nbytes() == 1024 * 512 * 4 and m.q.untyped_storage().nbytes() == 700 * 900
+    assert len(pickle.dumps(m.small)) < 10_000
+    torch.save(m.state_dict(), io.BytesIO())  # float32 and int8 tensors, no storage of two dtypes
+    with pytest.raises(RuntimeError):
+        m.small.resize_(10)  # cannot grow into its neighbour's bytes
 
 
 @needs_huge_pages
@@ -87,6 +97,69 @@ def test_the_mapping_goes_with_the_model() -> None:
     gc.collect()
     found = mapping_of(address)
     assert found is None or "hg" not in found[1]  # unmapped (the range may hold something else since)
+
+
+@needs_huge_pages
+def test_a_second_move_and_what_cannot_move_stay_where_they_are() -> None:
+    m = Shared()
+    m.register_buffer("phase", torch.randn(600_000, dtype=torch.complex64).conj())  # a lazy conjugate
+    phase = m.phase.resolve_conj().clone()
+    with torch.inference_mode():
+        m.register_buffer("made_in_inference", torch.ones(600_000))
+    assert huge_pages.move_into(m)
+    assert m.phase.is_conj() and torch.equal(m.phase.resolve_conj(), phase)  # left alone, same values
+    assert m.made_in_inference.is_inference() and not m.w.is_inference()
+    addresses = {n: t.data_ptr() for n, t in m.state_dict().items()}
+    assert not huge_pages.move_into(m)  # all in huge pages of ours already
+    assert {n: t.data_ptr() for n, t in m.state_dict().items()} == addresses
+
+
+@needs_huge_pages
+def test_each_old_storage_is_freed_as_it_moves() -> None:
+    arrays = [np.random.default_rng(i).standard_normal(300_000).astype(np.float32) for i in range(3)]
+    alive = [weakref.ref(a) for a in arrays]
+    m = nn.Module()
+    for i, a in enumerate(arrays):
+        m.register_parameter(f"p{i}", nn.Parameter(torch.from_numpy(a), requires_grad=False))
+    values = [a.copy() for a in arrays]
+    del arrays, a
+    assert huge_pages.move_into(m)
+    gc.collect()
+    assert [r() for r in alive] == [None, None, None]  # nothing holds the old memory
+    assert all(np.array_equal(getattr(m, f"p{i}").numpy(), v) for i, v in enumerate(values))
+
+
+def test_a_fused_step_keeps_the_weights_it_was_made_with(tiny: Checkpoint) -> None:
+    """FusedDecode holds the storages whose addresses it took: a parameter's memory swapped afterwards (as
+    a move would) neither frees them under it nor changes what it reads."""
+    model = load_weights(tiny.path, dtype="int8", device="cpu")
+    with torch.inference_mode():
+        cache = KVCache(model.config, 1, 16, dtype=torch.float32, device="cpu")
+        fused = FusedDecode.make(model, cache)
+        assert fused is not None
+        before = fused([5], [0])
+    for t in (*model.parameters(), *model.buffers()):
+        t.data = t.data.clone()
+    gc.collect()
+    with torch.inference_mode():
+        assert torch.equal(fused([5], [0]), before)
+
+
+def test_loading_keeps_ordinary_pages_when_the_move_fails(
+    tiny: Checkpoint, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(huge_pages, "available", lambda: True)
+
+    def no_memory(nbytes: int) -> None:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(huge_pages, "_mapping", no_memory)
+    with caplog.at_level("WARNING"):
+        model = load_weights(tiny.path, dtype="float32", device="cpu")
+    assert "ordinary pages" in caplog.text and "Cannot allocate memory" in caplog.text
+    idx = torch.tensor([[1, 2, 3]])
+    with torch.inference_mode():
+        assert torch.allclose(model(idx), tiny.hf(idx).logits, atol=1e-4)
 
 
 def test_nothing_moves_without_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -74,7 +74,7 @@ class _Pointers:
 
     def __call__(self, t: torch.Tensor, dtype: torch.dtype = torch.float32) -> int:
         assert t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"
-        self.tensors.append(t)
+        self.tensors.append(t.detach())  # holds the storage itself, even if the parameter's .data is swapped
         return t.data_ptr()
 
     def linear(self, layer: Conv1D) -> _Linear:
