@@ -24,6 +24,7 @@ import functools
 import math
 import mmap
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -139,6 +140,12 @@ def move_into(module: nn.Module) -> bool:
 def _trim_heap() -> None:
     """Hand the C heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing): a checkpoint
     read in pieces of a few MB lands on the heap, and freed there it would stay in the process."""
-    libc = ctypes.CDLL(None)
-    if hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, looked up once (None where the C library has none)."""
+    return getattr(ctypes.CDLL(None), "malloc_trim", None)

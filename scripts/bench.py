@@ -63,6 +63,7 @@ from scripts.bench_common import (  # noqa: E402
     cpu_features,
     cpu_name,
     cpu_ticks,
+    features_text,
     maxrss_bytes,
     measure_limit,
     memory_pages,
@@ -767,7 +768,7 @@ def print_versus(report: dict[str, Any]) -> None:
         print(note)
     if report["cpu_features"] is not None:
         f = report["cpu_features"]
-        print("host CPU extensions: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in f.items()))
+        print(f"host CPU extensions: {features_text(f)}")
     if report.get("memory_pages"):
         print(f"host memory: {report['memory_pages']}")
     fid = report.get("int8_fidelity")

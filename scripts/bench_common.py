@@ -182,6 +182,11 @@ def cpu_features() -> dict[str, bool]:
     return matrix_features()
 
 
+def features_text(features: dict[str, bool]) -> str:
+    """`cpu_features()` as the benchmarks print it: "avx2 yes, fma yes, avx512f no, ..."."""
+    return ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in features.items())
+
+
 def memory_pages() -> str:
     """The host's transparent-huge-page mode, and whether our weights go into memory advised for huge pages
     there (model/huge_pages.py; the kernel backs it with them where it has them free)."""

@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             stop()
     if bounded:
         gemm_rates.append(measure_gemm())
-    from gpt2_scripts.bench_common import cpu_features, cpu_name, memory_pages
+    from gpt2_scripts.bench_common import cpu_features, cpu_name, features_text, memory_pages
 
     peak = max(gemm_rates) if gemm_rates else None
     report = {
@@ -321,9 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     host = report["host"]
     print(
-        f"\nhost: {host['cpu']}, {os.cpu_count()} CPUs; extensions: "
-        + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in host["cpu_features"].items())
-        + f"; {host['memory_pages']}"
+        f"\nhost: {host['cpu']}, {os.cpu_count()} CPUs; extensions: {features_text(host['cpu_features'])}; "
+        f"{host['memory_pages']}"
     )
     rates = [b["tokens_per_s"] for b in baselines]
     print(
