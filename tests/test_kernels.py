@@ -163,6 +163,44 @@ def test_max_rows_can_be_set(monkeypatch: pytest.MonkeyPatch, caplog: pytest.Log
         kernels.max_rows.cache_clear()
 
 
+def test_the_build_for_this_cpu(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """AVX-512 where the CPU has F and VL, else AVX2; GPT2_KERNEL_ISA chooses AVX2 (a value it does not know
+    is ignored, saying so); each build has a library of its own in the cache."""
+    default = "avx512" if {"avx512f", "avx512vl"} <= kernels.cpu_flags() else "avx2"
+    try:
+        kernels.cpu_isa.cache_clear()
+        assert kernels.cpu_isa() == default
+        for value, expected in (("avx2", "avx2"), ("sse9", default)):
+            monkeypatch.setenv("GPT2_KERNEL_ISA", value)
+            kernels.cpu_isa.cache_clear()
+            assert kernels.cpu_isa() == expected
+        assert "GPT2_KERNEL_ISA='sse9' is not one of avx2, avx512" in caplog.text
+    finally:
+        monkeypatch.undo()
+        kernels.cpu_isa.cache_clear()
+    paths = {kernels.library_path(isa) for isa in kernels.ISAS}
+    assert len(paths) == 2 and kernels.library_path() == kernels.library_path(default)
+
+
+@needs_kernels
+@pytest.mark.skipif(kernels.cpu_isa() != "avx512", reason="this CPU runs the AVX2 build alone: the suite tests it")
+def test_the_avx2_build_matches_too() -> None:
+    """On an AVX-512 host the suite tests the AVX-512 build; the AVX2 build (what an AVX2-only host loads)
+    goes through the same products and fused passes here, in a process that loads it."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py",
+         "tests/test_fused_decode.py", "-k", "match or lm_head or threads or packed or chunk"],
+        cwd=ROOT,
+        env=os.environ | {"GPT2_KERNEL_ISA": "avx2"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout
+
+
 def test_build_failure_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPT2_KERNEL_CACHE", str(tmp_path))
     with pytest.raises(RuntimeError, match="failed"):

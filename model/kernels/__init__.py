@@ -1,19 +1,21 @@
 """Our CPU kernels for the decode step: y = x @ W.T + b for a few rows x, W [N, K] contiguous, in float32 or in
 int8 with a scale per output (`matmul.h`, `matmul.cpp`), and a whole decode step in one call (`decode.cpp`,
 driven by `decode.py`). Built at first use with the system's C++ compiler into a cache directory (about
-12 s on a 2-core host, once per source version), loaded with ctypes; where
-that cannot be done (no compiler, no AVX2/FMA, not x86-64) `available()` is False, one warning says why,
-and callers use stock torch.
+12 s on a 2-core host, once per source version), for the CPU's vector extensions (`cpu_isa()`: AVX-512
+where it has them, else AVX2), loaded with ctypes; where that cannot be done (no compiler, no AVX2/FMA,
+not x86-64) `available()` is False, one warning says why, and callers use stock torch.
 
 Why: for 1-32 rows, torch's float32 CPU GEMM (MKL) streams the weights from one thread (a second core
 adds nothing at batch 1) and reaches a fraction of the FLOP rate at batch 8; here every thread streams
-its own contiguous slab of W (the threads split the outputs) and 3 x 4 tiles of accumulators keep the
-FMA units busy. On an AVX2-only host they also beat MKL for prompt-sized products, up to `max_rows()`.
-Thread count: torch's (`torch.get_num_threads()`), through torch's own OpenMP runtime.
+its own contiguous slab of W (the threads split the outputs) and tiles of accumulators (3 x 4 with AVX2,
+4 x 4 of twice the width with AVX-512) keep the FMA units busy. On an AVX2-only host they also beat MKL
+for prompt-sized products, up to `max_rows()`. Thread count: torch's (`torch.get_num_threads()`), through
+torch's own OpenMP runtime.
 
-Environment: `GPT2_KERNELS=0` turns them off (for A/B runs); `GPT2_KERNEL_MAX_ROWS` caps the rows of x
-a product sends to them (`max_rows()`); `GPT2_KERNEL_CACHE` is where the library is
-built (default `$XDG_CACHE_HOME/gpt2-server` or `~/.cache/gpt2-server`); `CXX` names the compiler.
+Environment: `GPT2_KERNELS=0` turns them off (for A/B runs); `GPT2_KERNEL_ISA=avx2` loads the AVX2 build
+on an AVX-512 host; `GPT2_KERNEL_MAX_ROWS` caps the rows of x a product sends to them (`max_rows()`);
+`GPT2_KERNEL_CACHE` is where the library is built (default `$XDG_CACHE_HOME/gpt2-server` or
+`~/.cache/gpt2-server`); `CXX` names the compiler.
 """
 
 from __future__ import annotations
@@ -36,7 +38,11 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = [HERE / "matmul.cpp", HERE / "decode.cpp"]  # compiled together into one library
 HEADERS = [HERE / "matmul.h"]
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+ISAS = {  # the vector extensions a library is built for -> the compiler's flags for them
+    "avx2": ["-mavx2", "-mfma"],
+    "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl"],  # 16-lane float32 tiles, 32 vector registers
+}
 BUILD_TIMEOUT_S = 300
 MAX_ROWS_AVX2 = 512  # products of more rows (long prefills) go to torch's GEMM (MKL): on an AVX2 host our tiles
 # matched or beat it up to here (2 threads: 60 vs 48 GFLOP/s at 128 rows, 62 vs 62 at 512, 60 vs 60 at 1024)
@@ -57,19 +63,21 @@ def _compiler() -> str | None:
     return None
 
 
-def library_path() -> Path:
-    """Where the library of this source and these flags lives in the cache (a container builds it once and
-    may drop the compiler afterwards)."""
-    digest = hashlib.sha256(" ".join(FLAGS).encode())
+def library_path(isa: str | None = None) -> Path:
+    """Where the library of this source, built for `isa` (default: this CPU's, `cpu_isa()`), lives in the cache
+    (a container builds both once and may drop the compiler afterwards)."""
+    isa = isa or cpu_isa()
+    digest = hashlib.sha256(" ".join(FLAGS + ISAS[isa]).encode())
     for f in SOURCES + HEADERS:
         digest.update(f.read_bytes())
-    return cache_dir() / f"gpt2_kernels-{digest.hexdigest()[:16]}.so"
+    return cache_dir() / f"gpt2_kernels-{isa}-{digest.hexdigest()[:16]}.so"
 
 
-def build(compiler: str | None = None) -> Path:
-    """Compile the sources into the cache (if it is not there yet, or with `compiler` given) and return the
-    library's path; raises RuntimeError saying why it cannot."""
-    path = library_path()
+def build(compiler: str | None = None, isa: str | None = None) -> Path:
+    """Compile the sources for `isa` (default: this CPU's) into the cache (if it is not there yet, or with
+    `compiler` given) and return the library's path; raises RuntimeError saying why it cannot. Building
+    needs no CPU that runs the result: an image builds both ISAS."""
+    path = library_path(isa)
     if compiler is None and path.is_file():
         return path
     compiler = compiler or _compiler()
@@ -80,7 +88,7 @@ def build(compiler: str | None = None) -> Path:
         out = Path(tmp) / path.name
         try:
             done = subprocess.run(
-                [compiler, *FLAGS, *map(str, SOURCES), "-o", str(out)],
+                [compiler, *FLAGS, *ISAS[isa or cpu_isa()], *map(str, SOURCES), "-o", str(out)],
                 capture_output=True,
                 text=True,
                 timeout=BUILD_TIMEOUT_S,
@@ -104,6 +112,18 @@ def cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+@cache
+def cpu_isa() -> str:
+    """The ISAS entry to build and load for this CPU: avx512 where it has AVX-512 F and VL, else avx2.
+    `GPT2_KERNEL_ISA=avx2` chooses the AVX2 build on an AVX-512 host (for A/B runs and tests)."""
+    forced = os.environ.get("GPT2_KERNEL_ISA")
+    if forced:
+        if forced in ISAS:
+            return forced
+        log.warning("GPT2_KERNEL_ISA=%r is not one of %s: ignored", forced, ", ".join(ISAS))
+    return "avx512" if {"avx512f", "avx512vl"} <= cpu_flags() else "avx2"
 
 
 def matrix_features() -> dict[str, bool]:
@@ -138,6 +158,8 @@ def _cpu_supported() -> str | None:
     capability = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512" (both have AVX2 and FMA), ...
     if capability not in ("AVX2", "AVX512"):
         return f"the CPU lacks AVX2/FMA (torch reports {capability})"
+    if cpu_isa() == "avx512" and not {"avx512f", "avx512vl"} <= cpu_flags():
+        return "GPT2_KERNEL_ISA=avx512, but the CPU lacks AVX-512 F or VL"
     return None
 
 
