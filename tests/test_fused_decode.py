@@ -5,10 +5,11 @@ int8, the choice DecodeBatch makes, and clear errors for what it cannot take."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import Checkpoint, load_ours
+from conftest import Checkpoint, load_ours, make_checkpoint
 
 from model import kernels
 from model.generate import MAX_FUSED_TOKENS, DecodeBatch, SamplingParams, generate, new_sequence
@@ -124,6 +125,33 @@ def test_a_packed_pass_matches_the_eager_one(tiny: Checkpoint) -> None:
         for b, seq in enumerate(full):
             for got_kv, want_kv in ((cache.k, eager.k), (cache.v, eager.v)):
                 torch.testing.assert_close(got_kv[:, b, :, : len(seq)], want_kv[:, b, :, : len(seq)], rtol=0, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("d_head", [12, 40, 64])
+def test_every_query_of_a_chunk_attends_as_eager(d_head: int, tmp_path: Path) -> None:
+    """Each query of a prompt chunk attends over its own row's keys up to its position (the causal diagonal
+    inside the chunk: keys stored in this pass, later ones left out), at head sizes with a vector tail (12),
+    without the 64-wide path (40) and GPT-2's own (64); chunks of 1 to 11 tokens, one beside a decode token
+    of another row, logits at every token."""
+    model = load_ours(make_checkpoint(tmp_path, n_layer=2, n_head=3, n_embd=3 * d_head, n_positions=64))
+    prompts = prompts_of([4, 40], seed=d_head)
+    with torch.inference_mode():
+        cache = prefilled(model, [prompts[0][:3], prompts[1][:2]], max_len=48)
+        fused = FusedDecode.make(model, cache)
+        assert fused is not None
+        start = 2
+        for size in (1, 2, 3, 4, 5, 7, 11):  # row 1's prompt in chunks; row 0 decodes its 4th token once
+            chunk = prompts[1][start : start + size]
+            tokens, rows, positions = list(chunk), [1] * size, list(range(start, start + size))
+            if size == 5:
+                tokens, rows, positions = [prompts[0][3], *tokens], [0, *rows], [3, *positions]
+            got = fused.forward(tokens, rows, positions, list(range(len(tokens))))
+            start += size
+            want = model(torch.tensor([prompts[1][:start]]))[0, -size:]
+            if size == 5:
+                want = torch.cat([model(torch.tensor([prompts[0]]))[0, -1:], want])
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
 @needs_kernels
