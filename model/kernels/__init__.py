@@ -46,7 +46,8 @@ ISAS = {  # the vector extensions a library is built for -> the compiler's flags
 BUILD_TIMEOUT_S = 300
 MAX_ROWS_AVX2 = 512  # products of more rows (long prefills) go to torch's GEMM (MKL): on an AVX2 host our tiles
 # matched or beat it up to here (2 threads: 60 vs 48 GFLOP/s at 128 rows, 62 vs 62 at 512, 60 vs 60 at 1024)
-MAX_ROWS_AVX512 = 96  # with AVX-512, MKL's wider vectors win sooner: only a server step's rows come here
+MAX_ROWS_AVX512 = 96  # with AVX-512, MKL's GEMM wins sooner: only a server step's rows come here (2 threads, Zen 4
+# host, a block's four products, our AVX-512 tiles: 177 vs 162 GFLOP/s at 96 rows, even at 128, 161 vs 170 at 192)
 
 
 def cache_dir() -> Path:
@@ -190,7 +191,8 @@ def _library() -> ctypes.CDLL | None:
 @cache
 def max_rows() -> int:
     """The most rows of x a product sends to our kernels on this CPU (more go to torch's GEMM): 512 without
-    AVX-512 and 96 with it (measured on a 2-core AVX2 host); `GPT2_KERNEL_MAX_ROWS` sets it (0 or more)."""
+    AVX-512 and 96 with it (measured on a 2-core AVX2 host and a 2-core Zen 4 host); `GPT2_KERNEL_MAX_ROWS`
+    sets it (0 or more)."""
     if os.environ.get("GPT2_KERNEL_MAX_ROWS"):
         try:
             return max(0, int(os.environ["GPT2_KERNEL_MAX_ROWS"]))
