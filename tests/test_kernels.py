@@ -66,6 +66,21 @@ def test_int8_matches_dequantized(k: int, n: int) -> None:
         assert ((y - reference(x, w, bias)).abs() <= int8_tolerance(x, w)).all()
 
 
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 16])
+def test_int8_largest_sums_do_not_overflow(m: int) -> None:
+    """Every product at its largest (each x at its row's max, so 32767 in int16, against weights of +-127, all
+    of one sign per output) over gpt2-xl's longest K, 6400: the int32 sums become float32 before they could
+    overflow (with AVX2's 8 lanes they passed 2^31 after 4128 of K)."""
+    k = 6400
+    q = torch.full((4, k), 127, dtype=torch.int8)
+    q[1::2] = -127
+    scale = torch.full((4,), 1e-3)
+    x = torch.full((m, k), 0.5)
+    y = kernels.matmul_int8(x, q, scale, None)
+    torch.testing.assert_close(y, reference(x, q.float() * scale[:, None], None), rtol=1e-5, atol=0)
+
+
 def int8_tolerance(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """[M, N]: float32 rounding, plus the int8 kernel's rounding of each row of x to int16 (at most half a
     step of max|x| / 32767 per element, times |w|)."""
@@ -164,9 +179,9 @@ def test_max_rows_can_be_set(monkeypatch: pytest.MonkeyPatch, caplog: pytest.Log
 
 
 def test_the_build_for_this_cpu(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """AVX-512 where the CPU has F and VL, else AVX2; GPT2_KERNEL_ISA chooses AVX2 (a value it does not know
-    is ignored, saying so); each build has a library of its own in the cache."""
-    default = "avx512" if {"avx512f", "avx512vl"} <= kernels.cpu_flags() else "avx2"
+    """AVX-512 where the CPU has F, VL and BW, else AVX2; GPT2_KERNEL_ISA chooses AVX2 (a value it does not
+    know is ignored, saying so); each build has a library of its own in the cache."""
+    default = "avx512" if {"avx512f", "avx512vl", "avx512bw"} <= kernels.cpu_flags() else "avx2"
     try:
         kernels.cpu_isa.cache_clear()
         assert kernels.cpu_isa() == default
@@ -189,7 +204,7 @@ def test_the_avx2_build_matches_too() -> None:
     goes through the same products and fused passes here, in a process that loads it."""
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py",
-         "tests/test_fused_decode.py", "-k", "match or lm_head or threads or packed or chunk"],
+         "tests/test_fused_decode.py", "-k", "match or lm_head or threads or overflow or packed or chunk"],
         cwd=ROOT,
         env=os.environ | {"GPT2_KERNEL_ISA": "avx2"},
         capture_output=True,

@@ -41,8 +41,9 @@ HEADERS = [HERE / "matmul.h"]
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 ISAS = {  # the vector extensions a library is built for -> the compiler's flags for them
     "avx2": ["-mavx2", "-mfma"],
-    "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl"],  # 16-lane float32 tiles, 32 vector registers
+    "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-mavx512bw"],  # 16-lane float32, 32-lane int16 tiles
 }
+AVX512 = frozenset({"avx512f", "avx512vl", "avx512bw"})  # what the avx512 build needs of the CPU
 BUILD_TIMEOUT_S = 300
 MAX_ROWS_AVX2 = 512  # products of more rows (long prefills) go to torch's GEMM (MKL): on an AVX2 host our tiles
 # matched or beat it up to here (2 threads: 60 vs 48 GFLOP/s at 128 rows, 62 vs 62 at 512, 60 vs 60 at 1024)
@@ -117,14 +118,14 @@ def cpu_flags() -> frozenset[str]:
 
 @cache
 def cpu_isa() -> str:
-    """The ISAS entry to build and load for this CPU: avx512 where it has AVX-512 F and VL, else avx2.
+    """The ISAS entry to build and load for this CPU: avx512 where it has AVX-512 F, VL and BW, else avx2.
     `GPT2_KERNEL_ISA=avx2` chooses the AVX2 build on an AVX-512 host (for A/B runs and tests)."""
     forced = os.environ.get("GPT2_KERNEL_ISA")
     if forced:
         if forced in ISAS:
             return forced
         log.warning("GPT2_KERNEL_ISA=%r is not one of %s: ignored", forced, ", ".join(ISAS))
-    return "avx512" if {"avx512f", "avx512vl"} <= cpu_flags() else "avx2"
+    return "avx512" if AVX512 <= cpu_flags() else "avx2"
 
 
 def matrix_features() -> dict[str, bool]:
@@ -159,8 +160,8 @@ def _cpu_supported() -> str | None:
     capability = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512" (both have AVX2 and FMA), ...
     if capability not in ("AVX2", "AVX512"):
         return f"the CPU lacks AVX2/FMA (torch reports {capability})"
-    if cpu_isa() == "avx512" and not {"avx512f", "avx512vl"} <= cpu_flags():
-        return "GPT2_KERNEL_ISA=avx512, but the CPU lacks AVX-512 F or VL"
+    if cpu_isa() == "avx512" and not AVX512 <= cpu_flags():
+        return "GPT2_KERNEL_ISA=avx512, but the CPU lacks AVX-512 F, VL or BW"
     return None
 
 
