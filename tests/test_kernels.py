@@ -67,7 +67,7 @@ def test_int8_matches_dequantized(k: int, n: int) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("m", [1, 3, 12, 16])
 def test_int8_largest_sums_do_not_overflow(m: int) -> None:
     """Every product at its largest (each x at its row's max, so 32767 in int16, against weights of +-127, all
     of one sign per output) over gpt2-xl's longest K, 6400: the int32 sums become float32 before they could
@@ -182,6 +182,7 @@ def test_the_build_for_this_cpu(monkeypatch: pytest.MonkeyPatch, caplog: pytest.
     """AVX-512 where the CPU has F, VL and BW, else AVX2; GPT2_KERNEL_ISA chooses AVX2 (a value it does not
     know is ignored, saying so); each build has a library of its own in the cache."""
     default = "avx512" if {"avx512f", "avx512vl", "avx512bw"} <= kernels.cpu_flags() else "avx2"
+    monkeypatch.delenv("GPT2_KERNEL_ISA", raising=False)  # the suite may run with the AVX2 build chosen
     try:
         kernels.cpu_isa.cache_clear()
         assert kernels.cpu_isa() == default
@@ -214,6 +215,36 @@ def test_the_avx2_build_matches_too() -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:]
     assert " passed" in done.stdout and " failed" not in done.stdout
+
+
+@pytest.mark.parametrize("isa", sorted(kernels.ISAS))
+def test_every_build_compiles(isa: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each build compiles on any x86-64 host (compiling needs no CPU that runs it, as the image's build
+    shows); the ones this CPU loads are tested for their results by the rest of the suite."""
+    if kernels._compiler() is None or kernels._cpu_supported() is not None:
+        pytest.skip("no C++ compiler, or not an x86-64 host with AVX2")
+    if isa == kernels.cpu_isa() or (isa == "avx2" and kernels.cpu_isa() == "avx512"):
+        pytest.skip(f"the {isa} build is built and tested on this host by the rest of the suite")
+    monkeypatch.setenv("GPT2_KERNEL_CACHE", str(tmp_path))
+    assert kernels.build(isa=isa) == kernels.library_path(isa) and kernels.library_path(isa).is_file()
+
+
+@needs_kernels
+def test_falls_back_to_the_avx2_build(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Where the AVX-512 build cannot be compiled (an old compiler, say), the AVX2 build is loaded, saying so."""
+    real_build = kernels.build
+
+    def build(compiler: str | None = None, isa: str | None = None) -> Path:
+        if isa == "avx512":
+            raise RuntimeError("c++ failed (exit 1): unknown option -mavx512bw")
+        return real_build(compiler, isa)
+
+    monkeypatch.setattr(kernels, "build", build)
+    monkeypatch.setattr(kernels, "cpu_isa", lambda: "avx512")
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: kernels.AVX512 | {"avx2", "fma"})
+    lib = kernels._library.__wrapped__()
+    assert lib is not None and lib._name == str(kernels.library_path("avx2"))
+    assert "the avx512 build of our CPU kernels failed (c++ failed (exit 1): unknown option" in caplog.text
 
 
 def test_build_failure_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

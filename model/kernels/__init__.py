@@ -1,14 +1,16 @@
 """Our CPU kernels for the decode step: y = x @ W.T + b for a few rows x, W [N, K] contiguous, in float32 or in
 int8 with a scale per output (`matmul.h`, `matmul.cpp`), and a whole decode step in one call (`decode.cpp`,
 driven by `decode.py`). Built at first use with the system's C++ compiler into a cache directory (about
-12 s on a 2-core host, once per source version), for the CPU's vector extensions (`cpu_isa()`: AVX-512
-where it has them, else AVX2), loaded with ctypes; where that cannot be done (no compiler, no AVX2/FMA,
-not x86-64) `available()` is False, one warning says why, and callers use stock torch.
+12 s on a 2-core host, once per source version and build), for the CPU's vector extensions (`cpu_isa()`:
+AVX-512 where it has them, else AVX2; the AVX2 build where the AVX-512 one cannot be compiled), loaded
+with ctypes; where that cannot be done (no compiler, no AVX2/FMA, not x86-64) `available()` is False, one
+warning says why, and callers use stock torch.
 
 Why: for 1-32 rows, torch's float32 CPU GEMM (MKL) streams the weights from one thread (a second core
 adds nothing at batch 1) and reaches a fraction of the FLOP rate at batch 8; here every thread streams
 its own contiguous slab of W (the threads split the outputs) and tiles of accumulators (3 x 4 with AVX2,
-4 x 4 of twice the width with AVX-512) keep the FMA units busy. On an AVX2-only host they also beat MKL
+4 x 4 of twice the width with AVX-512; with AVX-512, one row of x streams W's rows one after another) keep
+the FMA units busy. On an AVX2-only host they also beat MKL
 for prompt-sized products, up to `max_rows()`. Thread count: torch's (`torch.get_num_threads()`), through
 torch's own OpenMP runtime.
 
@@ -172,10 +174,16 @@ def _library() -> ctypes.CDLL | None:
         return None
     reason = _cpu_supported()
     if reason is None:
-        try:
-            lib = ctypes.CDLL(str(build()))
-        except (RuntimeError, OSError) as e:
-            reason = str(e)
+        isas = [cpu_isa(), "avx2"] if cpu_isa() != "avx2" else ["avx2"]  # AVX2 where AVX-512 cannot be built
+        for isa in isas:
+            try:
+                lib = ctypes.CDLL(str(build(isa=isa)))
+                reason = None
+                break
+            except (RuntimeError, OSError) as e:
+                reason = str(e)
+                if isa != isas[-1]:
+                    log.warning("the %s build of our CPU kernels failed (%s): trying the AVX2 build", isa, reason)
     if reason is not None:
         log.warning("our CPU matrix kernels are not available (%s): using stock torch kernels, slower decoding", reason)
         return None
@@ -191,15 +199,15 @@ def _library() -> ctypes.CDLL | None:
 
 @cache
 def max_rows() -> int:
-    """The most rows of x a product sends to our kernels on this CPU (more go to torch's GEMM): 512 without
-    AVX-512 and 96 with it (measured on a 2-core AVX2 host and a 2-core Zen 4 host); `GPT2_KERNEL_MAX_ROWS`
-    sets it (0 or more)."""
+    """The most rows of x a product sends to our kernels on this CPU (more go to torch's GEMM): 512 for the
+    AVX2 build and 96 for the AVX-512 build (measured on a 2-core AVX2 host and a 2-core Zen 4 host);
+    `GPT2_KERNEL_MAX_ROWS` sets it (0 or more)."""
     if os.environ.get("GPT2_KERNEL_MAX_ROWS"):
         try:
             return max(0, int(os.environ["GPT2_KERNEL_MAX_ROWS"]))
         except ValueError:
             log.warning("GPT2_KERNEL_MAX_ROWS=%r is not a whole number: ignored", os.environ["GPT2_KERNEL_MAX_ROWS"])
-    return MAX_ROWS_AVX512 if "avx512f" in cpu_flags() else MAX_ROWS_AVX2
+    return MAX_ROWS_AVX512 if cpu_isa() == "avx512" else MAX_ROWS_AVX2
 
 
 def available() -> bool:

@@ -17,8 +17,9 @@
 // Each output ends with an epilogue (`Op`): stored, or added to y (the residual stream's `x += f(x)`), so
 // the decode step (decode.cpp) needs no pass of its own for it. `gelu` is GPT-2's activation, vectorised.
 // While a group's tiles run they prefetch the next group's rows of W, spread evenly over the group's row
-// tiles: at one row of x the products are bound by how fast memory streams in, and the hardware's
-// prefetchers alone left int8 at a third of the bandwidth.
+// tiles: at one row of x the products are bound by how fast memory streams in, and on the Zen 1 host the
+// hardware's prefetchers alone left int8 at a third of the bandwidth (the AVX-512 build streams one row of
+// x through W's rows in order instead, without prefetching: see `group`).
 #pragma once
 
 #include <immintrin.h>
@@ -158,8 +159,11 @@ constexpr int64_t kInt16Rows = GPT2_INT16_ROWS;
 
 // K between turning int32 sums into float32: each int32 lane adds two products of at most 32767 * 127 for
 // every kStep of K (8 lanes for 16 values with AVX2, 16 for 32 with AVX-512), so over 4096 of K at most
-// 512 of them, 2.13e9 < 2^31 even when every product is the largest of its sign.
+// 512 of them, 2.13e9 < 2^31 even when every product is the largest of its sign (and still below with a
+// weight of -128, which the quantizer never makes).
 constexpr int64_t KC = 4096;
+static_assert(KC % F32::kStep == 0 && KC % I8::kStep == 0, "a block of K ends on a whole step");
+static_assert(KC / I8::kStep * 2 * 32767LL * 128 < (1LL << 31), "no int32 lane can overflow within KC");
 
 constexpr int NR = 4;  // outputs per tile
 #ifdef __AVX512F__
@@ -347,7 +351,7 @@ inline Rows<I8> prepare(const float* x, int64_t M, int64_t K, std::vector<int16_
     xs[m] = amax > 0 ? amax / 32767.0f : 1.0f;
     const float inv = 1.0f / xs[m];
     const __m256 scale = _mm256_set1_ps(inv);
-    for (k = 0; k + 16 <= K; k += 16) {  // rounded to nearest, ties to even (as lrintf), packed to int16
+    for (k = 0; k + 16 <= K; k += 16) {  // rounded to nearest, ties to even (as lrintf for finite x), to int16
       const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(r + k), scale));
       const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(r + k + 8), scale));
       const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);  // back in order
