@@ -159,7 +159,7 @@ def test_kernel_layers_fall_back_for_prefill_and_autograd() -> None:
 def test_max_rows_can_be_set(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """GPT2_KERNEL_MAX_ROWS caps the rows a product sends to the kernels; a value that is not a number is
     ignored with a warning, and the default depends on the CPU (512 without AVX-512, 96 with it)."""
-    default = kernels.MAX_ROWS_AVX512 if "avx512f" in kernels.cpu_flags() else kernels.MAX_ROWS_AVX2
+    default = kernels.MAX_ROWS_AVX2 if kernels.cpu_isa() == "avx2" else kernels.MAX_ROWS_AVX512
     try:
         monkeypatch.setenv("GPT2_KERNEL_MAX_ROWS", "7")
         kernels.max_rows.cache_clear()
@@ -179,9 +179,12 @@ def test_max_rows_can_be_set(monkeypatch: pytest.MonkeyPatch, caplog: pytest.Log
 
 
 def test_the_build_for_this_cpu(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """AVX-512 where the CPU has F, VL and BW, else AVX2; GPT2_KERNEL_ISA chooses AVX2 (a value it does not
-    know is ignored, saying so); each build has a library of its own in the cache."""
-    default = "avx512" if {"avx512f", "avx512vl", "avx512bw"} <= kernels.cpu_flags() else "avx2"
+    """AVX-512 with VNNI, or AVX-512 where the CPU has F, VL and BW, else AVX2; GPT2_KERNEL_ISA chooses
+    another (a value it does not know is ignored, saying so); each build has a library of its own."""
+    flags = kernels.cpu_flags()
+    default = "avx2"
+    if {"avx512f", "avx512vl", "avx512bw"} <= flags:
+        default = "avx512_vnni" if "avx512_vnni" in flags else "avx512"
     monkeypatch.delenv("GPT2_KERNEL_ISA", raising=False)  # the suite may run with the AVX2 build chosen
     try:
         kernels.cpu_isa.cache_clear()
@@ -190,24 +193,28 @@ def test_the_build_for_this_cpu(monkeypatch: pytest.MonkeyPatch, caplog: pytest.
             monkeypatch.setenv("GPT2_KERNEL_ISA", value)
             kernels.cpu_isa.cache_clear()
             assert kernels.cpu_isa() == expected
-        assert "GPT2_KERNEL_ISA='sse9' is not one of avx2, avx512" in caplog.text
+        assert "GPT2_KERNEL_ISA='sse9' is not one of avx2, avx512, avx512_vnni" in caplog.text
     finally:
         monkeypatch.undo()
         kernels.cpu_isa.cache_clear()
     paths = {kernels.library_path(isa) for isa in kernels.ISAS}
-    assert len(paths) == 2 and kernels.library_path() == kernels.library_path(default)
+    assert len(paths) == 3 and kernels.library_path() == kernels.library_path(default)
 
 
 @needs_kernels
-@pytest.mark.skipif(kernels.cpu_isa() != "avx512", reason="this CPU runs the AVX2 build alone: the suite tests it")
-def test_the_avx2_build_matches_too() -> None:
-    """On an AVX-512 host the suite tests the AVX-512 build; the AVX2 build (what an AVX2-only host loads)
-    goes through the same products and fused passes here, in a process that loads it."""
+@pytest.mark.parametrize("isa", [isa for isa in kernels.ISAS if isa != kernels.cpu_isa()])
+def test_the_other_builds_match_too(isa: str) -> None:
+    """The suite tests the build this CPU loads; each other build it can run (the AVX2 one on an AVX-512
+    host: what an AVX2-only host loads) goes through the same products and fused passes here, in a process
+    that loads it."""
+    if isa not in kernels.runnable_isas():
+        pytest.skip(f"this CPU cannot run the {isa} build (test_every_build_compiles compiles it)")
+    tests = "(match or lm_head or threads or overflow or packed or chunk) and not other_builds"  # no recursion
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py",
-         "tests/test_fused_decode.py", "-k", "match or lm_head or threads or overflow or packed or chunk"],
+         "tests/test_fused_decode.py", "-k", tests],
         cwd=ROOT,
-        env=os.environ | {"GPT2_KERNEL_ISA": "avx2"},
+        env=os.environ | {"GPT2_KERNEL_ISA": isa},
         capture_output=True,
         text=True,
         timeout=900,
@@ -223,7 +230,7 @@ def test_every_build_compiles(isa: str, tmp_path: Path, monkeypatch: pytest.Monk
     shows); the ones this CPU loads are tested for their results by the rest of the suite."""
     if kernels._compiler() is None or kernels._cpu_supported() is not None:
         pytest.skip("no C++ compiler, or not an x86-64 host with AVX2")
-    if isa == kernels.cpu_isa() or (isa == "avx2" and kernels.cpu_isa() == "avx512"):
+    if isa in kernels.runnable_isas():
         pytest.skip(f"the {isa} build is built and tested on this host by the rest of the suite")
     monkeypatch.setenv("GPT2_KERNEL_CACHE", str(tmp_path))
     assert kernels.build(isa=isa) == kernels.library_path(isa) and kernels.library_path(isa).is_file()
@@ -235,13 +242,13 @@ def test_falls_back_to_the_avx2_build(monkeypatch: pytest.MonkeyPatch, caplog: p
     real_build = kernels.build
 
     def build(compiler: str | None = None, isa: str | None = None) -> Path:
-        if isa == "avx512":
+        if isa != "avx2":
             raise RuntimeError("c++ failed (exit 1): unknown option -mavx512bw")
         return real_build(compiler, isa)
 
     monkeypatch.setattr(kernels, "build", build)
     monkeypatch.setattr(kernels, "cpu_isa", lambda: "avx512")
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: kernels.AVX512 | {"avx2", "fma"})
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: kernels.NEEDS["avx512"])
     lib = kernels._library.__wrapped__()
     assert lib is not None and lib._name == str(kernels.library_path("avx2"))
     assert "the avx512 build of our CPU kernels failed (c++ failed (exit 1): unknown option" in caplog.text

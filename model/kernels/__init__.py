@@ -14,9 +14,9 @@ the FMA units busy. On an AVX2-only host they also beat MKL
 for prompt-sized products, up to `max_rows()`. Thread count: torch's (`torch.get_num_threads()`), through
 torch's own OpenMP runtime.
 
-Environment: `GPT2_KERNELS=0` turns them off (for A/B runs); `GPT2_KERNEL_ISA=avx2` loads the AVX2 build
-on an AVX-512 host; `GPT2_KERNEL_MAX_ROWS` caps the rows of x a product sends to them (`max_rows()`);
-`GPT2_KERNEL_CACHE` is where the library is built (default `$XDG_CACHE_HOME/gpt2-server` or
+Environment: `GPT2_KERNELS=0` turns them off (for A/B runs); `GPT2_KERNEL_ISA` (avx2, avx512, avx512_vnni)
+loads that build instead of this CPU's; `GPT2_KERNEL_MAX_ROWS` caps the rows of x a product sends to them
+(`max_rows()`); `GPT2_KERNEL_CACHE` is where the library is built (default `$XDG_CACHE_HOME/gpt2-server` or
 `~/.cache/gpt2-server`); `CXX` names the compiler.
 """
 
@@ -41,11 +41,17 @@ HERE = Path(__file__).parent
 SOURCES = [HERE / "matmul.cpp", HERE / "decode.cpp"]  # compiled together into one library
 HEADERS = [HERE / "matmul.h"]
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-ISAS = {  # the vector extensions a library is built for -> the compiler's flags for them
+AVX512_FLAGS = ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-mavx512bw"]  # 16-lane float32, 32-lane int16 tiles
+ISAS = {  # the vector extensions a library is built for -> the compiler's flags for them, fastest last
     "avx2": ["-mavx2", "-mfma"],
-    "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-mavx512bw"],  # 16-lane float32, 32-lane int16 tiles
+    "avx512": AVX512_FLAGS,
+    "avx512_vnni": [*AVX512_FLAGS, "-mavx512vnni"],  # int8's int16 products summed in one instruction
 }
-AVX512 = frozenset({"avx512f", "avx512vl", "avx512bw"})  # what the avx512 build needs of the CPU
+NEEDS = {  # what each build needs of the CPU (its /proc/cpuinfo flags)
+    "avx2": frozenset({"avx2", "fma"}),
+    "avx512": frozenset({"avx2", "fma", "avx512f", "avx512vl", "avx512bw"}),
+    "avx512_vnni": frozenset({"avx2", "fma", "avx512f", "avx512vl", "avx512bw", "avx512_vnni"}),
+}
 BUILD_TIMEOUT_S = 300
 MAX_ROWS_AVX2 = 512  # products of more rows (long prefills) go to torch's GEMM (MKL): on an AVX2 host our tiles
 # matched or beat it up to here (2 threads: 60 vs 48 GFLOP/s at 128 rows, 62 vs 62 at 512, 60 vs 60 at 1024)
@@ -120,14 +126,20 @@ def cpu_flags() -> frozenset[str]:
 
 @cache
 def cpu_isa() -> str:
-    """The ISAS entry to build and load for this CPU: avx512 where it has AVX-512 F, VL and BW, else avx2.
-    `GPT2_KERNEL_ISA=avx2` chooses the AVX2 build on an AVX-512 host (for A/B runs and tests)."""
+    """The ISAS entry to build and load for this CPU: the fastest whose NEEDS it has (avx512_vnni, then avx512
+    with AVX-512 F, VL and BW), else avx2. `GPT2_KERNEL_ISA` chooses another (avx2 on an AVX-512 host, say:
+    for A/B runs and tests)."""
     forced = os.environ.get("GPT2_KERNEL_ISA")
     if forced:
         if forced in ISAS:
             return forced
         log.warning("GPT2_KERNEL_ISA=%r is not one of %s: ignored", forced, ", ".join(ISAS))
-    return "avx512" if AVX512 <= cpu_flags() else "avx2"
+    return next((isa for isa in reversed(ISAS) if NEEDS[isa] <= cpu_flags()), "avx2")
+
+
+def runnable_isas() -> list[str]:
+    """The builds this CPU can run (from AVX2 on), slowest first."""
+    return [isa for isa in ISAS if NEEDS[isa] <= cpu_flags()]
 
 
 def matrix_features() -> dict[str, bool]:
@@ -162,8 +174,8 @@ def _cpu_supported() -> str | None:
     capability = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512" (both have AVX2 and FMA), ...
     if capability not in ("AVX2", "AVX512"):
         return f"the CPU lacks AVX2/FMA (torch reports {capability})"
-    if cpu_isa() == "avx512" and not AVX512 <= cpu_flags():
-        return "GPT2_KERNEL_ISA=avx512, but the CPU lacks AVX-512 F, VL or BW"
+    if cpu_isa() != "avx2" and not NEEDS[cpu_isa()] <= cpu_flags():
+        return f"GPT2_KERNEL_ISA={cpu_isa()}, but the CPU lacks {', '.join(sorted(NEEDS[cpu_isa()] - cpu_flags()))}"
     return None
 
 
@@ -207,7 +219,7 @@ def max_rows() -> int:
             return max(0, int(os.environ["GPT2_KERNEL_MAX_ROWS"]))
         except ValueError:
             log.warning("GPT2_KERNEL_MAX_ROWS=%r is not a whole number: ignored", os.environ["GPT2_KERNEL_MAX_ROWS"])
-    return MAX_ROWS_AVX512 if cpu_isa() == "avx512" else MAX_ROWS_AVX2
+    return MAX_ROWS_AVX2 if cpu_isa() == "avx2" else MAX_ROWS_AVX512
 
 
 def available() -> bool:

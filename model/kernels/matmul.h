@@ -123,7 +123,11 @@ struct I8 {  // int8 weights against int16 rows of x: 32 products per step, summ
   static inline __m512i load_w(const int8_t* w) {
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
   }
+#ifdef __AVX512VNNI__  // the pairs' products and their sum in one instruction (int8, 32 rows: 53-56 -> 49 ms, Zen 4)
+  static inline Acc fma(__m512i x, __m512i w, Acc acc) { return _mm512_dpwssd_epi32(acc, x, w); }
+#else
   static inline Acc fma(__m512i x, __m512i w, Acc acc) { return _mm512_add_epi32(acc, _mm512_madd_epi16(x, w)); }
+#endif
 };
 
 // With AVX-512 an int16 multiply-add does 32 products to a float32 FMA's 16, so the int8 path multiplies in
