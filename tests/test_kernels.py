@@ -222,6 +222,11 @@ def test_the_other_builds_match_too(isa: str) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:]
     assert " passed" in done.stdout and " failed" not in done.stdout
+    loaded = subprocess.run(  # and it was that build that ran, not a slower one it fell back to
+        [sys.executable, "-c", "from model import kernels; print(kernels._library()._name)"],
+        cwd=ROOT, env=os.environ | {"GPT2_KERNEL_ISA": isa}, capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    assert loaded.stdout.strip() == str(kernels.library_path(isa))
 
 
 @pytest.mark.parametrize("isa", sorted(kernels.ISAS))
@@ -237,21 +242,30 @@ def test_every_build_compiles(isa: str, tmp_path: Path, monkeypatch: pytest.Monk
 
 
 @needs_kernels
-def test_falls_back_to_the_avx2_build(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """Where the AVX-512 build cannot be compiled (an old compiler, say), the AVX2 build is loaded, saying so."""
+@pytest.mark.parametrize("fails", [["avx512_vnni"], ["avx512_vnni", "avx512"]])
+def test_falls_back_to_a_slower_build(
+    fails: list[str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where a build cannot be compiled (an old compiler that knows AVX-512 BW but not VNNI, say), the next
+    slower one is loaded, saying so, down to AVX2."""
     real_build = kernels.build
 
     def build(compiler: str | None = None, isa: str | None = None) -> Path:
-        if isa != "avx2":
-            raise RuntimeError("c++ failed (exit 1): unknown option -mavx512bw")
+        if isa in fails:
+            raise RuntimeError(f"c++ failed (exit 1): no {isa} here")
+        if isa != "avx2":  # stands for a build that compiles, without needing this CPU to run it
+            return real_build(compiler, "avx2")
         return real_build(compiler, isa)
 
     monkeypatch.setattr(kernels, "build", build)
-    monkeypatch.setattr(kernels, "cpu_isa", lambda: "avx512")
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: kernels.NEEDS["avx512"])
+    monkeypatch.setattr(kernels, "cpu_isa", lambda: "avx512_vnni")
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: kernels.NEEDS["avx512_vnni"])
+    assert kernels.fallbacks() == ["avx512_vnni", "avx512", "avx2"]
     lib = kernels._library.__wrapped__()
     assert lib is not None and lib._name == str(kernels.library_path("avx2"))
-    assert "the avx512 build of our CPU kernels failed (c++ failed (exit 1): unknown option" in caplog.text
+    for isa in fails:
+        assert f"the {isa} build of our CPU kernels failed (c++ failed (exit 1): no {isa} here)" in caplog.text
+    assert ("avx512 build" in caplog.text) == ("avx512" in fails)
 
 
 def test_build_failure_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

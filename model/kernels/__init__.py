@@ -2,7 +2,7 @@
 int8 with a scale per output (`matmul.h`, `matmul.cpp`), and a whole decode step in one call (`decode.cpp`,
 driven by `decode.py`). Built at first use with the system's C++ compiler into a cache directory (about
 12 s on a 2-core host, once per source version and build), for the CPU's vector extensions (`cpu_isa()`:
-AVX-512 where it has them, else AVX2; the AVX2 build where the AVX-512 one cannot be compiled), loaded
+AVX-512 with VNNI, or AVX-512, where it has them, else AVX2; a slower build where one cannot be compiled), loaded
 with ctypes; where that cannot be done (no compiler, no AVX2/FMA, not x86-64) `available()` is False, one
 warning says why, and callers use stock torch.
 
@@ -75,7 +75,7 @@ def _compiler() -> str | None:
 
 def library_path(isa: str | None = None) -> Path:
     """Where the library of this source, built for `isa` (default: this CPU's, `cpu_isa()`), lives in the cache
-    (a container builds both once and may drop the compiler afterwards)."""
+    (a container builds every build once and may drop the compiler afterwards)."""
     isa = isa or cpu_isa()
     digest = hashlib.sha256(" ".join(FLAGS + ISAS[isa]).encode())
     for f in SOURCES + HEADERS:
@@ -86,7 +86,7 @@ def library_path(isa: str | None = None) -> Path:
 def build(compiler: str | None = None, isa: str | None = None) -> Path:
     """Compile the sources for `isa` (default: this CPU's) into the cache (if it is not there yet, or with
     `compiler` given) and return the library's path; raises RuntimeError saying why it cannot. Building
-    needs no CPU that runs the result: an image builds both ISAS."""
+    needs no CPU that runs the result: an image builds every one of ISAS."""
     path = library_path(isa)
     if compiler is None and path.is_file():
         return path
@@ -135,6 +135,13 @@ def cpu_isa() -> str:
             return forced
         log.warning("GPT2_KERNEL_ISA=%r is not one of %s: ignored", forced, ", ".join(ISAS))
     return next((isa for isa in reversed(ISAS) if NEEDS[isa] <= cpu_flags()), "avx2")
+
+
+def fallbacks() -> list[str]:
+    """The builds to try loading, in order: this CPU's (`cpu_isa()`), then each slower one, down to avx2
+    (where a compiler knows AVX-512 BW but not VNNI, say)."""
+    order = list(ISAS)
+    return order[: order.index(cpu_isa()) + 1][::-1]
 
 
 def runnable_isas() -> list[str]:
@@ -186,16 +193,15 @@ def _library() -> ctypes.CDLL | None:
         return None
     reason = _cpu_supported()
     if reason is None:
-        isas = [cpu_isa(), "avx2"] if cpu_isa() != "avx2" else ["avx2"]  # AVX2 where AVX-512 cannot be built
-        for isa in isas:
+        for isa in fallbacks():
             try:
                 lib = ctypes.CDLL(str(build(isa=isa)))
                 reason = None
                 break
             except (RuntimeError, OSError) as e:
                 reason = str(e)
-                if isa != isas[-1]:
-                    log.warning("the %s build of our CPU kernels failed (%s): trying the AVX2 build", isa, reason)
+                if isa != "avx2":
+                    log.warning("the %s build of our CPU kernels failed (%s): trying the next one", isa, reason)
     if reason is not None:
         log.warning("our CPU matrix kernels are not available (%s): using stock torch kernels, slower decoding", reason)
         return None

@@ -3,13 +3,15 @@
 // W is stored [N, K] row-major (nn.Linear's layout: one output's weights contiguous), so every output is a
 // dot product over a contiguous row and each thread streams one contiguous slab of W: the threads split the
 // outputs N, not K, and never share a cache line of W. A tile holds MR rows of x against NR rows of W in
-// MR * NR vector accumulators, summed across lanes at the end. The library is built for AVX2 or for
-// AVX-512 (model/kernels/__init__.py chooses by the CPU; `__AVX512F__` tells which here). Two weight types:
+// MR * NR vector accumulators, summed across lanes at the end. The library is built for AVX2, AVX-512 or
+// AVX-512 with VNNI (model/kernels/__init__.py chooses by the CPU; `__AVX512F__` and `__AVX512VNNI__` tell
+// which here). Two weight types:
 // - float32: 8 lanes of K per FMA with AVX2, 16 with AVX-512, accumulated in float32;
 // - int8 with one float32 scale per output (symmetric, per output channel). Up to kInt16Rows rows, each row
 //   of x is first rounded to int16 with a scale of its own (|x| max -> 32767: 15 bits, finer than bfloat16's
 //   8), and 16 weights at a time (32 with AVX-512) are widened to int16 and multiplied in pairs into int32
-//   lanes (`_mm256_madd_epi16`, `_mm512_madd_epi16`, exact), turned into float32 every KC of K, before an
+//   lanes (`_mm256_madd_epi16`, `_mm512_madd_epi16` or VNNI's `_mm512_dpwssd_epi32`, exact), turned into
+//   float32 every KC of K, before an
 //   int32 could overflow; the scales of x and of the output are applied once, at the end: a third of the
 //   instructions per weight of converting each weight to float32. For more rows (AVX2 only), each group of
 //   W is dequantized once and multiplied with float32 x.
