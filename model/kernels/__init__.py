@@ -2,17 +2,16 @@
 int8 with a scale per output (`matmul.h`, `matmul.cpp`), and a whole decode step in one call (`decode.cpp`,
 driven by `decode.py`). Built at first use with the system's C++ compiler into a cache directory (about
 12 s on a 2-core host, once per source version and build), for the CPU's vector extensions (`cpu_isa()`:
-AVX-512 with VNNI, or AVX-512, where it has them, else AVX2; a slower build where one cannot be compiled), loaded
-with ctypes; where that cannot be done (no compiler, no AVX2/FMA, not x86-64) `available()` is False, one
+AVX-512 with VNNI, or AVX-512, where it has them, else AVX2; a slower build where one cannot be compiled),
+loaded with ctypes; where that cannot be done (no compiler, no AVX2/FMA, not x86-64) `available()` is False, one
 warning says why, and callers use stock torch.
 
 Why: for 1-32 rows, torch's float32 CPU GEMM (MKL) streams the weights from one thread (a second core
 adds nothing at batch 1) and reaches a fraction of the FLOP rate at batch 8; here every thread streams
 its own contiguous slab of W (the threads split the outputs) and tiles of accumulators (3 x 4 with AVX2,
 4 x 4 of twice the width with AVX-512; with AVX-512, one row of x streams W's rows one after another) keep
-the FMA units busy. On an AVX2-only host they also beat MKL
-for prompt-sized products, up to `max_rows()`. Thread count: torch's (`torch.get_num_threads()`), through
-torch's own OpenMP runtime.
+the FMA units busy. On an AVX2-only host they also beat MKL for prompt-sized products, up to `max_rows()`.
+Thread count: torch's (`torch.get_num_threads()`), through torch's own OpenMP runtime.
 
 Environment: `GPT2_KERNELS=0` turns them off (for A/B runs); `GPT2_KERNEL_ISA` (avx2, avx512, avx512_vnni)
 loads that build instead of this CPU's; `GPT2_KERNEL_MAX_ROWS` caps the rows of x a product sends to them
@@ -47,10 +46,11 @@ ISAS = {  # the vector extensions a library is built for -> the compiler's flags
     "avx512": AVX512_FLAGS,
     "avx512_vnni": [*AVX512_FLAGS, "-mavx512vnni"],  # int8's int16 products summed in one instruction
 }
+AVX512_NEEDS = frozenset({"avx2", "fma", "avx512f", "avx512vl", "avx512bw"})
 NEEDS = {  # what each build needs of the CPU (its /proc/cpuinfo flags)
     "avx2": frozenset({"avx2", "fma"}),
-    "avx512": frozenset({"avx2", "fma", "avx512f", "avx512vl", "avx512bw"}),
-    "avx512_vnni": frozenset({"avx2", "fma", "avx512f", "avx512vl", "avx512bw", "avx512_vnni"}),
+    "avx512": AVX512_NEEDS,
+    "avx512_vnni": AVX512_NEEDS | {"avx512_vnni"},
 }
 BUILD_TIMEOUT_S = 300
 MAX_ROWS_AVX2 = 512  # products of more rows (long prefills) go to torch's GEMM (MKL): on an AVX2 host our tiles
@@ -87,6 +87,7 @@ def build(compiler: str | None = None, isa: str | None = None) -> Path:
     """Compile the sources for `isa` (default: this CPU's) into the cache (if it is not there yet, or with
     `compiler` given) and return the library's path; raises RuntimeError saying why it cannot. Building
     needs no CPU that runs the result: an image builds every one of ISAS."""
+    isa = isa or cpu_isa()
     path = library_path(isa)
     if compiler is None and path.is_file():
         return path
@@ -98,7 +99,7 @@ def build(compiler: str | None = None, isa: str | None = None) -> Path:
         out = Path(tmp) / path.name
         try:
             done = subprocess.run(
-                [compiler, *FLAGS, *ISAS[isa or cpu_isa()], *map(str, SOURCES), "-o", str(out)],
+                [compiler, *FLAGS, *ISAS[isa], *map(str, SOURCES), "-o", str(out)],
                 capture_output=True,
                 text=True,
                 timeout=BUILD_TIMEOUT_S,

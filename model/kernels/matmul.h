@@ -11,10 +11,9 @@
 //   of x is first rounded to int16 with a scale of its own (|x| max -> 32767: 15 bits, finer than bfloat16's
 //   8), and 16 weights at a time (32 with AVX-512) are widened to int16 and multiplied in pairs into int32
 //   lanes (`_mm256_madd_epi16`, `_mm512_madd_epi16` or VNNI's `_mm512_dpwssd_epi32`, exact), turned into
-//   float32 every KC of K, before an
-//   int32 could overflow; the scales of x and of the output are applied once, at the end: a third of the
-//   instructions per weight of converting each weight to float32. For more rows (AVX2 only), each group of
-//   W is dequantized once and multiplied with float32 x.
+//   float32 every KC of K, before an int32 could overflow; the scales of x and of the output are applied
+//   once, at the end: a third of the instructions per weight of converting each weight to float32. For more
+//   rows (AVX2 only), each group of W is dequantized once and multiplied with float32 x.
 //
 // Each output ends with an epilogue (`Op`): stored, or added to y (the residual stream's `x += f(x)`), so
 // the decode step (decode.cpp) needs no pass of its own for it. `gelu` is GPT-2's activation, vectorised.
