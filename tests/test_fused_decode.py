@@ -128,6 +128,31 @@ def test_a_packed_pass_matches_the_eager_one(tiny: Checkpoint) -> None:
 
 
 @needs_kernels
+def test_a_server_step_matches_the_eager_one(distil: Checkpoint) -> None:
+    """The server's usual pass at its default prompt chunk: 16 rows decoding one token each and a 64-token
+    chunk of another row's prompt, 80 tokens, whose products (with AVX-512) take the outer-product tiles,
+    residual adds included: the logits of the decode rows and of the chunk's last token, and the chunk's keys
+    and values in the cache, as the eager pass gives them."""
+    model = load_ours(distil)
+    prompts = prompts_of([3 + b % 5 for b in range(16)] + [70], seed=5)
+    with torch.inference_mode():
+        cache = prefilled(model, [p[:-1] for p in prompts[:16]] + [prompts[16][:4]], max_len=80)
+        fused = FusedDecode.make(model, cache)
+        assert fused is not None
+        tokens = [p[-1] for p in prompts[:16]] + prompts[16][4:68]
+        rows = list(range(16)) + [16] * 64
+        positions = [len(p) - 1 for p in prompts[:16]] + list(range(4, 68))
+        got = fused.forward(tokens, rows, positions, [*range(16), 79])
+        full = [*prompts[:16], prompts[16][:68]]  # each row's tokens up to the one whose logits are asked for
+        want = [model(torch.tensor([p]))[0, -1] for p in full]
+        torch.testing.assert_close(got, torch.stack(want), rtol=0, atol=1e-4)
+        eager = prefilled(model, [prompts[16][:68]], max_len=80)
+        for got_kv, want_kv in ((cache.k, eager.k), (cache.v, eager.v)):
+            # values up to 12, six layers deep: 1e-4 as for the logits (the dot-product tiles: 2e-5 here)
+            torch.testing.assert_close(got_kv[:, 16, :, :68], want_kv[:, 0, :, :68], rtol=0, atol=1e-4)
+
+
+@needs_kernels
 @pytest.mark.parametrize("d_head", [12, 40, 64])
 def test_every_query_of_a_chunk_attends_as_eager(d_head: int, tmp_path: Path) -> None:
     """Each query of a prompt chunk attends over its own row's keys up to its position (the causal diagonal

@@ -55,8 +55,9 @@ NEEDS = {  # what each build needs of the CPU (its /proc/cpuinfo flags)
 BUILD_TIMEOUT_S = 300
 MAX_ROWS_AVX2 = 512  # products of more rows (long prefills) go to torch's GEMM (MKL): on an AVX2 host our tiles
 # matched or beat it up to here (2 threads: 60 vs 48 GFLOP/s at 128 rows, 62 vs 62 at 512, 60 vs 60 at 1024)
-MAX_ROWS_AVX512 = 96  # with AVX-512, MKL's GEMM wins sooner: only a server step's rows come here (2 threads, Zen 4
-# host, a block's four products, our AVX-512 tiles: 177 vs 162 GFLOP/s at 96 rows, even at 128, 161 vs 170 at 192)
+MAX_ROWS_AVX512 = 2048  # with AVX-512, float32 blocks of 32 rows or more take outer products (matmul.h), ahead of
+# MKL's GEMM at every size measured (2 threads, Zen 4 host, a block's four products: 172 vs 149 GFLOP/s at 128
+# rows, 165 vs 135 at 1024, 172 vs 153 at 2048); the int8 products of prompts too (int16 tiles)
 
 
 def cache_dir() -> Path:
@@ -219,7 +220,7 @@ def _library() -> ctypes.CDLL | None:
 @cache
 def max_rows() -> int:
     """The most rows of x a product sends to our kernels on this CPU (more go to torch's GEMM): 512 for the
-    AVX2 build and 96 for the AVX-512 build (measured on a 2-core AVX2 host and a 2-core Zen 4 host);
+    AVX2 build and 2048 for the AVX-512 builds (measured on a 2-core AVX2 host and a 2-core Zen 4 host);
     `GPT2_KERNEL_MAX_ROWS` sets it (0 or more)."""
     if os.environ.get("GPT2_KERNEL_MAX_ROWS"):
         try:
