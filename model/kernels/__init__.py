@@ -9,8 +9,9 @@ warning says why, and callers use stock torch.
 Why: for 1-32 rows, torch's float32 CPU GEMM (MKL) streams the weights from one thread (a second core
 adds nothing at batch 1) and reaches a fraction of the FLOP rate at batch 8; here every thread streams
 its own contiguous slab of W (the threads split the outputs) and tiles of accumulators (3 x 4 with AVX2,
-4 x 4 of twice the width with AVX-512; with AVX-512, one row of x streams W's rows one after another) keep
-the FMA units busy. On an AVX2-only host they also beat MKL for prompt-sized products, up to `max_rows()`.
+4 x 4 of twice the width with AVX-512; with AVX-512, one row of x streams W's rows one after another, and
+float32 blocks of 32 rows or more take outer products over x's rows, transposed) keep the FMA units busy.
+They also beat MKL for prompt-sized products, up to `max_rows()`.
 Thread count: torch's (`torch.get_num_threads()`), through torch's own OpenMP runtime.
 
 Environment: `GPT2_KERNELS=0` turns them off (for A/B runs); `GPT2_KERNEL_ISA` (avx2, avx512, avx512_vnni)

@@ -1,4 +1,6 @@
-// Small-M matrix products for the decode step: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), M a few rows.
+// Matrix products for the decode step and the server's packed steps: y[M, N] = x[M, K] @ W[N, K]^T (+ bias),
+// M a few rows to a few hundred (with AVX-512, float32 blocks of 32 rows or more take outer products: see
+// "Many rows" below; what follows describes the dot-product tiles every other product takes).
 //
 // W is stored [N, K] row-major (nn.Linear's layout: one output's weights contiguous), so every output is a
 // dot product over a contiguous row and each thread streams one contiguous slab of W: the threads split the
@@ -27,6 +29,7 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -341,12 +344,13 @@ constexpr int64_t kRowBlock = 96;
 // against NC outputs accumulates
 //     acc[i][j] += xt[k, 16 i : 16 i + 16] * W[n + j, k]        (the weight broadcast to every lane)
 // in MV * NC registers: no sums across lanes, each weight loaded once for all the block's rows, W's rows read
-// in order as stored. Each thread takes a contiguous run of outputs (one slab of W) in chunks of about
-// kChunk outputs, whose sums stay in L1 ([chunk, Mp], outputs by rows), over blocks of kBlockK of K (xt's
-// block stays in L2). A tile's registers start from zero every kSubK of K and are then added to the chunk's
-// sums, so that no float32 sum runs over more than kSubK products one after another (one chain over all of
-// K = 768 had 8x the rounding error of the lane-split tiles; with 64, the same 1.4e-6). At the end each chunk
-// is transposed back, 16 x 16 at a time, and stored into y's rows with the bias (or added, `op`).
+// in order as stored. The threads take pieces of the outputs (contiguous slabs of W, `outer_product`), each
+// in chunks of about kChunk outputs, whose sums stay in L1 ([chunk, Mp], outputs by rows), over blocks of
+// kBlockK of K (xt's block stays in L2). A tile's registers start from zero every kSubK of K and are then
+// added to the chunk's sums, so that no float32 sum runs over more than kSubK products one after another (one
+// chain over all of K = 768 had 8x the rounding error of the lane-split tiles; with 64, the same 1.4e-6). At
+// the end each chunk is transposed back, 16 x 16 at a time, and stored into y's rows with the bias (or added,
+// `op`).
 // Measured on a 2-core Zen 4 host against the tiles above, gpt2-small's four block products, median of
 // interleaved runs: 1.11x at 32 rows, 1.08x at 64, 1.09x at 80 (a server step), 1.22x at 96, 1.17-1.21x at
 // 128-1024 rows (183 GFLOP/s at 2 threads, where torch's GEMM, MKL, made 133-146); padded rows cost as much
@@ -477,16 +481,16 @@ __attribute__((noinline)) void outer_outputs(const float* xt, int64_t m, int64_t
 
 using OuterOutputs = void (*)(const float*, int64_t, int64_t, const float*, int64_t, const float*, float*, int64_t,
                               int64_t, int64_t, Op);
-// A tile of each height MV (16 MV rows) with as many outputs NC as leave registers for MV x values and the
-// broadcast weight (MV NC + MV + 1 <= 32).
-// (None of one vector: a block goes this way from 32 rows.)
+// Outputs per tile at each height MV (16 MV rows, 2 to 6: a block goes this way from 32 rows): as many as leave
+// registers for MV x values and the broadcast weight (MV NC + MV + 1 <= 32).
+constexpr int outer_nc(int mv) { return mv == 2 ? 10 : mv == 3 ? 8 : mv == 4 ? 6 : mv == 5 ? 5 : 4; }
 constexpr OuterOutputs kOuterOutputs[7] = {nullptr,
                                            nullptr,
-                                           outer_outputs<2, 10>,
-                                           outer_outputs<3, 8>,
-                                           outer_outputs<4, 6>,
-                                           outer_outputs<5, 5>,
-                                           outer_outputs<6, 4>};
+                                           outer_outputs<2, outer_nc(2)>,
+                                           outer_outputs<3, outer_nc(3)>,
+                                           outer_outputs<4, outer_nc(4)>,
+                                           outer_outputs<5, outer_nc(5)>,
+                                           outer_outputs<6, outer_nc(6)>};
 
 // y[m, N] (op) x[m, K] @ w[N, K]^T + bias for one block of rows (m <= kRowBlock), on `threads` threads.
 inline void outer_product(const float* x, int64_t m, int64_t K, const float* w, int64_t ldw, const float* bias,
@@ -498,11 +502,15 @@ inline void outer_product(const float* x, int64_t m, int64_t K, const float* w, 
   float* xt = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(store.data()) + 63) & ~uintptr_t{63});
   transpose_rows(x, m, K, xt, Mp);
   const OuterOutputs outputs = kOuterOutputs[mv];
-#pragma omp parallel num_threads(threads) if (threads > 1)
-  {
-    const int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
-    outputs(xt, m, K, w, ldw, bias, y, N, N * id / nt, N * (id + 1) / nt, op);
-  }
+  // The outputs in about 8 pieces a thread (whole tiles; each a contiguous slab of W), each taken by whichever
+  // thread is free: where another process holds a core for a while (the server's HTTP side, a neighbour on
+  // the host), the other thread takes more pieces instead of waiting for it at the end. A server step beside
+  // a process spinning a fifth of a core: median 131.7-145.6 -> 127.7-140.9 ms; alone, the same.
+  const int64_t nc = outer_nc(mv), piece = ((N + 8 * threads - 1) / (8 * threads) + nc - 1) / nc * nc;
+  const int64_t pieces = (N + piece - 1) / piece;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
+  for (int64_t p = 0; p < pieces; ++p)
+    outputs(xt, m, K, w, ldw, bias, y, N, p * piece, std::min(N, p * piece + piece), op);
 }
 #endif
 
