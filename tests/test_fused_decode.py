@@ -130,9 +130,10 @@ def test_a_packed_pass_matches_the_eager_one(tiny: Checkpoint) -> None:
 @needs_kernels
 def test_a_server_step_matches_the_eager_one(distil: Checkpoint) -> None:
     """The server's usual pass at its default prompt chunk: 16 rows decoding one token each and a 64-token
-    chunk of another row's prompt, 80 tokens, whose products (with AVX-512) take the outer-product tiles,
-    residual adds included: the logits of the decode rows and of the chunk's last token, and the chunk's keys
-    and values in the cache, as the eager pass gives them."""
+    chunk of another row's prompt, 80 tokens, whose block products (with AVX-512) take the outer-product
+    tiles, residual adds included (the LM head, at 17 rows, does not): the logits of the decode rows and of the
+    chunk's last token, and the chunk's keys and values in the cache, as the eager pass gives them (whose
+    68-token forward takes the dot-product tiles: 68 of 80 padded rows is under the 7/8 rule)."""
     model = load_ours(distil)
     prompts = prompts_of([3 + b % 5 for b in range(16)] + [70], seed=5)
     with torch.inference_mode():

@@ -27,9 +27,11 @@ GPT2_SHAPES = [(c, n) for c in (768, 1024, 1280, 1600) for n in (3 * c, c, 4 * c
     (4 * c, c) for c in (768, 1024, 1280, 1600)
 ]
 ODD_SHAPES = [(1, 1), (7, 5), (9, 3), (13, 17), (64, 1), (100, 6), (15, 33), (777, 50)]
-# beyond 96: more than one pass over W; with AVX-512, 32, 47, 80, 96 and 128 (96 + 32) take the outer-product
-# path of float32 (matmul.h), 33, 97 and 200 its padding rule's other side
-ROWS = [1, 2, 3, 4, 5, 7, 8, 16, 32, 33, 47, 80, 96, 97, 128, 200]
+# Beyond 96: more than one pass over W. With AVX-512, float32 blocks of 32-96 rows at least 7/8 full take outer
+# products (matmul.h): 32, 42, 47, 61, 64, 75, 80, 90 and 96 (every tile height, full and partial), 128 (96 + 32)
+# and 143 (96 + 47); 33 and 41 fall on the dot-product tiles (padding rule), as do the 1- and 8-row ends of
+# 97 and 200
+ROWS = [1, 2, 3, 4, 5, 7, 8, 16, 32, 33, 41, 42, 47, 61, 64, 75, 80, 90, 96, 97, 128, 143, 200]
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -47,7 +49,7 @@ def tolerance(x: torch.Tensor, w: torch.Tensor) -> float:
 def test_float32_matches_torch(k: int, n: int) -> None:
     g = torch.Generator().manual_seed(k * 7919 + n)
     w, bias = torch.randn(n, k, generator=g) * 0.02, torch.randn(n, generator=g)
-    for m in ROWS if n * k < 2**22 else (1, 3, 8, 33):
+    for m in ROWS if n * k < 2**22 else (1, 3, 8, 33, 64):
         x = torch.randn(m, k, generator=g)
         y = kernels.matmul(x, w, bias)
         assert y.shape == (m, n)
@@ -105,17 +107,34 @@ def test_threads_do_not_change_the_result() -> None:
     """Each output is summed by one thread in one order: 1 and 2 threads give the same bits."""
     g = torch.Generator().manual_seed(1)
     w = torch.randn(3072, 768, generator=g)
-    for m in (5, 80):  # the dot-product tiles; with AVX-512 the outer products too
+    # the dot-product tiles; with AVX-512 the outer products too, with pieces of whole tiles (80 x 3072) and
+    # fewer pieces than threads, N no multiple of the tile (61 x 5)
+    for m, n in ((5, 3072), (80, 3072), (61, 5), (61, 1001)):
         x = torch.randn(m, 768, generator=g)
         before = torch.get_num_threads()
         try:
             torch.set_num_threads(1)
-            one = kernels.matmul(x, w)
+            one = kernels.matmul(x, w[:n])
             torch.set_num_threads(2)
-            two = kernels.matmul(x, w)
+            two = kernels.matmul(x, w[:n])
         finally:
             torch.set_num_threads(before)
         assert torch.equal(one, two)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("m", "n"), [(5, 7), (47, 5), (80, 33), (143, 17)])
+def test_writes_only_its_outputs(m: int, n: int) -> None:
+    """Every path writes y's m x n values and nothing past them (the C ABI, y with room after it)."""
+    g = torch.Generator().manual_seed(m * 131 + n)
+    w, bias, x = torch.randn(n, 40, generator=g), torch.randn(n, generator=g), torch.randn(m, 40, generator=g)
+    y = torch.full((m + 2, n), float("nan"))
+    lib = kernels._library()
+    assert lib is not None
+    threads = torch.get_num_threads()
+    lib.gpt2_matmul_f32(x.data_ptr(), m, 40, w.data_ptr(), 40, bias.data_ptr(), y.data_ptr(), n, threads)
+    torch.testing.assert_close(y[:m], reference(x, w, bias), rtol=0, atol=tolerance(x, w))
+    assert y[m:].isnan().all()
 
 
 @needs_kernels
@@ -162,7 +181,7 @@ def test_kernel_layers_fall_back_for_prefill_and_autograd() -> None:
 @needs_kernels
 def test_max_rows_can_be_set(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """GPT2_KERNEL_MAX_ROWS caps the rows a product sends to the kernels; a value that is not a number is
-    ignored with a warning, and the default depends on the CPU (512 without AVX-512, 96 with it)."""
+    ignored with a warning, and the default depends on the CPU (512 without AVX-512, 2048 with it)."""
     default = kernels.MAX_ROWS_AVX2 if kernels.cpu_isa() == "avx2" else kernels.MAX_ROWS_AVX512
     try:
         monkeypatch.setenv("GPT2_KERNEL_MAX_ROWS", "7")

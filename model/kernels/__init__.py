@@ -1,4 +1,4 @@
-"""Our CPU kernels for the decode step: y = x @ W.T + b for a few rows x, W [N, K] contiguous, in float32 or in
+"""Our CPU kernels for the decode step: y = x @ W.T + b for rows x, W [N, K] contiguous, in float32 or in
 int8 with a scale per output (`matmul.h`, `matmul.cpp`), and a whole decode step in one call (`decode.cpp`,
 driven by `decode.py`). Built at first use with the system's C++ compiler into a cache directory (about
 12 s on a 2-core host, once per source version and build), for the CPU's vector extensions (`cpu_isa()`:
@@ -10,8 +10,8 @@ Why: for 1-32 rows, torch's float32 CPU GEMM (MKL) streams the weights from one 
 adds nothing at batch 1) and reaches a fraction of the FLOP rate at batch 8; here every thread streams
 its own contiguous slab of W (the threads split the outputs) and tiles of accumulators (3 x 4 with AVX2,
 4 x 4 of twice the width with AVX-512; with AVX-512, one row of x streams W's rows one after another, and
-float32 blocks of 32 rows or more take outer products over x's rows, transposed) keep the FMA units busy.
-They also beat MKL for prompt-sized products, up to `max_rows()`.
+float32 blocks of 32-96 rows at least 7/8 full take outer products over x's rows, transposed) keep the FMA
+units busy. They also beat MKL for prompt-sized products, up to `max_rows()`.
 Thread count: torch's (`torch.get_num_threads()`), through torch's own OpenMP runtime.
 
 Environment: `GPT2_KERNELS=0` turns them off (for A/B runs); `GPT2_KERNEL_ISA` (avx2, avx512, avx512_vnni)
@@ -56,7 +56,7 @@ NEEDS = {  # what each build needs of the CPU (its /proc/cpuinfo flags)
 BUILD_TIMEOUT_S = 300
 MAX_ROWS_AVX2 = 512  # products of more rows (long prefills) go to torch's GEMM (MKL): on an AVX2 host our tiles
 # matched or beat it up to here (2 threads: 60 vs 48 GFLOP/s at 128 rows, 62 vs 62 at 512, 60 vs 60 at 1024)
-MAX_ROWS_AVX512 = 2048  # with AVX-512, float32 blocks of 32 rows or more take outer products (matmul.h), ahead of
+MAX_ROWS_AVX512 = 2048  # with AVX-512, float32 blocks of 32-96 rows take outer products (matmul.h), ahead of
 # MKL's GEMM at every size measured (2 threads, Zen 4 host, a block's four products: 172 vs 149 GFLOP/s at 128
 # rows, 165 vs 135 at 1024, 172 vs 153 at 2048); the int8 products of prompts too (int16 tiles)
 

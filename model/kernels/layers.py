@@ -29,7 +29,7 @@ class KernelConv1D(Conv1D):
 
 
 class KernelLMHead(TiedLMHead):
-    """The tied LM head, logits = x @ wte.T, on our kernel for a few rows (wte [vocab, C] row-major)."""
+    """The tied LM head, logits = x @ wte.T, on our kernel up to max_rows() rows (wte [vocab, C] row-major)."""
 
     def forward(self, x: torch.Tensor, wte: torch.Tensor) -> torch.Tensor:
         if usable(x) and wte.stride(1) == 1 and not wte.requires_grad:

@@ -1,6 +1,7 @@
-// Matrix products for the decode step and the server's packed steps: y[M, N] = x[M, K] @ W[N, K]^T (+ bias),
-// M a few rows to a few hundred (with AVX-512, float32 blocks of 32 rows or more take outer products: see
-// "Many rows" below; what follows describes the dot-product tiles every other product takes).
+// Matrix products for the decode step, the server's packed steps and prompts: y[M, N] = x[M, K] @ W[N, K]^T
+// (+ bias), M from one row up to max_rows() (model/kernels/__init__.py). With AVX-512, float32 blocks of 32 to
+// 96 rows at least 7/8 full take outer products (see "Many rows" below); what follows describes the
+// dot-product tiles every other product takes.
 //
 // W is stored [N, K] row-major (nn.Linear's layout: one output's weights contiguous), so every output is a
 // dot product over a contiguous row and each thread streams one contiguous slab of W: the threads split the
@@ -361,6 +362,8 @@ constexpr int64_t kChunk = 64;    // outputs whose sums a thread keeps in L1 at 
 constexpr int64_t kBlockK = 768;  // K per block of xt (16 MV x 768 floats, at most 288 KiB: in L2)
 constexpr int64_t kSubK = 64;     // K per chain of float32 sums in a tile's registers
 
+static_assert(kRowBlock <= 96, "a block of rows is at most 6 vectors of 16 (kOuterOutputs)");
+
 inline bool outer_pays(int64_t m) {
   const int64_t padded = (m + 15) / 16 * 16;
   return m >= 32 && m <= kRowBlock && 8 * m >= 7 * padded;
@@ -437,7 +440,7 @@ inline void outer_tile(const float* xt, int64_t kn, const float* w, int64_t ldw,
   }
 }
 
-// The n (< NC) outputs left at the end of a chunk: one tile of that many.
+// The n (<= NC, called with NC one less than the chunk's tiles) outputs left at the end of a chunk: one tile.
 template <int MV, int NC>
 inline void outer_rest(int64_t n, const float* xt, int64_t kn, const float* w, int64_t ldw, float* sums, bool first) {
   if constexpr (NC >= 1) {
@@ -446,12 +449,12 @@ inline void outer_rest(int64_t n, const float* xt, int64_t kn, const float* w, i
   }
 }
 
-// Outputs [n0, n1) of y for the m rows of x in xt (one thread's share; a function of its own, see `groups`).
+// Outputs [n0, n1) of y for the m rows of x in xt (one piece; a function of its own, see `groups`).
 template <int MV, int NC>
 __attribute__((noinline)) void outer_outputs(const float* xt, int64_t m, int64_t K, const float* w, int64_t ldw,
                                              const float* bias, float* y, int64_t N, int64_t n0, int64_t n1, Op op) {
   constexpr int64_t Mp = 16 * MV, chunk = (kChunk + NC - 1) / NC * NC;
-  alignas(64) float sums[(chunk + 16) * Mp];  // [outputs, Mp] (+16 outputs the last transposes may read)
+  alignas(64) float sums[chunk * Mp];  // [outputs, Mp]
   for (int64_t c = n0; c < n1; c += chunk) {
     const int64_t nc = n1 - c < chunk ? n1 - c : chunk;
     for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
@@ -466,7 +469,8 @@ __attribute__((noinline)) void outer_outputs(const float* xt, int64_t m, int64_t
       const __m512 b = bias ? _mm512_maskz_loadu_ps(real, bias + c + j0) : _mm512_setzero_ps();
       for (int64_t i0 = 0; i0 < m; i0 += 16) {
         __m512 r[16];
-        for (int j = 0; j < 16; ++j) r[j] = _mm512_load_ps(sums + (j0 + j) * Mp + i0);
+        for (int j = 0; j < 16; ++j)  // past the chunk's last output: zeros (its sums were never written)
+          r[j] = j0 + j < nc ? _mm512_load_ps(sums + (j0 + j) * Mp + i0) : _mm512_setzero_ps();
         transpose16(r);
         for (int64_t i = 0; i < 16 && i0 + i < m; ++i) {
           float* yr = y + (i0 + i) * N + c + j0;
@@ -573,7 +577,7 @@ void matmul(const float* x, int64_t M, int64_t K, const typename W::T* w, int64_
     float* yb = y + m0 * N;
 #ifdef __AVX512F__
     if constexpr (std::is_same<W, F32>::value) {
-      if (outer_pays(m)) {
+      if (outer_pays(m) && K > 0 && N > 0) {  // (no K: the tiles below store the bias)
         outer_product(x + m0 * K, m, K, w, ldw, bias, yb, N, threads, op);
         continue;
       }
