@@ -1,7 +1,7 @@
 // Matrix products for the decode step, the server's packed steps and prompts: y[M, N] = x[M, K] @ W[N, K]^T
 // (+ bias), M from one row up to max_rows() (model/kernels/__init__.py). With AVX-512, float32 blocks of 32 to
-// 96 rows at least 7/8 full take outer products (see "Many rows" below); what follows describes the
-// dot-product tiles every other product takes.
+// 96 rows at least 7/8 full, and of 8 to 16 rows in a product as wide as the LM head, take outer products (see
+// "Many rows" below); what follows describes the dot-product tiles every other product takes.
 //
 // W is stored [N, K] row-major (nn.Linear's layout: one output's weights contiguous), so every output is a
 // dot product over a contiguous row and each thread streams one contiguous slab of W: the threads split the
@@ -356,17 +356,21 @@ constexpr int64_t kRowBlock = 96;
 // interleaved runs: 1.11x at 32 rows, 1.08x at 64, 1.09x at 80 (a server step), 1.22x at 96, 1.17-1.21x at
 // 128-1024 rows (183 GFLOP/s at 2 threads, where torch's GEMM, MKL, made 133-146); padded rows cost as much
 // as real ones, so a block goes this way only when at least 7/8 of its padded rows are real (`outer_pays`):
-// at 33 rows (48 padded) it was 0.83x, at 65 0.89x.
+// at 33 rows (48 padded) it was 0.83x, at 65 0.89x. A product as wide as the LM head (kWideN outputs or more:
+// 154 MB of W streaming from memory) goes this way from 8 rows, in one vector: 50257 outputs, K 768, 2
+// threads, 1.09x at 8 rows, 1.38x at 12, 1.43-1.48x at 16 (0.99x at 4, 0.97-1.01x at 20-24, where the
+// padding rule keeps it off), while a block's products at 16 rows were 0.93-0.97x.
 
 constexpr int64_t kChunk = 64;    // outputs whose sums a thread keeps in L1 at once (rounded to the tile's NC)
 constexpr int64_t kBlockK = 768;  // K per block of xt (16 MV x 768 floats, at most 288 KiB: in L2)
 constexpr int64_t kSubK = 64;     // K per chain of float32 sums in a tile's registers
+constexpr int64_t kWideN = 16384; // outputs from which a product is as wide as an LM head
 
 static_assert(kRowBlock <= 96, "a block of rows is at most 6 vectors of 16 (kOuterOutputs)");
 
-inline bool outer_pays(int64_t m) {
+inline bool outer_pays(int64_t m, int64_t N) {
   const int64_t padded = (m + 15) / 16 * 16;
-  return m >= 32 && m <= kRowBlock && 8 * m >= 7 * padded;
+  return (m >= 32 && m <= kRowBlock && 8 * m >= 7 * padded) || (N >= kWideN && m >= 8 && m <= 16);
 }
 
 // r[0..15], 16 vectors of 16 floats, transposed in place (r[i][j] <- r[j][i]): pairs of lanes, then
@@ -485,11 +489,12 @@ __attribute__((noinline)) void outer_outputs(const float* xt, int64_t m, int64_t
 
 using OuterOutputs = void (*)(const float*, int64_t, int64_t, const float*, int64_t, const float*, float*, int64_t,
                               int64_t, int64_t, Op);
-// Outputs per tile at each height MV (16 MV rows, 2 to 6: a block goes this way from 32 rows): as many as leave
-// registers for MV x values and the broadcast weight (MV NC + MV + 1 <= 32).
-constexpr int outer_nc(int mv) { return mv == 2 ? 10 : mv == 3 ? 8 : mv == 4 ? 6 : mv == 5 ? 5 : 4; }
+// Outputs per tile at each height MV (16 MV rows, 1 to 6): as many as leave registers for MV x values and the
+// broadcast weight (MV NC + MV + 1 <= 32); at one vector 16 (measured on the LM head: 12 and 16 alike, 24 half
+// as fast).
+constexpr int outer_nc(int mv) { return mv == 1 ? 16 : mv == 2 ? 10 : mv == 3 ? 8 : mv == 4 ? 6 : mv == 5 ? 5 : 4; }
 constexpr OuterOutputs kOuterOutputs[7] = {nullptr,
-                                           nullptr,
+                                           outer_outputs<1, outer_nc(1)>,
                                            outer_outputs<2, outer_nc(2)>,
                                            outer_outputs<3, outer_nc(3)>,
                                            outer_outputs<4, outer_nc(4)>,
@@ -577,7 +582,7 @@ void matmul(const float* x, int64_t M, int64_t K, const typename W::T* w, int64_
     float* yb = y + m0 * N;
 #ifdef __AVX512F__
     if constexpr (std::is_same<W, F32>::value) {
-      if (outer_pays(m) && K > 0 && N > 0) {  // (no K: the tiles below store the bias)
+      if (outer_pays(m, N) && K > 0 && N > 0) {  // (no K: the tiles below store the bias)
         outer_product(x + m0 * K, m, K, w, ldw, bias, yb, N, threads, op);
         continue;
       }
