@@ -368,7 +368,10 @@ constexpr int64_t kWideN = 16384; // outputs from which a product is as wide as 
 
 static_assert(kRowBlock <= 96, "a block of rows is at most 6 vectors of 16 (kOuterOutputs)");
 
-inline bool outer_pays(int64_t m, int64_t N) {
+// Whether a block of m rows against K x N weights takes outer products (none without K or N: the tiles store
+// the bias there, and pieces of no outputs are not defined).
+inline bool outer_pays(int64_t m, int64_t K, int64_t N) {
+  if (K == 0 || N == 0) return false;
   const int64_t padded = (m + 15) / 16 * 16;
   return (m >= 32 && m <= kRowBlock && 8 * m >= 7 * padded) || (N >= kWideN && m >= 8 && m <= 16);
 }
@@ -582,7 +585,7 @@ void matmul(const float* x, int64_t M, int64_t K, const typename W::T* w, int64_
     float* yb = y + m0 * N;
 #ifdef __AVX512F__
     if constexpr (std::is_same<W, F32>::value) {
-      if (outer_pays(m, N) && K > 0 && N > 0) {  // (no K: the tiles below store the bias)
+      if (outer_pays(m, K, N)) {
         outer_product(x + m0 * K, m, K, w, ldw, bias, yb, N, threads, op);
         continue;
       }
