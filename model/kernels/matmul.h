@@ -20,8 +20,8 @@
 //
 // Each output ends with an epilogue (`Op`): stored, or added to y (the residual stream's `x += f(x)`), so
 // the decode step (decode.cpp) needs no pass of its own for it. `gelu` is GPT-2's activation, vectorised.
-// While a group's tiles run they prefetch the next group's rows of W, spread evenly over the group's row
-// tiles: at one row of x the products are bound by how fast memory streams in, and on the Zen 1 host the
+// While a group's tiles run they prefetch the next group's rows of W into L2 (`kAhead`), spread evenly over
+// the group's row tiles: at a few rows of x the products are bound by how fast memory streams in, and on the Zen 1 host the
 // hardware's prefetchers alone left int8 at a third of the bandwidth (the AVX-512 build streams one row of
 // x through W's rows in order instead, without prefetching: see `group`).
 #pragma once
@@ -189,6 +189,15 @@ constexpr int MR = 3;  // rows of x per tile: 3 x 4 accumulators, 3 x values and
 // step of K, from step `phase`. Each of a group's row tiles takes its own phase, so the next group streams in
 // evenly while the group runs; all of it in the first tile left memory idle for the rest (on an AVX2 host at
 // 2 threads, gpt2-small's 48 float32 block matrices took 8% longer at 73-128 rows, 25% at 16).
+// The lines go to L2 (`kAhead`, T1), not L1: a prefetch into L1 holds one of the core's few L1 miss buffers
+// for the whole trip from memory, which caps a core's stream at about 15 GB/s, while L2 tracks many more
+// misses and the tile's loads then find the lines there. Measured on a 2-core Zen 4 host, 2 threads, the 48
+// float32 block matrices of gpt2-small (their own 340 MB, in 2 MB pages) and the LM head, T0 -> T1: 2 rows
+// 15.1 -> 9.9 ms and 7.4 -> 4.5, 4 rows 14.3 -> 10.4 and 7.1 -> 4.9, 8 rows 18.3 -> 14.8, 16 rows
+// 27.3 -> 22.2, 24 rows 35.2 -> 30.5; int8 blocks at 2-8 rows 20-30% faster, at 16-24 rows the same; the AVX2
+// build on the same host: float32 blocks 14.3 -> 11.6 ms at one row, 17.2 -> 11.6 at 4. (The AVX2 build's
+// int8 dequantization prefetches there too: the same time either way.)
+constexpr _mm_hint kAhead = _MM_HINT_T1;
 template <typename T>
 struct Ahead {
   const T* next;
@@ -217,7 +226,7 @@ inline void tile(const typename W::X* x, const float* xs, const float* xf, int64
       for (int j = 0; j < TN; ++j) {
         // the same place in the next group's rows, so that memory streams ahead of the products (prefetches
         // never fault, also past the last row; one per step measured faster than one per cache line)
-        if (fetch) _mm_prefetch(reinterpret_cast<const char*>(ahead.next + j * ldw + k), _MM_HINT_T0);
+        if (fetch) _mm_prefetch(reinterpret_cast<const char*>(ahead.next + j * ldw + k), kAhead);
         const auto wv = W::load_w(w + j * ldw + k);
         for (int i = 0; i < TM; ++i) acc[i][j] = W::fma(xv[i], wv, acc[i][j]);
       }
@@ -304,7 +313,7 @@ inline void group(Rows<W> x, int64_t M, int64_t K, const typename W::T* w, int64
         const __m256 sv = _mm256_set1_ps(scale[j]);
         int64_t k = 0;
         for (; k + 8 <= K; k += 8) {
-          if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(next + j * ldw + k), _MM_HINT_T0);
+          if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(next + j * ldw + k), kAhead);
           const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k));
           _mm256_storeu_ps(d + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), sv));
         }
@@ -421,7 +430,10 @@ inline void transpose_rows(const float* x, int64_t m, int64_t K, float* xt, int6
 }
 
 // sums[j, :] (+)= xt[0:kn, :]^T . w[j, 0:kn] for the NC outputs j whose weights are at w (rows ldw apart):
-// stored where `first`, else added. xt: 16 MV rows of x, Mp = 16 MV apart.
+// stored where `first`, else added. xt: 16 MV rows of x, Mp = 16 MV apart. Each new cache line of its rows
+// (every 16 of k), the tile prefetches the same line of the next tile's rows (the next NC outputs, past the
+// last one harmlessly) into L2, as the dot-product tiles do (`kAhead`): the LM head at 8-16 rows about 15%
+// faster (8.7 -> 7.4 ms at 8, 8.9 -> 7.6 at 16), a server step's block products (80 rows) 2-4%.
 template <int MV, int NC>
 inline void outer_tile(const float* xt, int64_t kn, const float* w, int64_t ldw, float* sums, bool first) {
   constexpr int64_t Mp = 16 * MV;
@@ -431,6 +443,8 @@ inline void outer_tile(const float* xt, int64_t kn, const float* w, int64_t ldw,
     for (int i = 0; i < MV; ++i)
       for (int j = 0; j < NC; ++j) acc[i][j] = _mm512_setzero_ps();
     for (int64_t k = k0; k < k1; ++k) {
+      if (k % 16 == 0)
+        for (int j = 0; j < NC; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (NC + j) * ldw + k), kAhead);
       __m512 xv[MV];
       for (int i = 0; i < MV; ++i) xv[i] = _mm512_load_ps(xt + k * Mp + 16 * i);
       for (int j = 0; j < NC; ++j) {
