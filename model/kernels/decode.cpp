@@ -61,18 +61,45 @@ void linear(const Linear& f, const float* x, int64_t M, int64_t K, float* y, int
     gpt2::matmul<gpt2::F32>(x, M, K, static_cast<const float*>(f.w), K, nullptr, f.bias, y, N, threads, op);
 }
 
-// y[m] = (x[m] - mean) / sqrt(var + eps) * gain + bias for each of M rows of C (statistics in double)
-void layer_norm(const Norm& n, const float* x, int64_t M, int64_t C, float eps, float* y) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* r = x + m * C;
-    double sum = 0, squares = 0;
-    for (int64_t c = 0; c < C; ++c) sum += r[c];
-    const double mean = sum / C;
-    for (int64_t c = 0; c < C; ++c) squares += (r[c] - mean) * (r[c] - mean);
-    const float rstd = static_cast<float>(1.0 / std::sqrt(squares / C + eps));
-    const float mu = static_cast<float>(mean);
-    for (int64_t c = 0; c < C; ++c) y[m * C + c] = (r[c] - mu) * rstd * n.gain[c] + n.bias[c];
+// y[m] = (x[m] - mean) / sqrt(var + eps) * gain + bias for one row of C (statistics in double, 4 lanes of
+// it at a time; the rest of C one by one).
+void layer_norm_row(const Norm& n, const float* r, int64_t C, float eps, float* y) {
+  const int64_t Cv = C - C % 8;
+  __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+  for (int64_t c = 0; c < Cv; c += 8) {
+    s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm_loadu_ps(r + c)));
+    s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm_loadu_ps(r + c + 4)));
   }
+  double lanes[4], sum = 0, squares = 0;
+  _mm256_storeu_pd(lanes, _mm256_add_pd(s0, s1));
+  for (double v : lanes) sum += v;
+  for (int64_t c = Cv; c < C; ++c) sum += r[c];
+  const double mean = sum / C;
+  const __m256d mu_d = _mm256_set1_pd(mean);
+  s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+  for (int64_t c = 0; c < Cv; c += 8) {
+    const __m256d a = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(r + c)), mu_d);
+    const __m256d b = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(r + c + 4)), mu_d);
+    s0 = _mm256_fmadd_pd(a, a, s0), s1 = _mm256_fmadd_pd(b, b, s1);
+  }
+  _mm256_storeu_pd(lanes, _mm256_add_pd(s0, s1));
+  for (double v : lanes) squares += v;
+  for (int64_t c = Cv; c < C; ++c) squares += (r[c] - mean) * (r[c] - mean);
+  const float rstd = static_cast<float>(1.0 / std::sqrt(squares / C + eps));
+  const float mu = static_cast<float>(mean);
+  const __m256 mu_f = _mm256_set1_ps(mu), rstd_f = _mm256_set1_ps(rstd);
+  for (int64_t c = 0; c < Cv; c += 8) {
+    const __m256 v = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(r + c), mu_f), rstd_f);
+    _mm256_storeu_ps(y + c, _mm256_fmadd_ps(v, _mm256_loadu_ps(n.gain + c), _mm256_loadu_ps(n.bias + c)));
+  }
+  for (int64_t c = Cv; c < C; ++c) y[c] = (r[c] - mu) * rstd * n.gain[c] + n.bias[c];
+}
+
+// layer_norm_row for each of M rows, split among the threads from 8 rows on (at 80 rows of a server step,
+// on one thread, 3.4 ms of its 100).
+void layer_norm(const Norm& n, const float* x, int64_t M, int64_t C, float eps, float* y, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (M >= 8 && threads > 1)
+  for (int64_t m = 0; m < M; ++m) layer_norm_row(n, x + m * C, C, eps, y + m * C);
 }
 
 void gelu(float* x, int64_t n, int threads) {  // in place, in blocks of 8 floats split among the threads
@@ -210,7 +237,7 @@ void gpt2_forward(const Model* m, const Cache* cache, const int64_t* tokens, con
     for (int64_t c = 0; c < C; ++c) x[t * C + c] = m->wte[tokens[t] * C + c] + m->wpe[positions[t] * C + c];
   for (int64_t l = 0; l < m->n_layer; ++l) {
     const Block& w = m->blocks[l];
-    layer_norm(w.ln_1, x.data(), N, C, m->eps, h.data());
+    layer_norm(w.ln_1, x.data(), N, C, m->eps, h.data(), threads);
     linear(w.c_attn, h.data(), N, C, qkv.data(), 3 * C, threads, Op::kStore);
     store_kv(qkv.data(), N, C, m->n_head, rows, positions, *cache, l);
     if (l == m->n_layer - 1) {  // from here on, the output tokens' rows only, in the order of outputs
@@ -227,12 +254,12 @@ void gpt2_forward(const Model* m, const Cache* cache, const int64_t* tokens, con
     }
     attention(qkv.data(), N, C, m->n_head, rows, positions, *cache, l, z.data(), threads);
     linear(w.attn_proj, z.data(), N, C, x.data(), C, threads, Op::kAdd);  // x += attn(ln_1(x))
-    layer_norm(w.ln_2, x.data(), N, C, m->eps, h.data());
+    layer_norm(w.ln_2, x.data(), N, C, m->eps, h.data(), threads);
     linear(w.c_fc, h.data(), N, C, u.data(), m->d_mlp, threads, Op::kStore);
     gelu(u.data(), N * m->d_mlp, threads);
     linear(w.mlp_proj, u.data(), N, m->d_mlp, x.data(), C, threads, Op::kAdd);  // x += mlp(ln_2(x))
   }
-  layer_norm(m->ln_f, x.data(), n_out, C, m->eps, h.data());  // x: the output tokens' rows
+  layer_norm(m->ln_f, x.data(), n_out, C, m->eps, h.data(), threads);  // x: the output tokens' rows
   linear(m->lm_head, h.data(), n_out, C, logits, m->vocab, threads, Op::kStore);
 }
 }
