@@ -71,7 +71,7 @@ def test_int8_matches_dequantized(k: int, n: int) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("m", [1, 3, 12, 16])
+@pytest.mark.parametrize("m", [1, 3, 12, 16, 17])  # the AVX2 build: int16 up to 16 rows
 def test_int8_largest_sums_do_not_overflow(m: int) -> None:
     """Every product at its largest (each x at its row's max, so 32767 in int16, against weights of +-127, all
     of one sign per output) over gpt2-xl's longest K, 6400: the int32 sums become float32 before they could

@@ -159,9 +159,11 @@ struct I8 {  // int8 weights against int16 rows of x: 16 products per step, summ
 // once into a cached buffer and the float32 tiles run over it: on AVX2 an int16 multiply-add is no faster
 // per lane than a float32 FMA, so once the conversion of W is shared by enough rows float32 wins (and x
 // stays float32). Measured on the 48 block matrices of gpt2-small, 2 threads: int16 faster at 4 and 8 rows
-// (14.5 vs 21.1 ms, 27.5 vs 32.3), even at 16, dequantized faster at 32 (94 vs 140).
+// (14.5 vs 21.1 ms, 27.5 vs 32.3), even at 16, dequantized faster at 32 (94 vs 140), on a Zen 1 host; this
+// build on a Zen 4 host, blocks and LM head: int16 faster at 16 rows (22.9 vs 28.1 ms, 11.1 vs 12.8) and 24
+// (31.9 vs 34.3), even at 32, slower at 80 (117 vs 104). So int16 up to 16 rows, where both hosts agree.
 #ifndef GPT2_INT16_ROWS
-#define GPT2_INT16_ROWS 12
+#define GPT2_INT16_ROWS 16
 #endif
 #endif
 constexpr int64_t kInt16Rows = GPT2_INT16_ROWS;
