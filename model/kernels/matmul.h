@@ -159,9 +159,10 @@ struct I8 {  // int8 weights against int16 rows of x: 16 products per step, summ
 // once into a cached buffer and the float32 tiles run over it: on AVX2 an int16 multiply-add is no faster
 // per lane than a float32 FMA, so once the conversion of W is shared by enough rows float32 wins (and x
 // stays float32). Measured on the 48 block matrices of gpt2-small, 2 threads: int16 faster at 4 and 8 rows
-// (14.5 vs 21.1 ms, 27.5 vs 32.3), even at 16, dequantized faster at 32 (94 vs 140), on a Zen 1 host; this
-// build on a Zen 4 host, blocks and LM head: int16 faster at 16 rows (22.9 vs 28.1 ms, 11.1 vs 12.8) and 24
-// (31.9 vs 34.3), even at 32, slower at 80 (117 vs 104). So int16 up to 16 rows, where both hosts agree.
+// (14.5 vs 21.1 ms, 27.5 vs 32.3), at least even at 16, dequantized faster at 32 (94 vs 140), on a Zen 1
+// host; this build on a Zen 4 host, blocks and LM head: int16 faster at 16 rows (22.9 vs 28.1 ms, 11.1 vs
+// 12.8) and 24 (31.9 vs 34.3), even at 32, slower at 80 (117 vs 104). So int16 up to 16 rows, where neither
+// host had it slower.
 #ifndef GPT2_INT16_ROWS
 #define GPT2_INT16_ROWS 16
 #endif
@@ -199,7 +200,7 @@ constexpr int MR = 3;  // rows of x per tile: 3 x 4 accumulators, 3 x values and
 // 27.3 -> 22.2, 24 rows 35.2 -> 30.5; int8 blocks at 2-8 rows 20-30% faster, at 16-24 rows the same; the AVX2
 // build on the same host: float32 blocks 14.3 -> 11.6 ms at one row, 17.2 -> 11.6 at 4. (The AVX2 build's
 // int8 dequantization prefetches there too: the same time either way.)
-constexpr _mm_hint kAhead = _MM_HINT_T1;
+constexpr auto kAhead = _MM_HINT_T1;  // GCC's enum _mm_hint, clang's int
 template <typename T>
 struct Ahead {
   const T* next;
