@@ -70,9 +70,7 @@ void layer_norm_row(const Norm& n, const float* r, int64_t C, float eps, float* 
     s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm_loadu_ps(r + c)));
     s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm_loadu_ps(r + c + 4)));
   }
-  double lanes[4], sum = 0, squares = 0;
-  _mm256_storeu_pd(lanes, _mm256_add_pd(s0, s1));
-  for (double v : lanes) sum += v;
+  double sum = gpt2::hsum(_mm256_add_pd(s0, s1));
   for (int64_t c = Cv; c < C; ++c) sum += r[c];
   const double mean = sum / C;
   const __m256d mu_d = _mm256_set1_pd(mean);
@@ -82,8 +80,7 @@ void layer_norm_row(const Norm& n, const float* r, int64_t C, float eps, float* 
     const __m256d b = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(r + c + 4)), mu_d);
     s0 = _mm256_fmadd_pd(a, a, s0), s1 = _mm256_fmadd_pd(b, b, s1);
   }
-  _mm256_storeu_pd(lanes, _mm256_add_pd(s0, s1));
-  for (double v : lanes) squares += v;
+  double squares = gpt2::hsum(_mm256_add_pd(s0, s1));
   for (int64_t c = Cv; c < C; ++c) squares += (r[c] - mean) * (r[c] - mean);
   const float rstd = static_cast<float>(1.0 / std::sqrt(squares / C + eps));
   const float mu = static_cast<float>(mean);

@@ -21,9 +21,9 @@
 // Each output ends with an epilogue (`Op`): stored, or added to y (the residual stream's `x += f(x)`), so
 // the decode step (decode.cpp) needs no pass of its own for it. `gelu` is GPT-2's activation, vectorised.
 // While a group's tiles run they prefetch the next group's rows of W into L2 (`kAhead`), spread evenly over
-// the group's row tiles: at a few rows of x the products are bound by how fast memory streams in, and on the Zen 1 host the
-// hardware's prefetchers alone left int8 at a third of the bandwidth (the AVX-512 build streams one row of
-// x through W's rows in order instead, without prefetching: see `group`).
+// the group's row tiles: at a few rows of x the products are bound by how fast memory streams in, and on the
+// Zen 1 host the hardware's prefetchers alone left int8 at a third of the bandwidth (the AVX-512 build
+// streams one row of x through W's rows in order instead, without prefetching: see `group`).
 #pragma once
 
 #include <immintrin.h>
@@ -47,6 +47,12 @@ inline float hsum(__m256 v) {
 }
 
 inline float hsum(__m256i v) { return hsum(_mm256_cvtepi32_ps(v)); }  // int32 lanes, each rounded to float32
+
+inline double hsum(__m256d v) {  // lane 0 + lane 1 + lane 2 + lane 3, in that order
+  double lanes[4];
+  _mm256_storeu_pd(lanes, v);
+  return lanes[0] + lanes[1] + lanes[2] + lanes[3];
+}
 
 inline void finish(Op op, float s, float* y) {
   if (op == Op::kAdd)
