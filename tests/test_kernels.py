@@ -30,8 +30,11 @@ ODD_SHAPES = [(1, 1), (7, 5), (9, 3), (13, 17), (64, 1), (100, 6), (15, 33), (77
 # Beyond 96: more than one pass over W. With AVX-512, float32 blocks of 32-96 rows at least 7/8 full take outer
 # products (matmul.h): 32, 42, 47, 61, 64, 75, 80, 90 and 96 (every tile height, full and partial), 128 (96 + 32)
 # and 143 (96 + 47); 33 and 41 fall on the dot-product tiles (padding rule), as do the 1- and 8-row ends of
-# 97 and 200
-ROWS = [1, 2, 3, 4, 5, 7, 8, 16, 32, 33, 41, 42, 47, 61, 64, 75, 80, 90, 96, 97, 128, 143, 200]
+# 97 and 200. With AVX2, blocks of 16-96 rows at least 7/8 full (in vectors of 8), float32 or int8 beyond 16
+# rows, take them in tiles of 2 vectors, or 3 where the vectors are odd: 16, 21 and 24 (one tile), 40, 56, 72
+# and 88 (3 vectors at a time, then the last 2 or 1), 32, 42, 47, 61 ... (2 at a time); 17, 33 and 41 do not.
+ROWS = [1, 2, 3, 4, 5, 7, 8, 16, 17, 21, 24, 32, 33, 40, 41, 42, 47, 56, 61, 64, 72, 75, 80, 88, 90, 96, 97, 128,
+        143, 200]
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -49,7 +52,7 @@ def tolerance(x: torch.Tensor, w: torch.Tensor) -> float:
 def test_float32_matches_torch(k: int, n: int) -> None:
     g = torch.Generator().manual_seed(k * 7919 + n)
     w, bias = torch.randn(n, k, generator=g) * 0.02, torch.randn(n, generator=g)
-    for m in ROWS if n * k < 2**22 else (1, 3, 8, 33, 64):
+    for m in ROWS if n * k < 2**22 else (1, 3, 8, 24, 33, 64):
         x = torch.randn(m, k, generator=g)
         y = kernels.matmul(x, w, bias)
         assert y.shape == (m, n)
@@ -64,7 +67,7 @@ def test_int8_matches_dequantized(k: int, n: int) -> None:
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
     scale, bias = torch.rand(n, generator=g) * 1e-3, torch.randn(n, generator=g)
     w = q.float() * scale[:, None]
-    for m in ROWS if n * k < 2**22 else (1, 3, 8, 33):
+    for m in ROWS if n * k < 2**22 else (1, 3, 8, 33, 40):
         x = torch.randn(m, k, generator=g)
         y = kernels.matmul_int8(x, q, scale, bias)
         assert ((y - reference(x, w, bias)).abs() <= int8_tolerance(x, w)).all()

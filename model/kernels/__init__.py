@@ -9,9 +9,9 @@ warning says why, and callers use stock torch.
 Why: for 1-32 rows, torch's float32 CPU GEMM (MKL) streams the weights from one thread (a second core
 adds nothing at batch 1) and reaches a fraction of the FLOP rate at batch 8; here every thread streams
 its own contiguous slab of W (the threads split the outputs) and tiles of accumulators (3 x 4 with AVX2,
-4 x 4 of twice the width with AVX-512; with AVX-512, one row of x streams W's rows one after another, and
-float32 blocks of 32-96 rows at least 7/8 full take outer products over x's rows, transposed) keep the FMA
-units busy. They also beat MKL for prompt-sized products, up to `max_rows()`.
+4 x 4 of twice the width with AVX-512; with AVX-512, one row of x streams W's rows one after another) keep
+the FMA units busy; blocks of many rows (32-96 with AVX-512, 16-96 with AVX2, at least 7/8 full) take outer
+products over x's rows, transposed. They also beat MKL for prompt-sized products, up to `max_rows()`.
 Thread count: torch's (`torch.get_num_threads()`), through torch's own OpenMP runtime.
 
 Environment: `GPT2_KERNELS=0` turns them off (for A/B runs); `GPT2_KERNEL_ISA` (avx2, avx512, avx512_vnni)
@@ -55,7 +55,9 @@ NEEDS = {  # what each build needs of the CPU (its /proc/cpuinfo flags)
 }
 BUILD_TIMEOUT_S = 300
 MAX_ROWS_AVX2 = 512  # products of more rows (long prefills) go to torch's GEMM (MKL): on an AVX2 host our tiles
-# matched or beat it up to here (2 threads: 60 vs 48 GFLOP/s at 128 rows, 62 vs 62 at 512, 60 vs 60 at 1024)
+# matched or beat it up to here (2 threads: 60 vs 48 GFLOP/s at 128 rows, 62 vs 62 at 512, 60 vs 60 at 1024,
+# Zen 1 host; with the outer products, the AVX2 build on a Zen 4 host against MKL held to AVX2, a block's four
+# products: 114 vs 97 at 128, 145 vs 137 at 512, then even: 137 vs 139 at 1024, 142 vs 144 at 2048)
 MAX_ROWS_AVX512 = 2048  # with AVX-512, float32 blocks of 32-96 rows take outer products (matmul.h), ahead of
 # MKL's GEMM at every size measured (2 threads, Zen 4 host, a block's four products: 172 vs 149 GFLOP/s at 128
 # rows, 165 vs 135 at 1024, 172 vs 153 at 2048); the int8 products of prompts too (int16 tiles)

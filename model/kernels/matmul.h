@@ -1,7 +1,8 @@
 // Matrix products for the decode step, the server's packed steps and prompts: y[M, N] = x[M, K] @ W[N, K]^T
-// (+ bias), M from one row up to max_rows() (model/kernels/__init__.py). With AVX-512, float32 blocks of 32 to
-// 96 rows at least 7/8 full, and of 8 to 16 rows in a product as wide as the LM head, take outer products (see
-// "Many rows" below); what follows describes the dot-product tiles every other product takes.
+// (+ bias), M from one row up to max_rows() (model/kernels/__init__.py). Blocks of many rows of float32 x take
+// outer products (see "Many rows" below): with AVX-512, float32 blocks of 32 to 96 rows at least 7/8 full, and
+// of 8 to 16 rows in a product as wide as the LM head; with AVX2, blocks of 16 to 96 rows at least 7/8 full,
+// float32 or int8 (dequantized). What follows describes the dot-product tiles every other product takes.
 //
 // W is stored [N, K] row-major (nn.Linear's layout: one output's weights contiguous), so every output is a
 // dot product over a contiguous row and each thread streams one contiguous slab of W: the threads split the
@@ -31,8 +32,10 @@
 #include <stdint.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace gpt2 {
@@ -302,6 +305,19 @@ inline void rows_of(Rows<W> x, int64_t M, int64_t K, const typename W::T* w, int
   if (m < M) last_rows<W>(M - m, x.from(m, K), K, w, ldw, scale, bias, y + m * N, N, nr, op, {next, phase, period});
 }
 
+// d[0:n] = q[0:n] * scale: int8 weights to float32, with the scale folded in; every cache line of q, the same
+// line at `ahead` (the rows to come, past W's end harmlessly) is prefetched into L2.
+inline void dequantize(const int8_t* q, int64_t n, float scale, float* d, const int8_t* ahead) {
+  const __m256 sv = _mm256_set1_ps(scale);
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(ahead + k), kAhead);
+    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k));
+    _mm256_storeu_ps(d + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), sv));
+  }
+  for (; k < n; ++k) d[k] = static_cast<float>(q[k]) * scale;
+}
+
 // Outputs [g * NR, g * NR + NR) (fewer in the last group) for every row of x.
 template <typename W>
 inline void group(Rows<W> x, int64_t M, int64_t K, const typename W::T* w, int64_t ldw, const float* scale,
@@ -316,18 +332,7 @@ inline void group(Rows<W> x, int64_t M, int64_t K, const typename W::T* w, int64
       // into a buffer that stays in cache, and run float32 tiles over it
       thread_local std::vector<float> buffer;
       buffer.resize(static_cast<size_t>(NR * K));
-      for (int j = 0; j < nr; ++j) {
-        const int8_t* q = w + j * ldw;
-        float* d = buffer.data() + j * K;
-        const __m256 sv = _mm256_set1_ps(scale[j]);
-        int64_t k = 0;
-        for (; k + 8 <= K; k += 8) {
-          if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(next + j * ldw + k), kAhead);
-          const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k));
-          _mm256_storeu_ps(d + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), sv));
-        }
-        for (; k < K; ++k) d[k] = static_cast<float>(q[k]) * scale[j];
-      }
+      for (int j = 0; j < nr; ++j) dequantize(w + j * ldw, K, scale[j], buffer.data() + j * K, next + j * ldw);
       rows_of<F32>({x.xf, nullptr, nullptr}, M, K, buffer.data(), K, nullptr, bias, y, N, nr, op, nullptr);
       return;
     }
@@ -354,22 +359,25 @@ inline void group(Rows<W> x, int64_t M, int64_t K, const typename W::T* w, int64
 // 4-14% faster in one pass): reading W again costs more than x's rows coming from L3.
 constexpr int64_t kRowBlock = 96;
 
-#ifdef __AVX512F__
-// ---- Many rows of float32 x (AVX-512 builds): outer products over x's rows ----
+// ---- Many rows of x: outer products over x's rows ----
 //
 // From 32 rows on, the dot-product tiles above spend a good part of their time summing lanes and reloading
 // x's rows. Here a block of x is transposed once into xt [K, Mp] (its m rows padded with zeros to Mp, a
-// multiple of 16), so that one vector holds 16 rows of x at one k, and a tile of MV vectors (16 MV rows)
-// against NC outputs accumulates
-//     acc[i][j] += xt[k, 16 i : 16 i + 16] * W[n + j, k]        (the weight broadcast to every lane)
-// in MV * NC registers: no sums across lanes, each weight loaded once for all the block's rows, W's rows read
-// in order as stored. The threads take pieces of the outputs (contiguous slabs of W, `outer_product`), each
-// in chunks of about kChunk outputs, whose sums stay in L1 ([chunk, Mp], outputs by rows), over blocks of
-// kBlockK of K (xt's block stays in L2). A tile's registers start from zero every kSubK of K and are then
-// added to the chunk's sums, so that no float32 sum runs over more than kSubK products one after another (one
-// chain over all of K = 768 had 8x the rounding error of the lane-split tiles; with 64, the same 1.4e-6). At
-// the end each chunk is transposed back, 16 x 16 at a time, and stored into y's rows with the bias (or added,
-// `op`).
+// multiple of the vector's L lanes: 16 with AVX-512, 8 with AVX2), so that one vector holds L rows of x at
+// one k, and a tile of MV vectors (L MV rows) against NC outputs accumulates
+//     acc[i][j] += xt[k, L i : L i + L] * W[n + j, k]        (the weight broadcast to every lane)
+// in MV * NC registers: no sums across lanes, each weight loaded once for the tile's rows, W's rows read in
+// order as stored. The threads take pieces of the outputs (contiguous slabs of W, `outer_product`), each in
+// chunks of about kChunk outputs, whose sums stay in L1 ([chunk, Mp], outputs by rows), over blocks of
+// kBlockK of K (xt's block stays in L2). With AVX-512's 32 registers one tile holds every row of a block (up
+// to 6 vectors, 96 rows); AVX2's 16 hold at most 3 vectors against 4 outputs, so there a chunk's tile of
+// outputs runs over the block's rows MV vectors at a time (`outer_column`), its rows of W then in L1. A
+// tile's registers start from zero every kSubK of K and are then added to the chunk's sums, so that no
+// float32 sum runs over more than kSubK products one after another (one chain over all of K = 768 had 8x the
+// rounding error of the lane-split tiles; with 64, the same 1.4e-6). At the end each chunk is transposed
+// back, L x L at a time, and stored into y's rows with the bias (or added, `op`). int8 weights (AVX2, rows
+// beyond kInt16Rows, where x stays float32) are dequantized a chunk's block at a time, scale folded in, into
+// a buffer the tiles then read from cache.
 // Measured on a 2-core Zen 4 host against the tiles above, gpt2-small's four block products, median of
 // interleaved runs: 1.11x at 32 rows, 1.08x at 64, 1.09x at 80 (a server step), 1.22x at 96, 1.17-1.21x at
 // 128-1024 rows (183 GFLOP/s at 2 threads, where torch's GEMM, MKL, made 133-146); padded rows cost as much
@@ -377,177 +385,288 @@ constexpr int64_t kRowBlock = 96;
 // at 33 rows (48 padded) it was 0.83x, at 65 0.89x. A product as wide as the LM head (kWideN outputs or more:
 // 154 MB of W streaming from memory) goes this way from 8 rows, in one vector: 50257 outputs, K 768, 2
 // threads, 1.09x at 8 rows, 1.38x at 12, 1.43-1.48x at 16 (0.99x at 4, 0.97-1.01x at 20-24, where the
-// padding rule keeps it off), while a block's products at 16 rows were 0.93-0.97x.
+// padding rule keeps it off), while a block's products at 16 rows were 0.93-0.97x. The AVX2 build (the same
+// host), 2 threads, against its dot-product tiles, the 48 block matrices and the LM head: 16 rows 1.2x and
+// 1.4x (23.1-27.3 -> 18.5-22.0 ms, 10.9-12.4 -> 8.0-8.8), 24 rows 1.15-1.25x and 1.25-1.5x, 32 rows 1.2x
+// and 1.5x (46.8 -> 38.2, 25.4 -> 17.4), 80 rows 1.25x and 1.6x (130.6-133.8 -> 90.1-105.3, 61.9-65.6 ->
+// 38.5-41.9); int8 at 24 rows (dequantized) 1.15-1.2x on the block matrices; so there from 16 rows (at 8,
+// 0.7x on the block matrices).
+
+#ifdef __AVX512F__
+struct Lanes {  // a vector of 16 float32 lanes
+  using V = __m512;
+  static constexpr int64_t kN = 16;
+  static inline V zero() { return _mm512_setzero_ps(); }
+  static inline V load(const float* p) { return _mm512_load_ps(p); }  // 64-byte aligned
+  static inline void store(float* p, V v) { _mm512_store_ps(p, v); }
+  static inline V set1(float s) { return _mm512_set1_ps(s); }
+  static inline V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static inline V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static inline __mmask16 first(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+  static inline V load_first(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(first(n), p); }  // rest 0
+  static inline void store_first(float* p, int64_t n, V v) { _mm512_mask_storeu_ps(p, first(n), v); }
+  // r[0..15] transposed in place (r[i][j] <- r[j][i]): pairs of lanes, then quarters, then halves of the 4 x 4
+  // blocks of 128-bit lanes.
+  static inline void transpose(V r[16]) {
+    V t[16];
+    for (int i = 0; i < 16; i += 2) {
+      t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+      r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+      r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+      r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+      r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; ++i) {
+      t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+      t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+      t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+      t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+    }
+    for (int i = 0; i < 4; ++i) {
+      r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+      r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+      r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+      r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
+    }
+  }
+};
+#else
+struct Lanes {  // a vector of 8 float32 lanes
+  using V = __m256;
+  static constexpr int64_t kN = 8;
+  static inline V zero() { return _mm256_setzero_ps(); }
+  static inline V load(const float* p) { return _mm256_load_ps(p); }  // 32-byte aligned
+  static inline void store(float* p, V v) { _mm256_store_ps(p, v); }
+  static inline V set1(float s) { return _mm256_set1_ps(s); }
+  static inline V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static inline V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static inline __m256i first(int64_t n) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n < 8 ? n : 8)), lane);
+  }
+  static inline V load_first(const float* p, int64_t n) {  // the rest 0
+    return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, first(n));
+  }
+  static inline void store_first(float* p, int64_t n, V v) {
+    if (n >= 8)
+      _mm256_storeu_ps(p, v);
+    else
+      _mm256_maskstore_ps(p, first(n), v);
+  }
+  // r[0..7] transposed in place (r[i][j] <- r[j][i]): pairs of lanes, then quarters, then the 128-bit halves.
+  static inline void transpose(V r[8]) {
+    V t[8];
+    for (int i = 0; i < 8; i += 2) {
+      t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+      r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+      r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+      r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+      r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; ++i) {
+      t[i] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x20);
+      t[i + 4] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x31);
+    }
+    for (int i = 0; i < 8; ++i) r[i] = t[i];
+  }
+};
+#endif
+constexpr int64_t kLanes = Lanes::kN;  // L below
 
 constexpr int64_t kChunk = 64;    // outputs whose sums a thread keeps in L1 at once (rounded to the tile's NC)
-constexpr int64_t kBlockK = 768;  // K per block of xt (16 MV x 768 floats, at most 288 KiB: in L2)
+constexpr int64_t kBlockK = 768;  // K per block of xt (96 x 768 floats at most, 288 KiB: in L2)
 constexpr int64_t kSubK = 64;     // K per chain of float32 sums in a tile's registers
 constexpr int64_t kWideN = 16384; // outputs from which a product is as wide as an LM head
+constexpr int64_t kMaxVectors = kRowBlock / kLanes;  // vectors of rows in a block (kOuter)
 
-static_assert(kRowBlock <= 96, "a block of rows is at most 6 vectors of 16 (kOuterOutputs)");
+static_assert(kRowBlock % kLanes == 0 && kRowBlock <= 96, "a block of rows is at most 96 rows, whole vectors");
 
 // Whether a block of m rows against K x N weights takes outer products (none without K or N: the tiles store
 // the bias there, and pieces of no outputs are not defined).
 inline bool outer_pays(int64_t m, int64_t K, int64_t N) {
   if (K == 0 || N == 0) return false;
-  const int64_t padded = (m + 15) / 16 * 16;
+  const int64_t padded = (m + kLanes - 1) / kLanes * kLanes;
+#ifdef __AVX512F__
   return (m >= 32 && m <= kRowBlock && 8 * m >= 7 * padded) || (N >= kWideN && m >= 8 && m <= 16);
+#else
+  return m >= 16 && m <= kRowBlock && 8 * m >= 7 * padded;
+#endif
 }
 
-// r[0..15], 16 vectors of 16 floats, transposed in place (r[i][j] <- r[j][i]): pairs of lanes, then
-// quarters, then halves of the 4 x 4 blocks of 128-bit lanes.
-inline void transpose16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
-    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
-    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
-    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
-    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
-    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
-  }
-}
-
-inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
-
-// xt[K, Mp] = x[m, K]^T, rows m..Mp-1 zero; xt 64-byte aligned, Mp a multiple of 16.
+// xt[K, Mp] = x[m, K]^T, rows m..Mp-1 zero; xt aligned to a vector, Mp a multiple of L.
 inline void transpose_rows(const float* x, int64_t m, int64_t K, float* xt, int64_t Mp) {
-  for (int64_t k0 = 0; k0 < K; k0 += 16) {
-    const int64_t kn = K - k0 < 16 ? K - k0 : 16;
-    for (int64_t i0 = 0; i0 < Mp; i0 += 16) {
-      __m512 r[16];
-      for (int i = 0; i < 16; ++i)
-        r[i] = i0 + i < m ? _mm512_maskz_loadu_ps(first_lanes(kn), x + (i0 + i) * K + k0) : _mm512_setzero_ps();
-      transpose16(r);
-      for (int64_t k = 0; k < kn; ++k) _mm512_store_ps(xt + (k0 + k) * Mp + i0, r[k]);
+  for (int64_t k0 = 0; k0 < K; k0 += kLanes) {
+    const int64_t kn = K - k0 < kLanes ? K - k0 : kLanes;
+    for (int64_t i0 = 0; i0 < Mp; i0 += kLanes) {
+      Lanes::V r[kLanes];
+      for (int i = 0; i < kLanes; ++i) r[i] = i0 + i < m ? Lanes::load_first(x + (i0 + i) * K + k0, kn) : Lanes::zero();
+      Lanes::transpose(r);
+      for (int64_t k = 0; k < kn; ++k) Lanes::store(xt + (k0 + k) * Mp + i0, r[k]);
     }
   }
 }
 
-// sums[j, :] (+)= xt[0:kn, :]^T . w[j, 0:kn] for the NC outputs j whose weights are at w (rows ldw apart):
-// stored where `first`, else added. xt: 16 MV rows of x, Mp = 16 MV apart. Each new cache line of its rows
-// (every 16 of k), the tile prefetches the same line of the next tile's rows (the next NC outputs, past the
-// last one harmlessly) into L2, as the dot-product tiles do (`kAhead`): the LM head at 8-16 rows about 15%
-// faster (8.7 -> 7.4 ms at 8, 8.9 -> 7.6 at 16), a server step's block products (80 rows) 2-4%.
+// sums[j, :] (+)= xt[0:kn, :]^T . w[j, 0:kn] for the NC outputs j whose weights are at w (rows ldw apart), for
+// the MV vectors of rows at xt (rows Mp apart, as the sums' rows): stored where `first`, else added. Each new
+// cache line of its rows (every 16 of k), the tile prefetches the same line of the next tile's rows (the next
+// NC outputs, past the last one harmlessly) into L2, as the dot-product tiles do (`kAhead`): the LM head at
+// 8-16 rows about 15% faster (8.7 -> 7.4 ms at 8, 8.9 -> 7.6 at 16), a server step's block products (80 rows)
+// 2-4%. (Where those rows are already in cache, the tiles after a column's first and int8's dequantized
+// buffer, it costs less than a test to skip it: with one, the LM head at 12-16 rows 4-8% slower.)
 template <int MV, int NC>
-inline void outer_tile(const float* xt, int64_t kn, const float* w, int64_t ldw, float* sums, bool first) {
-  constexpr int64_t Mp = 16 * MV;
+inline void outer_tile(const float* xt, int64_t Mp, int64_t kn, const float* w, int64_t ldw, float* sums,
+                       bool first) {
   for (int64_t k0 = 0; k0 < kn; k0 += kSubK) {
     const int64_t k1 = kn - k0 < kSubK ? kn : k0 + kSubK;
-    __m512 acc[MV][NC];
+    Lanes::V acc[MV][NC];
     for (int i = 0; i < MV; ++i)
-      for (int j = 0; j < NC; ++j) acc[i][j] = _mm512_setzero_ps();
+      for (int j = 0; j < NC; ++j) acc[i][j] = Lanes::zero();
     for (int64_t k = k0; k < k1; ++k) {
       if (k % 16 == 0)
         for (int j = 0; j < NC; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (NC + j) * ldw + k), kAhead);
-      __m512 xv[MV];
-      for (int i = 0; i < MV; ++i) xv[i] = _mm512_load_ps(xt + k * Mp + 16 * i);
+      Lanes::V xv[MV];
+      for (int i = 0; i < MV; ++i) xv[i] = Lanes::load(xt + k * Mp + kLanes * i);
       for (int j = 0; j < NC; ++j) {
-        const __m512 wv = _mm512_set1_ps(w[j * ldw + k]);
-        for (int i = 0; i < MV; ++i) acc[i][j] = _mm512_fmadd_ps(xv[i], wv, acc[i][j]);
+        const Lanes::V wv = Lanes::set1(w[j * ldw + k]);
+        for (int i = 0; i < MV; ++i) acc[i][j] = Lanes::fma(xv[i], wv, acc[i][j]);
       }
     }
     const bool store = first && k0 == 0;
     for (int j = 0; j < NC; ++j)
       for (int i = 0; i < MV; ++i) {
-        float* s = sums + j * Mp + 16 * i;
-        _mm512_store_ps(s, store ? acc[i][j] : _mm512_add_ps(_mm512_load_ps(s), acc[i][j]));
+        float* s = sums + j * Mp + kLanes * i;
+        Lanes::store(s, store ? acc[i][j] : Lanes::add(Lanes::load(s), acc[i][j]));
       }
   }
 }
 
-// The n (<= NC, called with NC one less than the chunk's tiles) outputs left at the end of a chunk: one tile.
+// n (1 to NC) outputs: the outer_tile<MV, n>.
 template <int MV, int NC>
-inline void outer_rest(int64_t n, const float* xt, int64_t kn, const float* w, int64_t ldw, float* sums, bool first) {
-  if constexpr (NC >= 1) {
-    if (n == NC) return outer_tile<MV, NC>(xt, kn, w, ldw, sums, first);
-    outer_rest<MV, NC - 1>(n, xt, kn, w, ldw, sums, first);
+inline void outer_n(int64_t n, const float* xt, int64_t Mp, int64_t kn, const float* w, int64_t ldw, float* sums,
+                    bool first) {
+  if constexpr (NC > 1) {
+    if (n < NC) return outer_n<MV, NC - 1>(n, xt, Mp, kn, w, ldw, sums, first);
   }
+  outer_tile<MV, NC>(xt, Mp, kn, w, ldw, sums, first);
 }
 
-// Outputs [n0, n1) of y for the m rows of x in xt (one piece; a function of its own, see `groups`).
-template <int MV, int NC>
-__attribute__((noinline)) void outer_outputs(const float* xt, int64_t m, int64_t K, const float* w, int64_t ldw,
-                                             const float* bias, float* y, int64_t N, int64_t n0, int64_t n1, Op op) {
-  constexpr int64_t Mp = 16 * MV, chunk = (kChunk + NC - 1) / NC * NC;
+// n (<= NC) outputs for all NV vectors of rows: MV vectors at a time, the last NV % MV together.
+template <int NV, int MV, int NC>
+inline void outer_column(int64_t n, const float* xt, int64_t kn, const float* w, int64_t ldw, float* sums,
+                         bool first) {
+  constexpr int64_t Mp = kLanes * NV;
+  int64_t v = 0;
+  for (; v + MV <= NV; v += MV) outer_n<MV, NC>(n, xt + kLanes * v, Mp, kn, w, ldw, sums + kLanes * v, first);
+  if constexpr (NV % MV > 0) outer_n<NV % MV, NC>(n, xt + kLanes * v, Mp, kn, w, ldw, sums + kLanes * v, first);
+}
+
+// Outputs [n0, n1) of y for the m rows of x in xt (NV vectors; one piece; a function of its own, see `groups`),
+// tiles of MV vectors against NC outputs. int8: the chunk's weights dequantized first.
+template <typename W, int NV, int MV, int NC>
+__attribute__((noinline)) void outer_outputs(const float* xt, int64_t m, int64_t K, const typename W::T* w,
+                                             int64_t ldw, const float* scale, const float* bias, float* y, int64_t N,
+                                             int64_t n0, int64_t n1, Op op) {
+  constexpr int64_t Mp = kLanes * NV, chunk = (kChunk + NC - 1) / NC * NC;
   alignas(64) float sums[chunk * Mp];  // [outputs, Mp]
   for (int64_t c = n0; c < n1; c += chunk) {
     const int64_t nc = n1 - c < chunk ? n1 - c : chunk;
     for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
       const int64_t kn = K - k0 < kBlockK ? K - k0 : kBlockK;
-      const float* wk = w + c * ldw + k0;
-      int64_t j = 0;
-      for (; j + NC <= nc; j += NC) outer_tile<MV, NC>(xt + k0 * Mp, kn, wk + j * ldw, ldw, sums + j * Mp, k0 == 0);
-      if (j < nc) outer_rest<MV, NC - 1>(nc - j, xt + k0 * Mp, kn, wk + j * ldw, ldw, sums + j * Mp, k0 == 0);
+      const float* wk;  // the chunk's weights for this block of K, rows ld apart
+      int64_t ld;
+      if constexpr (std::is_same<W, I8>::value) {
+        thread_local std::vector<float> buffer;  // [chunk, kn]
+        buffer.resize(static_cast<size_t>(chunk * kBlockK));
+        for (int64_t j = 0; j < nc; ++j) {  // prefetching the same place in the next chunk's rows
+          const int8_t* q = w + (c + j) * ldw + k0;
+          dequantize(q, kn, scale[c + j], buffer.data() + j * kn, q + chunk * ldw);
+        }
+        wk = buffer.data(), ld = kn;
+      } else {
+        wk = w + c * ldw + k0, ld = ldw;
+      }
+      for (int64_t j = 0; j < nc; j += NC)
+        outer_column<NV, MV, NC>(std::min<int64_t>(NC, nc - j), xt + k0 * Mp, kn, wk + j * ld, ld, sums + j * Mp,
+                                 k0 == 0);
     }
-    for (int64_t j0 = 0; j0 < nc; j0 += 16) {  // back to rows: 16 outputs x 16 rows at a time
-      const __mmask16 real = first_lanes(nc - j0);
-      const __m512 b = bias ? _mm512_maskz_loadu_ps(real, bias + c + j0) : _mm512_setzero_ps();
-      for (int64_t i0 = 0; i0 < m; i0 += 16) {
-        __m512 r[16];
-        for (int j = 0; j < 16; ++j)  // past the chunk's last output: zeros (its sums were never written)
-          r[j] = j0 + j < nc ? _mm512_load_ps(sums + (j0 + j) * Mp + i0) : _mm512_setzero_ps();
-        transpose16(r);
-        for (int64_t i = 0; i < 16 && i0 + i < m; ++i) {
+    for (int64_t j0 = 0; j0 < nc; j0 += kLanes) {  // back to rows: L outputs x L rows at a time
+      const int64_t real = nc - j0;  // outputs here (L or more: all lanes)
+      const Lanes::V b = bias ? Lanes::load_first(bias + c + j0, real) : Lanes::zero();
+      for (int64_t i0 = 0; i0 < m; i0 += kLanes) {
+        Lanes::V r[kLanes];
+        for (int j = 0; j < kLanes; ++j)  // past the chunk's last output: zeros (its sums were never written)
+          r[j] = j0 + j < nc ? Lanes::load(sums + (j0 + j) * Mp + i0) : Lanes::zero();
+        Lanes::transpose(r);
+        for (int64_t i = 0; i < kLanes && i0 + i < m; ++i) {
           float* yr = y + (i0 + i) * N + c + j0;
-          __m512 v = _mm512_add_ps(r[i], b);
-          if (op == Op::kAdd) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(real, yr));
-          _mm512_mask_storeu_ps(yr, real, v);
+          Lanes::V v = Lanes::add(r[i], b);
+          if (op == Op::kAdd) v = Lanes::add(v, Lanes::load_first(yr, real));
+          Lanes::store_first(yr, real, v);
         }
       }
     }
   }
 }
 
-using OuterOutputs = void (*)(const float*, int64_t, int64_t, const float*, int64_t, const float*, float*, int64_t,
-                              int64_t, int64_t, Op);
-// Outputs per tile at each height MV (16 MV rows, 1 to 6): as many as leave registers for MV x values and the
-// broadcast weight (MV NC + MV + 1 <= 32); at one vector 16 (measured on the LM head: 12 and 16 alike, 24 half
-// as fast).
+template <typename W>
+using OuterOutputs = void (*)(const float*, int64_t, int64_t, const typename W::T*, int64_t, const float*,
+                              const float*, float*, int64_t, int64_t, int64_t, Op);
+template <typename W>
+struct Outer {
+  OuterOutputs<W> outputs;
+  int64_t nc;  // outputs per tile
+};
+// The tiles for NV vectors of rows. AVX-512: all NV in one tile, against as many outputs as leave registers
+// for NV x values and the broadcast weight (NV NC + NV + 1 <= 32); at one vector 16 (measured on the LM head:
+// 12 and 16 alike, 24 half as fast). AVX2 (16 registers): 2 vectors (16 rows) against 6 outputs at a time,
+// or, where NV is odd, 3 against 4 (the last one or two vectors together): measured on a Zen 4 host (the
+// AVX2 build) 2 x 6 as fast as 3 x 4 or faster from 32 to 96 rows, 3 x 4 faster at 24 rows than 2 x 6 and a
+// lone vector after it (the 48 block matrices 27.7-33.8 against 35.0-38.6 ms).
+#ifdef __AVX512F__
+constexpr int outer_mv(int nv) { return nv; }
 constexpr int outer_nc(int mv) { return mv == 1 ? 16 : mv == 2 ? 10 : mv == 3 ? 8 : mv == 4 ? 6 : mv == 5 ? 5 : 4; }
-constexpr OuterOutputs kOuterOutputs[7] = {nullptr,
-                                           outer_outputs<1, outer_nc(1)>,
-                                           outer_outputs<2, outer_nc(2)>,
-                                           outer_outputs<3, outer_nc(3)>,
-                                           outer_outputs<4, outer_nc(4)>,
-                                           outer_outputs<5, outer_nc(5)>,
-                                           outer_outputs<6, outer_nc(6)>};
+#else
+constexpr int outer_mv(int nv) { return nv % 2 == 0 || nv == 1 ? std::min(nv, 2) : 3; }
+constexpr int outer_nc(int mv) { return mv == 1 ? 12 : mv == 2 ? 6 : 4; }
+#endif
+template <typename W, int NV>
+constexpr Outer<W> outer() {
+  return {outer_outputs<W, NV, outer_mv(NV), outer_nc(outer_mv(NV))>, outer_nc(outer_mv(NV))};
+}
+template <typename W, int... NV>
+constexpr std::array<Outer<W>, sizeof...(NV) + 1> outer_table(std::integer_sequence<int, NV...>) {
+  return {Outer<W>{nullptr, 0}, outer<W, NV + 1>()...};
+}
+template <typename W>
+constexpr auto kOuter = outer_table<W>(std::make_integer_sequence<int, kMaxVectors>());  // [vectors of rows]
 
-// y[m, N] (op) x[m, K] @ w[N, K]^T + bias for one block of rows (m <= kRowBlock), on `threads` threads.
-inline void outer_product(const float* x, int64_t m, int64_t K, const float* w, int64_t ldw, const float* bias,
-                          float* y, int64_t N, int threads, Op op) {
-  const int mv = static_cast<int>((m + 15) / 16);
-  const int64_t Mp = 16 * mv;
+// y[m, N] (op) x[m, K] @ w[N, K]^T (* scale) + bias for one block of rows (m <= kRowBlock), on `threads`
+// threads.
+template <typename W>
+inline void outer_product(const float* x, int64_t m, int64_t K, const typename W::T* w, int64_t ldw,
+                          const float* scale, const float* bias, float* y, int64_t N, int threads, Op op) {
+  const int64_t nv = (m + kLanes - 1) / kLanes, Mp = kLanes * nv;
   thread_local std::vector<float> store;
   store.resize(static_cast<size_t>(K * Mp + 16));
   float* xt = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(store.data()) + 63) & ~uintptr_t{63});
   transpose_rows(x, m, K, xt, Mp);
-  const OuterOutputs outputs = kOuterOutputs[mv];
+  const Outer<W> outer = kOuter<W>[nv];
   // The outputs in about 8 pieces a thread (whole tiles; each a contiguous slab of W), each taken by whichever
   // thread is free: where another process holds a core for a while (the server's HTTP side, a neighbour on
   // the host), the other thread takes more pieces instead of waiting for it at the end. A server step beside
   // a process spinning a fifth of a core: median 131.7-145.6 -> 127.7-140.9 ms; alone, the same.
-  const int64_t nc = outer_nc(mv), piece = ((N + 8 * threads - 1) / (8 * threads) + nc - 1) / nc * nc;
+  const int64_t piece = ((N + 8 * threads - 1) / (8 * threads) + outer.nc - 1) / outer.nc * outer.nc;
   const int64_t pieces = (N + piece - 1) / piece;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
   for (int64_t p = 0; p < pieces; ++p)
-    outputs(xt, m, K, w, ldw, bias, y, N, p * piece, std::min(N, p * piece + piece), op);
+    outer.outputs(xt, m, K, w, ldw, scale, bias, y, N, p * piece, std::min(N, p * piece + piece), op);
 }
-#endif
 
 // x's rows as W's tiles read them: as they are for float32; rounded to int16 with a scale per row for int8
 // (into `xq` and `xs`, which must outlive the product).
@@ -606,14 +725,11 @@ void matmul(const float* x, int64_t M, int64_t K, const typename W::T* w, int64_
     const int64_t m = M - m0 < kRowBlock ? M - m0 : kRowBlock;
     const Rows<W> xb = rows.from(m0, K);
     float* yb = y + m0 * N;
-#ifdef __AVX512F__
-    if constexpr (std::is_same<W, F32>::value) {
-      if (outer_pays(m, K, N)) {
-        outer_product(x + m0 * K, m, K, w, ldw, bias, yb, N, threads, op);
-        continue;
-      }
+    const bool float_rows = std::is_same<W, F32>::value || !xb.x;  // int8: x stays float32 beyond kInt16Rows
+    if (float_rows && outer_pays(m, K, N)) {
+      outer_product<W>(x + m0 * K, m, K, w, ldw, scale, bias, yb, N, threads, op);
+      continue;
     }
-#endif
     // static split: each thread one contiguous run of outputs, so one contiguous slab of W
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
