@@ -33,8 +33,8 @@ ODD_SHAPES = [(1, 1), (7, 5), (9, 3), (13, 17), (64, 1), (100, 6), (15, 33), (77
 # 97 and 200. With AVX2, blocks of 16-96 rows at least 7/8 full (in vectors of 8), float32 or int8 beyond 16
 # rows, take them in tiles of 2 vectors, or 3 where the vectors are odd: 16, 21 and 24 (one tile), 40, 56, 72
 # and 88 (3 vectors at a time, then the last 2 or 1), 32, 42, 47, 61 ... (2 at a time); 17, 33 and 41 do not.
-ROWS = [1, 2, 3, 4, 5, 7, 8, 16, 17, 21, 24, 32, 33, 40, 41, 42, 47, 56, 61, 64, 72, 75, 80, 88, 90, 96, 97, 128,
-        143, 200]
+ROWS = [1, 2, 3, 4, 5, 7, 8, 16, 17, 21, 24, 32, 33, 40, 41, 42, 47, 56, 61, 64, 72, 75, 80, 88, 90, 96, 97, 128, 143]
+ROWS += [200]
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
