@@ -74,11 +74,12 @@ def test_int8_matches_dequantized(k: int, n: int) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("m", [1, 3, 12, 16, 17])  # the AVX2 build: int16 up to 16 rows
+@pytest.mark.parametrize("m", [1, 3, 12, 16, 17, 32])  # AVX2: outer products (int16 pairs) at 16 and 32
 def test_int8_largest_sums_do_not_overflow(m: int) -> None:
     """Every product at its largest (each x at its row's max, so 32767 in int16, against weights of +-127, all
     of one sign per output) over gpt2-xl's longest K, 6400: the int32 sums become float32 before they could
-    overflow (with AVX2's 8 lanes they passed 2^31 after 4128 of K)."""
+    overflow (with AVX2's 8 lanes they passed 2^31 after 4128 of K; an outer-product tile's lanes, one row
+    and one output each, would after 516: they turn every 64)."""
     k = 6400
     q = torch.full((4, k), 127, dtype=torch.int8)
     q[1::2] = -127

@@ -2,7 +2,7 @@
 // (+ bias), M from one row up to max_rows() (model/kernels/__init__.py). Blocks of many rows of float32 x take
 // outer products (see "Many rows" below): with AVX-512, float32 blocks of 32 to 96 rows at least 7/8 full, and
 // of 8 to 16 rows in a product as wide as the LM head; with AVX2, blocks of 16 to 96 rows at least 7/8 full,
-// float32 or int8 (dequantized). What follows describes the dot-product tiles every other product takes.
+// float32 or int8 (in int16). What follows describes the dot-product tiles every other product takes.
 //
 // W is stored [N, K] row-major (nn.Linear's layout: one output's weights contiguous), so every output is a
 // dot product over a contiguous row and each thread streams one contiguous slab of W: the threads split the
@@ -11,13 +11,13 @@
 // AVX-512 with VNNI (model/kernels/__init__.py chooses by the CPU; `__AVX512F__` and `__AVX512VNNI__` tell
 // which here). Two weight types:
 // - float32: 8 lanes of K per FMA with AVX2, 16 with AVX-512, accumulated in float32;
-// - int8 with one float32 scale per output (symmetric, per output channel). Up to kInt16Rows rows, each row
-//   of x is first rounded to int16 with a scale of its own (|x| max -> 32767: 15 bits, finer than bfloat16's
-//   8), and 16 weights at a time (32 with AVX-512) are widened to int16 and multiplied in pairs into int32
-//   lanes (`_mm256_madd_epi16`, `_mm512_madd_epi16` or VNNI's `_mm512_dpwssd_epi32`, exact), turned into
-//   float32 every KC of K, before an int32 could overflow; the scales of x and of the output are applied
-//   once, at the end: a third of the instructions per weight of converting each weight to float32. For more
-//   rows (AVX2 only), each group of W is dequantized once and multiplied with float32 x.
+// - int8 with one float32 scale per output (symmetric, per output channel). Each row of x is first rounded
+//   to int16 with a scale of its own (|x| max -> 32767: 15 bits, finer than bfloat16's 8), and 16 weights at
+//   a time (32 with AVX-512) are widened to int16 and multiplied in pairs into int32 lanes
+//   (`_mm256_madd_epi16`, `_mm512_madd_epi16` or VNNI's `_mm512_dpwssd_epi32`, exact), turned into float32
+//   every KC of K, before an int32 could overflow; the scales of x and of the output are applied once, at the
+//   end: a third of the instructions per weight of converting each weight to float32. So an int8 product
+//   rounds x the same way whatever the rows beside it.
 //
 // Each output ends with an epilogue (`Op`): stored, or added to y (the residual stream's `x += f(x)`), so
 // the decode step (decode.cpp) needs no pass of its own for it. `gelu` is GPT-2's activation, vectorised.
@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -144,12 +145,9 @@ struct I8 {  // int8 weights against int16 rows of x: 32 products per step, summ
 #endif
 };
 
-// With AVX-512 an int16 multiply-add does 32 products to a float32 FMA's 16, so the int8 path multiplies in
-// int16 at every row count (measured on a 2-core Zen 4 host, a step of gpt2-small: 16 decode rows and a
-// 64-token chunk 95 against 117 ms on the dequantized float32 tiles, 16 rows 31 against 42 ms).
-#ifndef GPT2_INT16_ROWS
-#define GPT2_INT16_ROWS (int64_t{1} << 62)
-#endif
+// With AVX-512 an int16 multiply-add does 32 products to a float32 FMA's 16 (measured on a 2-core Zen 4 host,
+// a step of gpt2-small: 16 decode rows and a 64-token chunk 95 against 117 ms on dequantized float32 tiles,
+// 16 rows 31 against 42 ms).
 #else
 struct I8 {  // int8 weights against int16 rows of x: 16 products per step, summed in pairs into 8 int32 lanes
   using T = int8_t;
@@ -164,19 +162,7 @@ struct I8 {  // int8 weights against int16 rows of x: 16 products per step, summ
   static inline Acc fma(__m256i x, __m256i w, Acc acc) { return _mm256_add_epi32(acc, _mm256_madd_epi16(x, w)); }
 };
 
-// Up to this many rows of x, the int8 path multiplies in int16 (I8); beyond, each group of W is dequantized
-// once into a cached buffer and the float32 tiles run over it: on AVX2 an int16 multiply-add is no faster
-// per lane than a float32 FMA, so once the conversion of W is shared by enough rows float32 wins (and x
-// stays float32). Measured on the 48 block matrices of gpt2-small, 2 threads: int16 faster at 4 and 8 rows
-// (14.5 vs 21.1 ms, 27.5 vs 32.3), at least even at 16, dequantized faster at 32 (94 vs 140), on a Zen 1
-// host; this build on a Zen 4 host, blocks and LM head: int16 faster at 16 rows (22.9 vs 28.1 ms, 11.1 vs
-// 12.8) and 24 (31.9 vs 34.3), even at 32, slower at 80 (117 vs 104). So int16 up to 16 rows, where neither
-// host had it slower.
-#ifndef GPT2_INT16_ROWS
-#define GPT2_INT16_ROWS 16
 #endif
-#endif
-constexpr int64_t kInt16Rows = GPT2_INT16_ROWS;
 
 // K between turning int32 sums into float32: each int32 lane adds two products of at most 32767 * 127 for
 // every kStep of K (8 lanes for 16 values with AVX2, 16 for 32 with AVX-512), so over 4096 of K at most
@@ -207,8 +193,7 @@ constexpr int MR = 3;  // rows of x per tile: 3 x 4 accumulators, 3 x values and
 // float32 block matrices of gpt2-small (their own 340 MB, in 2 MB pages) and the LM head, T0 -> T1: 2 rows
 // 15.1 -> 9.9 ms and 7.4 -> 4.5, 4 rows 14.3 -> 10.4 and 7.1 -> 4.9, 8 rows 18.3 -> 14.8, 16 rows
 // 27.3 -> 22.2, 24 rows 35.2 -> 30.5; int8 blocks at 2-8 rows 20-30% faster, at 16-24 rows the same; the AVX2
-// build on the same host: float32 blocks 14.3 -> 11.6 ms at one row, 17.2 -> 11.6 at 4. (The AVX2 build's
-// int8 dequantization prefetches there too: the same time either way.)
+// build on the same host: float32 blocks 14.3 -> 11.6 ms at one row, 17.2 -> 11.6 at 4.
 constexpr auto kAhead = _MM_HINT_T1;  // GCC's enum _mm_hint, clang's int
 template <typename T>
 struct Ahead {
@@ -264,11 +249,11 @@ inline void tile(const typename W::X* x, const float* xs, const float* xf, int64
 
 template <typename W>
 struct Rows {  // rows of x as the tiles read them
-  const typename W::X* x;  // [M, K]; int8: null where x stays float32 (more than kInt16Rows rows)
+  const typename W::X* x;  // [M, K]
   const float* xs;         // [M]: int8 only, each row's scale (x = xq * xs)
   const float* xf;         // [M, K]: int8 only, the float32 rows
   Rows from(int64_t m, int64_t K) const {
-    return {x ? x + m * K : nullptr, xs ? xs + m : nullptr, xf ? xf + m * K : nullptr};
+    return {x + m * K, xs ? xs + m : nullptr, xf ? xf + m * K : nullptr};
   }
 };
 
@@ -305,19 +290,6 @@ inline void rows_of(Rows<W> x, int64_t M, int64_t K, const typename W::T* w, int
   if (m < M) last_rows<W>(M - m, x.from(m, K), K, w, ldw, scale, bias, y + m * N, N, nr, op, {next, phase, period});
 }
 
-// d[0:n] = q[0:n] * scale: int8 weights to float32, with the scale folded in; every cache line of q, the same
-// line at `ahead` (the rows to come, past W's end harmlessly) is prefetched into L2.
-inline void dequantize(const int8_t* q, int64_t n, float scale, float* d, const int8_t* ahead) {
-  const __m256 sv = _mm256_set1_ps(scale);
-  int64_t k = 0;
-  for (; k + 8 <= n; k += 8) {
-    if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(ahead + k), kAhead);
-    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k));
-    _mm256_storeu_ps(d + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), sv));
-  }
-  for (; k < n; ++k) d[k] = static_cast<float>(q[k]) * scale;
-}
-
 // Outputs [g * NR, g * NR + NR) (fewer in the last group) for every row of x.
 template <typename W>
 inline void group(Rows<W> x, int64_t M, int64_t K, const typename W::T* w, int64_t ldw, const float* scale,
@@ -327,16 +299,6 @@ inline void group(Rows<W> x, int64_t M, int64_t K, const typename W::T* w, int64
   w += n0 * ldw, y += n0;
   scale = scale ? scale + n0 : nullptr, bias = bias ? bias + n0 : nullptr;
   const typename W::T* next = w + NR * ldw;  // the next group's rows
-  if constexpr (std::is_same<W, I8>::value) {
-    if (!x.x) {  // many rows, x left float32 (prepare): dequantize these nr rows of W once, scale folded in,
-      // into a buffer that stays in cache, and run float32 tiles over it
-      thread_local std::vector<float> buffer;
-      buffer.resize(static_cast<size_t>(NR * K));
-      for (int j = 0; j < nr; ++j) dequantize(w + j * ldw, K, scale[j], buffer.data() + j * K, next + j * ldw);
-      rows_of<F32>({x.xf, nullptr, nullptr}, M, K, buffer.data(), K, nullptr, bias, y, N, nr, op, nullptr);
-      return;
-    }
-  }
 #ifdef __AVX512F__
   if (M == 1) {  // one row of x (a batch-1 step): W's rows one after another, a single sequential stream, which
     // the hardware prefetchers follow better than a tile's NR rows at once with ours ahead of them. Measured
@@ -375,9 +337,10 @@ constexpr int64_t kRowBlock = 96;
 // tile's registers start from zero every kSubK of K and are then added to the chunk's sums, so that no
 // float32 sum runs over more than kSubK products one after another (one chain over all of K = 768 had 8x the
 // rounding error of the lane-split tiles; with 64, the same 1.4e-6). At the end each chunk is transposed
-// back, L x L at a time, and stored into y's rows with the bias (or added, `op`). int8 weights (AVX2, rows
-// beyond kInt16Rows, where x stays float32) are dequantized a chunk's block at a time, scale folded in, into
-// a buffer the tiles then read from cache.
+// back, L x L at a time, and stored into y's rows with the bias (or added, `op`). int8 weights (AVX2 only,
+// `kOuterInt8`) go through in int16 (`OuterI16`): x's rows, rounded as for the dot-product tiles, are
+// transposed in pairs of k, and each chunk's block of W is widened to int16 into a buffer the tiles then read
+// from cache; the scales are applied as the sums go back to rows.
 // Measured on a 2-core Zen 4 host against the tiles above, gpt2-small's four block products, median of
 // interleaved runs: 1.11x at 32 rows, 1.08x at 64, 1.09x at 80 (a server step), 1.22x at 96, 1.17-1.21x at
 // 128-1024 rows (183 GFLOP/s at 2 threads, where torch's GEMM, MKL, made 133-146); padded rows cost as much
@@ -389,8 +352,7 @@ constexpr int64_t kRowBlock = 96;
 // host), 2 threads, against its dot-product tiles, the 48 block matrices and the LM head: 16 rows 1.2x and
 // 1.4x (23.1-27.3 -> 18.5-22.0 ms, 10.9-12.4 -> 8.0-8.8), 24 rows 1.15-1.25x and 1.25-1.5x, 32 rows 1.2x
 // and 1.5x (46.8 -> 38.2, 25.4 -> 17.4), 80 rows 1.25x and 1.6x (130.6-133.8 -> 90.1-105.3, 61.9-65.6 ->
-// 38.5-41.9); int8 at 24 rows (dequantized) 1.15-1.2x on the block matrices; so there from 16 rows (at 8,
-// 0.7x on the block matrices).
+// 38.5-41.9); so there from 16 rows (at 8, 0.7x on the block matrices).
 
 #ifdef __AVX512F__
 struct Lanes {  // a vector of 16 float32 lanes
@@ -402,6 +364,7 @@ struct Lanes {  // a vector of 16 float32 lanes
   static inline V set1(float s) { return _mm512_set1_ps(s); }
   static inline V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static inline V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static inline V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static inline __mmask16 first(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
   static inline V load_first(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(first(n), p); }  // rest 0
   static inline void store_first(float* p, int64_t n, V v) { _mm512_mask_storeu_ps(p, first(n), v); }
@@ -443,6 +406,7 @@ struct Lanes {  // a vector of 8 float32 lanes
   static inline V set1(float s) { return _mm256_set1_ps(s); }
   static inline V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static inline V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static inline V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static inline __m256i first(int64_t n) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n < 8 ? n : 8)), lane);
@@ -487,6 +451,19 @@ constexpr int64_t kMaxVectors = kRowBlock / kLanes;  // vectors of rows in a blo
 
 static_assert(kRowBlock % kLanes == 0 && kRowBlock <= 96, "a block of rows is at most 96 rows, whole vectors");
 
+// Whether int8 products take outer products too (in int16, `OuterI16`): with AVX2, where an int16 dot-product
+// tile spends its time as a float32 one does, they pay as for float32 (the AVX2 build on a Zen 4 host, the 48
+// block matrices and the LM head, against float32 outer products over weights dequantized a chunk at a time:
+// 24 rows 29.2-31.6 against 34.6-36.8 ms and 12.8-14.3 against 14.8-16.6, 32 rows 31.4-42.8 against
+// 43.2-51.6 and 15.0-15.3 against 18.1-19.7, even at 48-96 rows; against int16 dot-product tiles 1.2-1.35x
+// at 24-32 rows). AVX-512 with VNNI's dot-product tiles reach about 1.5x a float32 outer product's rate, and
+// an int16 outer product there ran 0.65-0.7x them (32-96 rows), so there int8 keeps them.
+#ifdef __AVX512F__
+constexpr bool kOuterInt8 = false;
+#else
+constexpr bool kOuterInt8 = true;
+#endif
+
 // Whether a block of m rows against K x N weights takes outer products (none without K or N: the tiles store
 // the bias there, and pieces of no outputs are not defined).
 inline bool outer_pays(int64_t m, int64_t K, int64_t N) {
@@ -512,92 +489,158 @@ inline void transpose_rows(const float* x, int64_t m, int64_t K, float* xt, int6
   }
 }
 
+// What an outer-product tile multiplies. float32: one element of xt is one row's x at one k, the weight is
+// broadcast to every lane, and an FMA adds one product per lane. int8 weights (widened to int16 a chunk at a
+// time) against x rounded to int16 (`prepare`): one element of xt is one row's x at k and k + 1 (two int16 in
+// 32 bits), the weights' pair at k and k + 1 is broadcast, and a multiply-add adds two products per lane into
+// int32 (I8::fma: `madd_epi16`, or VNNI's `dpwssd`), turned into float32 every kSubK of K.
+struct OuterF32 {
+  using X = float;  // an element of xt
+  using T = float;  // a weight as the tiles read it
+  using Acc = Lanes::V;
+  static constexpr int64_t kStep = 1;  // K per element of xt
+  static constexpr bool kFetch = true;  // whether the tiles prefetch the next tile's rows (W from memory)
+  static inline Acc zero() { return Lanes::zero(); }
+  static inline Acc load_x(const float* p) { return Lanes::load(p); }
+  static inline Acc load_w(const float* p) { return Lanes::set1(*p); }
+  static inline Acc fma(Acc x, Acc w, Acc acc) { return Lanes::fma(x, w, acc); }
+  static inline Lanes::V to_float(Acc a) { return a; }
+};
+
+struct OuterI16 {
+  using X = int32_t;
+  using T = int16_t;
+  using Acc = I8::Acc;  // int32 lanes, as wide as Lanes::V
+  static constexpr int64_t kStep = 2;
+  static constexpr bool kFetch = false;  // W is a widened copy, in cache
+  static inline Acc zero() { return I8::zero(); }
+  static inline Acc load_x(const int32_t* p) { return I8::load_x(reinterpret_cast<const int16_t*>(p)); }
+  static inline Acc load_w(const int16_t* p) {
+    int32_t pair;
+    std::memcpy(&pair, p, sizeof pair);
+#ifdef __AVX512F__
+    return _mm512_set1_epi32(pair);
+#else
+    return _mm256_set1_epi32(pair);
+#endif
+  }
+  static inline Acc fma(Acc x, Acc w, Acc acc) { return I8::fma(x, w, acc); }
+#ifdef __AVX512F__
+  static inline Lanes::V to_float(Acc a) { return _mm512_cvtepi32_ps(a); }
+#else
+  static inline Lanes::V to_float(Acc a) { return _mm256_cvtepi32_ps(a); }
+#endif
+};
+static_assert(kSubK % 2 == 0 && kSubK / 2 * 2 * 32767LL * 128 < (1LL << 31), "no int32 lane overflows in kSubK");
+
 // sums[j, :] (+)= xt[0:kn, :]^T . w[j, 0:kn] for the NC outputs j whose weights are at w (rows ldw apart), for
-// the MV vectors of rows at xt (rows Mp apart, as the sums' rows): stored where `first`, else added. Each new
-// cache line of its rows (every 16 of k), the tile prefetches the same line of the next tile's rows (the next
-// NC outputs, past the last one harmlessly) into L2, as the dot-product tiles do (`kAhead`): the LM head at
-// 8-16 rows about 15% faster (8.7 -> 7.4 ms at 8, 8.9 -> 7.6 at 16), a server step's block products (80 rows)
-// 2-4%. (Where those rows are already in cache, the tiles after a column's first and int8's dequantized
-// buffer, it costs less than a test to skip it: with one, the LM head at 12-16 rows 4-8% slower.)
-template <int MV, int NC>
-inline void outer_tile(const float* xt, int64_t Mp, int64_t kn, const float* w, int64_t ldw, float* sums,
-                       bool first) {
+// the MV vectors of rows at xt (rows Mp apart, as the sums' rows; one row of xt per kStep of K): stored where
+// `first`, else added. Each new cache line of its rows (every 16 of k), a float32 tile prefetches the same
+// line of the next tile's rows (the next NC outputs, past the last one harmlessly) into L2, as the
+// dot-product tiles do (`kAhead`): the LM head at 8-16 rows about 15% faster (8.7 -> 7.4 ms at 8, 8.9 -> 7.6
+// at 16), a server step's block products (80 rows) 2-4%. (Where those rows are already in cache, the tiles
+// after a column's first, it costs less than a test to skip it: with one, the LM head at 12-16 rows 4-8%
+// slower.)
+template <typename Kind, int MV, int NC>
+inline void outer_tile(const typename Kind::X* xt, int64_t Mp, int64_t kn, const typename Kind::T* w, int64_t ldw,
+                       float* sums, bool first) {
   for (int64_t k0 = 0; k0 < kn; k0 += kSubK) {
     const int64_t k1 = kn - k0 < kSubK ? kn : k0 + kSubK;
-    Lanes::V acc[MV][NC];
+    typename Kind::Acc acc[MV][NC];
     for (int i = 0; i < MV; ++i)
-      for (int j = 0; j < NC; ++j) acc[i][j] = Lanes::zero();
-    for (int64_t k = k0; k < k1; ++k) {
-      if (k % 16 == 0)
-        for (int j = 0; j < NC; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (NC + j) * ldw + k), kAhead);
-      Lanes::V xv[MV];
-      for (int i = 0; i < MV; ++i) xv[i] = Lanes::load(xt + k * Mp + kLanes * i);
+      for (int j = 0; j < NC; ++j) acc[i][j] = Kind::zero();
+    for (int64_t k = k0; k < k1; k += Kind::kStep) {
+      if constexpr (Kind::kFetch) {
+        if (k % 16 == 0)
+          for (int j = 0; j < NC; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (NC + j) * ldw + k), kAhead);
+      }
+      typename Kind::Acc xv[MV];
+      for (int i = 0; i < MV; ++i) xv[i] = Kind::load_x(xt + k / Kind::kStep * Mp + kLanes * i);
       for (int j = 0; j < NC; ++j) {
-        const Lanes::V wv = Lanes::set1(w[j * ldw + k]);
-        for (int i = 0; i < MV; ++i) acc[i][j] = Lanes::fma(xv[i], wv, acc[i][j]);
+        const typename Kind::Acc wv = Kind::load_w(w + j * ldw + k);
+        for (int i = 0; i < MV; ++i) acc[i][j] = Kind::fma(xv[i], wv, acc[i][j]);
       }
     }
     const bool store = first && k0 == 0;
     for (int j = 0; j < NC; ++j)
       for (int i = 0; i < MV; ++i) {
         float* s = sums + j * Mp + kLanes * i;
-        Lanes::store(s, store ? acc[i][j] : Lanes::add(Lanes::load(s), acc[i][j]));
+        const Lanes::V v = Kind::to_float(acc[i][j]);
+        Lanes::store(s, store ? v : Lanes::add(Lanes::load(s), v));
       }
   }
 }
 
-// n (1 to NC) outputs: the outer_tile<MV, n>.
-template <int MV, int NC>
-inline void outer_n(int64_t n, const float* xt, int64_t Mp, int64_t kn, const float* w, int64_t ldw, float* sums,
-                    bool first) {
+// n (1 to NC) outputs: the outer_tile<Kind, MV, n>.
+template <typename Kind, int MV, int NC>
+inline void outer_n(int64_t n, const typename Kind::X* xt, int64_t Mp, int64_t kn, const typename Kind::T* w,
+                    int64_t ldw, float* sums, bool first) {
   if constexpr (NC > 1) {
-    if (n < NC) return outer_n<MV, NC - 1>(n, xt, Mp, kn, w, ldw, sums, first);
+    if (n < NC) return outer_n<Kind, MV, NC - 1>(n, xt, Mp, kn, w, ldw, sums, first);
   }
-  outer_tile<MV, NC>(xt, Mp, kn, w, ldw, sums, first);
+  outer_tile<Kind, MV, NC>(xt, Mp, kn, w, ldw, sums, first);
 }
 
 // n (<= NC) outputs for all NV vectors of rows: MV vectors at a time, the last NV % MV together.
-template <int NV, int MV, int NC>
-inline void outer_column(int64_t n, const float* xt, int64_t kn, const float* w, int64_t ldw, float* sums,
-                         bool first) {
+template <typename Kind, int NV, int MV, int NC>
+inline void outer_column(int64_t n, const typename Kind::X* xt, int64_t kn, const typename Kind::T* w, int64_t ldw,
+                         float* sums, bool first) {
   constexpr int64_t Mp = kLanes * NV;
   int64_t v = 0;
-  for (; v + MV <= NV; v += MV) outer_n<MV, NC>(n, xt + kLanes * v, Mp, kn, w, ldw, sums + kLanes * v, first);
-  if constexpr (NV % MV > 0) outer_n<NV % MV, NC>(n, xt + kLanes * v, Mp, kn, w, ldw, sums + kLanes * v, first);
+  for (; v + MV <= NV; v += MV) outer_n<Kind, MV, NC>(n, xt + kLanes * v, Mp, kn, w, ldw, sums + kLanes * v, first);
+  if constexpr (NV % MV > 0)
+    outer_n<Kind, NV % MV, NC>(n, xt + kLanes * v, Mp, kn, w, ldw, sums + kLanes * v, first);
 }
 
-// Outputs [n0, n1) of y for the m rows of x in xt (NV vectors; one piece; a function of its own, see `groups`),
-// tiles of MV vectors against NC outputs. int8: the chunk's weights dequantized first.
+template <typename W>
+using OuterKind = std::conditional_t<std::is_same<W, F32>::value, OuterF32, OuterI16>;
+
+// Outputs [n0, n1) of y for the m rows of x in xt (NV vectors, one row per kStep of K; xs: int8 only, each
+// row's scale), one piece (a function of its own, see `groups`), in tiles of MV vectors against NC outputs.
+// int8: each chunk's block of W is widened to int16 first (K padded to even with zeros).
 template <typename W, int NV, int MV, int NC>
-__attribute__((noinline)) void outer_outputs(const float* xt, int64_t m, int64_t K, const typename W::T* w,
-                                             int64_t ldw, const float* scale, const float* bias, float* y, int64_t N,
-                                             int64_t n0, int64_t n1, Op op) {
+__attribute__((noinline)) void outer_outputs(const void* xt_, const float* xs, int64_t m, int64_t K,
+                                             const typename W::T* w, int64_t ldw, const float* scale,
+                                             const float* bias, float* y, int64_t N, int64_t n0, int64_t n1, Op op) {
+  using Kind = OuterKind<W>;
+  const auto* xt = static_cast<const typename Kind::X*>(xt_);
   constexpr int64_t Mp = kLanes * NV, chunk = (kChunk + NC - 1) / NC * NC;
+  const int64_t Kp = (K + Kind::kStep - 1) / Kind::kStep * Kind::kStep;
   alignas(64) float sums[chunk * Mp];  // [outputs, Mp]
   for (int64_t c = n0; c < n1; c += chunk) {
     const int64_t nc = n1 - c < chunk ? n1 - c : chunk;
-    for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
-      const int64_t kn = K - k0 < kBlockK ? K - k0 : kBlockK;
-      const float* wk;  // the chunk's weights for this block of K, rows ld apart
+    for (int64_t k0 = 0; k0 < Kp; k0 += kBlockK) {
+      const int64_t kn = Kp - k0 < kBlockK ? Kp - k0 : kBlockK;
+      const typename Kind::T* wk;  // the chunk's weights for this block of K, rows ld apart
       int64_t ld;
       if constexpr (std::is_same<W, I8>::value) {
-        thread_local std::vector<float> buffer;  // [chunk, kn]
+        thread_local std::vector<int16_t> buffer;  // [chunk, kn]
         buffer.resize(static_cast<size_t>(chunk * kBlockK));
-        for (int64_t j = 0; j < nc; ++j) {  // prefetching the same place in the next chunk's rows
+        const int64_t real = std::min(kn, K - k0);  // the rest of kn is K's padding
+        for (int64_t j = 0; j < nc; ++j) {
           const int8_t* q = w + (c + j) * ldw + k0;
-          dequantize(q, kn, scale[c + j], buffer.data() + j * kn, q + chunk * ldw);
+          const int8_t* ahead = q + chunk * ldw;  // the same place in the next chunk (past W's end harmlessly)
+          int16_t* d = buffer.data() + j * kn;
+          int64_t k = 0;
+          for (; k + 16 <= real; k += 16) {
+            if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(ahead + k), kAhead);
+            const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + k), _mm256_cvtepi8_epi16(v));
+          }
+          for (; k < kn; ++k) d[k] = k < real ? q[k] : 0;
         }
         wk = buffer.data(), ld = kn;
       } else {
         wk = w + c * ldw + k0, ld = ldw;
       }
       for (int64_t j = 0; j < nc; j += NC)
-        outer_column<NV, MV, NC>(std::min<int64_t>(NC, nc - j), xt + k0 * Mp, kn, wk + j * ld, ld, sums + j * Mp,
-                                 k0 == 0);
+        outer_column<Kind, NV, MV, NC>(std::min<int64_t>(NC, nc - j), xt + k0 / Kind::kStep * Mp, kn, wk + j * ld,
+                                       ld, sums + j * Mp, k0 == 0);
     }
     for (int64_t j0 = 0; j0 < nc; j0 += kLanes) {  // back to rows: L outputs x L rows at a time
       const int64_t real = nc - j0;  // outputs here (L or more: all lanes)
       const Lanes::V b = bias ? Lanes::load_first(bias + c + j0, real) : Lanes::zero();
+      const Lanes::V s = scale ? Lanes::load_first(scale + c + j0, real) : Lanes::zero();
       for (int64_t i0 = 0; i0 < m; i0 += kLanes) {
         Lanes::V r[kLanes];
         for (int j = 0; j < kLanes; ++j)  // past the chunk's last output: zeros (its sums were never written)
@@ -605,7 +648,9 @@ __attribute__((noinline)) void outer_outputs(const float* xt, int64_t m, int64_t
         Lanes::transpose(r);
         for (int64_t i = 0; i < kLanes && i0 + i < m; ++i) {
           float* yr = y + (i0 + i) * N + c + j0;
-          Lanes::V v = Lanes::add(r[i], b);
+          Lanes::V v = r[i];
+          if (xs) v = Lanes::mul(Lanes::mul(v, Lanes::set1(xs[i0 + i])), s);  // int8: in x's and W's units
+          v = Lanes::add(v, b);
           if (op == Op::kAdd) v = Lanes::add(v, Lanes::load_first(yr, real));
           Lanes::store_first(yr, real, v);
         }
@@ -615,8 +660,8 @@ __attribute__((noinline)) void outer_outputs(const float* xt, int64_t m, int64_t
 }
 
 template <typename W>
-using OuterOutputs = void (*)(const float*, int64_t, int64_t, const typename W::T*, int64_t, const float*,
-                              const float*, float*, int64_t, int64_t, int64_t, Op);
+using OuterOutputs = void (*)(const void*, const float*, int64_t, int64_t, const typename W::T*, int64_t,
+                              const float*, const float*, float*, int64_t, int64_t, int64_t, Op);
 template <typename W>
 struct Outer {
   OuterOutputs<W> outputs;
@@ -637,7 +682,13 @@ constexpr int outer_nc(int mv) { return mv == 1 ? 12 : mv == 2 ? 6 : 4; }
 #endif
 template <typename W, int NV>
 constexpr Outer<W> outer() {
-  return {outer_outputs<W, NV, outer_mv(NV), outer_nc(outer_mv(NV))>, outer_nc(outer_mv(NV))};
+  if constexpr (std::is_same<W, I8>::value) {  // AVX2: a multiply-add needs a register for its products, so
+    // 2 x 4 (with 2 x 5, 2 x 6 or 3 x 3 the registers spilled: 32 rows 42.1 against 48.6 ms)
+    constexpr int mv = std::min(NV, 2), nc = NV == 1 ? 8 : 4;
+    return {outer_outputs<W, NV, mv, nc>, nc};
+  } else {
+    return {outer_outputs<W, NV, outer_mv(NV), outer_nc(outer_mv(NV))>, outer_nc(outer_mv(NV))};
+  }
 }
 template <typename W, int... NV>
 constexpr std::array<Outer<W>, sizeof...(NV) + 1> outer_table(std::integer_sequence<int, NV...>) {
@@ -646,16 +697,28 @@ constexpr std::array<Outer<W>, sizeof...(NV) + 1> outer_table(std::integer_seque
 template <typename W>
 constexpr auto kOuter = outer_table<W>(std::make_integer_sequence<int, kMaxVectors>());  // [vectors of rows]
 
-// y[m, N] (op) x[m, K] @ w[N, K]^T (* scale) + bias for one block of rows (m <= kRowBlock), on `threads`
-// threads.
+// y[m, N] (op) x[m, K] @ w[N, K]^T (* scale) + bias for one block of rows (m <= kRowBlock, as the tiles read
+// them: float32, or int16 with a scale per row for int8), on `threads` threads.
 template <typename W>
-inline void outer_product(const float* x, int64_t m, int64_t K, const typename W::T* w, int64_t ldw,
-                          const float* scale, const float* bias, float* y, int64_t N, int threads, Op op) {
-  const int64_t nv = (m + kLanes - 1) / kLanes, Mp = kLanes * nv;
+inline void outer_product(Rows<W> rows, int64_t m, int64_t K, const typename W::T* w, int64_t ldw, const float* scale,
+                          const float* bias, float* y, int64_t N, int threads, Op op) {
+  using Kind = OuterKind<W>;
+  const int64_t nv = (m + kLanes - 1) / kLanes, Mp = kLanes * nv, Kx = (K + Kind::kStep - 1) / Kind::kStep;
   thread_local std::vector<float> store;
-  store.resize(static_cast<size_t>(K * Mp + 16));
+  store.resize(static_cast<size_t>(Kx * Mp + 16));
   float* xt = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(store.data()) + 63) & ~uintptr_t{63});
-  transpose_rows(x, m, K, xt, Mp);
+  if constexpr (std::is_same<W, F32>::value) {
+    transpose_rows(rows.x, m, K, xt, Mp);
+  } else {  // int16 pairs, moved as 32-bit lanes (moves and shuffles only: every bit kept); K odd: a zero after
+    const int16_t* xq = rows.x;
+    thread_local std::vector<int16_t> even;
+    if (K % 2) {
+      even.assign(static_cast<size_t>(m * (K + 1)), 0);
+      for (int64_t i = 0; i < m; ++i) std::copy(xq + i * K, xq + i * K + K, even.data() + i * (K + 1));
+      xq = even.data();
+    }
+    transpose_rows(reinterpret_cast<const float*>(xq), m, Kx, xt, Mp);
+  }
   const Outer<W> outer = kOuter<W>[nv];
   // The outputs in about 8 pieces a thread (whole tiles; each a contiguous slab of W), each taken by whichever
   // thread is free: where another process holds a core for a while (the server's HTTP side, a neighbour on
@@ -665,7 +728,7 @@ inline void outer_product(const float* x, int64_t m, int64_t K, const typename W
   const int64_t pieces = (N + piece - 1) / piece;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
   for (int64_t p = 0; p < pieces; ++p)
-    outer.outputs(xt, m, K, w, ldw, scale, bias, y, N, p * piece, std::min(N, p * piece + piece), op);
+    outer.outputs(xt, rows.xs, m, K, w, ldw, scale, bias, y, N, p * piece, std::min(N, p * piece + piece), op);
 }
 
 // x's rows as W's tiles read them: as they are for float32; rounded to int16 with a scale per row for int8
@@ -675,7 +738,6 @@ inline Rows<F32> prepare(const float* x, int64_t, int64_t, std::vector<int16_t>&
 }
 
 inline Rows<I8> prepare(const float* x, int64_t M, int64_t K, std::vector<int16_t>& xq, std::vector<float>& xs, I8) {
-  if (M > kInt16Rows) return {nullptr, nullptr, x};  // float32 rows against dequantized weights (group)
   xq.resize(static_cast<size_t>(M * K));
   xs.resize(static_cast<size_t>(M));
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));  // clears the sign bit
@@ -725,10 +787,11 @@ void matmul(const float* x, int64_t M, int64_t K, const typename W::T* w, int64_
     const int64_t m = M - m0 < kRowBlock ? M - m0 : kRowBlock;
     const Rows<W> xb = rows.from(m0, K);
     float* yb = y + m0 * N;
-    const bool float_rows = std::is_same<W, F32>::value || !xb.x;  // int8: x stays float32 beyond kInt16Rows
-    if (float_rows && outer_pays(m, K, N)) {
-      outer_product<W>(x + m0 * K, m, K, w, ldw, scale, bias, yb, N, threads, op);
-      continue;
+    if constexpr (std::is_same<W, F32>::value || kOuterInt8) {
+      if (outer_pays(m, K, N)) {
+        outer_product<W>(xb, m, K, w, ldw, scale, bias, yb, N, threads, op);
+        continue;
+      }
     }
     // static split: each thread one contiguous run of outputs, so one contiguous slab of W
 #pragma omp parallel num_threads(threads) if (threads > 1)
