@@ -10,8 +10,9 @@ Why: for 1-32 rows, torch's float32 CPU GEMM (MKL) streams the weights from one 
 adds nothing at batch 1) and reaches a fraction of the FLOP rate at batch 8; here every thread streams
 its own contiguous slab of W (the threads split the outputs) and tiles of accumulators (3 x 4 with AVX2,
 4 x 4 of twice the width with AVX-512; with AVX-512, one row of x streams W's rows one after another) keep
-the FMA units busy; blocks of many rows (32-96 with AVX-512, 16-96 with AVX2, at least 7/8 full) take outer
-products over x's rows, transposed. They also beat MKL for prompt-sized products, up to `max_rows()`.
+the FMA units busy; blocks of many rows take outer products over x's rows, transposed (with AVX-512, float32
+blocks of 32-96 rows at least 7/8 full and 8-16 rows of a product as wide as the LM head; with AVX2, blocks
+of 16-96 rows at least 7/8 full, float32 or int8). They also beat MKL for prompt-sized products, up to `max_rows()`.
 Thread count: torch's (`torch.get_num_threads()`), through torch's own OpenMP runtime.
 
 Environment: `GPT2_KERNELS=0` turns them off (for A/B runs); `GPT2_KERNEL_ISA` (avx2, avx512, avx512_vnni)

@@ -457,7 +457,8 @@ static_assert(kRowBlock % kLanes == 0 && kRowBlock <= 96, "a block of rows is at
 // 24 rows 29.2-31.6 against 34.6-36.8 ms and 12.8-14.3 against 14.8-16.6, 32 rows 31.4-42.8 against
 // 43.2-51.6 and 15.0-15.3 against 18.1-19.7, even at 48-96 rows; against int16 dot-product tiles 1.2-1.35x
 // at 24-32 rows). AVX-512 with VNNI's dot-product tiles reach about 1.5x a float32 outer product's rate, and
-// an int16 outer product there ran 0.65-0.7x them (32-96 rows), so there int8 keeps them.
+// an int16 outer product there ran 0.64-0.7x them on the block matrices (32-96 rows), so there int8 keeps
+// them (the AVX-512 build without VNNI too, not measured apart).
 #ifdef __AVX512F__
 constexpr bool kOuterInt8 = false;
 #else
@@ -493,7 +494,7 @@ inline void transpose_rows(const float* x, int64_t m, int64_t K, float* xt, int6
 // broadcast to every lane, and an FMA adds one product per lane. int8 weights (widened to int16 a chunk at a
 // time) against x rounded to int16 (`prepare`): one element of xt is one row's x at k and k + 1 (two int16 in
 // 32 bits), the weights' pair at k and k + 1 is broadcast, and a multiply-add adds two products per lane into
-// int32 (I8::fma: `madd_epi16`, or VNNI's `dpwssd`), turned into float32 every kSubK of K.
+// int32 (`_mm256_madd_epi16`), turned into float32 every kSubK of K. (AVX2 only: see kOuterInt8.)
 struct OuterF32 {
   using X = float;  // an element of xt
   using T = float;  // a weight as the tiles read it
@@ -507,31 +508,32 @@ struct OuterF32 {
   static inline Lanes::V to_float(Acc a) { return a; }
 };
 
+#ifdef __AVX512F__
+template <typename W>
+using OuterKind = OuterF32;  // int8 keeps its dot-product tiles (kOuterInt8)
+#else
 struct OuterI16 {
   using X = int32_t;
   using T = int16_t;
-  using Acc = I8::Acc;  // int32 lanes, as wide as Lanes::V
+  using Acc = __m256i;  // 8 int32 lanes
   static constexpr int64_t kStep = 2;
   static constexpr bool kFetch = false;  // W is a widened copy, in cache
-  static inline Acc zero() { return I8::zero(); }
-  static inline Acc load_x(const int32_t* p) { return I8::load_x(reinterpret_cast<const int16_t*>(p)); }
+  static inline Acc zero() { return _mm256_setzero_si256(); }
+  static inline Acc load_x(const int32_t* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }
   static inline Acc load_w(const int16_t* p) {
     int32_t pair;
     std::memcpy(&pair, p, sizeof pair);
-#ifdef __AVX512F__
-    return _mm512_set1_epi32(pair);
-#else
     return _mm256_set1_epi32(pair);
-#endif
   }
   static inline Acc fma(Acc x, Acc w, Acc acc) { return I8::fma(x, w, acc); }
-#ifdef __AVX512F__
-  static inline Lanes::V to_float(Acc a) { return _mm512_cvtepi32_ps(a); }
-#else
   static inline Lanes::V to_float(Acc a) { return _mm256_cvtepi32_ps(a); }
-#endif
 };
 static_assert(kSubK % 2 == 0 && kSubK / 2 * 2 * 32767LL * 128 < (1LL << 31), "no int32 lane overflows in kSubK");
+static_assert(kBlockK % OuterI16::kStep == 0, "a block of K is whole pairs");
+
+template <typename W>
+using OuterKind = std::conditional_t<std::is_same<W, F32>::value, OuterF32, OuterI16>;
+#endif
 
 // sums[j, :] (+)= xt[0:kn, :]^T . w[j, 0:kn] for the NC outputs j whose weights are at w (rows ldw apart), for
 // the MV vectors of rows at xt (rows Mp apart, as the sums' rows; one row of xt per kStep of K): stored where
@@ -592,8 +594,11 @@ inline void outer_column(int64_t n, const typename Kind::X* xt, int64_t kn, cons
     outer_n<Kind, NV % MV, NC>(n, xt + kLanes * v, Mp, kn, w, ldw, sums + kLanes * v, first);
 }
 
-template <typename W>
-using OuterKind = std::conditional_t<std::is_same<W, F32>::value, OuterF32, OuterI16>;
+// A thread's buffer for a chunk of W widened to int16 (one for every tile shape).
+inline std::vector<int16_t>& widened() {
+  thread_local std::vector<int16_t> buffer;
+  return buffer;
+}
 
 // Outputs [n0, n1) of y for the m rows of x in xt (NV vectors, one row per kStep of K; xs: int8 only, each
 // row's scale), one piece (a function of its own, see `groups`), in tiles of MV vectors against NC outputs.
@@ -614,7 +619,7 @@ __attribute__((noinline)) void outer_outputs(const void* xt_, const float* xs, i
       const typename Kind::T* wk;  // the chunk's weights for this block of K, rows ld apart
       int64_t ld;
       if constexpr (std::is_same<W, I8>::value) {
-        thread_local std::vector<int16_t> buffer;  // [chunk, kn]
+        std::vector<int16_t>& buffer = widened();  // [chunk, kn]
         buffer.resize(static_cast<size_t>(chunk * kBlockK));
         const int64_t real = std::min(kn, K - k0);  // the rest of kn is K's padding
         for (int64_t j = 0; j < nc; ++j) {
@@ -640,7 +645,7 @@ __attribute__((noinline)) void outer_outputs(const void* xt_, const float* xs, i
     for (int64_t j0 = 0; j0 < nc; j0 += kLanes) {  // back to rows: L outputs x L rows at a time
       const int64_t real = nc - j0;  // outputs here (L or more: all lanes)
       const Lanes::V b = bias ? Lanes::load_first(bias + c + j0, real) : Lanes::zero();
-      const Lanes::V s = scale ? Lanes::load_first(scale + c + j0, real) : Lanes::zero();
+      const Lanes::V s = scale ? Lanes::load_first(scale + c + j0, real) : Lanes::set1(1.0f);
       for (int64_t i0 = 0; i0 < m; i0 += kLanes) {
         Lanes::V r[kLanes];
         for (int j = 0; j < kLanes; ++j)  // past the chunk's last output: zeros (its sums were never written)
@@ -719,16 +724,16 @@ inline void outer_product(Rows<W> rows, int64_t m, int64_t K, const typename W::
     }
     transpose_rows(reinterpret_cast<const float*>(xq), m, Kx, xt, Mp);
   }
-  const Outer<W> outer = kOuter<W>[nv];
+  const Outer<W> tiles = kOuter<W>[nv];
   // The outputs in about 8 pieces a thread (whole tiles; each a contiguous slab of W), each taken by whichever
   // thread is free: where another process holds a core for a while (the server's HTTP side, a neighbour on
   // the host), the other thread takes more pieces instead of waiting for it at the end. A server step beside
   // a process spinning a fifth of a core: median 131.7-145.6 -> 127.7-140.9 ms; alone, the same.
-  const int64_t piece = ((N + 8 * threads - 1) / (8 * threads) + outer.nc - 1) / outer.nc * outer.nc;
+  const int64_t piece = ((N + 8 * threads - 1) / (8 * threads) + tiles.nc - 1) / tiles.nc * tiles.nc;
   const int64_t pieces = (N + piece - 1) / piece;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
   for (int64_t p = 0; p < pieces; ++p)
-    outer.outputs(xt, rows.xs, m, K, w, ldw, scale, bias, y, N, p * piece, std::min(N, p * piece + piece), op);
+    tiles.outputs(xt, rows.xs, m, K, w, ldw, scale, bias, y, N, p * piece, std::min(N, p * piece + piece), op);
 }
 
 // x's rows as W's tiles read them: as they are for float32; rounded to int16 with a scale per row for int8
