@@ -518,7 +518,7 @@ struct OuterI16 {
   using Acc = __m256i;  // 8 int32 lanes
   static constexpr int64_t kStep = 2;
   static constexpr bool kFetch = false;  // W is a widened copy, in cache
-  static inline Acc zero() { return _mm256_setzero_si256(); }
+  static inline Acc zero() { return I8::zero(); }
   static inline Acc load_x(const int32_t* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }
   static inline Acc load_w(const int16_t* p) {
     int32_t pair;
