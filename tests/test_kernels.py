@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,57 @@ def test_float32_matches_torch(k: int, n: int) -> None:
         assert y.shape == (m, n)
         torch.testing.assert_close(y, reference(x, w, bias), rtol=0, atol=tolerance(x, w))
     torch.testing.assert_close(kernels.matmul(x, w), reference(x, w, None), rtol=0, atol=tolerance(x, w))
+
+
+@pytest.fixture(params=[1, 2], ids=["one 512-bit FMA pipe", "two"])
+def fma_ports(request: pytest.FixtureRequest) -> Iterator[int]:
+    """The AVX-512 builds' tile rules for one and for two 512-bit FMA pipes (matmul.h's `outer_pays`), whatever
+    this host has; then as measured again."""
+    if not kernels.cpu_isa().startswith("avx512"):
+        pytest.skip("only the AVX-512 builds choose their tiles by the FMA pipes")
+    kernels.set_fma_ports(request.param)
+    assert kernels.fma_ports() == request.param
+    yield request.param
+    kernels.set_fma_ports(None)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("k", "n"), [(768, 2304), (3072, 768), (1600, 4800), *ODD_SHAPES])
+def test_float32_matches_torch_with_either_fma_rule(fma_ports: int, k: int, n: int) -> None:
+    """With two pipes every block of 8-96 rows takes outer products, padded to whole vectors (8, 16, 17, 21,
+    24, 33, 40, 41 ... and the 1- and 8-row ends of 97 and 200 too); with one, as in the test above."""
+    g = torch.Generator().manual_seed(k * 7919 + n + fma_ports)
+    w, bias = torch.randn(n, k, generator=g) * 0.02, torch.randn(n, generator=g)
+    for m in [*ROWS, 9, 12, 15, 31, 49, 65, 81, 95]:
+        x = torch.randn(m, k, generator=g)
+        torch.testing.assert_close(kernels.matmul(x, w, bias), reference(x, w, bias), rtol=0, atol=tolerance(x, w))
+
+
+@needs_kernels
+def test_lm_head_with_either_fma_rule(fma_ports: int) -> None:
+    g = torch.Generator().manual_seed(fma_ports)
+    wte = torch.randn(50257, 768, generator=g) * 0.15
+    for m in (8, 16, 17, 24, 40):  # two pipes: outer products at every one of these; one: at 8 and 16
+        x = torch.randn(m, 768, generator=g)
+        torch.testing.assert_close(kernels.matmul(x, wte), reference(x, wte, None), rtol=0, atol=tolerance(x, wte))
+
+
+def test_fma_ports_is_measured_or_set() -> None:
+    """The AVX-512 builds measure 1 or 2; GPT2_KERNEL_FMA_PORTS sets it in a fresh process; set_fma_ports
+    refuses anything else."""
+    if not kernels.available() or not kernels.cpu_isa().startswith("avx512"):
+        assert kernels.fma_ports() is None
+        return
+    assert kernels.fma_ports() in (1, 2)
+    with pytest.raises(ValueError, match="ports must be 1, 2 or None"):
+        kernels.set_fma_ports(3)
+    code = "from model import kernels; print(kernels.fma_ports())"
+    for value, expect in (("1", "1"), ("2", "2")):
+        done = subprocess.run(
+            [sys.executable, "-c", code], cwd=ROOT, env=os.environ | {"GPT2_KERNEL_FMA_PORTS": value},
+            capture_output=True, text=True, timeout=300, check=True,
+        )  # fmt: skip
+        assert done.stdout.strip() == expect
 
 
 @needs_kernels

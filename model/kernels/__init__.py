@@ -11,14 +11,16 @@ adds nothing at batch 1) and reaches a fraction of the FLOP rate at batch 8; her
 its own contiguous slab of W (the threads split the outputs) and tiles of accumulators (3 x 4 with AVX2,
 4 x 4 of twice the width with AVX-512; with AVX-512, one row of x streams W's rows one after another) keep
 the FMA units busy; blocks of many rows take outer products over x's rows, transposed (with AVX-512, float32
-blocks of 32-96 rows at least 7/8 full and 8-16 rows of a product as wide as the LM head; with AVX2, blocks
-of 16-96 rows at least 7/8 full, float32 or int8). They also beat MKL for prompt-sized products, up to `max_rows()`.
+blocks of 8-96 rows where the core starts two 512-bit FMAs a cycle, `fma_ports()`, else blocks of 32-96 rows at
+least 7/8 full and 8-16 rows of a product as wide as the LM head; with AVX2, blocks of 16-96 rows at least 7/8
+full, float32 or int8). They also beat MKL for prompt-sized products, up to `max_rows()`.
 Thread count: torch's (`torch.get_num_threads()`), through torch's own OpenMP runtime.
 
 Environment: `GPT2_KERNELS=0` turns them off (for A/B runs); `GPT2_KERNEL_ISA` (avx2, avx512, avx512_vnni)
 loads that build instead of this CPU's; `GPT2_KERNEL_MAX_ROWS` caps the rows of x a product sends to them
-(`max_rows()`); `GPT2_KERNEL_CACHE` is where the library is built (default `$XDG_CACHE_HOME/gpt2-server` or
-`~/.cache/gpt2-server`); `CXX` names the compiler.
+(`max_rows()`); `GPT2_KERNEL_FMA_PORTS` (1 or 2) sets the 512-bit FMA pipes the AVX-512 builds choose their
+tiles by, instead of measuring them (`fma_ports()`); `GPT2_KERNEL_CACHE` is where the library is built
+(default `$XDG_CACHE_HOME/gpt2-server` or `~/.cache/gpt2-server`); `CXX` names the compiler.
 """
 
 from __future__ import annotations
@@ -218,6 +220,14 @@ def _library() -> ctypes.CDLL | None:
     lib.gpt2_matmul_i8.restype = None
     lib.gpt2_forward.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ctypes.c_int]
     lib.gpt2_forward.restype = None
+    lib.gpt2_fma_ports.argtypes = [ctypes.c_int]
+    lib.gpt2_fma_ports.restype = ctypes.c_int
+    forced = os.environ.get("GPT2_KERNEL_FMA_PORTS")
+    if forced is not None:
+        if forced in ("1", "2"):
+            lib.gpt2_fma_ports(int(forced))
+        else:
+            log.warning("GPT2_KERNEL_FMA_PORTS=%r is not 1 or 2: the measured count is used", forced)
     return lib
 
 
@@ -232,6 +242,26 @@ def max_rows() -> int:
         except ValueError:
             log.warning("GPT2_KERNEL_MAX_ROWS=%r is not a whole number: ignored", os.environ["GPT2_KERNEL_MAX_ROWS"])
     return MAX_ROWS_AVX2 if cpu_isa() == "avx2" else MAX_ROWS_AVX512
+
+
+def fma_ports() -> int | None:
+    """How many 512-bit FMAs a core of this CPU starts each cycle, as the AVX-512 builds measure it once (2 on
+    Zen 5 and most AVX-512 Xeons, 1 on Zen 4): with 2, float32 products of 8 rows or more take outer products
+    (matmul.h's `outer_pays`). None for the AVX2 build, which does not ask, or without the kernels."""
+    lib = _library()
+    if lib is None or not cpu_isa().startswith("avx512"):
+        return None
+    return int(lib.gpt2_fma_ports(-1))
+
+
+def set_fma_ports(ports: int | None) -> None:
+    """Make the AVX-512 builds choose their tiles as for `ports` (1 or 2) 512-bit FMA pipes, or as measured
+    (None): for A/B runs and for tests of both rules on any host."""
+    lib = _library()
+    if ports not in (1, 2, None):
+        raise ValueError(f"ports must be 1, 2 or None, got {ports!r}")
+    if lib is not None:
+        lib.gpt2_fma_ports(ports or 0)
 
 
 def available() -> bool:

@@ -18,5 +18,13 @@ void gpt2_matmul_i8(const float* x, int64_t M, int64_t K, const int8_t* q, int64
   gpt2::matmul<gpt2::I8>(x, M, K, q, ldw, scale, bias, y, N, threads);
 }
 
-int gpt2_kernels_version(void) { return 2; }
+// The 512-bit FMAs a core starts each cycle (1 or 2), as the products choose their tiles by it (matmul.h's
+// `fma_ports`: measured once; 1 in the AVX2 build, which does not use it); `set` 1 or 2 overrides it, 0 goes
+// back to the measured count, anything below 0 leaves it as it is.
+int gpt2_fma_ports(int set) {
+  if (set >= 0) gpt2::set_fma_ports(set);
+  return gpt2::fma_ports();
+}
+
+int gpt2_kernels_version(void) { return 3; }
 }

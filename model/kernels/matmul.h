@@ -1,8 +1,9 @@
 // Matrix products for the decode step, the server's packed steps and prompts: y[M, N] = x[M, K] @ W[N, K]^T
 // (+ bias), M from one row up to max_rows() (model/kernels/__init__.py). Blocks of many rows of float32 x take
-// outer products (see "Many rows" below): with AVX-512, float32 blocks of 32 to 96 rows at least 7/8 full, and
-// of 8 to 16 rows in a product as wide as the LM head; with AVX2, blocks of 16 to 96 rows at least 7/8 full,
-// float32 or int8 (in int16). What follows describes the dot-product tiles every other product takes.
+// outer products (see "Many rows" below): with AVX-512, float32 blocks of 8 to 96 rows where the core has two
+// 512-bit FMA pipes (`fma_ports`), else of 32 to 96 rows at least 7/8 full and of 8 to 16 rows in a product as
+// wide as the LM head; with AVX2, blocks of 16 to 96 rows at least 7/8 full, float32 or int8 (in int16). What
+// follows describes the dot-product tiles every other product takes.
 //
 // W is stored [N, K] row-major (nn.Linear's layout: one output's weights contiguous), so every output is a
 // dot product over a contiguous row and each thread streams one contiguous slab of W: the threads split the
@@ -33,6 +34,8 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -465,12 +468,69 @@ constexpr bool kOuterInt8 = false;
 constexpr bool kOuterInt8 = true;
 #endif
 
+// How many 512-bit FMAs a core starts each cycle: 2 on Zen 5 and most AVX-512 Xeons, 1 on Zen 4, which runs
+// each as two 256-bit halves (and on Xeons with one 512-bit FMA unit). No CPUID bit says which, so it is
+// measured once: the same number of independent FMAs on 16 lanes and on 8, best of 5 tries each; with two
+// 512-bit pipes both take the same time, with one the 16-lane run takes twice as long (Zen 5: 2.6 us each,
+// about 30 us in all). `set_fma_ports` overrides it (1 or 2; tests run both rules on
+// any host). The AVX2 build never asks.
+#ifdef __AVX512F__
+template <typename V, V (*Fma)(V, V, V), V (*Set)(float)>
+inline double fma_run_seconds() {
+  V a0 = Set(1.0f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0, a9 = a0;
+  const V b = Set(0.999f), c = Set(1e-6f);
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < 2000; ++i) {
+    __asm__ volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6), "+v"(a7), "+v"(a8),
+                     "+v"(a9));  // ten chains, kept in registers, none folded away
+    a0 = Fma(a0, b, c), a1 = Fma(a1, b, c), a2 = Fma(a2, b, c), a3 = Fma(a3, b, c), a4 = Fma(a4, b, c);
+    a5 = Fma(a5, b, c), a6 = Fma(a6, b, c), a7 = Fma(a7, b, c), a8 = Fma(a8, b, c), a9 = Fma(a9, b, c);
+  }
+  __asm__ volatile("" : : "v"(a0), "v"(a1), "v"(a2), "v"(a3), "v"(a4), "v"(a5), "v"(a6), "v"(a7), "v"(a8), "v"(a9));
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+inline __m512 fma16(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+inline __m512 set16(float s) { return _mm512_set1_ps(s); }
+inline __m256 fma8(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+inline __m256 set8(float s) { return _mm256_set1_ps(s); }
+
+inline int measure_fma_ports() {
+  double wide = 1e9, narrow = 1e9;
+  fma_run_seconds<__m512, fma16, set16>();  // a first run to wake the 512-bit units (slow for a while on Intel)
+  for (int i = 0; i < 5; ++i) {
+    wide = std::min(wide, fma_run_seconds<__m512, fma16, set16>());
+    narrow = std::min(narrow, fma_run_seconds<__m256, fma8, set8>());
+  }
+  return wide < 1.5 * narrow ? 2 : 1;
+}
+#else
+inline int measure_fma_ports() { return 1; }
+#endif
+
+inline std::atomic<int>& fma_ports_override() {
+  static std::atomic<int> ports{0};  // 0: as measured
+  return ports;
+}
+inline int fma_ports() {
+  static const int measured = measure_fma_ports();
+  const int forced = fma_ports_override().load(std::memory_order_relaxed);
+  return forced ? forced : measured;
+}
+inline void set_fma_ports(int ports) { fma_ports_override().store(ports == 1 || ports == 2 ? ports : 0); }
+
 // Whether a block of m rows against K x N weights takes outer products (none without K or N: the tiles store
-// the bias there, and pieces of no outputs are not defined).
+// the bias there, and pieces of no outputs are not defined). With two 512-bit FMA pipes, every block of 8 rows
+// or more, padded or not: the products of a few rows are then bound by how fast W streams in, which one
+// vector's outer product against 8 outputs at a time does better than the dot-product tiles, and the padding
+// of a block costs less than it saves (measured on a 2-core Zen 5 host, 2 threads, gpt2-small's 48 block
+// matrices, dot-product tiles -> outer products: 8 rows 10.0-10.5 -> 9.5-9.7 ms, 12 rows 11.0-11.7 -> 9.6-9.8,
+// 16 rows 13.6-14.6 -> 9.6-9.8, 17 rows 16.6 -> 13.9, 24 rows 19.4-22.2 -> 15.2, 31 rows 27.1 -> 15.1, 33 rows
+// 26.4 -> 21.3, 40 rows 31.1 -> 21.5; the LM head 16 rows 5.6 -> 4.9, 17 rows 8.7 -> 6.6, 24 rows 10.1 -> 6.5).
 inline bool outer_pays(int64_t m, int64_t K, int64_t N) {
   if (K == 0 || N == 0) return false;
   const int64_t padded = (m + kLanes - 1) / kLanes * kLanes;
 #ifdef __AVX512F__
+  if (fma_ports() == 2) return m >= 8 && m <= kRowBlock;
   return (m >= 32 && m <= kRowBlock && 8 * m >= 7 * padded) || (N >= kWideN && m >= 8 && m <= 16);
 #else
   return m >= 16 && m <= kRowBlock && 8 * m >= 7 * padded;
@@ -673,14 +733,16 @@ struct Outer {
   int64_t nc;  // outputs per tile
 };
 // The tiles for NV vectors of rows. AVX-512: all NV in one tile, against as many outputs as leave registers
-// for NV x values and the broadcast weight (NV NC + NV + 1 <= 32); at one vector 16 (measured on the LM head:
-// 12 and 16 alike, 24 half as fast). AVX2 (16 registers): 2 vectors (16 rows) against 6 outputs at a time,
+// for NV x values and the broadcast weight (NV NC + NV + 1 <= 32); at one vector 8: on a Zen 4 host 12 and 16
+// ran alike on the LM head (24 half as fast), and on a Zen 5 host, where one vector's products wait on W
+// streaming in, 8 at a time beat 16 (the 48 block matrices at 16 rows 9.6-10.4 against 11.6-12.2 ms, the LM
+// head 4.4 against 4.9; 6 as fast as 8, 12 between). AVX2 (16 registers): 2 vectors (16 rows) against 6 outputs at a time,
 // or, where NV is odd, 3 against 4 (the last one or two vectors together): measured on a Zen 4 host (the
 // AVX2 build) 2 x 6 as fast as 3 x 4 or faster from 32 to 96 rows, 3 x 4 faster at 24 rows than 2 x 6 and a
 // lone vector after it (the 48 block matrices 27.7-33.8 against 35.0-38.6 ms).
 #ifdef __AVX512F__
 constexpr int outer_mv(int nv) { return nv; }
-constexpr int outer_nc(int mv) { return mv == 1 ? 16 : mv == 2 ? 10 : mv == 3 ? 8 : mv == 4 ? 6 : mv == 5 ? 5 : 4; }
+constexpr int outer_nc(int mv) { return mv == 1 ? 8 : mv == 2 ? 10 : mv == 3 ? 8 : mv == 4 ? 6 : mv == 5 ? 5 : 4; }
 #else
 constexpr int outer_mv(int nv) { return nv % 2 == 0 || nv == 1 ? std::min(nv, 2) : 3; }
 constexpr int outer_nc(int mv) { return mv == 1 ? 12 : mv == 2 ? 6 : 4; }
