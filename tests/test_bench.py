@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 from gpt2_scripts import bench
 
+from model import kernels
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -93,6 +95,11 @@ def test_bench_server_quick(tiny, tokenizer_dir: Path, tmp_path: Path) -> None:
         assert positive(lv["tflop"]) and lv["tokens_per_s"] <= lv["bound_tokens_per_s"], lv
         assert positive(lv["bound_ratio"]), lv
     assert positive(report["matmul_flop_per_s"])
+    # torch's GEMM and our kernels' (where they run), before and after the levels; the bound takes the fastest
+    pairs = report["matmul_flop_per_s_torch_and_ours"]
+    assert len(pairs) == 2 and all(positive(torch_rate) for torch_rate, _ in pairs)
+    assert all((ours is not None) == kernels.available() for _, ours in pairs)
+    assert report["matmul_flop_per_s"] == max(r for pair in pairs for r in pair if r is not None)
     baselines = report["baselines_one_at_a_time"]
     assert len(baselines) == len(levels) + 1  # one before the first level and one after each
     assert all(b["clients"] == 1 and positive(b["tokens_per_s"]) for b in baselines)
