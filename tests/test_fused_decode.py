@@ -158,16 +158,18 @@ def test_a_server_step_matches_the_eager_one(distil: Checkpoint) -> None:
 def test_every_query_of_a_chunk_attends_as_eager(d_head: int, tmp_path: Path) -> None:
     """Each query of a prompt chunk attends over its own row's keys up to its position (the causal diagonal
     inside the chunk: keys stored in this pass, later ones left out), at head sizes with a vector tail (12),
-    without the 64-wide path (40) and GPT-2's own (64); chunks of 1 to 11 tokens, one beside a decode token
-    of another row, logits at every token."""
-    model = load_ours(make_checkpoint(tmp_path, n_layer=2, n_head=3, n_embd=3 * d_head, n_positions=64))
-    prompts = prompts_of([4, 40], seed=d_head)
+    without the 64-wide path (40) and GPT-2's own (64, where a chunk's queries go in blocks of a vector's
+    lanes: 16 with AVX-512, 8 with AVX2, and the weighted sums 4 queries at a time with AVX-512); chunks of 1
+    to 35 tokens (whole blocks and parts of one), one beside a decode token of another row, logits at every
+    token."""
+    model = load_ours(make_checkpoint(tmp_path, n_layer=2, n_head=3, n_embd=3 * d_head, n_positions=128))
+    prompts = prompts_of([4, 110], seed=d_head)
     with torch.inference_mode():
-        cache = prefilled(model, [prompts[0][:3], prompts[1][:2]], max_len=48)
+        cache = prefilled(model, [prompts[0][:3], prompts[1][:2]], max_len=128)
         fused = FusedDecode.make(model, cache)
         assert fused is not None
         start = 2
-        for size in (1, 2, 3, 4, 5, 7, 11):  # row 1's prompt in chunks; row 0 decodes its 4th token once
+        for size in (1, 2, 3, 4, 5, 7, 11, 16, 17, 35):  # row 1's prompt in chunks; row 0 decodes its 4th once
             chunk = prompts[1][start : start + size]
             tokens, rows, positions = list(chunk), [1] * size, list(range(start, start + size))
             if size == 5:
