@@ -81,21 +81,28 @@ def read_bandwidth(device: torch.device, threads: int, reps: int = 8) -> float:
     return x.nbytes / best
 
 
-def matmul_flops(device: torch.device, dtype: torch.dtype, threads: int, reps: int = 3) -> float:
+def matmul_flops(
+    device: torch.device,
+    dtype: torch.dtype,
+    threads: int,
+    reps: int = 3,
+    product: Callable[[torch.Tensor, torch.Tensor], Any] = torch.matmul,
+) -> float:
     """FLOP/s of a square GEMM in `dtype` (2 n^3 per product), best of `reps` (on CUDA, each rep is 10
-    products in a row, so launch latency does not count)."""
+    products in a row, so launch latency does not count). `product(a, b)`: torch's by default (our CPU
+    kernels' `kernels.matmul`, a @ b.T, does as many FLOPs)."""
     torch.set_num_threads(threads)
     n, inner = (GPU_GEMM_N, 10) if device.type == "cuda" else (CPU_GEMM_N, 1)
     g = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(n, n, generator=g, device=device, dtype=dtype)
     b = torch.randn(n, n, generator=g, device=device, dtype=dtype)
-    a @ b  # warm-up
+    product(a, b)  # warm-up
     best = float("inf")
     for _ in range(reps):
         synchronize()
         start = time.perf_counter()
         for _ in range(inner):
-            a @ b
+            product(a, b)
         synchronize()
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 * inner / best

@@ -100,22 +100,15 @@ def measure_gemm() -> tuple[float, float | None]:
     """float32 GEMM FLOP/s on the CPU at torch's thread count (what the server uses), 2048 x 2048 x 2048: torch's
     (MKL), and our kernels' (model/kernels, which the server's products run on; None where they are not
     available). The bound takes the faster: on a Zen 5 host ours ran at about twice MKL's rate."""
-    from gpt2_scripts.bench_common import CPU_GEMM_N, matmul_flops
+    from gpt2_scripts.bench_common import matmul_flops
 
     from model import kernels
 
-    torch_rate = matmul_flops(torch.device("cpu"), torch.float32, torch.get_num_threads())
+    cpu, threads = torch.device("cpu"), torch.get_num_threads()
+    torch_rate = matmul_flops(cpu, torch.float32, threads)
     if not kernels.available():
         return torch_rate, None
-    g = torch.Generator().manual_seed(0)
-    a, w = (torch.randn(CPU_GEMM_N, CPU_GEMM_N, generator=g) for _ in range(2))
-    kernels.matmul(a, w)  # warm-up
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        kernels.matmul(a, w)
-        best = min(best, time.perf_counter() - start)
-    return torch_rate, 2 * CPU_GEMM_N**3 / best
+    return torch_rate, matmul_flops(cpu, torch.float32, threads, product=kernels.matmul)
 
 
 def forward_flops(config: dict[str, Any], requests: list[Request]) -> float:

@@ -220,13 +220,11 @@ void attend_block(const float* qkv, int64_t C, int64_t h, int64_t t0, int64_t Tq
     for (int64_t i = 0; i < s - p0; ++i) st[s * kL + i] = -FLT_MAX;
   Lanes::V top = Lanes::load(st);
   for (s = 1; s < n; ++s) top = Lanes::max(top, Lanes::load(st + s * kL));
-  Lanes::V total = Lanes::zero();
-  for (s = 0; s < n; ++s) {  // softmax, unnormalised; the masked keys' weights exactly 0
-    Lanes::V w = Lanes::exp(Lanes::sub(Lanes::load(st + s * kL), top));
-    Lanes::store(st + s * kL, w);
-  }
+  for (s = 0; s < n; ++s)  // softmax, unnormalised; the masked keys' weights exactly 0
+    Lanes::store(st + s * kL, Lanes::exp(Lanes::sub(Lanes::load(st + s * kL), top)));
   for (s = p0 + 1; s < n; ++s)
     for (int64_t i = 0; i < s - p0; ++i) st[s * kL + i] = 0.0f;
+  Lanes::V total = Lanes::zero();
   for (s = 0; s < n; ++s) total = Lanes::add(total, Lanes::load(st + s * kL));
   alignas(64) float totals[kL];
   Lanes::store(totals, total);
