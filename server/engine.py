@@ -2,8 +2,8 @@
 
 No model code runs on the event loop. Requests wait in a bounded queue; the worker admits them into a
 continuous batch (`model.generate.DecodeBatch`) as rows free up, runs one step at a time (a decode token
-for every active sequence and the next prompt chunks, in one forward pass), and hands each token to its
-request's asyncio queue as it is produced. A request that arrives while others decode joins at the next
+for every active sequence and the next prompt chunks, in one forward pass), and at the end of each step
+hands its tokens to their requests' asyncio queues, in one call into the event loop (not one a token). A request that arrives while others decode joins at the next
 step. Requests with hooks (activations to capture, interventions) share the batch too, each seeing only
 its own values. Those that only want a prompt's activations (nothing to generate, no logits) skip the
 KV cache: the ones waiting run together in one forward pass that ends after the last hook they capture
@@ -145,6 +145,7 @@ class Engine:
         self._cv = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._outbox: list[tuple[_Request, TokenEvent | Completion | BaseException]] = []  # this step's items
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -279,6 +280,12 @@ class Engine:
             self._batch.add(request.seq)
 
     def _step(self) -> None:
+        try:
+            self._step_batch()
+        finally:
+            self._send()
+
+    def _step_batch(self) -> None:
         if self._prompt_only:
             self._prefill_prompts()
         if not len(self._batch):
@@ -318,6 +325,20 @@ class Engine:
             else:
                 self._finish(request)
 
+    def _post(self, request: _Request, item: TokenEvent | Completion | BaseException) -> None:
+        """`item` for `request`'s queue, sent with the rest of this step's at its end (`_send`)."""
+        self._outbox.append((request, item))
+
+    def _send(self) -> None:
+        """The step's items to their queues, in the order they came: one call into each event loop, so
+        that a step of many sequences wakes the loop once, not once a token."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
+        for request, item in self._outbox:
+            by_loop.setdefault(request.loop, []).append((request.queue, item))
+        self._outbox = []
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     def _deliver(self, request: _Request, event: TokenEvent) -> None:
         now = time.perf_counter()
         if request.last_token is None:
@@ -326,11 +347,11 @@ class Engine:
             self.metrics.inter_token_latency.observe(now - request.last_token)
         request.last_token = now
         self.metrics.tokens_generated.inc()
-        request.loop.call_soon_threadsafe(request.queue.put_nowait, event)
+        self._post(request, event)
 
     def _finish(self, request: _Request) -> None:
         del self._requests[id(request.seq)]
-        request.loop.call_soon_threadsafe(request.queue.put_nowait, request.seq.result())
+        self._post(request, request.seq.result())
 
     def _end_with(self, request: _Request, error: Exception) -> None:
         """One sequence failed on its own (its batch goes on): hand its request the error."""
@@ -339,7 +360,7 @@ class Engine:
         else:
             log.exception("sequence failed", exc_info=error)
         del self._requests[id(request.seq)]
-        request.loop.call_soon_threadsafe(request.queue.put_nowait, error)
+        self._post(request, error)
 
     def _drop_cancelled(self) -> None:
         for request in [r for r in self._requests.values() if r.cancelled]:
@@ -356,7 +377,7 @@ class Engine:
             batch.cancel(seq)
             request = self._requests.pop(id(seq), None)
             if request is not None:
-                request.loop.call_soon_threadsafe(request.queue.put_nowait, error)
+                self._post(request, error)
 
     def _fail_all(self, error: Exception) -> None:
         with self._cv:
@@ -369,6 +390,11 @@ class Engine:
             request.loop.call_soon_threadsafe(request.queue.put_nowait, error)
         for _, loop, future in jobs:
             loop.call_soon_threadsafe(_settle, future, None, error)
+
+
+def _put_all(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:

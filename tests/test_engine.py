@@ -241,6 +241,43 @@ def test_chunked_prefill_equals_whole(loaded: LoadedModel) -> None:
         assert got == pytest.approx(want, abs=1e-4)
 
 
+def test_a_steps_tokens_reach_the_loop_in_one_call(loaded: LoadedModel) -> None:
+    """Four sequences decoding together: each step's tokens (and the completions it ends) go to the event
+    loop in one call, not one a token, and every stream still gets its own tokens in order."""
+    prompts = [loaded.tokenizer.encode(text) for text in ("Hello", "The quick brown fox", "One two", "A")]
+    calls: list[int] = []  # items per call into the loop from the engine's thread
+    steps: list[int] = []
+
+    async def main() -> list[Completion]:
+        loop = asyncio.get_running_loop()
+        real_call = loop.call_soon_threadsafe
+
+        def counting(callback: Any, *args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread() is not threading.main_thread():
+                calls.append(len(args[0]) if args and isinstance(args[0], list) else 1)
+            return real_call(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        with running(loaded, max_batch_size=4) as engine:
+            real_step = engine._step_batch
+
+            def step() -> None:
+                steps.append(len(engine._batch))
+                real_step()
+
+            engine._step_batch = step  # type: ignore[method-assign]
+            async with held(engine):  # all four admitted at once, then decoded side by side
+                streams = engine.submit(prompts, [greedy_params(6, ignore_eos=True)] * 4)
+            return list(await asyncio.gather(*(s.result() for s in streams)))
+
+    results = run(main())
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.token_ids == greedy(loaded, prompt, 6, ignore_eos=True).token_ids
+    assert sum(calls) >= 4 * 6 + 4 + 1  # every token and completion, and the held job's result
+    assert len(calls) <= sum(1 for n in steps if n) + 1  # at most one call a step, and one for the job
+    assert max(calls) >= 4  # a step's four tokens together
+
+
 def test_stop_fails_pending_requests(loaded: LoadedModel) -> None:
     async def main() -> None:
         engine = Engine(loaded, max_batch_size=1)
