@@ -3,16 +3,15 @@
 No model code runs on the event loop. Requests wait in a bounded queue; the worker admits them into a
 continuous batch (`model.generate.DecodeBatch`) as rows free up, runs one step at a time (a decode token
 for every active sequence and the next prompt chunks, in one forward pass), and at the end of each step
-hands its tokens to their requests' asyncio queues, in one call into the event loop (not one a token). A request that arrives while others decode joins at the next
-step. Requests with hooks (activations to capture, interventions) share the batch too, each seeing only
-its own values. Those that only want a prompt's activations (nothing to generate, no logits) skip the
-KV cache: the ones waiting run together in one forward pass that ends after the last hook they capture
-(`model.generate.prefill_prompts`), before the next decode step. A cancelled request (client gone)
-leaves the batch at the next step and frees its row; a sequence that fails on its own (non-finite
-logits, say) ends with its error, and its batch goes on. Jobs (`call`: one forward pass for an
-analysis) wait in a queue bounded like the requests' and run one between two steps, so that a burst of
-them does not stall the sequences decoding.
-"""
+hands its tokens to their requests' asyncio queues, in one call into the event loop (not one a token). A
+request that arrives while others decode joins at the next step. Requests with hooks (activations to
+capture, interventions) share the batch too, each seeing only its own values. Those that only want a
+prompt's activations (nothing to generate, no logits) skip the KV cache: the ones waiting run together in
+one forward pass that ends after the last hook they capture (`model.generate.prefill_prompts`), before
+the next decode step. A cancelled request (client gone) leaves the batch at the next step and frees its
+row; a sequence that fails on its own (non-finite logits, say) ends with its error, and its batch goes
+on. Jobs (`call`: one forward pass for an analysis) wait in a queue bounded like the requests' and run
+one between two steps, so that a burst of them does not stall the sequences decoding."""
 
 from __future__ import annotations
 
