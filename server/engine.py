@@ -300,6 +300,7 @@ class Engine:
             # The pass failed with hooks in it: those sequences end with the error (their hooks saw part of
             # a pass), and the step is taken again without them (no plain row has taken a token yet).
             self._fail(self._batch, e, hooked)
+            self._send()  # their errors now, not after the pass taken again
             try:
                 events = self._batch.step()
             except Exception as again:
@@ -323,20 +324,25 @@ class Engine:
                 self._end_with(request, request.seq.error)
             else:
                 self._finish(request)
+        self._send()  # their results now, not after the decode pass that follows
 
     def _post(self, request: _Request, item: TokenEvent | Completion | BaseException) -> None:
         """`item` for `request`'s queue, sent with the rest of this step's at its end (`_send`)."""
         self._outbox.append((request, item))
 
     def _send(self) -> None:
-        """The step's items to their queues, in the order they came: one call into each event loop, so
-        that a step of many sequences wakes the loop once, not once a token."""
+        """The items posted so far to their queues, in the order they came: one call into each event loop,
+        so that a step of many sequences wakes the loop once, not once a token. A loop that has closed (its
+        requests' callers are gone) loses its items, and the others still get theirs."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
         for request, item in self._outbox:
             by_loop.setdefault(request.loop, []).append((request.queue, item))
         self._outbox = []
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop is closed
+                log.warning("dropped %d items for a closed event loop", len(items))
 
     def _deliver(self, request: _Request, event: TokenEvent) -> None:
         now = time.perf_counter()

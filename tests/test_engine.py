@@ -268,11 +268,17 @@ def test_a_steps_tokens_reach_the_loop_in_one_call(loaded: LoadedModel) -> None:
             engine._step_batch = step  # type: ignore[method-assign]
             async with held(engine):  # all four admitted at once, then decoded side by side
                 streams = engine.submit(prompts, [greedy_params(6, ignore_eos=True)] * 4)
-            return list(await asyncio.gather(*(s.result() for s in streams)))
+
+            async def streamed(stream: RequestStream) -> tuple[list[int], Completion]:
+                ids = [event.token_id async for event in stream]
+                assert stream.completion is not None
+                return ids, stream.completion
+
+            return list(await asyncio.gather(*(streamed(s) for s in streams)))
 
     results = run(main())
-    for prompt, result in zip(prompts, results, strict=True):
-        assert result.token_ids == greedy(loaded, prompt, 6, ignore_eos=True).token_ids
+    for prompt, (ids, result) in zip(prompts, results, strict=True):
+        assert ids == result.token_ids == greedy(loaded, prompt, 6, ignore_eos=True).token_ids
     assert sum(calls) >= 4 * 6 + 4 + 1  # every token and completion, and the held job's result
     assert len(calls) <= sum(1 for n in steps if n) + 1  # at most one call a step, and one for the job
     assert max(calls) >= 4  # a step's four tokens together

@@ -139,7 +139,8 @@ inline void fetch_run(const float* p, const float* end, int64_t bytes) {
   for (; a < stop; a += 64) _mm_prefetch(a, _MM_HINT_T0);
 }
 
-// out[s] = (q . keys[s]) * scale for the n keys, keys [n, D]: four keys at a time, each four kKVAhead ahead.
+// out[s] = (q . keys[s]) * scale for the n keys, keys [n, D]: four keys at a time, the four keys' bytes
+// kKVAhead further on prefetched as they go.
 inline void scores(const float* q, const float* keys, int64_t n, int64_t D, float scale, float* out) {
   const float* end = keys + n * D;
   int64_t s = 0;

@@ -139,6 +139,14 @@ async def _disconnect(request: Request) -> None:
 
 async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[RequestStream, TokenEvent | None]]:
     """Events of several streams as they come; (stream, None) when a stream has finished."""
+    if len(streams) == 1:  # one prompt (the common case): its events as they are, without a pump and queue
+        try:
+            async for event in streams[0]:
+                yield streams[0], event
+            yield streams[0], None
+        finally:
+            streams[0].cancel()
+        return
     queue: asyncio.Queue[tuple[RequestStream, TokenEvent | None] | BaseException] = asyncio.Queue()
 
     async def pump(stream: RequestStream) -> None:
@@ -149,14 +157,6 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[RequestStr
         except BaseException as e:  # delivered to the consumer, which re-raises it
             queue.put_nowait(e)
 
-    if len(streams) == 1:  # one prompt (the common case): its events as they are, without a pump and queue
-        try:
-            async for event in streams[0]:
-                yield streams[0], event
-            yield streams[0], None
-        finally:
-            streams[0].cancel()
-        return
     tasks = [asyncio.create_task(pump(s)) for s in streams]
     try:
         for _ in range(len(streams)):
