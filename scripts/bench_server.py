@@ -11,7 +11,11 @@ twice its p50). On a CPU (float32 or int8 weights) it also prints each level's c
 its requests need (every token's products, attention, the LM head where a token is chosen), however well
 they are batched, at the float32 GEMM rate measured before and after the levels (the better of the two; the
 faster of torch's GEMM and our kernels'). It is approximate: a server beats it only by running its products
-faster than that GEMM.
+faster than that GEMM. It counts FLOPs alone, so it overstates what a CPU can do with the passes of few rows
+(a decode step, a level's tail), which wait on the weights streaming in; the schedule bound counts them
+too: the passes the engine takes for the level's requests (`schedule`: DecodeBatch's policy, simulated),
+each as long as the longer of its FLOPs at that GEMM rate and its reads (every weight once, each token's
+keys and values) at the read bandwidth measured before and after, perfectly overlapped.
 
     python scripts/bench_server.py                       # a random gpt2-small-shaped checkpoint
     python scripts/bench_server.py --model ./gpt2 --levels 1 4 16 --json server.json
@@ -111,6 +115,17 @@ def measure_gemm() -> tuple[float, float | None]:
     return torch_rate, matmul_flops(cpu, torch.float32, threads, product=kernels.matmul)
 
 
+def measure_bandwidth() -> float:
+    """Memory read bandwidth on the CPU, bytes/s, at torch's thread count (bench_common's measure)."""
+    from gpt2_scripts.bench_common import read_bandwidth
+
+    threads = torch.get_num_threads()
+    try:
+        return read_bandwidth(torch.device("cpu"), threads)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def forward_flops(config: dict[str, Any], requests: list[Request]) -> float:
     """FLOPs the model must spend on `requests`, however they are batched (2 FLOPs a multiply-add): every
     block's products for each token fed (the prompt, then each new token but the last) and attention over
@@ -131,6 +146,86 @@ def forward_flops(config: dict[str, Any], requests: list[Request]) -> float:
         total += (L - 1) * (fed * block + attention(0, fed - 1))
         total += n * block + attention(P - 1, fed - 1) + (P - 1) * key_value  # the last block
         total += n * 2 * C * V
+    return total
+
+
+@dataclass
+class Pass:
+    """One engine step of a simulated schedule: the positions of its decode tokens (one per sequence past
+    its prompt), its prompt chunks (start, end, prompt length) and how many tokens it chooses."""
+
+    decode: list[int]
+    chunks: list[tuple[int, int, int]]
+    outputs: int
+
+
+def schedule(requests: list[Request], clients: int, chunk: int, max_batch: int) -> list[Pass]:
+    """The passes the engine takes for `requests`, sent by `clients` clients that each send the next one
+    when their last one ends, under DecodeBatch's policy: every sequence past its prompt decodes one token
+    a pass, then up to `chunk` prompt tokens go to the sequences in the order they joined, and a sequence
+    whose prompt ends in a pass takes its first token there; a finished sequence leaves and the next
+    request joins for the next pass. (The real server's clients answer a pass or so later: approximate.)"""
+    queue = list(requests)
+    active: list[list[Any]] = []  # [request, prompt tokens fed, tokens chosen], in the order they joined
+
+    def join() -> None:
+        while queue and len(active) < min(clients, max_batch):
+            active.append([queue.pop(0), 0, 0])
+
+    join()
+    passes = []
+    while active:
+        step = Pass([], [], 0)
+        budget = chunk
+        for seq in active:
+            r, fed, chosen = seq
+            P = len(r.input_ids)
+            if fed == P:  # decoding: feeds its last token, at position P + chosen - 1
+                step.decode.append(P + chosen - 1)
+                seq[2] += 1
+            elif budget > 0:
+                end = min(P, fed + budget)
+                step.chunks.append((fed, end, P))
+                budget -= end - fed
+                seq[1] = end
+                seq[2] += end == P
+        step.outputs = len(step.decode) + sum(end == P for _, end, P in step.chunks)
+        passes.append(step)
+        active = [seq for seq in active if seq[2] < seq[0].max_new_tokens]
+        join()
+    return passes
+
+
+def pass_cost(config: dict[str, Any], step: Pass, weight_bytes: int) -> tuple[float, float]:
+    """FLOPs (counted as `forward_flops` counts them) and bytes read (every weight once, and each token's
+    keys and values of its row so far: a decode token's, and a prompt chunk's once) of one pass."""
+    C, L, V = config["n_embd"], config["n_layer"], config["vocab_size"]
+    block, key_value, kv_bytes = 2 * 12 * C * C, 2 * 2 * C * C, 2 * L * C * 4  # kv_bytes: one position
+    flops = 0.0
+    reads = float(weight_bytes)
+    for q in step.decode:
+        flops += L * (block + 4 * C * (q + 1))
+        reads += kv_bytes * (q + 1)
+    for start, end, P in step.chunks:
+        for q in range(start, end):
+            chooses = q == P - 1
+            flops += (L if chooses else L - 1) * (block + 4 * C * (q + 1)) + (0 if chooses else key_value)
+        reads += kv_bytes * end
+    return flops + step.outputs * 2 * C * V, reads
+
+
+def schedule_seconds(
+    config: dict[str, Any], passes: list[Pass], dtype_bytes: int, flop_s: float, bytes_s: float
+) -> float:
+    """The passes' time if each took only the longer of its FLOPs at `flop_s` and its bytes at `bytes_s`,
+    the two overlapped perfectly: a bound for this schedule, tighter than the FLOPs alone where passes are
+    memory-bound (few rows: a decode step, the tail of a level)."""
+    C, L, V = config["n_embd"], config["n_layer"], config["vocab_size"]
+    weight_bytes = dtype_bytes * (L * 12 * C * C + V * C)  # the block matrices and the LM head
+    total = 0.0
+    for step in passes:
+        flops, reads = pass_cost(config, step, weight_bytes)
+        total += max(flops / flop_s, reads / bytes_s)
     return total
 
 
@@ -280,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             not args.ray and resolve_device(args.device).type == "cpu" and args.dtype in ("auto", "float32", "int8")
         )
         gemm_rates = [measure_gemm()] if bounded else []
+        bandwidths = [measure_bandwidth()] if bounded else []
         port = free_port()
         log = Path(args.server_log) if args.server_log else Path(tmp) / "server.log"
         if args.ray:  # the same app behind Ray Serve's proxy (its log is Ray's, under its temp directory)
@@ -312,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
             stop()
     if bounded:
         gemm_rates.append(measure_gemm())
+        bandwidths.append(measure_bandwidth())
     from gpt2_scripts.bench_common import cpu_features, cpu_name, features_text, memory_pages
 
     peak = max(r for pair in gemm_rates for r in pair if r is not None) if gemm_rates else None
@@ -327,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(),
         "matmul_flop_per_s": peak,
         "matmul_flop_per_s_torch_and_ours": gemm_rates,
+        "read_bytes_per_s": max(bandwidths) if bandwidths else None,
         "host": {"cpu": cpu_name(), "cpu_features": cpu_features(), "memory_pages": memory_pages()},
     }
     host = report["host"]
@@ -372,6 +470,34 @@ def main(argv: list[str] | None = None) -> int:
                 f"{lv['clients']:>7} clients: {lv['tflop']:.2f} TFLOP -> at most {lv['bound_tokens_per_s']:.1f} tok/s "
                 f"= {lv['bound_ratio']:.2f}x one at a time; measured {lv['tokens_per_s']:.1f} tok/s "
                 f"({100 * lv['tokens_per_s'] / lv['bound_tokens_per_s']:.0f}% of the bound)"
+            )
+        bandwidth = max(bandwidths)
+        chunk = args.prefill_chunk or 64  # the server's default on a CPU
+        weight = 1 if args.dtype == "int8" else 4
+        base_passes = schedule(one_at_a_time, 1, chunk, args.max_batch_size)
+        base_seconds = schedule_seconds(config, base_passes, weight, peak, bandwidth)
+        report["schedule_one_at_a_time_tokens_per_s"] = sum(r.max_new_tokens for r in one_at_a_time) / base_seconds
+        print(
+            f"\nschedule bound (approximate): the passes the engine takes ({chunk} prompt tokens a pass beside every "
+            "decode token), each as long as the longer of its FLOPs at that GEMM rate and its reads (every weight, "
+            f"each token's keys and values) at {bandwidth / 1e9:.1f} GB/s (read bandwidth, the better of before and "
+            "after), the two perfectly overlapped. One at a time so modeled: "
+            f"{report['schedule_one_at_a_time_tokens_per_s']:.1f} tok/s ({len(base_passes)} passes; measured "
+            f"{min(rates):.1f}-{max(rates):.1f}, slower where memory streamed slower than the bandwidth measured)"
+        )
+        for i, lv in enumerate(levels):
+            base = (baselines[i]["tokens_per_s"] + baselines[i + 1]["tokens_per_s"]) / 2
+            passes = schedule(
+                make_requests(lv["requests"], args, seed=lv["clients"]), lv["clients"], chunk, args.max_batch_size
+            )
+            lv["schedule_passes"] = len(passes)
+            lv["schedule_bound_tokens_per_s"] = lv["tokens"] / schedule_seconds(config, passes, weight, peak, bandwidth)
+            lv["schedule_bound_ratio"] = lv["schedule_bound_tokens_per_s"] / base
+            print(
+                f"{lv['clients']:>7} clients: {len(passes)} passes -> at most {lv['schedule_bound_tokens_per_s']:.1f} "
+                f"tok/s = {lv['schedule_bound_ratio']:.2f}x one at a time (as measured); measured "
+                f"{lv['tokens_per_s']:.1f} tok/s ({100 * lv['tokens_per_s'] / lv['schedule_bound_tokens_per_s']:.0f}% "
+                "of the bound)"
             )
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

@@ -94,12 +94,16 @@ def test_bench_server_quick(tiny, tokenizer_dir: Path, tmp_path: Path) -> None:
         # the compute bound: no level beats its requests' FLOPs at the GEMM's rate
         assert positive(lv["tflop"]) and lv["tokens_per_s"] <= lv["bound_tokens_per_s"], lv
         assert positive(lv["bound_ratio"]), lv
+        # the schedule bound: each pass no shorter than its FLOPs at the same rate, so never above the FLOPs'
+        assert lv["schedule_passes"] > 0 and positive(lv["schedule_bound_ratio"]), lv
+        assert lv["schedule_bound_tokens_per_s"] <= lv["bound_tokens_per_s"] * (1 + 1e-9), lv
     assert positive(report["matmul_flop_per_s"])
     # torch's GEMM and our kernels' (where they run), before and after the levels; the bound takes the fastest
     pairs = report["matmul_flop_per_s_torch_and_ours"]
     assert len(pairs) == 2 and all(positive(torch_rate) for torch_rate, _ in pairs)
     assert all((ours is not None) == kernels.available() for _, ours in pairs)
     assert report["matmul_flop_per_s"] == max(r for pair in pairs for r in pair if r is not None)
+    assert positive(report["read_bytes_per_s"]) and positive(report["schedule_one_at_a_time_tokens_per_s"])
     baselines = report["baselines_one_at_a_time"]
     assert len(baselines) == len(levels) + 1  # one before the first level and one after each
     assert all(b["clients"] == 1 and positive(b["tokens_per_s"]) for b in baselines)
@@ -126,3 +130,30 @@ def test_forward_flops_counts_what_each_token_needs() -> None:
                     want += 2 * 2 * C * C
             want += 2 * C * V if chooses else 0
     assert forward_flops({"n_embd": C, "n_layer": L, "vocab_size": V}, requests) == want
+
+
+def test_schedule_follows_the_engines_policy() -> None:
+    """The simulated schedule: every sequence past its prompt decodes a token a pass, prompt tokens go
+    `chunk` a pass in the order the sequences joined (a prompt's last chunk takes its first token), a
+    finished sequence's client sends its next request for the next pass; the passes' FLOPs add up to
+    `forward_flops`, and a pass of few rows is bound by its reads, not its FLOPs."""
+    from gpt2_scripts.bench_server import Request, forward_flops, pass_cost, schedule, schedule_seconds
+
+    config = {"n_embd": 8, "n_layer": 3, "vocab_size": 50}
+    a, b, c = Request([1] * 5, 3), Request([2] * 2, 1), Request([3] * 4, 2)
+    passes = schedule([a, b, c], clients=2, chunk=4, max_batch=64)
+    got = [(p.decode, p.chunks, p.outputs) for p in passes]
+    assert got == [
+        ([], [(0, 4, 5)], 0),  # a's first 4 prompt tokens fill the budget; b waits
+        ([], [(4, 5, 5), (0, 2, 2)], 2),  # a's last one (its first token), then b whole (its only token)
+        ([5], [(0, 4, 4)], 2),  # a decodes at position 5 (decode tokens take no budget); c, joined in b's
+        ([6, 4], [], 2),  # place, prefills whole and takes its first token; then a's third and c's second
+    ]
+    assert sum(p.outputs for p in passes) == 3 + 1 + 2
+    flops = sum(pass_cost(config, p, 0)[0] for p in passes)
+    assert flops == forward_flops(config, [a, b, c])
+    assert schedule([a, b, c], clients=1, chunk=64, max_batch=64)[0].chunks == [(0, 5, 5)]  # one at a time
+    # memory-bound: 1 byte/s makes every pass as long as its reads, which include every weight
+    slow = schedule_seconds(config, passes, 4, 1e30, 1.0)
+    assert slow >= len(passes) * 4 * (3 * 12 * 8 * 8 + 50 * 8)
+    assert schedule_seconds(config, passes, 4, 1.0, 1e30) == flops  # compute-bound: the FLOPs at 1 FLOP/s
