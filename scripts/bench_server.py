@@ -119,11 +119,7 @@ def measure_bandwidth() -> float:
     """Memory read bandwidth on the CPU, bytes/s, at torch's thread count (bench_common's measure)."""
     from gpt2_scripts.bench_common import read_bandwidth
 
-    threads = torch.get_num_threads()
-    try:
-        return read_bandwidth(torch.device("cpu"), threads)
-    finally:
-        torch.set_num_threads(threads)
+    return read_bandwidth(torch.device("cpu"), torch.get_num_threads())
 
 
 def forward_flops(config: dict[str, Any], requests: list[Request]) -> float:
@@ -394,10 +390,11 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(run_level(url, make_requests(2, args, seed=99), 2))  # warm-up
             one_at_a_time = make_requests(args.baseline_requests, args, seed=0)
             baselines = [asyncio.run(run_level(url, one_at_a_time, 1))]
-            levels = []
+            levels, level_requests = [], []
             for clients in args.levels:  # A B A B: a baseline before and after each level
                 n = args.requests or max(2 * clients, 16)
                 requests = make_requests(n, args, seed=clients)
+                level_requests.append(requests)
                 levels.append(asyncio.run(run_level(url, requests, clients)))
                 levels[-1]["tflop"] = forward_flops(config, requests) / 1e12
                 baselines.append(asyncio.run(run_level(url, one_at_a_time, 1)))
@@ -487,9 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         for i, lv in enumerate(levels):
             base = (baselines[i]["tokens_per_s"] + baselines[i + 1]["tokens_per_s"]) / 2
-            passes = schedule(
-                make_requests(lv["requests"], args, seed=lv["clients"]), lv["clients"], chunk, args.max_batch_size
-            )
+            passes = schedule(level_requests[i], lv["clients"], chunk, args.max_batch_size)
             lv["schedule_passes"] = len(passes)
             lv["schedule_bound_tokens_per_s"] = lv["tokens"] / schedule_seconds(config, passes, weight, peak, bandwidth)
             lv["schedule_bound_ratio"] = lv["schedule_bound_tokens_per_s"] / base
