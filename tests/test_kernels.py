@@ -30,8 +30,9 @@ GPT2_SHAPES = [(c, n) for c in (768, 1024, 1280, 1600) for n in (3 * c, c, 4 * c
 ODD_SHAPES = [(1, 1), (7, 5), (9, 3), (13, 17), (64, 1), (100, 6), (15, 33), (777, 50)]
 # Beyond 96: more than one pass over W. With AVX-512, float32 blocks of 32-96 rows at least 7/8 full take outer
 # products (matmul.h): 32, 42, 47, 61, 64, 75, 80, 90 and 96 (every tile height, full and partial), 128 (96 + 32)
-# and 143 (96 + 47); 33 and 41 fall on the dot-product tiles (padding rule), as do the 1- and 8-row ends of
-# 97 and 200. With AVX2, blocks of 16-96 rows at least 7/8 full (in vectors of 8), float32 or int8, take them:
+# and 143 (96 + 47), and blocks of 10-16 rows (16 here) in one padded vector; 33 and 41 fall on the dot-product
+# tiles (padding rule), as do 8 and 17 and the 1- and 8-row ends of 97 and 200 (where the core has one 512-bit
+# FMA pipe: the test with both rules below covers the other). With AVX2, blocks of 16-96 rows at least 7/8 full (in vectors of 8), float32 or int8, take them:
 # float32 in tiles of 2 vectors, or 3 where the vectors are odd (16, 21 and 24 in one tile; 40, 56, 72 and 88
 # 3 at a time, the last 2, 1 or none left over; 32, 42, 47, 61 ... 2 at a time), int8 in tiles of 2 (21, 24,
 # 40, ... with one left over); 17, 33 and 41 do not.
@@ -78,10 +79,11 @@ def fma_ports(request: pytest.FixtureRequest) -> Iterator[int]:
 @pytest.mark.parametrize(("k", "n"), [(768, 2304), (3072, 768), (1600, 4800), *ODD_SHAPES])
 def test_float32_matches_torch_with_either_fma_rule(fma_ports: int, k: int, n: int) -> None:
     """With two pipes every block of 8-96 rows takes outer products, padded to whole vectors (8, 16, 17, 21,
-    24, 33, 40, 41 ... and the 1- and 8-row ends of 97 and 200 too); with one, as in the test above."""
+    24, 33, 40, 41 ... and the 1- and 8-row ends of 97 and 200 too); with one, as in the test above, and blocks
+    of 10-16 rows in one padded vector (10, 11, 12, 15, 16; 8 and 9 on the dot-product tiles)."""
     g = torch.Generator().manual_seed(k * 7919 + n + fma_ports)
     w, bias = torch.randn(n, k, generator=g) * 0.02, torch.randn(n, generator=g)
-    for m in [*ROWS, 9, 12, 15, 31, 49, 65, 81, 95]:
+    for m in [*ROWS, 9, 10, 11, 12, 15, 31, 49, 65, 81, 95]:
         x = torch.randn(m, k, generator=g)
         torch.testing.assert_close(kernels.matmul(x, w, bias), reference(x, w, bias), rtol=0, atol=tolerance(x, w))
 

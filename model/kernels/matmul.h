@@ -1,8 +1,8 @@
 // Matrix products for the decode step, the server's packed steps and prompts: y[M, N] = x[M, K] @ W[N, K]^T
 // (+ bias), M from one row up to max_rows() (model/kernels/__init__.py). Blocks of many rows of float32 x take
 // outer products (see "Many rows" below): with AVX-512, float32 blocks of 8 to 96 rows where the core has two
-// 512-bit FMA pipes (`fma_ports`), else of 32 to 96 rows at least 7/8 full and of 8 to 16 rows in a product as
-// wide as the LM head; with AVX2, blocks of 16 to 96 rows at least 7/8 full, float32 or int8 (in int16). What
+// 512-bit FMA pipes (`fma_ports`), else of 32 to 96 rows at least 7/8 full, of 10 to 16 rows, and of 8 to 16
+// rows in a product as wide as the LM head; with AVX2, blocks of 16 to 96 rows at least 7/8 full, float32 or int8 (in int16). What
 // follows describes the dot-product tiles every other product takes.
 //
 // W is stored [N, K] row-major (nn.Linear's layout: one output's weights contiguous), so every output is a
@@ -551,12 +551,20 @@ inline void set_fma_ports(int ports) { fma_ports_override().store(ports == 1 || 
 // matrices, dot-product tiles -> outer products: 8 rows 10.0-10.5 -> 9.5-9.7 ms, 12 rows 11.0-11.7 -> 9.6-9.8,
 // 16 rows 13.6-14.6 -> 9.6-9.8, 17 rows 16.6 -> 13.9, 24 rows 19.4-22.2 -> 15.2, 31 rows 27.1 -> 15.1, 33 rows
 // 26.4 -> 21.3, 40 rows 31.1 -> 21.5; the LM head 16 rows 5.6 -> 4.9, 17 rows 8.7 -> 6.6, 24 rows 10.1 -> 6.5).
+// With one, blocks of 32 to 96 rows at least 7/8 full, every block of 10 to 16 rows (one vector, padded), and
+// 8 or 9 rows of a product as wide as the LM head. Measured on a 2-core Zen 4 host, 2 threads, the 48 block
+// matrices, tiles -> outer products, medians of interleaved runs in one process: 10 rows 17.0-18.4 ->
+// 15.9-16.6 ms, 12 rows 17.5-20.9 -> 16.7-18.2, 14 rows 20.9-27.1 -> 16.7-22.2, 16 rows 21.0-27.2 ->
+// 16.5-22.3 (1.2-1.3x); 8 rows 15.6-16.0 -> 16.9-18.4 and 9 rows 16.7 -> 16.9 (so not there), 18-20 rows
+// 0.85-0.9x (their padding); a fused pass of 16 decode rows at about 200 positions 42.0 -> 34.6 ms, 15 rows
+// 35.6 -> 31.2, 12 rows 31.9 -> 30.4. (An earlier Zen 4 host had found 16 rows of a block 0.93-0.97x, when
+// the outer tiles did not yet prefetch W's next rows.)
 inline bool outer_pays(int64_t m, int64_t K, int64_t N) {
   if (K == 0 || N == 0) return false;
   const int64_t padded = (m + kLanes - 1) / kLanes * kLanes;
 #ifdef __AVX512F__
   if (fma_ports() == 2) return m >= 8 && m <= kRowBlock;
-  return (m >= 32 && m <= kRowBlock && 8 * m >= 7 * padded) || (N >= kWideN && m >= 8 && m <= 16);
+  return (m >= 32 && m <= kRowBlock && 8 * m >= 7 * padded) || (m >= 10 && m <= 16) || (N >= kWideN && m >= 8 && m <= 16);
 #else
   return m >= 16 && m <= kRowBlock && 8 * m >= 7 * padded;
 #endif
