@@ -32,10 +32,10 @@ ODD_SHAPES = [(1, 1), (7, 5), (9, 3), (13, 17), (64, 1), (100, 6), (15, 33), (77
 # products (matmul.h): 32, 42, 47, 61, 64, 75, 80, 90 and 96 (every tile height, full and partial), 128 (96 + 32)
 # and 143 (96 + 47), and blocks of 10-16 rows (16 here) in one padded vector; 33 and 41 fall on the dot-product
 # tiles (padding rule), as do 8 and 17 and the 1- and 8-row ends of 97 and 200 (where the core has one 512-bit
-# FMA pipe: the test with both rules below covers the other). With AVX2, blocks of 16-96 rows at least 7/8 full (in vectors of 8), float32 or int8, take them:
-# float32 in tiles of 2 vectors, or 3 where the vectors are odd (16, 21 and 24 in one tile; 40, 56, 72 and 88
-# 3 at a time, the last 2, 1 or none left over; 32, 42, 47, 61 ... 2 at a time), int8 in tiles of 2 (21, 24,
-# 40, ... with one left over); 17, 33 and 41 do not.
+# FMA pipe: the test with both rules below covers the other). With AVX2, blocks of 16-96 rows at least 7/8 full
+# (in vectors of 8), float32 or int8, take them: float32 in tiles of 2 vectors, or 3 where the vectors are odd
+# (16, 21 and 24 in one tile; 40, 56, 72 and 88 3 at a time, the last 2, 1 or none left over; 32, 42, 47, 61 ...
+# 2 at a time), int8 in tiles of 2 (21, 24, 40, ... with one left over); 17, 33 and 41 do not.
 ROWS = [1, 2, 3, 4, 5, 7, 8, 16, 17, 21, 24, 32, 33, 40, 41, 42, 47, 56, 61, 64, 72, 75, 80, 88, 90, 96, 97, 128, 143]
 ROWS += [200]
 

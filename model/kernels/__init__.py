@@ -12,8 +12,8 @@ its own contiguous slab of W (the threads split the outputs) and tiles of accumu
 4 x 4 of twice the width with AVX-512; with AVX-512, one row of x streams W's rows one after another) keep
 the FMA units busy; blocks of many rows take outer products over x's rows, transposed (with AVX-512, float32
 blocks of 8-96 rows where the core starts two 512-bit FMAs a cycle, `fma_ports()`, else blocks of 32-96 rows at
-least 7/8 full, of 10-16 rows, and of 8-16 rows of a product as wide as the LM head; with AVX2, blocks of 16-96 rows at least 7/8
-full, float32 or int8). They also beat MKL for prompt-sized products, up to `max_rows()`.
+least 7/8 full, of 10-16 rows, and of 8-16 rows of a product as wide as the LM head; with AVX2, blocks of 16-96
+rows at least 7/8 full, float32 or int8). They also beat MKL for prompt-sized products, up to `max_rows()`.
 Thread count: torch's (`torch.get_num_threads()`), through torch's own OpenMP runtime.
 
 Environment: `GPT2_KERNELS=0` turns them off (for A/B runs); `GPT2_KERNEL_ISA` (avx2, avx512, avx512_vnni)
