@@ -2,8 +2,8 @@
 // (+ bias), M from one row up to max_rows() (model/kernels/__init__.py). Blocks of many rows of float32 x take
 // outer products (see "Many rows" below): with AVX-512, float32 blocks of 8 to 96 rows where the core has two
 // 512-bit FMA pipes (`fma_ports`), else of 32 to 96 rows at least 7/8 full, of 10 to 16 rows, and of 8 to 16
-// rows in a product as wide as the LM head; with AVX2, blocks of 16 to 96 rows at least 7/8 full, float32 or int8 (in int16). What
-// follows describes the dot-product tiles every other product takes.
+// rows in a product as wide as the LM head; with AVX2, blocks of 16 to 96 rows at least 7/8 full, float32 or
+// int8 (in int16). What follows describes the dot-product tiles every other product takes.
 //
 // W is stored [N, K] row-major (nn.Linear's layout: one output's weights contiguous), so every output is a
 // dot product over a contiguous row and each thread streams one contiguous slab of W: the threads split the
@@ -564,7 +564,8 @@ inline bool outer_pays(int64_t m, int64_t K, int64_t N) {
   const int64_t padded = (m + kLanes - 1) / kLanes * kLanes;
 #ifdef __AVX512F__
   if (fma_ports() == 2) return m >= 8 && m <= kRowBlock;
-  return (m >= 32 && m <= kRowBlock && 8 * m >= 7 * padded) || (m >= 10 && m <= 16) || (N >= kWideN && m >= 8 && m <= 16);
+  const int64_t one_vector_from = N >= kWideN ? 8 : 10;  // rows from which one padded vector pays
+  return (m >= 32 && m <= kRowBlock && 8 * m >= 7 * padded) || (m >= one_vector_from && m <= 16);
 #else
   return m >= 16 && m <= kRowBlock && 8 * m >= 7 * padded;
 #endif
