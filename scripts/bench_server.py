@@ -439,9 +439,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{'clients':>7} {'tok/s':>8} {'x 1-at-a-time':>14} {'TTFT p50':>9} {'TTFT p99':>9} "
         f"{'ITL p50':>8} {'ITL p99':>8} {'ITL p99 / batch-1 p50':>22} {'/ batch-1 p99':>14}"
     )
+    # one at a time's tokens/s next to each level: the mean of the baselines measured before and after it
+    beside = [(baselines[i]["tokens_per_s"] + baselines[i + 1]["tokens_per_s"]) / 2 for i in range(len(levels))]
     for i, lv in enumerate(levels):
         before, after = baselines[i], baselines[i + 1]  # the baselines measured next to this level
-        lv["throughput_ratio"] = lv["tokens_per_s"] / ((before["tokens_per_s"] + after["tokens_per_s"]) / 2)
+        lv["throughput_ratio"] = lv["tokens_per_s"] / beside[i]
         lv["itl_p99_over_batch1"] = lv["itl_p99_ms"] / ((before["itl_p50_ms"] + after["itl_p50_ms"]) / 2)
         lv["itl_p99_over_batch1_p99"] = lv["itl_p99_ms"] / ((before["itl_p99_ms"] + after["itl_p99_ms"]) / 2)
         print(
@@ -460,9 +462,8 @@ def main(argv: list[str] | None = None) -> int:
             "batched:"
         )
         for i, lv in enumerate(levels):
-            base = (baselines[i]["tokens_per_s"] + baselines[i + 1]["tokens_per_s"]) / 2
             lv["bound_tokens_per_s"] = lv["tokens"] / (lv["tflop"] * 1e12 / peak)
-            lv["bound_ratio"] = lv["bound_tokens_per_s"] / base
+            lv["bound_ratio"] = lv["bound_tokens_per_s"] / beside[i]
             print(
                 f"{lv['clients']:>7} clients: {lv['tflop']:.2f} TFLOP -> at most {lv['bound_tokens_per_s']:.1f} tok/s "
                 f"= {lv['bound_ratio']:.2f}x one at a time; measured {lv['tokens_per_s']:.1f} tok/s "
@@ -483,11 +484,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{min(rates):.1f}-{max(rates):.1f}, slower where memory streamed slower than the bandwidth measured)"
         )
         for i, lv in enumerate(levels):
-            base = (baselines[i]["tokens_per_s"] + baselines[i + 1]["tokens_per_s"]) / 2
             passes = schedule(level_requests[i], lv["clients"], chunk, args.max_batch_size)
             lv["schedule_passes"] = len(passes)
             lv["schedule_bound_tokens_per_s"] = lv["tokens"] / schedule_seconds(config, passes, weight, peak, bandwidth)
-            lv["schedule_bound_ratio"] = lv["schedule_bound_tokens_per_s"] / base
+            lv["schedule_bound_ratio"] = lv["schedule_bound_tokens_per_s"] / beside[i]
             print(
                 f"{lv['clients']:>7} clients: {len(passes)} passes -> at most {lv['schedule_bound_tokens_per_s']:.1f} "
                 f"tok/s = {lv['schedule_bound_ratio']:.2f}x one at a time (as measured); measured "
