@@ -15,7 +15,10 @@ faster than that GEMM. It counts FLOPs alone, so it overstates what a CPU can do
 (a decode step, a level's tail), which wait on the weights streaming in; the schedule bound counts them
 too: the passes the engine takes for the level's requests (`schedule`: DecodeBatch's policy, simulated),
 each as long as the longer of its FLOPs at that GEMM rate and its reads (every weight once, each token's
-keys and values) at the read bandwidth measured before and after, perfectly overlapped.
+keys and values) at the read bandwidth measured before and after, perfectly overlapped. Last, with the server
+stopped, the same requests go through the engine alone (`EngineAlone`: the server's batch in this process, no
+HTTP, A B A B again), and each level says what share of that the server made: on a host of few cores, which the
+server's HTTP side and the clients share with the engine's threads, the rest is what serving costs there.
 
     python scripts/bench_server.py                       # a random gpt2-small-shaped checkpoint
     python scripts/bench_server.py --model ./gpt2 --levels 1 4 16 --json server.json
@@ -225,6 +228,43 @@ def schedule_seconds(
     return total
 
 
+class EngineAlone:
+    """The server's batch (DecodeBatch, with the server's settings) in this process, no HTTP and no event loop:
+    what the engine alone makes of a level's requests, to set beside what the server made of them. On a host
+    whose few cores the server's HTTP side and the clients share with the engine's threads, the difference is
+    what serving costs there."""
+
+    def __init__(self, args: argparse.Namespace, model: str) -> None:
+        from model.generate import DecodeBatch
+        from model.loading import load
+
+        self.loaded = load(model, dtype=args.dtype, device=args.device, tokenizer_dir=args.tokenizer)
+        cuda = self.loaded.device.type == "cuda"
+        chunk = args.prefill_chunk or (512 if cuda else 64)  # as server/engine.py chooses
+        config = self.loaded.model.config
+        self.batch = DecodeBatch(self.loaded.model, args.max_batch_size, config.n_positions, chunk, static=cuda)
+        self.batch.warm_up()
+
+    def run(self, requests: list[Request], clients: int) -> dict[str, Any]:
+        """Tokens/s of `requests` with `clients` of them in the batch at a time (the next joins for the pass
+        after one ends, as a client sends its next request when its last one ends), greedy, to each one's
+        max_new_tokens."""
+        from model.generate import SamplingParams, new_sequence
+
+        model, queue, tokens = self.loaded.model, list(requests), 0
+        start = time.perf_counter()
+        with torch.inference_mode():
+            while queue or len(self.batch):
+                while queue and len(self.batch) < min(clients, self.batch.cache.capacity):
+                    r = queue.pop(0)
+                    params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0.0, ignore_eos=True)
+                    self.batch.add(new_sequence(model, 0, r.input_ids, params, None))
+                tokens += sum(event is not None for _, event in self.batch.step())
+        wall = time.perf_counter() - start
+        assert tokens == sum(r.max_new_tokens for r in requests), "incomplete answers"
+        return {"clients": clients, "tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall}
+
+
 async def stream_one(client: httpx.AsyncClient, req: Request) -> Outcome:
     body = {
         "input_ids": req.input_ids,
@@ -403,6 +443,16 @@ def main(argv: list[str] | None = None) -> int:
             raise
         finally:
             stop()
+        # the same requests through the engine alone, in this process (A B A B again), the server now stopped
+        alone: dict[str, Any] | None = None
+        if not args.ray:
+            engine = EngineAlone(args, model)
+            engine.run(make_requests(2, args, seed=99), 2)  # warm-up
+            alone = {"baselines_one_at_a_time": [engine.run(one_at_a_time, 1)], "levels": []}
+            for clients, requests in zip(args.levels, level_requests, strict=True):
+                alone["levels"].append(engine.run(requests, clients))
+                alone["baselines_one_at_a_time"].append(engine.run(one_at_a_time, 1))
+            del engine
     if bounded:
         gemm_rates.append(measure_gemm())
         bandwidths.append(measure_bandwidth())
@@ -451,6 +501,22 @@ def main(argv: list[str] | None = None) -> int:
             f"{lv['ttft_p50_ms']:>7.0f}ms {lv['ttft_p99_ms']:>7.0f}ms {lv['itl_p50_ms']:>6.1f}ms "
             f"{lv['itl_p99_ms']:>6.1f}ms {lv['itl_p99_over_batch1']:>22.2f} {lv['itl_p99_over_batch1_p99']:>14.2f}"
         )
+    report["engine_alone"] = alone
+    if alone is not None:
+        base = alone["baselines_one_at_a_time"]
+        print(
+            "\nthe engine alone (the same requests through the server's batch in this process, no HTTP, no event "
+            "loop, A B A B as above): one at a time "
+            f"{min(b['tokens_per_s'] for b in base):.1f}-{max(b['tokens_per_s'] for b in base):.1f} tok/s"
+        )
+        for i, (lv, own) in enumerate(zip(levels, alone["levels"], strict=True)):
+            own_beside = (base[i]["tokens_per_s"] + base[i + 1]["tokens_per_s"]) / 2
+            own["throughput_ratio"] = own["tokens_per_s"] / own_beside
+            lv["server_over_engine_alone"] = lv["tokens_per_s"] / own["tokens_per_s"]
+            print(
+                f"{own['clients']:>7} clients: {own['tokens_per_s']:.1f} tok/s = {own['throughput_ratio']:.2f}x one at "
+                f"a time; the server made {100 * lv['server_over_engine_alone']:.0f}% of it"
+            )
     if peak is not None:  # a level beats this only by running its products faster than the GEMM measured
         torch_rate = max(pair[0] for pair in gemm_rates)
         ours = [pair[1] for pair in gemm_rates if pair[1] is not None]

@@ -107,6 +107,13 @@ def test_bench_server_quick(tiny, tokenizer_dir: Path, tmp_path: Path) -> None:
     baselines = report["baselines_one_at_a_time"]
     assert len(baselines) == len(levels) + 1  # one before the first level and one after each
     assert all(b["clients"] == 1 and positive(b["tokens_per_s"]) for b in baselines)
+    # the same requests through the engine alone in the bench's process: every token, A B A B as the server's
+    alone = report["engine_alone"]
+    assert len(alone["baselines_one_at_a_time"]) == len(levels) + 1
+    assert all(b["clients"] == 1 and positive(b["tokens_per_s"]) for b in alone["baselines_one_at_a_time"])
+    for lv, own in zip(levels, alone["levels"], strict=True):
+        assert own["clients"] == lv["clients"] and own["tokens"] == lv["tokens"], (lv, own)
+        assert positive(own["throughput_ratio"]) and positive(lv["server_over_engine_alone"]), (lv, own)
 
 
 def test_forward_flops_counts_what_each_token_needs() -> None:
