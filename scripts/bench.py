@@ -152,8 +152,9 @@ class Contender:
     name: str  # OURS or REF
     threads: int
     device: torch.device
-    decode: Callable[[list[list[int]], int], None]  # generate n new tokens for each prompt
-    prefill: Callable[[torch.Tensor], None]  # one forward pass over [1, T], last position's logits only
+    # generate n new tokens for each prompt; where another process does it, it returns that one's CPU seconds
+    decode: Callable[[list[list[int]], int], float | None]
+    prefill: Callable[[torch.Tensor], float | None]  # one forward pass over [1, T], last position's logits only
     release: Callable[[], None] = lambda: None  # drop state kept between runs (our captured CUDA graphs)
 
     @property
@@ -193,15 +194,27 @@ def ours(model: GPT, threads: int, max_len: int, name: str = OURS) -> Contender:
     return Contender(name, threads, device, decode, prefill)
 
 
-def ctranslate2_contenders(path: str, vocab_size: int, tmp: Path, threads: list[int]) -> list[Contender]:
-    """CTranslate2 in float32 and int8 at each thread count, from one conversion of the checkpoint."""
+def ctranslate2_contenders(
+    path: str, vocab_size: int, tmp: Path, threads: list[int]
+) -> tuple[list[Contender], bench_ctranslate2.Worker]:
+    """CTranslate2 in float32 and int8 at each thread count, from one conversion of the checkpoint, run in a
+    process of its own (`bench_ctranslate2.Worker`: in this one it slowed torch's threads); close the worker
+    when done."""
     model_dir = bench_ctranslate2.convert(path, vocab_size, tmp / "ct2")
+    worker = bench_ctranslate2.Worker(model_dir, [(c, t) for t in threads for c in CT2])
     out = []
     for t in threads:
         for compute_type, name in CT2.items():
-            g = bench_ctranslate2.Generator(model_dir, compute_type, t)
-            out.append(Contender(name, t, torch.device("cpu"), g.decode, g.prefill))
-    return out
+            spec = (compute_type, t)
+
+            def decode(prompts: list[list[int]], n: int, spec: tuple[str, int] = spec) -> float:
+                return worker.call(spec, prompts, n)
+
+            def prefill(idx: torch.Tensor, spec: tuple[str, int] = spec) -> float:
+                return worker.call(spec, idx.tolist(), 1)  # the prompt in one pass, and one token
+
+            out.append(Contender(name, t, torch.device("cpu"), decode, prefill))
+    return out, worker
 
 
 def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
@@ -477,12 +490,14 @@ def run(args: argparse.Namespace, path: str, load_start: tuple[float, float, flo
     max_len = args.prompt_len + args.new_tokens
     contenders = [c for t in thread_counts for c in (reference(hf, t), ours(model, t, max_len))]  # A B A B
     ours_label = ours(model, args.threads, max_len).label
-    extra_refs, quantized, notes = [], None, []
+    extra_refs: list[Contender] = []
+    quantized, notes = None, []
+    ct2_worker: bench_ctranslate2.Worker | None = None
     if device.type == "cpu" and args.dtype == "float32":  # int8 and CTranslate2 beside float32
         quantized = load_weights(path, dtype="int8", device=device)
         if bench_ctranslate2.available() and not args.no_ctranslate2:
             print("converting the checkpoint for CTranslate2 ...")
-            extra_refs = ctranslate2_contenders(path, cfg.vocab_size, tmp, thread_counts)
+            extra_refs, ct2_worker = ctranslate2_contenders(path, cfg.vocab_size, tmp, thread_counts)
         else:
             notes.append(
                 "CTranslate2 not timed: "
@@ -500,6 +515,7 @@ def run(args: argparse.Namespace, path: str, load_start: tuple[float, float, flo
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, cfg.vocab_size, (max(args.batches), args.prompt_len), generator=g).tolist()
     busy_start = (time.perf_counter(), time.process_time(), cpu_ticks())
+    helpers_start = ct2_worker.cpu if ct2_worker is not None else 0.0
     decode: dict[int, dict[str, DecodeResult]] = {}
     gpu_peak: dict[str, dict[str, int]] = {}
     for batch in args.batches:
@@ -517,7 +533,9 @@ def run(args: argparse.Namespace, path: str, load_start: tuple[float, float, flo
         prefill[n] = bench_prefill(contenders, idx, args.reps)
         if device.type == "cuda":
             gpu_peak[f"prefill_{n}"] = {c.label: peak_gpu_extra(c, c.prefill, idx) for c in contenders}
-    share = others_share(busy_start)
+    share = others_share(busy_start, ct2_worker.cpu - helpers_start if ct2_worker is not None else 0.0)
+    if ct2_worker is not None:
+        ct2_worker.close()
     load_end = os.getloadavg()
     limit_end = measure_limit(device, dtype, thread_counts)  # again: the bandwidth swings from minute to minute
     limit = {t: {k: max(limit_start[t][k], limit_end[t][k]) for k in limit_start[t]} for t in thread_counts}

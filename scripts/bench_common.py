@@ -47,13 +47,14 @@ class Timing:
         return min(self.cpu_runs)
 
     def add(self, threads: int, fn: Callable[..., object], *args: Any) -> None:
-        """Time `fn(*args)` with torch at `threads` threads."""
+        """Time `fn(*args)` with torch at `threads` threads (a float it returns: CPU seconds another process
+        spent on it, counted in)."""
         torch.set_num_threads(threads)
         synchronize()
         wall, cpu = time.perf_counter(), time.process_time()
-        fn(*args)
+        elsewhere = fn(*args)
         synchronize()
-        self.cpu_runs.append(time.process_time() - cpu)
+        self.cpu_runs.append(time.process_time() - cpu + (elsewhere if isinstance(elsewhere, float) else 0.0))
         self.runs.append(time.perf_counter() - wall)
 
 
@@ -127,15 +128,18 @@ def cpu_ticks() -> tuple[float, float] | None:
     return (user + nice + system + irq + softirq) / hz, steal / hz
 
 
-def others_share(start: tuple[float, float, tuple[float, float] | None]) -> dict[str, float] | None:
+def others_share(
+    start: tuple[float, float, tuple[float, float] | None], helpers: float = 0.0
+) -> dict[str, float] | None:
     """The share of all CPUs that other processes took since `start` (wall, own CPU time, cpu_ticks()):
-    the machine's busy time less this process's own CPU time, and the time the hypervisor stole."""
+    the machine's busy time less this process's own CPU time and `helpers` (CPU seconds of processes of our
+    own since then, such as the CTranslate2 worker), and the time the hypervisor stole."""
     wall0, own0, ticks0 = start
     ticks1 = cpu_ticks()
     if ticks0 is None or ticks1 is None:
         return None
     capacity = (time.perf_counter() - wall0) * (os.cpu_count() or 1)
-    others = max(ticks1[0] - ticks0[0] - (time.process_time() - own0), 0.0)
+    others = max(ticks1[0] - ticks0[0] - (time.process_time() - own0) - helpers, 0.0)
     return {"others": others / capacity, "steal": (ticks1[1] - ticks0[1]) / capacity}
 
 

@@ -9,8 +9,11 @@ distinct string per id, so ids go in and come out unchanged.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import shutil
+import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -105,3 +108,62 @@ class Generator:
     def prefill(self, idx: torch.Tensor) -> None:
         """The prompt in one pass and the last position's logits: a generation of one token."""
         self.generate(idx.tolist(), 1)
+
+
+class Worker:
+    """CTranslate2's generators in a process of their own, driven from the bench's, so that its runs still
+    alternate with the others'. In the bench's own process CTranslate2 slowed torch's threads for the rest of
+    the process: after its first generation, our decode at 2 threads took twice as long at batch 1 (int8
+    3.0-3.3 -> 6.2-7.2 ms a token, gpt2-small, a 2-core Zen 5 host; transformers' at 2 threads too), which
+    skewed every ratio. Each call returns the CPU seconds the worker spent on it, for the bench's CPU column."""
+
+    def __init__(self, model_dir: Path, specs: list[tuple[str, int]]) -> None:
+        """`specs`: the generators to make, as (compute type, threads)."""
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no thread pools inherited
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=_serve, args=(child, str(model_dir), specs), daemon=True)
+        self.process.start()
+        child.close()
+        self._answer()  # the generators are loaded
+        self.cpu = 0.0  # CPU seconds of every call so far
+
+    def _answer(self) -> Any:
+        try:
+            status, value = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the CTranslate2 worker died (exit code {self.process.exitcode})") from None
+        if status != "ok":
+            raise RuntimeError(f"the CTranslate2 worker failed: {value}")
+        return value
+
+    def call(self, spec: tuple[str, int], prompts: list[list[int]], n: int) -> float:
+        """Greedy generation of n new tokens for each prompt with that generator; the worker's CPU seconds."""
+        self.conn.send((spec, prompts, n))
+        cpu: float = self._answer()
+        self.cpu += cpu
+        return cpu
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            self.conn.send(None)
+            self.process.join(timeout=30)
+        if self.process.is_alive():
+            self.process.kill()
+
+
+def _serve(conn: Connection, model_dir: str, specs: list[tuple[str, int]]) -> None:
+    """The worker's loop: (spec, prompts, n) -> ("ok", CPU seconds) or ("error", why); None ends it."""
+    try:
+        generators = {(c, t): Generator(Path(model_dir), c, t) for c, t in specs}
+    except Exception as e:
+        conn.send(("error", repr(e)))
+        return
+    conn.send(("ok", None))
+    while (message := conn.recv()) is not None:
+        spec, prompts, n = message
+        try:
+            cpu = time.process_time()
+            generators[spec].generate(prompts, n)
+            conn.send(("ok", time.process_time() - cpu))
+        except Exception as e:
+            conn.send(("error", repr(e)))

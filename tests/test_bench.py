@@ -164,3 +164,26 @@ def test_schedule_follows_the_engines_policy() -> None:
     slow = schedule_seconds(config, passes, 4, 1e30, 1.0)
     assert slow >= len(passes) * 4 * (3 * 12 * 8 * 8 + 50 * 8)
     assert schedule_seconds(config, passes, 4, 1.0, 1e30) == flops  # compute-bound: the FLOPs at 1 FLOP/s
+
+
+def test_ctranslate2_worker(tiny, tmp_path: Path) -> None:
+    """CTranslate2 runs in a process of its own (in the bench's it slowed torch's threads): each call returns
+    the worker's CPU seconds; a failed call raises here and the worker goes on serving; a model it cannot
+    load fails at start."""
+    pytest.importorskip("ctranslate2")
+    from gpt2_scripts import bench_ctranslate2
+
+    model_dir = bench_ctranslate2.convert(str(tiny.path), 50257, tmp_path / "ct2")
+    worker = bench_ctranslate2.Worker(model_dir, [("float32", 1), ("int8", 1)])
+    try:
+        first = worker.call(("float32", 1), [[1, 2, 3], [4, 5, 6]], 4)
+        assert first >= 0 and worker.call(("int8", 1), [[7, 8]], 2) >= 0
+        assert worker.cpu >= first
+        with pytest.raises(RuntimeError, match="worker failed"):
+            worker.call(("float32", 2), [[1]], 1)  # no such generator
+        assert worker.call(("float32", 1), [[9]], 1) >= 0  # still serving
+    finally:
+        worker.close()
+    assert not worker.process.is_alive()
+    with pytest.raises(RuntimeError, match="worker failed"):
+        bench_ctranslate2.Worker(tmp_path / "missing", [("float32", 1)])
