@@ -17,8 +17,6 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from model.tokenizer import EOT, tokenizer_files
 
 NAME = "ct2"
@@ -74,7 +72,7 @@ def vocabulary(model_dir: Path) -> list[str]:
 
 
 class Generator:
-    """One CTranslate2 generator (compute type, thread count) with decode and prefill as the bench times them."""
+    """One CTranslate2 generator (compute type, thread count), in `Worker`'s process."""
 
     def __init__(self, model_dir: Path, compute_type: str, threads: int) -> None:
         import ctranslate2
@@ -101,13 +99,6 @@ class Generator:
         out = [list(r.sequences_ids[0]) for r in results]
         assert all(len(ids) == n for ids in out), "CTranslate2 generated the wrong number of tokens"
         return out
-
-    def decode(self, prompts: list[list[int]], n: int) -> None:
-        self.generate(prompts, n)
-
-    def prefill(self, idx: torch.Tensor) -> None:
-        """The prompt in one pass and the last position's logits: a generation of one token."""
-        self.generate(idx.tolist(), 1)
 
 
 class Worker:

@@ -237,11 +237,11 @@ class EngineAlone:
     def __init__(self, args: argparse.Namespace, model: str) -> None:
         from model.generate import DecodeBatch
         from model.loading import load
+        from server.engine import default_prefill_chunk
 
         self.loaded = load(model, dtype=args.dtype, device=args.device, tokenizer_dir=args.tokenizer)
-        cuda = self.loaded.device.type == "cuda"
-        chunk = args.prefill_chunk or (512 if cuda else 64)  # as server/engine.py chooses
-        config = self.loaded.model.config
+        chunk = args.prefill_chunk or default_prefill_chunk(self.loaded.device)
+        config, cuda = self.loaded.model.config, self.loaded.device.type == "cuda"
         self.batch = DecodeBatch(self.loaded.model, args.max_batch_size, config.n_positions, chunk, static=cuda)
         self.batch.warm_up()
 

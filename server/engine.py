@@ -109,6 +109,12 @@ class RequestStream:
             self._engine._cancel(self._request)
 
 
+def default_prefill_chunk(device: torch.device) -> int:
+    """Prompt tokens per engine step where none is given: enough to use the matrix units well, few enough not
+    to slow the decoding sequences much."""
+    return 512 if device.type == "cuda" else 64
+
+
 class Engine:
     def __init__(
         self,
@@ -129,9 +135,7 @@ class Engine:
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
         config = self.model.config
-        if prefill_chunk is None:  # enough to use the matrix units well, few enough not to slow decoding much
-            prefill_chunk = 512 if loaded.device.type == "cuda" else 64
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = default_prefill_chunk(loaded.device) if prefill_chunk is None else prefill_chunk
         # Before serving: on a GPU the decode step is captured as CUDA graphs; on a CPU in bfloat16, every
         # shape of a step is run once (see DecodeBatch.warm_up).
         static = loaded.device.type == "cuda"
