@@ -139,7 +139,7 @@ class Engine:
         # Before serving: on a GPU the decode step is captured as CUDA graphs; on a CPU in bfloat16, every
         # shape of a step is run once (see DecodeBatch.warm_up).
         static = loaded.device.type == "cuda"
-        self._batch = DecodeBatch(self.model, max_batch_size, config.n_positions, prefill_chunk, static)
+        self._batch = DecodeBatch(self.model, max_batch_size, config.n_positions, self.prefill_chunk, static)
         self._batch.warm_up()
         self._prompt_only: list[_Request] = []  # admitted, for the next `prefill_prompts` pass
         self._requests: dict[int, _Request] = {}  # id(seq) -> request, for every admitted sequence

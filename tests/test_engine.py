@@ -16,7 +16,7 @@ from contract import greedy
 
 from model.generate import Completion, SamplingParams, TokenEvent
 from model.loading import LoadedModel
-from server.engine import Engine, EngineStopped, QueueFull, RequestStream
+from server.engine import Engine, EngineStopped, QueueFull, RequestStream, default_prefill_chunk
 
 T = TypeVar("T")
 
@@ -239,6 +239,32 @@ def test_chunked_prefill_equals_whole(loaded: LoadedModel) -> None:
         got = [lp.logprob for lp in result.prompt_logprobs[1:] if lp is not None]
         want = [lp.logprob for lp in ref.prompt_logprobs[1:] if lp is not None]
         assert got == pytest.approx(want, abs=1e-4)
+
+
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_the_batch_prefills_in_the_engines_chunks(loaded: LoadedModel, chunk: int | None) -> None:
+    """The engine's batch takes the engine's prefill chunk, the device's default where none is given (a
+    server once passed None on, and prefilled whole prompts in one pass while every decoding row waited)."""
+    with running(loaded, prefill_chunk=chunk) as engine:
+        want = default_prefill_chunk(loaded.device) if chunk is None else chunk
+        assert engine.prefill_chunk == want
+        assert engine._batch.prefill_chunk == want
+        steps: list[int] = []  # prompt tokens each step prefills
+        step = engine._batch.step
+
+        def counted() -> list[Any]:
+            steps.append(sum(end - start for _, start, end in engine._batch._chunks()))
+            return step()
+
+        engine._batch.step = counted  # type: ignore[method-assign]
+        prompt = [(5 * i + 1) % 50000 for i in range(want + 5)]
+
+        async def main() -> Completion:
+            (stream,) = engine.submit([prompt], [greedy_params(1)])
+            return await stream.result()
+
+        assert len(run(main()).token_ids) == 1
+    assert [n for n in steps if n] == [want, 5]
 
 
 def test_a_steps_tokens_reach_the_loop_in_one_call(loaded: LoadedModel) -> None:
