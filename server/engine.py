@@ -43,6 +43,7 @@ from model.interventions import EditSpec
 from model.loading import LoadedModel
 
 from .metrics import Metrics
+from .threads import release_openmp_pool
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -141,6 +142,9 @@ class Engine:
         static = loaded.device.type == "cuda"
         self._batch = DecodeBatch(self.model, max_batch_size, config.n_positions, self.prefill_chunk, static)
         self._batch.warm_up()
+        # The cache was zeroed and the batch warmed on this thread: its OpenMP threads go, so that the engine's
+        # thread keeps the only pool and its threads spin between parallel regions (server/threads.py).
+        release_openmp_pool()
         self._prompt_only: list[_Request] = []  # admitted, for the next `prefill_prompts` pass
         self._requests: dict[int, _Request] = {}  # id(seq) -> request, for every admitted sequence
         self._waiting: deque[_Request] = deque()

@@ -35,6 +35,7 @@ from model.loading import load_from
 
 from .app import create_app
 from .settings import Settings, convert
+from .threads import release_openmp_pool
 
 DEPLOYMENT = "gpt2"
 # gpt2-serve's settings that belong to the accepting side, which Serve's proxy is here: where to set them.
@@ -114,7 +115,9 @@ def application(p: Plan) -> Application:
         """Runs on each replica as it starts, before Serve routes requests to it."""
         logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         torch.set_num_threads(threads)
-        return create_app(settings, loaded=load_from(settings))
+        loaded = load_from(settings)
+        release_openmp_pool()  # this thread's, from loading: the engine's thread should keep the only one
+        return create_app(settings, loaded=loaded)
 
     @serve.ingress(replica_app)
     class GPT2Replica:

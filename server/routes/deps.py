@@ -15,7 +15,6 @@ from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
 from fastapi.responses import Response, StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
 from model.generate import Completion, GenerationError, TokenEvent, validate_prompt
 from model.tokenizer import InvalidTextError
@@ -24,6 +23,7 @@ from .. import encoding
 from ..engine import Engine, RequestStream
 from ..errors import APIError, error_body
 from ..settings import Settings
+from ..threads import run_in_threadpool
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

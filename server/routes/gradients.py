@@ -12,7 +12,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from starlette.concurrency import run_in_threadpool
 
 from model.generate import validate_prompt
 from model.gpt import GPT
@@ -24,6 +23,7 @@ from ..engine import Engine
 from ..errors import APIError
 from ..schemas import AttributionRequest, GradientsRequest
 from ..settings import Settings
+from ..threads import run_in_threadpool
 from .deps import EngineDep, SettingsDep, encode, json_response, token_ids, unless_disconnected
 from .sae import DirectionsDep
 

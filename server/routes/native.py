@@ -15,7 +15,6 @@ from typing import Any
 import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from starlette.concurrency import run_in_threadpool
 
 from model.analysis import NextToken, next_token_distribution
 from model.generate import Completion, GenerationError, TokenLogprob, validate_prompt
@@ -27,6 +26,7 @@ from ..engine import Engine
 from ..errors import APIError
 from ..schemas import ActivationSpec, ActivationsRequest, GenerateRequest, NextTokenRequest
 from ..settings import Settings
+from ..threads import run_in_threadpool
 from .deps import EngineDep, SettingsDep, json_response, merged, results, sse, token_ids, unless_disconnected
 from .sae import DirectionsDep, FeatureReader, describe_saes, feature_reader
 

@@ -11,12 +11,12 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from starlette.concurrency import run_in_threadpool
 
 from model.generate import Completion, GenerationError, TokenLogprob
 
 from ..engine import Engine, RequestStream
 from ..schemas import CompletionRequest
+from ..threads import run_in_threadpool
 from .deps import EngineDep, SettingsDep, json_response, merged, openai_prompt_ids, results, sse
 
 router = APIRouter(tags=["openai"])

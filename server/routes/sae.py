@@ -13,7 +13,6 @@ from typing import Annotated, Any
 import torch
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
-from starlette.concurrency import run_in_threadpool
 
 from model.generate import GenerationError, validate_prompt
 from model.gpt import GPT
@@ -25,6 +24,7 @@ from model.loading import LoadedModel
 
 from ..schemas import FeatureCapture, FeaturesRequest, SteeringVectorRequest
 from ..settings import Settings
+from ..threads import run_in_threadpool
 from .deps import EngineDep, SettingsDep, encode, results, token_ids, unless_disconnected
 
 router = APIRouter(tags=["sae"])

@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter
-from starlette.concurrency import run_in_threadpool
 
 from model.generate import GenerationError
 from model.tokenizer import EOT
 
 from ..schemas import DetokenizeRequest, TokenizeRequest
+from ..threads import run_in_threadpool
 from .deps import EngineDep, encode
 
 router = APIRouter(tags=["tokenizer"])
