@@ -26,6 +26,7 @@ from .middleware import CORS, RequestGuard
 from .routes import gradients, lab, native, openai, ops, tokenizer
 from .routes import sae as sae_routes
 from .settings import Settings
+from .threads import ReleaseOpenMP
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ def create_app(
         app.include_router(router)
     app.include_router(sae_routes.router)
     app.mount("/static", StaticFiles(directory=lab.STATIC), name="static")
+    app.add_middleware(ReleaseOpenMP)  # innermost: after the handler, before the guard's own bookkeeping
     app.add_middleware(
         RequestGuard,
         api_key=settings.api_key,

@@ -12,8 +12,10 @@ tok/s alone, 280-299 with such a helper alive, 321-328 with the helper's pool re
 
 So whatever runs torch work off the engine's thread releases that thread's pool when it is done
 (`release_openmp_pool`, OpenMP 5.0's `omp_pause_resource_all`, which in libgomp ends the calling thread's
-pool), and the routes run their encoders through `run_in_threadpool` here, which does so. Where torch
-uses another OpenMP runtime, or a libgomp without that call, releasing does nothing.
+pool and no other): the routes run their encoders through `run_in_threadpool` here, which does so, and
+`ReleaseOpenMP` does it on the event loop's thread around every request (parsing an edit casts its dump
+value there). Where torch uses another OpenMP runtime, or a libgomp without that call, releasing does
+nothing.
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ import ctypes
 import os
 from collections.abc import Callable
 from functools import cache
+from pathlib import Path
 from typing import ParamSpec, TypeVar
 
+import torch  # noqa: F401  (its OpenMP runtime loaded before `_pauses` looks for it)
 from starlette.concurrency import run_in_threadpool as _run_in_threadpool
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -32,24 +37,42 @@ T = TypeVar("T")
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: the runtime may keep what it can rebuild cheaply
 
 
-@cache
-def _pause() -> Callable[[int], int] | None:
-    """libgomp's omp_pause_resource_all, if torch has loaded libgomp (never a second copy: RTLD_NOLOAD)."""
+def _libgomp_paths() -> list[str]:
+    """The GNU OpenMP runtimes loaded in this process (torch's; older torch wheels name theirs
+    libgomp-<hash>.so.1, and our kernels may bring the system's), as /proc/self/maps lists them."""
     try:
-        lib = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD)
-        pause = lib.omp_pause_resource_all
-    except (OSError, AttributeError):  # not loaded (another runtime, not Linux), or older than OpenMP 5.0
-        return None
-    pause.argtypes = [ctypes.c_int]
-    pause.restype = ctypes.c_int
-    return pause
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libgomp" in line}
+    except OSError:  # not Linux
+        return []
+    return sorted(p for p in paths if Path(p).name.startswith("libgomp"))
+
+
+@cache
+def _pauses() -> tuple[Callable[[int], int], ...]:
+    """Each loaded libgomp's omp_pause_resource_all (looked up once, torch imported: its runtime loaded).
+    Never a second copy of a library (RTLD_NOLOAD), and not LLVM's runtime under libgomp's name (it has
+    `__kmpc_fork_call`), whose pause would stop every thread's pool, the engine's too."""
+    found = []
+    for path in _libgomp_paths():
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD)
+            pause = lib.omp_pause_resource_all  # OpenMP 5.0: libgomp from GCC 9 on
+        except (OSError, AttributeError):
+            continue
+        if hasattr(lib, "__kmpc_fork_call"):
+            continue
+        pause.argtypes = [ctypes.c_int]
+        pause.restype = ctypes.c_int
+        found.append(pause)
+    return tuple(found)
 
 
 def release_openmp_pool() -> None:
-    """End the OpenMP threads this thread started (none: nothing happens). The next parallel region on
-    this thread starts a pool again; call it where a thread's torch work is done for now."""
-    pause = _pause()
-    if pause is not None:
+    """End the OpenMP threads this thread started (none: nothing happens; inside a parallel region: libgomp
+    refuses). The next parallel region on this thread starts a pool again; call it where a thread's torch
+    work is done for now."""
+    for pause in _pauses():
         pause(OMP_PAUSE_SOFT)
 
 
@@ -63,3 +86,27 @@ async def run_in_threadpool(fn: Callable[P, T], *args: P.args, **kwargs: P.kwarg
             release_openmp_pool()
 
     return await _run_in_threadpool(call)
+
+
+class ReleaseOpenMP:
+    """Plain ASGI: releases the event loop's thread's pool when a response starts (the handler's own work
+    is done: edits parsed, a dump value cast to float32, checked finite) and when it has been sent. The loop
+    runs a little torch work of its own, and its thread lives as long as the server."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                release_openmp_pool()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            release_openmp_pool()

@@ -5,22 +5,29 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable, Iterator
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
+import httpx
 import pytest
 import torch
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 from model.loading import LoadedModel
 from server.engine import Engine
-from server.threads import _pause, release_openmp_pool, run_in_threadpool
+from server.threads import ReleaseOpenMP, _libgomp_paths, _pauses, release_openmp_pool, run_in_threadpool
 
 T = TypeVar("T")
 
 pytestmark = [
-    pytest.mark.skipif(_pause() is None, reason="torch's OpenMP here is not a libgomp with omp_pause_resource_all"),
+    pytest.mark.skipif(not _pauses(), reason="torch's OpenMP here is not a libgomp with omp_pause_resource_all"),
     pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="no /proc/self/task to list threads by"),
 ]
 
@@ -34,6 +41,16 @@ def parallel_op() -> set[str]:
     before = threads()
     torch.ones(4_000_000).mul_(3.0).sum()
     return threads() - before
+
+
+def ended(started: set[str], timeout: float = 5.0) -> bool:
+    """Whether the threads `started` have all exited (libgomp's released threads end just after the call)."""
+    deadline = time.monotonic() + timeout
+    while started & threads():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def on_a_helper(fn: Callable[[], T]) -> T:
@@ -51,30 +68,46 @@ def two_threads() -> Iterator[None]:
 
 
 def test_release_ends_the_pool_a_helper_thread_started() -> None:
-    def work() -> tuple[set[str], set[str]]:
+    def work() -> tuple[set[str], bool]:  # checked on the helper: a thread's exit would end its pool too
         started = parallel_op()
         release_openmp_pool()
-        return started, threads()
+        return started, ended(started)
 
-    started, after = on_a_helper(work)
+    started, gone = on_a_helper(work)
     assert started, "the op started no threads: nothing to check"
-    assert not started & after
+    assert gone
 
 
-def test_release_on_a_thread_without_a_pool_does_nothing() -> None:
-    def work() -> tuple[set[str], set[str]]:
-        before = threads()
+def test_release_leaves_other_threads_pools_alone() -> None:
+    """Released on a thread without a pool, nothing ends: another thread's pool (the engine's) lives on."""
+    started: list[set[str]] = []
+    ready, done = threading.Event(), threading.Event()
+
+    def holder() -> None:  # the engine's thread, say: a pool kept between its parallel regions
+        started.append(parallel_op())
+        ready.set()
+        done.wait(10)
         release_openmp_pool()
-        return before, threads()
 
-    before, after = on_a_helper(work)
-    assert before == after
+    with ThreadPoolExecutor(1) as other:
+        held = other.submit(holder)
+        assert ready.wait(10)
+        on_a_helper(release_openmp_pool)
+        time.sleep(0.1)
+        assert started[0] and started[0] <= threads()
+        done.set()
+        held.result()
+    assert ended(started[0])
 
 
 def test_run_in_threadpool_returns_the_result_and_leaves_no_pool() -> None:
-    started, left = asyncio.run(run_in_threadpool(lambda: (parallel_op(), threads())))
+    async def main() -> tuple[set[str], set[str], bool]:  # checked while the worker thread lives
+        started, left = await run_in_threadpool(lambda: (parallel_op(), threads()))
+        return started, left, ended(started)
+
+    started, left, gone = asyncio.run(main())
     assert started and started <= left  # while the op's thread lived, its pool did
-    assert not started & threads()
+    assert gone
 
 
 def test_run_in_threadpool_releases_the_pool_when_the_call_fails() -> None:
@@ -84,19 +117,58 @@ def test_run_in_threadpool_releases_the_pool_when_the_call_fails() -> None:
         started.append(parallel_op())
         raise ValueError("encoding failed")
 
-    with pytest.raises(ValueError, match="encoding failed"):
-        asyncio.run(run_in_threadpool(failing))
-    assert started[0] and not started[0] & threads()
+    async def main() -> bool:
+        with pytest.raises(ValueError, match="encoding failed"):
+            await run_in_threadpool(failing)
+        return ended(started[0])
+
+    assert asyncio.run(main()) and started[0]
 
 
 def test_an_engine_releases_the_pool_of_the_thread_that_made_it(loaded: LoadedModel) -> None:
     """A model loaded and an engine made on one thread (a Ray replica's, an embedding program's): that
     thread's OpenMP threads end with the engine's construction, so only the engine's thread keeps a pool."""
 
-    def work() -> tuple[set[str], set[str]]:
+    def work() -> tuple[set[str], bool]:
         started = parallel_op()
         Engine(loaded, max_batch_size=2)
-        return started, threads()
+        return started, ended(started)
 
-    started, after = on_a_helper(work)
-    assert started and not started & after
+    started, gone = on_a_helper(work)
+    assert started and gone
+
+
+def test_requests_leave_no_pool_on_the_event_loops_thread() -> None:
+    """Torch work a handler does on the event loop (an edit's dump value cast, checked finite) leaves no
+    OpenMP threads once its response starts, a stream's too (`ReleaseOpenMP`)."""
+    started: list[set[str]] = []
+    seen_in_stream: list[set[str]] = []
+
+    async def plain(request: Request) -> Response:
+        started.append(parallel_op())
+        return PlainTextResponse("ok")
+
+    async def streamed(request: Request) -> Response:
+        started.append(parallel_op())
+
+        async def body() -> AsyncIterator[bytes]:
+            seen_in_stream.append(threads())
+            yield b"data: 1\n\n"
+
+        return StreamingResponse(body())
+
+    app = ReleaseOpenMP(Starlette(routes=[Route("/plain", plain), Route("/stream", streamed)]))
+
+    async def main() -> list[int]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return [(await client.get(path)).status_code for path in ("/plain", "/stream")]
+
+    assert asyncio.run(main()) == [200, 200]  # on this thread, which lives on: its pool would too
+    assert all(started) and ended(started[0]) and ended(started[1])
+    assert not started[1] & seen_in_stream[0]  # released before the body ran
+
+
+def test_every_loaded_libgomp_can_release() -> None:
+    """Where a libgomp is loaded (torch's wheel on Linux), its release is found: not silently skipped."""
+    assert len(_pauses()) == len(_libgomp_paths()) >= 1
