@@ -169,6 +169,10 @@ def test_requests_leave_no_pool_on_the_event_loops_thread() -> None:
     assert not started[1] & seen_in_stream[0]  # released before the body ran
 
 
-def test_every_loaded_libgomp_can_release() -> None:
-    """Where a libgomp is loaded (torch's wheel on Linux), its release is found: not silently skipped."""
-    assert len(_pauses()) == len(_libgomp_paths()) >= 1
+def test_torchs_libgomp_can_release() -> None:
+    """Where torch brings its own libgomp (its wheel on Linux), its release is found: not silently skipped.
+    (Runtimes loaded later by other packages, CTranslate2's say, are not looked for.)"""
+    torch_dir = str(Path(torch.__file__).parent)
+    if not any(path.startswith(torch_dir) for path in _libgomp_paths()):
+        pytest.skip("torch here brings no libgomp of its own")
+    assert _pauses()
