@@ -369,7 +369,8 @@ class DecodeBatch:
         self.static = StaticDecode(model, self.cache) if static else None
         if self.static is not None:
             self.static.capture()
-        # on a CPU, plain decode steps (no hooks) run as one C++ call (model/kernels/decode.py) where they can
+        # on a CPU, passes without hooks (decode steps, prompt chunks, both packed) of up to MAX_FUSED_TOKENS
+        # tokens run as one C++ call (model/kernels/decode.py) where they can
         self.fused = FusedDecode.make(model, self.cache) if self.static is None else None
 
     def __len__(self) -> int:

@@ -1,12 +1,13 @@
-"""The CPU decode step in one call: `FusedDecode` hands a model's weights and the KV cache to `decode.cpp`,
-which runs the embedding, every block and the LM head for one new token per row.
+"""The CPU forward pass in one call: `FusedDecode` hands a model's weights and the KV cache to `decode.cpp`,
+which runs the embedding, every block and the LM head for a few new tokens: one per decoding row (a decode
+step), prompt chunks, or both packed together (a continuous batch's step).
 
 Why: at batch 1 on a small CPU, an eager step's ~250 ATen calls, views and Python (attention at one query,
 the cache writes, LayerNorms, GELU, residual adds) cost as much as its matrix products. This is the same
-math (the parity tests hold it to the eager step), for the one case that dominates generation: a plain
-decode step, no hooks, float32 or int8 weights laid out for our kernels (`model/kernels/layers.py`,
-`model/quantize.py`). Everything else (prefill, prompt chunks, hooks and edits, other dtypes and devices)
-goes through `GPT.forward`, as `DecodeBatch` chooses.
+math (the parity tests hold it to the eager pass), for the passes that dominate generation and serving:
+no hooks, float32 or int8 weights laid out for our kernels (`model/kernels/layers.py`, `model/quantize.py`),
+at most `MAX_FUSED_TOKENS` tokens (`model/generate.py`). Everything else (longer prompt chunks, hooks and
+edits, gradients, other dtypes and devices) goes through `GPT.forward`, as `DecodeBatch` chooses.
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ def unsupported(model: GPT, cache: KVCache) -> str | None:
 
 
 class FusedDecode:
-    """Plain decode steps of `model` over `cache` (float32 on the CPU, no hooks) in one C++ call each."""
+    """Passes of `model` over `cache` without hooks (float32 or int8 weights on the CPU), each in one C++ call:
+    decode steps (`__call__`) and any few tokens of rows of the cache (`forward`)."""
 
     def __init__(self, model: GPT, cache: KVCache) -> None:
         self.model, self.cache = model, cache
