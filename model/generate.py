@@ -27,7 +27,6 @@ from .sampling import sample, top_logprobs
 from .tokenizer import EOT_ID, Tokenizer
 
 MAX_LOGPROBS = 20
-MAX_FUSED_TOKENS = 96  # a pass of at most this many tokens may run on the fused CPU pass (model/kernels/decode.py)
 SEED_RANGE = range(-(2**63), 2**63)  # an int64, as torch's generators take it (and vLLM accepts)
 MAX_STOPS = 16  # stop strings per request: each is looked for after every token
 MAX_STOP_CHARS = 256  # characters per stop string
@@ -369,8 +368,8 @@ class DecodeBatch:
         self.static = StaticDecode(model, self.cache) if static else None
         if self.static is not None:
             self.static.capture()
-        # on a CPU, passes without hooks (decode steps, prompt chunks, both packed) of up to MAX_FUSED_TOKENS
-        # tokens run as one C++ call (model/kernels/decode.py) where they can
+        # on a CPU, passes without hooks (decode steps, prompt chunks, both packed) run as one C++ call
+        # (model/kernels/decode.py) where they can
         self.fused = FusedDecode.make(model, self.cache) if self.static is None else None
 
     def __len__(self) -> int:
@@ -485,9 +484,10 @@ class DecodeBatch:
         return out
 
     def _fused_fits(self, hooks: Hooks | None, n_tokens: int) -> bool:
-        """Whether a pass of `n_tokens` goes to the fused CPU pass: no hooks, and few enough tokens for our
-        few-row kernels (a long prompt chunk is faster on MKL's GEMM)."""
-        return self.fused is not None and hooks is None and n_tokens <= MAX_FUSED_TOKENS and not torch.is_grad_enabled()
+        """Whether a pass of `n_tokens` goes to the fused CPU pass: no hooks, no gradient, and no more tokens
+        than its products take (`FusedDecode.max_tokens`)."""
+        fused = self.fused
+        return fused is not None and hooks is None and n_tokens <= fused.max_tokens and not torch.is_grad_enabled()
 
     def _packed_fused(
         self, decoding: list[int], chunks: list[tuple[int, int, int]], outputs: list[int]

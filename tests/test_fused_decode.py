@@ -12,7 +12,7 @@ import torch
 from conftest import Checkpoint, load_ours, make_checkpoint
 
 from model import kernels
-from model.generate import MAX_FUSED_TOKENS, DecodeBatch, SamplingParams, generate, new_sequence
+from model.generate import DecodeBatch, SamplingParams, generate, new_sequence
 from model.kernels.decode import FusedDecode, unsupported
 from model.kv_cache import KVCache
 from model.loading import load_weights
@@ -154,6 +154,29 @@ def test_a_server_step_matches_the_eager_one(distil: Checkpoint) -> None:
 
 
 @needs_kernels
+def test_a_long_packed_pass_matches_the_eager_one(distil: Checkpoint) -> None:
+    """A pass of more tokens than one block of rows (96) takes: 40 rows decoding one token each beside a
+    300-token chunk of another row's prompt, as a busy server's step or a long prompt is: the logits of the
+    decode rows and of the chunk's last token, and the chunk's keys and values in the cache, as the eager pass
+    gives them."""
+    model = load_ours(distil)
+    prompts = prompts_of([2 + b % 7 for b in range(40)] + [310], seed=7)
+    with torch.inference_mode():
+        cache = prefilled(model, [p[:-1] for p in prompts[:40]] + [prompts[40][:10]], max_len=320)
+        fused = FusedDecode.make(model, cache)
+        assert fused is not None and fused.max_tokens >= 340
+        tokens = [p[-1] for p in prompts[:40]] + prompts[40][10:310]
+        rows = list(range(40)) + [40] * 300
+        positions = [len(p) - 1 for p in prompts[:40]] + list(range(10, 310))
+        got = fused.forward(tokens, rows, positions, [*range(40), 339])
+        want = [model(torch.tensor([p]))[0, -1] for p in [*prompts[:40], prompts[40][:310]]]
+        torch.testing.assert_close(got, torch.stack(want), rtol=0, atol=1e-4)
+        eager = prefilled(model, [prompts[40][:310]], max_len=320)
+        for got_kv, want_kv in ((cache.k, eager.k), (cache.v, eager.v)):
+            torch.testing.assert_close(got_kv[:, 40, :, :310], want_kv[:, 0, :, :310], rtol=0, atol=1e-4)
+
+
+@needs_kernels
 @pytest.mark.parametrize("d_head", [12, 40, 64])
 def test_every_query_of_a_chunk_attends_as_eager(d_head: int, tmp_path: Path) -> None:
     """Each query of a prompt chunk attends over its own row's keys up to its position (the causal diagonal
@@ -264,8 +287,10 @@ def test_continuous_batch_with_chunked_prefill(
 
 @needs_kernels
 def test_decode_batch_chooses_the_fused_pass(tiny: Checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Plain steps run fused; a step with a hooked sequence, or more tokens than MAX_FUSED_TOKENS, runs eager."""
+    """Plain steps run fused; a step with a hooked sequence, or with more tokens than the kernels take rows
+    (`max_rows()`, here held to 8), runs eager."""
     model = load_ours(tiny)
+    monkeypatch.setenv("GPT2_KERNEL_MAX_ROWS", "8")
     calls: list[int] = []
     forward = FusedDecode.forward
     monkeypatch.setattr(
@@ -279,9 +304,7 @@ def test_decode_batch_chooses_the_fused_pass(tiny: Checkpoint, monkeypatch: pyte
             batch.step()
         assert calls == [3, 1, 1]  # the prompt, then two decode steps
         calls.clear()
-        batch.add(
-            new_sequence(model, 0, [1] * (MAX_FUSED_TOKENS + 1), SamplingParams(max_new_tokens=2, temperature=0), None)
-        )
+        batch.add(new_sequence(model, 0, [1] * 9, SamplingParams(max_new_tokens=2, temperature=0), None))
         batch.add(
             new_sequence(
                 model, 1, [1, 2], SamplingParams(max_new_tokens=2, temperature=0), None, ["blocks.0.hook_resid_pre"]
