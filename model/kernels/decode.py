@@ -121,7 +121,7 @@ def unsupported(model: GPT, cache: KVCache) -> str | None:
 
 class FusedDecode:
     """Passes of `model` over `cache` without hooks (float32 or int8 weights on the CPU), each in one C++ call:
-    decode steps (`__call__`) and any few tokens of rows of the cache (`forward`)."""
+    decode steps (`__call__`), and new tokens of any rows of the cache (`forward`)."""
 
     def __init__(self, model: GPT, cache: KVCache) -> None:
         self.model, self.cache = model, cache
