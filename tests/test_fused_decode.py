@@ -156,9 +156,9 @@ def test_a_server_step_matches_the_eager_one(distil: Checkpoint) -> None:
 @needs_kernels
 def test_a_long_packed_pass_matches_the_eager_one(distil: Checkpoint) -> None:
     """A pass of more tokens than one block of rows (96) takes: 40 rows decoding one token each beside a
-    300-token chunk of another row's prompt, as a busy server's step or a long prompt is: the logits of the
-    decode rows and of the chunk's last token, and the chunk's keys and values in the cache, as the eager pass
-    gives them."""
+    300-token chunk of another row's prompt, as a busy server's step or a long prompt is: the logits of every
+    token (as prompt logprobs ask, so the last layer and the LM head run on all 340 rows too), and the chunk's
+    keys and values in the cache, as the eager pass gives them."""
     model = load_ours(distil)
     prompts = prompts_of([2 + b % 7 for b in range(40)] + [310], seed=7)
     with torch.inference_mode():
@@ -168,9 +168,10 @@ def test_a_long_packed_pass_matches_the_eager_one(distil: Checkpoint) -> None:
         tokens = [p[-1] for p in prompts[:40]] + prompts[40][10:310]
         rows = list(range(40)) + [40] * 300
         positions = [len(p) - 1 for p in prompts[:40]] + list(range(10, 310))
-        got = fused.forward(tokens, rows, positions, [*range(40), 339])
-        want = [model(torch.tensor([p]))[0, -1] for p in [*prompts[:40], prompts[40][:310]]]
-        torch.testing.assert_close(got, torch.stack(want), rtol=0, atol=1e-4)
+        got = fused.forward(tokens, rows, positions, list(range(340)))
+        want = [model(torch.tensor([p]))[0, -1] for p in prompts[:40]]
+        chunk = model(torch.tensor([prompts[40][:310]]))[0, 10:310]  # [300, vocab]
+        torch.testing.assert_close(got, torch.cat([torch.stack(want), chunk]), rtol=0, atol=1e-4)
         eager = prefilled(model, [prompts[40][:310]], max_len=320)
         for got_kv, want_kv in ((cache.k, eager.k), (cache.v, eager.v)):
             torch.testing.assert_close(got_kv[:, 40, :, :310], want_kv[:, 0, :, :310], rtol=0, atol=1e-4)
@@ -287,10 +288,9 @@ def test_continuous_batch_with_chunked_prefill(
 
 @needs_kernels
 def test_decode_batch_chooses_the_fused_pass(tiny: Checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Plain steps run fused; a step with a hooked sequence, or with more tokens than the kernels take rows
-    (`max_rows()`, here held to 8), runs eager."""
+    """Plain steps run fused; a pass of more tokens than the fused pass takes (`FusedDecode.max_tokens`, the
+    kernels' `max_rows()`, here held to 8) runs eager, and so does every step with a hooked sequence."""
     model = load_ours(tiny)
-    monkeypatch.setenv("GPT2_KERNEL_MAX_ROWS", "8")
     calls: list[int] = []
     forward = FusedDecode.forward
     monkeypatch.setattr(
@@ -298,13 +298,19 @@ def test_decode_batch_chooses_the_fused_pass(tiny: Checkpoint, monkeypatch: pyte
     )
     with torch.inference_mode():
         batch = DecodeBatch(model, 2, 128)
-        assert batch.fused is not None
+        assert batch.fused is not None and batch.fused.max_tokens == kernels.max_rows()
+        monkeypatch.setattr(batch.fused, "max_tokens", 8)
         batch.add(new_sequence(model, 0, [1, 2, 3], SamplingParams(max_new_tokens=3, temperature=0), None))
         while batch:
             batch.step()
         assert calls == [3, 1, 1]  # the prompt, then two decode steps
         calls.clear()
         batch.add(new_sequence(model, 0, [1] * 9, SamplingParams(max_new_tokens=2, temperature=0), None))
+        batch.step()
+        assert calls == []  # a prompt of 9 tokens: eager
+        batch.step()
+        assert calls == [1] and not batch  # its decode step: fused
+        calls.clear()
         batch.add(
             new_sequence(
                 model, 1, [1, 2], SamplingParams(max_new_tokens=2, temperature=0), None, ["blocks.0.hook_resid_pre"]
@@ -312,7 +318,7 @@ def test_decode_batch_chooses_the_fused_pass(tiny: Checkpoint, monkeypatch: pyte
         )
         while batch:
             batch.step()
-        assert calls == []  # a long prompt, then every step has a hooked row
+        assert calls == []  # every step has a hooked row
 
 
 def test_what_it_cannot_run(tiny: Checkpoint) -> None:

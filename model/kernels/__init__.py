@@ -17,10 +17,11 @@ rows at least 7/8 full, float32 or int8). They also beat MKL for prompt-sized pr
 Thread count: torch's (`torch.get_num_threads()`), through torch's own OpenMP runtime.
 
 Environment: `GPT2_KERNELS=0` turns them off (for A/B runs); `GPT2_KERNEL_ISA` (avx2, avx512, avx512_vnni)
-loads that build instead of this CPU's; `GPT2_KERNEL_MAX_ROWS` caps the rows of x a product sends to them
-(`max_rows()`); `GPT2_KERNEL_FMA_PORTS` (1 or 2) sets the 512-bit FMA pipes the AVX-512 builds choose their
-tiles by, instead of measuring them (`fma_ports()`); `GPT2_KERNEL_CACHE` is where the library is built
-(default `$XDG_CACHE_HOME/gpt2-server` or `~/.cache/gpt2-server`); `CXX` names the compiler.
+loads that build instead of this CPU's; `GPT2_KERNEL_MAX_ROWS` caps the rows of x a product sends to them, and
+so the tokens of a fused pass (`max_rows()`; 0 sends every pass and product to torch); `GPT2_KERNEL_FMA_PORTS`
+(1 or 2) sets the 512-bit FMA pipes the AVX-512 builds choose their tiles by, instead of measuring them
+(`fma_ports()`); `GPT2_KERNEL_CACHE` is where the library is built (default `$XDG_CACHE_HOME/gpt2-server` or
+`~/.cache/gpt2-server`); `CXX` names the compiler.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-// A forward pass of GPT-2 over a few new tokens in one call, as a decode step needs (one token per row of
-// the KV cache): the embedding, every block (LayerNorm, Q/K/V, the new keys and values into the cache,
+// A forward pass of GPT-2 over new tokens of rows of the KV cache in one call, as a decode step (one token
+// per row) or a prompt needs: the embedding, every block (LayerNorm, Q/K/V, the new keys and values into the cache,
 // attention over each row's keys, the output projection and residual add, LayerNorm, MLP and residual add),
 // the final LayerNorm and the LM head. The same math as GPT.forward (model/gpt.py) without the ATen calls
 // and Python of an eager step, which cost a batch-1 step on a 2-core CPU as much as its matrix products.
-// Any few tokens of rows of the cache can go in one pass, so a continuous batch's decode tokens and prompt
+// Any tokens of rows of the cache can go in one pass, so a continuous batch's decode tokens and prompt
 // chunks share it. model/kernels/decode.py hands it the weights (float32, or int8 with a scale per output)
 // and the cache; shapes in the comments.
 #include <float.h>
