@@ -426,18 +426,29 @@ def main(argv: list[str] | None = None) -> int:
                 server.terminate()
                 server.wait(timeout=30)
 
+        def run(requests: list[Request], clients: int) -> dict[str, Any]:
+            """`run_level`, with the memory read bandwidth measured just before and just after it where the
+            bounds are (a CPU): one at a time waits on memory, which on a shared host moves from minute to
+            minute (on a Zen 5 host, between about 49 and 77 GB/s within a few minutes), so each ratio is read
+            beside the memory its two sides ran at."""
+            before = measure_bandwidth() if bounded else None
+            result = asyncio.run(run_level(url, requests, clients))
+            if before is not None:
+                result["read_bytes_per_s_around"] = [before, measure_bandwidth()]
+            return result
+
         try:
             asyncio.run(run_level(url, make_requests(2, args, seed=99), 2))  # warm-up
             one_at_a_time = make_requests(args.baseline_requests, args, seed=0)
-            baselines = [asyncio.run(run_level(url, one_at_a_time, 1))]
+            baselines = [run(one_at_a_time, 1)]
             levels, level_requests = [], []
             for clients in args.levels:  # A B A B: a baseline before and after each level
                 n = args.requests or max(2 * clients, 16)
                 requests = make_requests(n, args, seed=clients)
                 level_requests.append(requests)
-                levels.append(asyncio.run(run_level(url, requests, clients)))
+                levels.append(run(requests, clients))
                 levels[-1]["tflop"] = forward_flops(config, requests) / 1e12
-                baselines.append(asyncio.run(run_level(url, one_at_a_time, 1)))
+                baselines.append(run(one_at_a_time, 1))
         except BaseException:
             print(f"the benchmark failed; the server's log ends:\n{log_tail(log)}", file=sys.stderr)
             raise
@@ -500,6 +511,18 @@ def main(argv: list[str] | None = None) -> int:
             f"{lv['clients']:>7} {lv['tokens_per_s']:>8.1f} {lv['throughput_ratio']:>14.2f} "
             f"{lv['ttft_p50_ms']:>7.0f}ms {lv['ttft_p99_ms']:>7.0f}ms {lv['itl_p50_ms']:>6.1f}ms "
             f"{lv['itl_p99_ms']:>6.1f}ms {lv['itl_p99_over_batch1']:>22.2f} {lv['itl_p99_over_batch1_p99']:>14.2f}"
+        )
+    if all("read_bytes_per_s_around" in r for r in baselines + levels):
+
+        def around(r: dict[str, Any]) -> str:
+            return "-".join(f"{b / 1e9:.0f}" for b in r["read_bytes_per_s_around"])
+
+        print(
+            "memory read bandwidth just before and after each run, GB/s (one at a time waits on memory, the levels "
+            "mostly on arithmetic): one at a time "
+            + ", ".join(around(b) for b in baselines)
+            + "; "
+            + ", ".join(f"{lv['clients']} clients {around(lv)}" for lv in levels)
         )
     report["engine_alone"] = alone
     if alone is not None:

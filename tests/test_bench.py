@@ -107,6 +107,10 @@ def test_bench_server_quick(tiny, tokenizer_dir: Path, tmp_path: Path) -> None:
     baselines = report["baselines_one_at_a_time"]
     assert len(baselines) == len(levels) + 1  # one before the first level and one after each
     assert all(b["clients"] == 1 and positive(b["tokens_per_s"]) for b in baselines)
+    # memory's read bandwidth just before and after every run over HTTP (one at a time moves with it)
+    for run in baselines + levels:
+        around = run["read_bytes_per_s_around"]
+        assert len(around) == 2 and all(positive(b) for b in around), run
     # the same requests through the engine alone in the bench's process: every token, A B A B as the server's
     alone = report["engine_alone"]
     assert len(alone["baselines_one_at_a_time"]) == len(levels) + 1
