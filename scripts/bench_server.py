@@ -426,15 +426,19 @@ def main(argv: list[str] | None = None) -> int:
                 server.terminate()
                 server.wait(timeout=30)
 
+        between: list[float] = []  # memory read bandwidth before the first run and after each one
+
         def run(requests: list[Request], clients: int) -> dict[str, Any]:
             """`run_level`, with the memory read bandwidth measured just before and just after it where the
-            bounds are (a CPU): one at a time waits on memory, which on a shared host moves from minute to
-            minute (on a Zen 5 host, between about 49 and 77 GB/s within a few minutes), so each ratio is read
-            beside the memory its two sides ran at."""
-            before = measure_bandwidth() if bounded else None
+            bounds are (a CPU; one sample between two runs serves both): one at a time waits on memory, which
+            on a shared host moves from minute to minute (on a Zen 5 host, between about 49 and 77 GB/s within
+            a few minutes), so each ratio is read beside the memory its two sides ran at."""
+            if bounded and not between:
+                between.append(measure_bandwidth())
             result = asyncio.run(run_level(url, requests, clients))
-            if before is not None:
-                result["read_bytes_per_s_around"] = [before, measure_bandwidth()]
+            if bounded:
+                between.append(measure_bandwidth())
+                result["read_bytes_per_s_around"] = between[-2:]
             return result
 
         try:
