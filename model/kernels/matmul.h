@@ -485,8 +485,9 @@ static_assert(kRowBlock % kLanes == 0 && kRowBlock <= 96, "a block of rows is at
 // 24 rows 29.2-31.6 against 34.6-36.8 ms and 12.8-14.3 against 14.8-16.6, 32 rows 31.4-42.8 against
 // 43.2-51.6 and 15.0-15.3 against 18.1-19.7, even at 48-96 rows; against int16 dot-product tiles 1.2-1.35x
 // at 24-32 rows). AVX-512 with VNNI's dot-product tiles reach about 1.5x a float32 outer product's rate, and
-// an int16 outer product there ran 0.64-0.7x them on the block matrices (32-96 rows), so there int8 keeps
-// them (the AVX-512 build without VNNI too, not measured apart).
+// an int16 outer product there ran 0.64-0.7x them on the block matrices (32-96 rows; on a Zen 5 host, with
+// `_mm512_dpwssd_epi32`, 0.58-0.68x at 16-1024 rows), so there int8 keeps them (the AVX-512 build without
+// VNNI too, not measured apart).
 #ifdef __AVX512F__
 constexpr bool kOuterInt8 = false;
 #else
