@@ -23,7 +23,17 @@ def _metadata(meta: dict[str, Any]) -> dict[str, str]:
 
 
 def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
+    """Each tensor on the CPU, contiguous, and in memory of its own: safetensors refuses tensors that share
+    memory, and two hook points can hold the same tensor (a gradient at blocks.3.hook_resid_post is the one at
+    blocks.4.hook_resid_pre; logits and unembed.hook_out are one tensor)."""
+    out: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    for name, t in tensors.items():
+        t = t.detach().cpu().contiguous()
+        storage = t.untyped_storage().data_ptr()
+        out[name] = t.clone() if storage in storages else t
+        storages.add(storage)
+    return out
 
 
 def save_dump(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> None:

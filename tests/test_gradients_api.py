@@ -70,6 +70,24 @@ def test_gradients_as_safetensors_with_edits_and_a_token_given_as_text(client: T
     assert not torch.allclose(plain.grads[names[0]], want.grads[names[0]])
 
 
+def test_gradients_as_safetensors_where_hook_points_share_one_tensor(client: TestClient, loaded: LoadedModel) -> None:
+    """Autograd hands one tensor to hook points that hold the same value (a block's resid_post and the next
+    block's resid_pre, resid_mid and attn_out's gradients, logits and unembed.hook_out): the file still holds
+    each under its own name (safetensors refuses tensors that share memory)."""
+    hooks = ["blocks.*.hook_resid_pre", "blocks.*.hook_resid_post", "blocks.0.hook_resid_mid", "blocks.0.hook_attn_out"]
+    body = {"input_ids": CLEAN, "metric": {"type": "loss"}, "hooks": hooks, "format": "safetensors"}
+    r = client.post("/v1/gradients", json=body)
+    assert r.status_code == 200, r.text
+    got = load_safetensors(r.content)
+    names = [f"blocks.{i}.hook_resid_{s}" for i in range(2) for s in ("pre", "post")]
+    names += ["blocks.0.hook_resid_mid", "blocks.0.hook_attn_out"]
+    want = gradients(loaded.model, CLEAN, Loss(), names)
+    assert sorted(got) == sorted(n + "_grad" for n in names)
+    for name in names:
+        torch.testing.assert_close(got[name + "_grad"], want.grads[name], rtol=1e-5, atol=1e-7, msg=name)
+    torch.testing.assert_close(got["blocks.0.hook_resid_post_grad"], got["blocks.1.hook_resid_pre_grad"])
+
+
 def test_attribution_equals_the_model_and_verifies(client: TestClient, loaded: LoadedModel) -> None:
     metric = {"type": "logit_diff", "tokens": [" was", 318]}
     body = post_ok(client, "/v1/attribution", {"clean": CLEAN, "corrupted": CORRUPTED, "metric": metric, "verify": 3})
