@@ -144,6 +144,26 @@ def test_int8_largest_sums_do_not_overflow(m: int) -> None:
     torch.testing.assert_close(y, reference(x, q.float() * scale[:, None], None), rtol=1e-5, atol=0)
 
 
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 40, 96])  # dot-product tiles and, with AVX2, outer products
+def test_int8_products_keep_nan_and_inf(m: int) -> None:
+    """A row of x with a NaN or an infinity gives non-finite outputs, as float32 does (rounded to int16 a NaN
+    would become a plain number, and an overflowed activation would give finite, made-up logits); the other
+    rows are untouched."""
+    g = torch.Generator().manual_seed(m)
+    k, n = 768, 64
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    scale = torch.rand(n, generator=g) * 1e-3
+    x = torch.randn(m, k, generator=g)
+    x[0, 5] = float("nan")
+    x[-1, k - 1] = float("inf")
+    y = kernels.matmul_int8(x, q, scale, None)
+    assert y[0].isnan().all() and not y[-1].isfinite().any()
+    if m > 2:
+        assert y[1:-1].isfinite().all()
+        assert ((y[1:-1] - reference(x[1:-1], q.float() * scale[:, None], None)).abs() <= int8_tolerance(x[1:-1], q.float() * scale[:, None])).all()
+
+
 def int8_tolerance(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """[M, N]: float32 rounding, plus the int8 kernel's rounding of each row of x to int16 (at most half a
     step of max|x| / 32767 per element, times |w|)."""

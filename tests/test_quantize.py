@@ -140,3 +140,18 @@ def test_model_info_says_int8(tiny: Checkpoint, tokenizer_dir: Path) -> None:
         assert "float32 activations of this quantized model" in info["quantization"]
         r = client.post("/v1/generate", json={"prompt": "Hello", "max_new_tokens": 3, "temperature": 0})
         assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 3
+
+
+def test_int8_overflowed_edits_are_a_400_as_on_float32(tiny: Checkpoint, tokenizer_dir: Path) -> None:
+    """An edit that drives the residual stream to inf/NaN makes int8's logits non-finite too (the kernel keeps
+    a NaN a NaN), so the request gets float32's 400 instead of made-up tokens; the server keeps serving."""
+    loaded = load(tiny.path, tokenizer_dir=tokenizer_dir, device="cpu", dtype="int8")
+    overflow = [{"hook": "blocks.0.hook_resid_post", "op": "add", "value": 1e38}]
+    with serve(loaded) as client:
+        r = client.post("/v1/next-token", json={"input_ids": [1, 2, 3], "interventions": overflow, "top_k": 2})
+        assert r.status_code == 400 and "non-finite" in r.json()["error"]["message"], r.text
+        body = {"input_ids": [1, 2, 3], "max_new_tokens": 3, "temperature": 0, "interventions": overflow}
+        r = client.post("/v1/generate", json=body)
+        assert r.status_code == 400 and "non-finite" in r.json()["error"]["message"], r.text
+        r = client.post("/v1/generate", json={"prompt": "Hello", "max_new_tokens": 3, "temperature": 0})
+        assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 3

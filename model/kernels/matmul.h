@@ -38,6 +38,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -846,14 +847,24 @@ inline Rows<I8> prepare(const float* x, int64_t M, int64_t K, std::vector<int16_
   for (int64_t m = 0; m < M; ++m) {  // 8 lanes at a time (scalar, 32 rows took 5 ms of a 63 ms step)
     const float* r = x + m * K;
     int16_t* q = xq.data() + m * K;
-    __m256 top = _mm256_setzero_ps();
+    __m256 top = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
     int64_t k = 0;
-    for (; k + 8 <= K; k += 8) top = _mm256_max_ps(top, _mm256_and_ps(_mm256_loadu_ps(r + k), magnitude));
+    for (; k + 8 <= K; k += 8) {
+      const __m256 v = _mm256_loadu_ps(r + k);
+      top = _mm256_max_ps(top, _mm256_and_ps(v, magnitude));
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
     float lanes[8], amax = 0;
     _mm256_storeu_ps(lanes, top);
     for (float v : lanes) amax = v > amax ? v : amax;
-    for (; k < K; ++k) amax = std::fabs(r[k]) > amax ? std::fabs(r[k]) : amax;
-    xs[m] = amax > 0 ? amax / 32767.0f : 1.0f;
+    bool any_nan = _mm256_movemask_ps(nan) != 0;
+    for (; k < K; ++k) {
+      amax = std::fabs(r[k]) > amax ? std::fabs(r[k]) : amax;
+      any_nan = any_nan || std::isnan(r[k]);
+    }
+    // A NaN in the row makes its scale NaN, so its outputs are NaN, as float32's would be (rounded to int16,
+    // NaN would become a plain number); an infinity does too (scale inf, every x rounded to 0: 0 * inf).
+    xs[m] = any_nan ? std::numeric_limits<float>::quiet_NaN() : amax > 0 ? amax / 32767.0f : 1.0f;
     const float inv = 1.0f / xs[m];
     const __m256 scale = _mm256_set1_ps(inv);
     for (k = 0; k + 16 <= K; k += 16) {  // rounded to nearest, ties to even (as lrintf for finite x), to int16
