@@ -159,6 +159,13 @@ def is_per_head(name: str) -> bool:
     return name.endswith(_PER_HEAD_D_HEAD + _PER_HEAD_D_MODEL)
 
 
+def has_one_vector_per_position(name: str) -> bool:
+    """Hooks with one vector per position (the residual stream, attn_out, mlp_out, mlp.hook_post, ...): what
+    steering adds to and a steering vector is measured at; not per-head values, attention squares or a
+    LayerNorm's scale."""
+    return not (is_attention_square(name) or is_per_head(name) or name.endswith("hook_scale"))
+
+
 def _is_glob(pattern: str) -> bool:
     return any(c in pattern for c in "*?[")
 

@@ -16,7 +16,14 @@ from typing import Literal
 import torch
 
 from .config import GPTConfig
-from .hooks import Hooks, describe_hook_names, is_attention_square, is_per_head, match_hooks
+from .hooks import (
+    Hooks,
+    describe_hook_names,
+    has_one_vector_per_position,
+    is_attention_square,
+    is_per_head,
+    match_hooks,
+)
 from .hooks import site_shape as _site_shape
 from .lab import steering
 from .lab.sae import SAE
@@ -175,10 +182,10 @@ class Interventions:
 
     def _check_steering(self, t: _Target, where: str) -> None:
         e = t.edit
-        site = site_shape(t.name, self.config)
-        if t.square or t.per_head or len(site) != 1 or site == (1,):
+        if not has_one_vector_per_position(t.name):
             raise InterventionError(f"{where}: {e.op} applies to hooks with one vector per position (the residual "
                                     f"stream, attn_out, mlp_out, mlp.hook_post, ...), not {t.name}")  # fmt: skip
+        site = site_shape(t.name, self.config)
         if e.heads is not None:
             raise InterventionError(f"{where}: heads do not apply to {e.op}")
         if e.op != "orthogonal" and e.factor is None:

@@ -277,6 +277,24 @@ BAD = {
         "hook",
         "not a hook with one vector per position",
     ),
+    "contrast at an attention pattern": (  # its site is [head]: one dimension, but not a vector per position
+        "/v1/steering-vectors",
+        {"positive": ["a b c"], "negative": ["a b"], "hook": "blocks.1.attn.hook_pattern"},
+        "hook",
+        "not a hook with one vector per position",
+    ),
+    "contrast at attention scores": (
+        "/v1/steering-vectors",
+        {"positive": ["a b"], "negative": ["a c"], "hook": "blocks.0.attn.hook_attn_scores"},
+        "hook",
+        "not a hook with one vector per position",
+    ),
+    "contrast at a LayerNorm's scale": (
+        "/v1/steering-vectors",
+        {"positive": ["a b"], "negative": ["a c"], "hook": "blocks.0.ln1.hook_scale"},
+        "hook",
+        "not a hook with one vector per position",
+    ),
     "contrast with no prompts": (
         "/v1/steering-vectors",
         {"positive": [], "negative": ["b"], "hook": RES},
@@ -384,3 +402,22 @@ def test_every_route_with_interventions_takes_an_sae_feature_direction(client: T
     unknown = {**steer, "direction": {"sae": "nope", "feature": 3}}
     r = client.post(path, json={**body, "interventions": [unknown]})
     assert r.status_code == 400 and "nope" in r.json()["error"]["message"], r.text
+
+
+def test_features_that_are_not_finite(tiny: Checkpoint, tokenizer_dir: Path, tmp_path: Path) -> None:
+    """An SAE whose normalisation divides by the activation's norm reads a zeroed vector as NaN (as SAELens
+    does): JSON gives null there, as everywhere, not a 500. Edits that drive the SAE's hook itself to inf or
+    NaN are a 400 naming the interventions. The server keeps serving."""
+    cnr = write_sae(tmp_path / "cnr", hook=RES, d_in=64, d_sae=32, normalize_activations="constant_norm_rescale")
+    settings = Settings(sae=(f"cnr={cnr}",))
+    with TestClient(create_app(settings, loaded=load(tiny.path, tokenizer_dir=tokenizer_dir, device="cpu"))) as c:
+        zeroed = {"input_ids": IDS[:4], "sae": "cnr", "interventions": [{"hook": RES, "op": "zero"}]}
+        rows = post(c, "/v1/features", zeroed)["features"]
+        assert len(rows) == 4 and all(r["mse"] is None for r in rows)
+        file = c.post("/v1/features", json=zeroed | {"format": "safetensors"})
+        assert file.status_code == 200 and load_safetensors(file.content)["mse"].isnan().all()
+        overflow = [{"hook": "blocks.0.hook_resid_post", "op": "scale", "factor": 3e38}]
+        r = c.post("/v1/features", json={"input_ids": IDS[:4], "sae": "cnr", "interventions": overflow})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "interventions", r.text
+        assert "inf or NaN" in r.json()["error"]["message"]
+        assert len(post(c, "/v1/features", {"input_ids": IDS[:4], "sae": "cnr", "top_k": 2})["features"]) == 4

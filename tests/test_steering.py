@@ -150,6 +150,12 @@ def test_clamp_only_at_the_saes_hook(tiny_model: GPT, sae: SAE) -> None:
         )
 
 
+@pytest.mark.parametrize("hook", ["blocks.0.attn.hook_pattern", "blocks.0.attn.hook_z", "blocks.0.ln1.hook_scale"])
+def test_contrastive_vector_only_where_there_is_one_vector_per_position(tiny_model: GPT, hook: str) -> None:
+    with pytest.raises(ValueError, match="not a hook with one vector per position"):
+        contrastive_vector(tiny_model, [[1, 2]], [[3, 4]], hook, "last")
+
+
 def test_contrastive_vector(tiny_model: GPT) -> None:
     pos, neg = [[1, 2, 3], [4, 5, 6, 7]], [[8, 9], [10, 11, 12], [13]]
     for reduce in ("last", "mean"):

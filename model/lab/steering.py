@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from ..hooks import run_with_cache
+from ..hooks import has_one_vector_per_position, run_with_cache
 from .sae import SAE
 
 if TYPE_CHECKING:
@@ -146,6 +146,8 @@ def contrastive_vector(
 ) -> SteeringVector:
     """mean over `positive` prompts - mean over `negative` prompts of the value at `hook` (a d_model site),
     each prompt's taken at its last position or averaged over its positions (float32)."""
+    if not has_one_vector_per_position(hook):
+        raise ValueError(f"{hook} is not a hook with one vector per position: no steering vector to measure there")
 
     def mean_of(prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         total = None

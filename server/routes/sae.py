@@ -16,8 +16,7 @@ from fastapi.responses import Response
 
 from model.generate import GenerationError, validate_prompt
 from model.gpt import GPT
-from model.hooks import hook_names
-from model.interventions import site_shape
+from model.hooks import has_one_vector_per_position, hook_names
 from model.lab.sae import SAE, TokenFeatures, load_saes, token_features
 from model.lab.steering import DirectionError, Directions, SteeringVector, contrastive_vector
 from model.loading import LoadedModel
@@ -25,7 +24,7 @@ from model.loading import LoadedModel
 from ..schemas import FeatureCapture, FeaturesRequest, SteeringVectorRequest
 from ..settings import Settings
 from ..threads import run_in_threadpool
-from .deps import EngineDep, SettingsDep, encode, results, token_ids, unless_disconnected
+from .deps import EngineDep, SettingsDep, encode, json_response, results, token_ids, unless_disconnected
 
 router = APIRouter(tags=["sae"])
 
@@ -108,7 +107,7 @@ def _row(r: TokenFeatures) -> dict[str, Any]:
 @router.post("/v1/features", response_model=None)
 async def features(
     req: FeaturesRequest, request: Request, engine: EngineDep, settings: SettingsDep, directions: DirectionsDep
-) -> dict[str, Any] | Response:
+) -> Response:
     reader = feature_reader(directions, req)
     assert reader is not None
     sae = reader.sae
@@ -118,6 +117,10 @@ async def features(
     (completion,) = await results(engine.submit(prompts, [params], [sae.cfg.hook_name], edits), request)
     assert completion.activations is not None
     x = completion.activations[sae.cfg.hook_name][0]  # [T, d_in]
+    if not bool(x.isfinite().all()):
+        raise GenerationError(
+            f"the edits drove {sae.cfg.hook_name} to inf or NaN: no features to read", "interventions"
+        )
 
     def read(_: GPT) -> list[TokenFeatures]:
         return reader.read(x)
@@ -137,8 +140,7 @@ async def features(
     if req.format == "safetensors":
         blob = await run_in_threadpool(_file, rows, body)
         return Response(blob, media_type="application/octet-stream")
-    body["features"] = [_row(r) for r in rows]
-    return body
+    return await json_response(lambda: body | {"features": [_row(r) for r in rows]})  # NaN, inf: null
 
 
 def _file(rows: list[TokenFeatures], meta: dict[str, Any]) -> bytes:
@@ -173,7 +175,7 @@ async def steering_vectors(
 ) -> dict[str, Any]:
     req.check()
     config = engine.model.config
-    if req.hook not in hook_names(config.n_layer) or len(site := site_shape(req.hook, config)) != 1 or site == (1,):
+    if req.hook not in hook_names(config.n_layer) or not has_one_vector_per_position(req.hook):
         raise GenerationError(
             f"hook {req.hook!r} is not a hook with one vector per position of this model (for example "
             f"blocks.{config.n_layer // 2}.hook_resid_pre, hook_resid_post, hook_attn_out, hook_mlp_out)",
