@@ -207,7 +207,7 @@ class Interventions:
             )
         if not bool(d.to(torch.float32).isfinite().all()):
             raise InterventionError(f"{where}: direction holds numbers that are not finite in float32")
-        if e.op != "steer" and not float(d.to(torch.float32).norm()) > 0:
+        if e.op != "steer" and not float(d.to(torch.float32).abs().max()) > 0:
             raise InterventionError(f"{where}: {e.op} needs a direction that is not zero")
 
     def _selected_site(self, t: _Target) -> tuple[int, ...]:

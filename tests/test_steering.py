@@ -143,6 +143,22 @@ def test_bad_edits(tiny_model: GPT, edit: Edit, message: str) -> None:
         EditSpec((edit,)).hooks(tiny_model.config, 8)
 
 
+@pytest.mark.parametrize("size", [1e20, 1e-25])
+def test_orthogonal_along_a_direction_of_any_size(tiny_model: GPT, size: float) -> None:
+    """A direction of huge or tiny entries (finite in float32) is the same direction: its norm, squared on
+    the way, would overflow to inf (and the unit vector to 0, a no-op) or underflow to 0 (refused)."""
+    d = torch.zeros(tiny_model.config.n_embd)
+    d[3], d[7] = size, -2 * size
+    idx = torch.tensor([IDS])
+
+    def logits(direction: torch.Tensor | None) -> torch.Tensor:
+        edits = None if direction is None else EditSpec((Edit(HOOK, "orthogonal", direction=direction),))
+        return run_with_cache(tiny_model, idx, ["logits"], edits and edits.hooks(tiny_model.config, len(IDS)))["logits"]
+
+    torch.testing.assert_close(logits(d), logits(d / size))
+    assert not torch.allclose(logits(d), logits(None))
+
+
 def test_clamp_only_at_the_saes_hook(tiny_model: GPT, sae: SAE) -> None:
     with pytest.raises(InterventionError, match=r"the SAE reads blocks\.1\.hook_resid_pre, so clamp its feature there"):
         EditSpec((Edit("blocks.0.hook_resid_pre", "clamp", factor=1.0, sae=sae, feature=0),)).hooks(

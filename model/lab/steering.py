@@ -67,6 +67,8 @@ def clamp(x: torch.Tensor, sae: SAE, feature: int, value: float) -> torch.Tensor
 
 def _unit(direction: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     d = direction.to(torch.float32)
+    norm = d.norm()  # its squares overflow for entries of 1e20 and underflow for 1e-25: then a largest entry of 1
+    d = torch.where((norm > 0) & norm.isfinite(), d, d / d.abs().max())  # (no sync with a GPU)
     return (d / d.norm()).to(dtype)
 
 
