@@ -11,7 +11,8 @@ one forward pass that ends after the last hook they capture (`model.generate.pre
 the next decode step. A cancelled request (client gone) leaves the batch at the next step and frees its
 row; a sequence that fails on its own (non-finite logits, say) ends with its error, and its batch goes
 on. Jobs (`call`: one forward pass for an analysis) wait in a queue bounded like the requests' and run
-one between two steps, so that a burst of them does not stall the sequences decoding."""
+one between two steps, so that a burst of them does not stall the sequences decoding; a job whose caller
+is gone leaves the queue, or, once running, stops at the next block its forward passes enter."""
 
 from __future__ import annotations
 
@@ -57,6 +58,10 @@ class EngineStopped(Exception):
     """The engine is shutting down."""
 
 
+class JobCancelled(Exception):
+    """A running job's caller is gone: raised as its forward pass enters the next block."""
+
+
 @dataclass(eq=False)  # compared by identity (`in`, `remove` on the queue)
 class _Request:
     seq: SequenceState
@@ -65,6 +70,14 @@ class _Request:
     submitted: float = field(default_factory=time.perf_counter)
     last_token: float | None = None
     cancelled: bool = False
+
+
+@dataclass(eq=False)
+class _Job:
+    fn: Callable[[GPT], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+    cancelled: bool = False  # set from the event loop, read on the engine's thread as blocks start
 
 
 class RequestStream:
@@ -148,7 +161,7 @@ class Engine:
         self._prompt_only: list[_Request] = []  # admitted, for the next `prefill_prompts` pass
         self._requests: dict[int, _Request] = {}  # id(seq) -> request, for every admitted sequence
         self._waiting: deque[_Request] = deque()
-        self._jobs: deque[tuple[Callable[[GPT], Any], asyncio.AbstractEventLoop, asyncio.Future[Any]]] = deque()
+        self._jobs: deque[_Job] = deque()
         self._cv = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -216,7 +229,8 @@ class Engine:
     async def call(self, fn: Callable[[GPT], T]) -> T:
         """Run `fn(model)` on the engine's thread, between engine steps, and return its result (raises
         `QueueFull` when `max_queue` jobs are waiting already). Cancelling the call takes its job out of the
-        queue if it has not started."""
+        queue if it has not started, and stops it at its next block if it has (attribution's verification
+        passes, a steering vector's prompts: each pass a chance to stop)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         with self._cv:
@@ -224,15 +238,16 @@ class Engine:
                 raise EngineStopped("the server is shutting down")
             if len(self._jobs) >= self.max_queue:
                 raise QueueFull(f"{len(self._jobs)} model calls are waiting (the limit is {self.max_queue})")
-            job = (fn, loop, future)
+            job = _Job(fn, loop, future)
             self._jobs.append(job)
             self._cv.notify()
         try:
             return await future
-        except asyncio.CancelledError:  # the caller is gone (its client left): a job not started yet is dropped
+        except asyncio.CancelledError:  # the caller is gone (its client left)
             with self._cv:
-                if job in self._jobs:
+                if job in self._jobs:  # not started: dropped
                     self._jobs.remove(job)
+                job.cancelled = True  # running: stops at its next block
             raise
 
     def _cancel(self, request: _Request) -> None:
@@ -264,20 +279,28 @@ class Engine:
                         admitted.append(self._waiting.popleft())  # a cancelled request left the queue already
                     self.metrics.queue_depth.set(len(self._waiting))
                 if job is not None:
-                    self._run_job(*job)
+                    self._run_job(job)
                 self._drop_cancelled()
                 for request in admitted:
                     self._admit(request)
                 self._step()
         self._fail_all(EngineStopped("the server is shutting down"))
 
-    def _run_job(self, fn: Callable[[GPT], Any], loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any]) -> None:
+    def _run_job(self, job: _Job) -> None:
+        def stop_if_cancelled(*_: Any) -> None:
+            if job.cancelled:
+                raise JobCancelled("the caller is gone")
+
+        checks = [block.register_forward_pre_hook(stop_if_cancelled) for block in self.model.h]
         try:
-            result = fn(self.model)
+            result = job.fn(self.model)
         except Exception as e:
-            loop.call_soon_threadsafe(_settle, future, None, e)
+            job.loop.call_soon_threadsafe(_settle, job.future, None, e)
         else:
-            loop.call_soon_threadsafe(_settle, future, result, None)
+            job.loop.call_soon_threadsafe(_settle, job.future, result, None)
+        finally:
+            for check in checks:
+                check.remove()
 
     def _admit(self, request: _Request) -> None:
         self._requests[id(request.seq)] = request
@@ -401,8 +424,8 @@ class Engine:
             self._jobs.clear()
         for request in pending:
             request.loop.call_soon_threadsafe(request.queue.put_nowait, error)
-        for _, loop, future in jobs:
-            loop.call_soon_threadsafe(_settle, future, None, error)
+        for job in jobs:
+            job.loop.call_soon_threadsafe(_settle, job.future, None, error)
 
 
 def _put_all(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:

@@ -6,10 +6,12 @@ bursts of model calls (next-token, analyze) beside a stream, and stop strings be
 from __future__ import annotations
 
 import asyncio
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+import torch
 from contract import CMPL, GEN, NEXT, assert_error, sse_events
 from fastapi.testclient import TestClient
 from inprocess import assert_still_serving, engine_held, post_ok, serve, wait_until
@@ -17,6 +19,7 @@ from test_engine import greedy_params, held, run, running, tokens_generated
 
 import server.engine as engine_module
 from model.generate import GenerationError, SequenceState
+from model.gpt import GPT
 from model.loading import LoadedModel
 from server.engine import QueueFull
 
@@ -235,6 +238,34 @@ def test_a_cancelled_model_call_leaves_the_queue_unrun(loaded: LoadedModel) -> N
                 await asyncio.sleep(0)
             await kept
             assert ran == ["kept"]
+
+    run(main())
+
+
+def test_a_running_model_call_whose_caller_is_gone_stops_at_its_next_block(loaded: LoadedModel) -> None:
+    """A long job (attribution's verification passes, a steering vector's prompts) whose client left stops as
+    its next forward pass enters a block, instead of holding the engine to the end; the engine serves on."""
+    started, proceed = threading.Event(), threading.Event()
+    passes: list[int] = []
+    ids = torch.tensor([[464, 3797, 3332]])
+
+    def job(model: GPT) -> None:
+        started.set()
+        proceed.wait(30)
+        for i in range(100):
+            model(ids)
+            passes.append(i)
+
+    async def main() -> None:
+        with running(loaded) as engine:
+            call = asyncio.ensure_future(engine.call(job))
+            await asyncio.to_thread(started.wait, 30)
+            call.cancel()
+            await asyncio.gather(call, return_exceptions=True)
+            proceed.set()
+            assert await engine.call(lambda m: 7) == 7  # after the job: it ended
+            assert passes == []
+        assert not any(block._forward_pre_hooks for block in loaded.model.h)  # each job's checks removed
 
     run(main())
 
