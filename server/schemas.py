@@ -8,7 +8,7 @@ import math
 from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from model.generate import SEED_RANGE, GenerationError, SamplingParams
 from model.hooks import UnknownHookError, select_hooks
@@ -22,13 +22,19 @@ PromptIds = list[int] | list[list[int]]
 # OpenAI's `prompt`: a string, a list of strings, a list of token ids, or a list of lists of token ids.
 OpenAIPrompt = str | list[str] | list[int] | list[list[int]]
 
+# Lists the server expands before any model work: bounded, so that none holds the event loop long.
+MAX_HOOKS = 2048  # hook names or globs in one list: more than gpt2-xl's 1111 hook points, each named
+MAX_INTERVENTIONS = 1024  # edits in one request
+
 
 class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class ActivationSpec(Strict):
-    hooks: list[str] = Field(min_length=1, description="hook names or glob patterns, e.g. blocks.*.hook_resid_post")
+    hooks: list[str] = Field(
+        min_length=1, max_length=MAX_HOOKS, description="hook names or glob patterns, e.g. blocks.*.hook_resid_post"
+    )
     format: Literal["json", "safetensors_base64"] = "json"
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
 
@@ -144,7 +150,7 @@ class ResidualSpec(Strict):
 class Edits(Strict):
     """Interventions and residual ablation, accepted by /v1/generate, /v1/activations, /v1/next-token."""
 
-    interventions: list[InterventionSpec] | None = None
+    interventions: list[InterventionSpec] | None = Field(default=None, max_length=MAX_INTERVENTIONS)
     residual: ResidualSpec | None = None
 
     def edit_spec(self, n_layer: int, directions: Directions | None = None) -> EditSpec | None:
@@ -331,7 +337,9 @@ class GradientsRequest(Edits):
     prompt: str | None = None
     input_ids: list[int] | None = None
     metric: MetricSpec
-    hooks: list[str] = Field(min_length=1, description="hook names or globs, e.g. blocks.*.hook_resid_pre")
+    hooks: list[str] = Field(
+        min_length=1, max_length=MAX_HOOKS, description="hook names or globs, e.g. blocks.*.hook_resid_pre"
+    )
     format: Literal["json", "safetensors"] = Field(default="json", description="safetensors: the answer is a file")
 
     def hook_names(self, n_layer: int) -> list[str]:
@@ -394,24 +402,32 @@ class CompletionRequest(BaseModel):
     seed: int | None = None
     stream_options: StreamOptions | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, body: Any) -> Any:
+        """OpenAI allows null for `n`, `stream` and `echo`: their default."""
+        if not isinstance(body, dict):
+            return body
+        return {k: v for k, v in body.items() if v is not None or k not in ("n", "stream", "echo")}
+
     def check(self) -> None:
         """Refuse unimplemented fields whose value would change the result, `n` and `logprobs` out of
         range, and a `model` name that is not valid Unicode (it could not be echoed back)."""
         if self.model is not None:
             valid_text(self.model, "model")
         extra = self.model_extra or {}
-        neutral: dict[str, Any] = {
+        neutral: dict[str, Any] = {  # null is OpenAI's default for each: not set
             "presence_penalty": 0,
             "frequency_penalty": 0,
             "repetition_penalty": 1,
-            "logit_bias": None,
-            "suffix": None,
+            "logit_bias": {},
+            "suffix": "",
             "min_tokens": 0,
             "use_beam_search": False,
         }
         for name, value in neutral.items():
-            given = extra.get(name, value)
-            if given != value and not (value is None and given in ({}, "")):
+            given = extra.get(name)
+            if given is not None and given != value:
                 raise GenerationError(f"{name}={given!r} is not supported by this server", name)
         best_of = extra.get("best_of")
         if best_of is not None and (not isinstance(best_of, int) or isinstance(best_of, bool) or best_of != self.n):

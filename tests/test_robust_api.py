@@ -18,7 +18,9 @@ from contract import ACTS, CMPL, GEN, NEXT, Bad, assert_error
 from fastapi.testclient import TestClient
 from inprocess import assert_still_serving, post_ok, serve, wrap_forward_passes
 
+from model.hooks import hook_names
 from model.loading import LoadedModel
+from server.schemas import MAX_HOOKS, MAX_INTERVENTIONS
 
 ANALYZE, TOKENIZE = "/v1/analyze", "/tokenize"
 SURROGATE = "a\udc80b"  # a lone low surrogate: valid JSON ("\udc80"), not valid Unicode
@@ -157,6 +159,40 @@ def test_empty_heads_or_positions_leave_the_run_unchanged(client: TestClient, pa
     assert post_ok(client, path, request | {"interventions": [z_edit(heads=[0, 1, 2, 3])]})[RESULT[path]] != plain
     error = assert_error(client.post(path, json=request | {"interventions": [z_edit(layers=[1])]}), 400)
     assert "no hook point in layers [1]" in error["message"]
+
+
+# --- lists the server expands before any model work are bounded -----------------------------------
+
+GRADIENTS = "/v1/gradients"
+
+
+def capped_lists(n_hooks: int, n_edits: int) -> list[tuple[str, dict[str, Any], str, str]]:
+    """Requests with `n_hooks` hook names and `n_edits` interventions: (path, body, param, field)."""
+    hooks, edits = ["hook_embed"] * n_hooks, [{"hook": "hook_embed", "op": "zero"}] * n_edits
+    gradients = {"input_ids": [464, 3797], "metric": {"type": "loss"}}
+    return [
+        (GEN, {"input_ids": [464], "max_new_tokens": 0, "activations": {"hooks": hooks}}, "activations", "hooks"),
+        (ACTS, {"input_ids": [464], "activations": {"hooks": hooks}}, "activations", "hooks"),
+        (GRADIENTS, gradients | {"hooks": hooks}, "hooks", "hooks"),
+        (NEXT, {"input_ids": [464], "interventions": edits}, "interventions", "interventions"),
+        (GRADIENTS, gradients | {"hooks": ["hook_embed"], "interventions": edits}, "interventions", "interventions"),
+    ]
+
+
+def test_hook_and_intervention_lists_over_their_caps_are_400s(client: TestClient) -> None:
+    """100,000 globs once held the event loop for 19 s: a list over its cap is refused before any is read."""
+    for path, body, param, field in capped_lists(MAX_HOOKS + 1, MAX_INTERVENTIONS + 1):
+        error = assert_error(client.post(path, json=body), 400, param)
+        cap = MAX_HOOKS if field == "hooks" else MAX_INTERVENTIONS
+        assert f"{field}: List should have at most {cap} items" in error["message"], error
+        assert_still_serving(client)
+
+
+def test_hook_and_intervention_lists_at_their_caps_are_served(client: TestClient) -> None:
+    """The caps are above gpt2-xl's hook count, so that listing every hook by name works for every model."""
+    assert len(hook_names(48)) < MAX_HOOKS
+    for path, body, _, _ in capped_lists(MAX_HOOKS, MAX_INTERVENTIONS):
+        assert client.post(path, json=body).status_code == 200, (path, body.keys())
 
 
 # --- non-finite activations ------------------------------------------------------------------------

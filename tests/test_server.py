@@ -492,6 +492,58 @@ def test_completions_stream_echo_logprobs(client: TestClient) -> None:
     assert token_logprobs == pytest.approx(whole["logprobs"]["token_logprobs"])
 
 
+@pytest.mark.parametrize("echo", [False, True])
+def test_completions_text_offsets_streamed_equal_whole(client: TestClient, loaded: LoadedModel, echo: bool) -> None:
+    """text_offset: where each token starts in the choice's text (the prompt's counted, echoed or not), the
+    length of what the tokens before it decode to. The second prompt ends in half a character (the byte
+    0xE2 of "€"), which the first generated token may complete."""
+    tokenizer = loaded.tokenizer
+    lead_byte = next(i for i in range(256) if tokenizer.token_bytes(i) == b"\xe2")
+    prompts = [ids_of(loaded, PROMPTS[3]), [*ids_of(loaded, "Hi"), lead_byte]]
+    request = {"prompt": prompts, "max_tokens": 4, "temperature": 0, "logprobs": 0, "echo": echo}
+    whole = post_ok(client, CMPL, request)["choices"]
+    for prompt, choice in zip(prompts, whole, strict=True):
+        generated = greedy(loaded, prompt, 4).token_ids
+        if echo:
+            ids = prompt + generated
+            expected = [len(tokenizer.decode(ids[:i])) for i in range(len(ids))]
+        else:
+            start = len(tokenizer.decode(prompt))
+            expected = [start + len(tokenizer.decode(generated[:i])) for i in range(len(generated))]
+        assert choice["logprobs"]["text_offset"] == expected
+    chunks = [c["choices"][0] for c in sse_events(client.post(CMPL, json={**request, "stream": True}).text)]
+    for choice in whole:
+        mine = [c["logprobs"] for c in chunks if c["index"] == choice["index"] and c["logprobs"]]
+        assert [x for lp in mine for x in lp["text_offset"]] == choice["logprobs"]["text_offset"]
+
+
+def test_completions_null_is_the_default(client: TestClient) -> None:
+    """OpenAI's default for these fields is null: sent, it means "not set"."""
+    request = {"prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0}
+    penalties = ["presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "use_beam_search"]
+    others = ["logit_bias", "suffix", "best_of", "n", "echo", "stream", "logprobs", "stop", "seed", "stream_options"]
+    nulls = dict.fromkeys([*penalties, *others])
+    plain, with_nulls = post_ok(client, CMPL, request), post_ok(client, CMPL, request | nulls)
+    assert with_nulls["choices"] == plain["choices"] and with_nulls["usage"] == plain["usage"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("repetition_penalty", 1.2),  # not implemented: any value but the neutral one (or null) is refused
+        ("min_tokens", 2),
+        ("use_beam_search", True),
+        ("n", "2"),  # null is accepted, other types are not
+        ("echo", 1),
+        ("stream", "yes"),
+    ],
+)
+def test_completions_refuse_other_values(client: TestClient, field: str, value: Any) -> None:
+    error = assert_error(client.post(CMPL, json={"prompt": "Hi", "max_tokens": 1, field: value}), 400, field)
+    assert field in error["message"]
+    assert_still_serving(client)
+
+
 # --- metrics and request ids ----------------------------------------------------------------------
 
 

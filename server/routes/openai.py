@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -94,10 +94,9 @@ class _Reply:
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
-    def _logprobs(self, entries: list[TokenLogprob | None], ids: list[int], offset: int) -> dict[str, Any]:
-        """OpenAI's logprobs object over tokens `ids` (`entries[i]` None where there is no logprob)."""
-        decode = self.engine.tokenizer.decode
-        offsets = [offset + len(decode(ids[:i])) for i in range(len(ids))]  # where each token starts in the text
+    def _logprobs(self, entries: list[TokenLogprob | None], ids: list[int], offsets: _TextOffsets) -> dict[str, Any]:
+        """OpenAI's logprobs object over tokens `ids`, the next ones of the choice whose `offsets` these are
+        (`entries[i]` None where there is no logprob)."""
         top: list[dict[str, float] | None] = []
         for lp in entries:
             if lp is None:
@@ -108,7 +107,7 @@ class _Reply:
             "tokens": [self._token(t) for t in ids],
             "token_logprobs": [None if lp is None else lp.logprob for lp in entries],
             "top_logprobs": top,
-            "text_offset": offsets,
+            "text_offset": offsets.take(ids),
         }
 
     def choice(self, i: int, c: Completion) -> dict[str, Any]:
@@ -121,7 +120,8 @@ class _Reply:
             if echo:
                 entries = list(c.prompt_logprobs or [None] * len(c.prompt_ids)) + entries
                 ids = c.prompt_ids + ids
-            logprobs = self._logprobs(entries, ids, 0 if echo else len(prompt_text))
+            offsets = _TextOffsets(self.engine.tokenizer.decode, 0 if echo else len(prompt_text))
+            logprobs = self._logprobs(entries, ids, offsets)
         return {
             "index": i,
             "text": (prompt_text if echo else "") + c.text,
@@ -146,16 +146,17 @@ class _Reply:
 
     async def stream(self, streams: list[RequestStream]) -> AsyncIterator[dict[str, Any]]:
         index = {id(s): i for i, s in enumerate(streams)}
-        echoed: set[int] = set()
+        offsets: dict[int, _TextOffsets] = {}  # per choice, from its first event on
         async for stream, event in merged(streams):
             i = index[id(stream)]
-            if self.req.echo and i not in echoed:
-                echoed.add(i)
-                yield self._envelope([await run_in_threadpool(self._echo_chunk, i, stream)])
+            if (self.req.echo or self.req.logprobs is not None) and i not in offsets:
+                offsets[i], echoed = await run_in_threadpool(self._prompt, i, stream)
+                if echoed is not None:
+                    yield self._envelope([echoed])
             if event is not None:
                 logprobs = None
                 if self.req.logprobs is not None and event.logprob is not None:
-                    logprobs = self._logprobs([event.logprob], [event.token_id], 0)
+                    logprobs = self._logprobs([event.logprob], [event.token_id], offsets[i])
                 yield self._envelope([{"index": i, "text": event.text, "logprobs": logprobs, "finish_reason": None}])
             else:
                 assert stream.completion is not None
@@ -165,11 +166,38 @@ class _Reply:
             done = [s.completion for s in streams if s.completion is not None]
             yield self._envelope([]) | {"usage": self._usage(done)}
 
-    def _echo_chunk(self, i: int, stream: RequestStream) -> dict[str, Any]:
-        """The prompt as the first chunk of choice i (decoding each prefix of it: call it on a worker thread)."""
-        logprobs = None
+    def _prompt(self, i: int, stream: RequestStream) -> tuple[_TextOffsets, dict[str, Any] | None]:
+        """Choice i's text offsets past its prompt and, with echo, the prompt as its first chunk (decoding
+        the prompt: call it on a worker thread)."""
+        decode = self.engine.tokenizer.decode
+        text = decode(stream.prompt)
+        if not self.req.echo:
+            return _TextOffsets(decode, len(text)), None
+        offsets, logprobs = _TextOffsets(decode), None
         if self.req.logprobs is not None:
             entries = stream.prompt_logprobs or [None] * len(stream.prompt)
-            logprobs = self._logprobs(list(entries), stream.prompt, 0)
-        text = self.engine.tokenizer.decode(stream.prompt)
-        return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": None}
+            logprobs = self._logprobs(list(entries), stream.prompt, offsets)
+        return offsets, {"index": i, "text": text, "logprobs": logprobs, "finish_reason": None}
+
+
+class _TextOffsets:
+    """OpenAI's `text_offset` of a choice's tokens, one after another: where each starts in the text, that
+    is the length of the text the tokens before it decode to, after `start` characters. Decodes only the
+    tokens since the last whole character (where the text of the tokens so far splits exactly), so that a
+    token costs the same at any length and a stream's offsets equal the whole answer's."""
+
+    def __init__(self, decode: Callable[[list[int]], str], start: int = 0) -> None:
+        self._decode = decode
+        self._whole = start  # characters up to the last whole character
+        self._tail: list[int] = []  # the tokens since then
+
+    def take(self, ids: list[int]) -> list[int]:
+        """The offsets of the next tokens, `ids`."""
+        offsets = []
+        for token_id in ids:
+            tail = self._decode(self._tail)
+            offsets.append(self._whole + len(tail))
+            if not tail.endswith("\ufffd"):  # no unfinished multi-byte character: a safe place to split
+                self._whole, self._tail = self._whole + len(tail), []
+            self._tail.append(token_id)
+        return offsets
