@@ -215,9 +215,10 @@ class FeatureCapture(Strict):
                         f"{where}features: {f} is out of range 0..{d_sae - 1} (SAE {self.sae!r})", f"{where}features"
                     )
             return None, list(self.features)
-        if not 1 <= self.top_k <= min(d_sae, 1024):
-            raise GenerationError(f"{where}top_k must be in 1..{min(d_sae, 1024)}, got {self.top_k}", f"{where}top_k")
-        return self.top_k, None
+        top_k = self.top_k if "top_k" in self.model_fields_set else min(self.top_k, d_sae)  # default: 10 at most
+        if not 1 <= top_k <= min(d_sae, 1024):
+            raise GenerationError(f"{where}top_k must be in 1..{min(d_sae, 1024)}, got {top_k}", f"{where}top_k")
+        return top_k, None
 
 
 class GenerateRequest(Edits):

@@ -421,3 +421,18 @@ def test_features_that_are_not_finite(tiny: Checkpoint, tokenizer_dir: Path, tmp
         assert r.status_code == 400 and r.json()["error"]["param"] == "interventions", r.text
         assert "inf or NaN" in r.json()["error"]["message"]
         assert len(post(c, "/v1/features", {"input_ids": IDS[:4], "sae": "cnr", "top_k": 2})["features"]) == 4
+
+
+def test_the_default_top_k_fits_a_small_sae(tiny: Checkpoint, tokenizer_dir: Path, tmp_path: Path) -> None:
+    """top_k defaults to 10, or to the SAE's size where it has fewer features; a top_k given beyond the size
+    is still a 400."""
+    small = write_sae(tmp_path / "small", hook=RES, d_in=64, d_sae=4, seed=3)
+    with TestClient(
+        create_app(Settings(sae=(f"small={small}",)), loaded=load(tiny.path, tokenizer_dir=tokenizer_dir))
+    ) as c:
+        rows = post(c, "/v1/features", {"input_ids": IDS[:3], "sae": "small"})["features"]
+        assert len(rows) == 3 and all(len(r["features"]) <= 4 for r in rows)
+        body = {"input_ids": IDS[:3], "max_new_tokens": 1, "temperature": 0, "features": {"sae": "small"}}
+        assert len(post(c, "/v1/generate", body)["choices"][0]["features"]) == 4
+        r = c.post("/v1/features", json={"input_ids": IDS[:3], "sae": "small", "top_k": 5})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "top_k", r.text
