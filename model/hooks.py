@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -101,16 +102,22 @@ def describe_hook_names(n_layer: int) -> str:
     return ", ".join([*_FIRST, *(f"blocks.{layers}.{site}" for site, _ in _BLOCK_SITES), *_LAST])
 
 
-def match_hooks(pattern: str, n_layer: int) -> list[str]:
+@functools.lru_cache(maxsize=4096)  # a request may repeat a pattern a thousand times: each is matched once
+def match_hooks(pattern: str, n_layer: int) -> tuple[str, ...]:
     """The hook names an exact name or a glob (`blocks.*.hook_resid_post`, `*`) stands for, in model order.
     A glob matches an optional hook only if it spells its site out (`blocks.*.attn.hook_result`)."""
     if not _is_glob(pattern):
-        return [pattern] if pattern in hook_names(n_layer) else []
-    return [
+        return (pattern,) if pattern in _hook_name_set(n_layer) else ()
+    return tuple(
         n
         for n in hook_names(n_layer)
         if fnmatch.fnmatchcase(n, pattern) and (not is_optional(n) or n.rsplit(".", 1)[-1] in pattern)
-    ]
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _hook_name_set(n_layer: int) -> frozenset[str]:
+    return frozenset(hook_names(n_layer))
 
 
 def select_hooks(patterns: list[str] | tuple[str, ...], n_layer: int) -> list[str]:

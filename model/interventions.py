@@ -107,7 +107,7 @@ class Interventions:
         self._targets: dict[str, list[_Target]] = {}
         for i, edit in enumerate(edits):
             where = f"edit {i} ({edit.hook!r})"
-            names = match_hooks(edit.hook, config.n_layer) if isinstance(edit.hook, str) else []
+            names = list(match_hooks(edit.hook, config.n_layer)) if isinstance(edit.hook, str) else []
             if not names:
                 raise InterventionError(
                     f"{where} matches no hook point; valid names are {describe_hook_names(config.n_layer)}"
