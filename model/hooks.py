@@ -140,6 +140,7 @@ def select_hooks(patterns: list[str] | tuple[str, ...], n_layer: int) -> list[st
 
 _PER_HEAD_D_HEAD = ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z")
 _PER_HEAD_D_MODEL = ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input", "attn.hook_result")
+_PER_HEAD = _PER_HEAD_D_HEAD + _PER_HEAD_D_MODEL
 
 
 def site_shape(name: str, n_head: int, d_head: int, d_mlp: int, vocab_size: int) -> tuple[int, ...]:
@@ -163,7 +164,7 @@ def site_shape(name: str, n_head: int, d_head: int, d_mlp: int, vocab_size: int)
 
 def is_per_head(name: str) -> bool:
     """Hooks shaped [batch, pos, head, ...]."""
-    return name.endswith(_PER_HEAD_D_HEAD + _PER_HEAD_D_MODEL)
+    return name.endswith(_PER_HEAD)
 
 
 def has_one_vector_per_position(name: str) -> bool:
