@@ -84,22 +84,20 @@ class CausalSelfAttention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        x: torch.Tensor,
         cache: KVCache | PackedBatch | None,
         hooks: Hooks | None,
+        dx: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """`x`: the normalised stream [B, T, C], or one normalised input per head for each of the queries,
-        keys and values ([B, T, H, C] each; TransformerLens' split inputs, once one of them was edited)."""
+        """`x`: the normalised stream [B, T, C]. `dx`: with TransformerLens' per-head inputs, how much each
+        head's normalised input for its queries, keys and values differs from `x` ([B, T, H, C] each)."""
+        B, T, C = x.shape
         H, D = self.n_head, self.d_head
-        if isinstance(x, tuple):
-            B, T, _, C = x[0].shape
-            # head h's queries read its own copy of the stream: q[h] = x_q[h] W_Q[:, h] + b_Q[h], and so on
+        q, k, v = (t.view(B, T, H, D) for t in self.c_attn(x).split(C, dim=2))
+        if dx is not None:  # the projection is linear: q[h] = (x + dx_q[h]) W_Q[:, h] + b_Q[h], and so on
             w = self.c_attn.weight.view(C, 3, H, D)
-            b = self.c_attn.bias.view(3, H, D)
-            q, k, v = (torch.einsum("bthc,chd->bthd", x[i], w[:, i]) + b[i] for i in range(3))
-        else:
-            B, T, C = x.shape
-            q, k, v = (t.view(B, T, H, D) for t in self.c_attn(x).split(C, dim=2))
+            dq, dk, dv = (torch.einsum("bthc,chd->bthd", d, w[:, i]) for i, d in enumerate(dx))  # [B, T, H, D]
+            q, k, v = q + dq, k + dk, v + dv
         q = self.hook_q(q, hooks)  # [B, T, H, D]
         k = self.hook_k(k, hooks)
         v = self.hook_v(v, hooks)
@@ -184,7 +182,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache | PackedBatch | None, hooks: Hooks | None) -> torch.Tensor:
         resid_pre = self.hook_resid_pre(x, hooks)  # [B, T, C]
-        attn_out = self.hook_attn_out(self.attn(self._attn_input(resid_pre, hooks), cache, hooks), hooks)
+        normalized, dx = self._attn_input(resid_pre, hooks)  # ln_1(resid_pre) [B, T, C]; each head's own change
+        attn_out = self.hook_attn_out(self.attn(normalized, cache, hooks, dx), hooks)
         resid_mid = self.hook_resid_mid(resid_pre + attn_out, hooks)
         mlp_in = self.hook_mlp_in(resid_mid, hooks)  # the MLP's copy of the stream (an edit reaches only it)
         mlp_out = self.hook_mlp_out(self.mlp(self.ln_2(mlp_in, hooks), hooks), hooks)
@@ -193,22 +192,26 @@ class Block(nn.Module):
 
     def _attn_input(
         self, resid_pre: torch.Tensor, hooks: Hooks | None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`ln_1(resid_pre)` [B, T, C]; or, when TransformerLens' per-head inputs are asked for (`hook_attn_in`,
-        then `hook_q_input`, `hook_k_input`, `hook_v_input`, each [B, T, H, C]) and a hook changed one, each
-        path's input normalised on its own, so that the change reaches only its path."""
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+        """What the attention reads: `ln_1(resid_pre)` [B, T, C], with ln1's hooks; and, when TransformerLens'
+        per-head inputs are asked for (`hook_attn_in`, then `hook_q_input`, `hook_k_input`, `hook_v_input`,
+        each [B, T, H, C]), what each head's copy for its queries, keys and values changes in it, normalised on
+        its own: dx = ln_1(copy) - ln_1(resid_pre) [B, T, H, C]. That is 0 unless a hook edited the copy, so an
+        edit there reaches only its path; ln1's hooks act on the stream whatever else is asked for; and a
+        gradient reaches both."""
         per_path = (self.hook_q_input, self.hook_k_input, self.hook_v_input)
         if hooks is None or not any(hooks.active(h.name) for h in (self.hook_attn_in, *per_path)):
-            return self.ln_1(resid_pre, hooks)  # [B, T, C]
+            return self.ln_1(resid_pre, hooks), None
         B, T, C = resid_pre.shape
         copies = resid_pre[:, :, None].expand(B, T, self.attn.n_head, C)  # [B, T, H, C]
         attn_in = self.hook_attn_in(copies, hooks)
         inputs = [h(attn_in, hooks) for h in per_path]
         normalized = self.ln_1(resid_pre, hooks)  # [B, T, C]
-        if all(x is copies for x in inputs):  # untouched: every path reads the one normalised stream
-            return normalized
-        q, k, v = (self.ln_1(x) for x in inputs)
-        return q, k, v
+        if all(x is copies for x in inputs):  # handed back as they were (a capture): every dx is 0
+            return normalized, None
+        unedited = self.ln_1(copies)  # [B, T, H, C]: the same values as each input's, unless it was edited
+        dq, dk, dv = (self.ln_1(x) - unedited for x in inputs)
+        return normalized, (dq, dk, dv)
 
 
 class GPT(nn.Module):

@@ -21,6 +21,7 @@ import torch
 
 from ..config import GPTConfig
 from ..gpt import GPT
+from ..hooks import Hooks
 from ..interventions import EditSpec, InterventionError
 
 
@@ -124,6 +125,36 @@ class GradientHooks:
         return {n: torch.zeros_like(v) if g is None else g for n, v, g in zip(names, values, grads, strict=True)}
 
 
+# TransformerLens' per-head inputs, and ln1's hooks: in one layer, an edit of one kind and a gradient at the other
+# are refused (`check_split_inputs`), as edits of both are (`Interventions`)
+_HEAD_INPUTS = ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input")
+_LN1 = ("ln1.hook_scale", "ln1.hook_normalized")
+
+
+def check_split_inputs(names: list[str], edited: Hooks | None) -> None:
+    """Refuse (`InterventionError`, naming `hooks`) a gradient at a per-head input (`hook_q_input`, ...) where
+    `edited` (the edits' hooks) changes ln1's hooks in the same layer, or at ln1's hooks where it changes a
+    per-head input. The gradient at a hook is the first-order effect of an edit there, and edits of both in
+    one layer have no single meaning: an edited per-head input is normalised on its own path, apart from
+    ln1's hooks, which act on the stream itself."""
+    if edited is None:
+        return
+    for name in names:
+        parts = name.split(".", 2)  # ["blocks", "L", site]
+        if parts[0] != "blocks" or parts[2] not in (*_HEAD_INPUTS, *_LN1):
+            continue
+        layer = f"blocks.{parts[1]}."
+        others = _LN1 if parts[2] in _HEAD_INPUTS else _HEAD_INPUTS
+        clash = [layer + site for site in others if edited.active(layer + site)]
+        if clash:
+            raise InterventionError(
+                f"a gradient at {name} and an edit of {clash[0]} cannot be combined: an edited per-head input "
+                "is normalised on its own path, apart from ln1's hooks (edits of both in one layer are refused "
+                "too); ask for the gradient in another layer, or at hook_resid_pre",
+                "hooks",
+            )
+
+
 @dataclass(frozen=True)
 class Gradients:
     metric: float  # the metric's value on the run
@@ -132,9 +163,11 @@ class Gradients:
 
 def gradients(model: GPT, ids: list[int], metric: Metric, names: list[str], edits: EditSpec | None = None) -> Gradients:
     """One forward pass over `ids` (with `edits`: interventions, residual ablation) and one backward pass:
-    the metric and its gradient at each hook point of `names`. Builds a graph even where the caller runs
-    under `torch.inference_mode` (the engine's thread); the parameters' `.grad` are left untouched."""
+    the metric and its gradient at each hook point of `names` (`check_split_inputs` says what is refused).
+    Builds a graph even where the caller runs under `torch.inference_mode` (the engine's thread); the
+    parameters' `.grad` are left untouched."""
     check_metric(metric, len(ids), model.config.vocab_size)
+    check_split_inputs(names, edits.hooks(model.config, len(ids)) if edits is not None else None)
     with torch.inference_mode(False), torch.enable_grad():
         capture = GradientHooks(names)
         hooks = edits.hooks(model.config, len(ids), then=capture) if edits is not None else capture
