@@ -318,6 +318,10 @@ def new_sequence(
     if tokenizer is None and params.stop:
         raise GenerationError("stop strings need a tokenizer", "stop")
     ids = validate_prompt(model, prompt, params.max_new_tokens)
+    vocab = model.config.vocab_size
+    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+    if bad:
+        raise GenerationError(f"stop token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "stop_token_ids")
     capture = Capture(hook_names) if hook_names else None
     edit_hooks = edits.hooks(model.config, len(ids) + params.max_new_tokens) if edits is not None else None
     parts = [h for h in (edit_hooks, capture) if h is not None]

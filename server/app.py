@@ -107,7 +107,7 @@ def _start_engine(loaded: LoadedModel, settings: Settings, metrics: Metrics) -> 
         "serving %s (%s, %s): %d sequences at once, KV cache %.1f MiB, engine ready in %.1f s",
         loaded.name,
         loaded.device,
-        str(loaded.dtype).removeprefix("torch."),
+        str(loaded.dtype).removeprefix("torch.") + (f", {loaded.quantization} weights" if loaded.quantization else ""),
         settings.max_batch_size,
         engine.kv_cache_bytes / 2**20,
         time.perf_counter() - start,

@@ -220,7 +220,7 @@ class Engine:
             if self._stopping:
                 raise EngineStopped("the server is shutting down")
             if len(self._waiting) + len(requests) > self.max_queue:
-                raise QueueFull(f"{len(self._waiting)} requests are waiting (the limit is {self.max_queue})")
+                raise QueueFull(f"{len(self._waiting)} sequences are waiting (the limit is {self.max_queue})")
             self._waiting.extend(requests)
             self.metrics.queue_depth.set(len(self._waiting))
             self._cv.notify()

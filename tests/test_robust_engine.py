@@ -316,3 +316,15 @@ def test_too_many_or_too_long_stop_strings_are_a_400(loaded: LoadedModel) -> Non
         body = post_ok(c, GEN, {"prompt": "Hi", "max_new_tokens": 2, "stop": [f"s{i}" for i in range(16)]})
         assert body["choices"][0]["finish_reason"] in ("length", "stop", "eos")
         assert_still_serving(c)
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_a_400(loaded: LoadedModel) -> None:
+    vocab = loaded.model.config.vocab_size
+    with serve(loaded) as c:
+        for bad in (-5, vocab, 10**30):
+            body = {"prompt": "Hi", "max_new_tokens": 2, "stop_token_ids": [1, bad]}
+            error = assert_error(c.post(GEN, json=body), 400, "stop_token_ids")
+            assert f"stop token id {bad} is outside the vocabulary" in error["message"]
+        body = post_ok(c, GEN, {"prompt": "Hi", "max_new_tokens": 2, "stop_token_ids": [0, vocab - 1]})
+        assert len(body["choices"][0]["token_ids"]) <= 2
+        assert_still_serving(c)
