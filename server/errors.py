@@ -4,6 +4,7 @@ never carries a traceback (it is logged with the request id instead)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -94,6 +95,11 @@ def install_error_handlers(app: FastAPI) -> None:
             )
         if not loc:
             return error_response(400, _body_problem(first.get("type"), request.headers.get("content-type")))
+        forms = _union_forms(e.errors())
+        if forms is not None:
+            path, tried = forms
+            message = f"{'.'.join(path)}: fits none of the forms it takes ({', '.join(tried)})"
+            return error_response(400, message, path[0])
         return error_response(400, f"{'.'.join(loc)}: {first.get('msg', 'invalid value')}", loc[0])
 
     @app.exception_handler(StarletteHTTPException)
@@ -110,6 +116,23 @@ def install_error_handlers(app: FastAPI) -> None:
         request_id = request.scope.get("state", {}).get("request_id", "?")
         log.exception("internal error (request %s)", request_id, exc_info=e)
         return error_response(500, f"internal server error (request id {request_id})")
+
+
+def _union_forms(errors: Sequence[Any]) -> tuple[list[str], list[str]] | None:
+    """Where the first error is one of a union's branches (pydantic puts the branch's name in the path,
+    `prompt.list[int].0`), the field's path and the branches tried, in order; else None."""
+    paths = [[str(part) for part in error.get("loc", ()) if part != "body"] for error in errors]
+    first = paths[0]
+    for i in range(1, len(first)):
+        tried = list(dict.fromkeys(p[i] for p in paths if len(p) > i and p[:i] == first[:i]))
+        if len(tried) > 1 and all(_is_type_name(t) for t in tried):
+            return first[:i], tried
+    return None
+
+
+def _is_type_name(part: str) -> bool:
+    """A union branch's name in an error's path (`str`, `list[int]`, `DumpValue`), not a field's (`hook`)."""
+    return "[" in part or part in ("str", "int", "float", "bool") or part[:1].isupper()
 
 
 def _body_problem(error_type: str | None, content_type: str | None) -> str:

@@ -106,6 +106,17 @@ CASES = [
         "interventions",
         "logits non-finite",
     ),
+    # a value that fits none of a field's forms: the message lists the forms, not pydantic's branch names
+    case("prompt-of-bools", CMPL, {"prompt": [True, False]}, "prompt", "prompt: fits none of the forms it takes (str,"),
+    case("ids-of-floats", GEN, {"input_ids": [1.0]}, "input_ids", "(list[int], list[list[int]])"),
+    case(
+        "edit-value-too-big",
+        NEXT,
+        {"prompt": "Hi", "interventions": [{"hook": "hook_embed", "op": "add", "value": 10**400}]},
+        "interventions",
+        "interventions.0.value: fits none of the forms it takes (float, list[any], DumpValue)",
+    ),
+    case("two-bad-fields", GEN, {"prompt": "Hi", "interventions": [{"hook": 1, "op": 2}]}, "interventions", "hook:"),
     # the OpenAI route names its own fields
     case(
         "openai-beyond-context", CMPL, {"prompt": [464] * 100, "max_tokens": 60}, "max_tokens", "plus max_tokens (60)"
