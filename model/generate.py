@@ -600,9 +600,11 @@ class DecodeBatch:
         for seq, row, best, ok in zip(seqs, logits, argmax, finite, strict=True):
             try:
                 if not ok:
+                    edited = seq.hooks is not None and seq.hooks is not seq.capture
                     raise GenerationError(
                         f"the logits became non-finite (inf or NaN) at generated token {len(seq.tokens) + 1}: "
-                        "the activations overflowed (interventions with large factors or values can do this)"
+                        "the activations overflowed (interventions with large factors or values can do this)",
+                        "interventions" if edited else None,
                     )
                 out.append((seq, seq.accept(row, best)))
             except Exception as e:  # this row's problem: the others go on

@@ -100,7 +100,8 @@ def install_error_handlers(app: FastAPI) -> None:
             path, tried = forms
             message = f"{'.'.join(path)}: fits none of the forms it takes ({', '.join(tried)})"
             return error_response(400, message, path[0])
-        return error_response(400, f"{'.'.join(loc)}: {first.get('msg', 'invalid value')}", loc[0])
+        message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")  # a validator's own words
+        return error_response(400, f"{'.'.join(loc)}: {message}", loc[0])
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:

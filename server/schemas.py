@@ -8,7 +8,7 @@ import math
 from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from model.generate import SEED_RANGE, GenerationError, SamplingParams
 from model.hooks import UnknownHookError, select_hooks
@@ -260,7 +260,14 @@ class ActivationsRequest(GenerateRequest):
     input_ids: PromptIds | None = None
     max_new_tokens: int = 0
     activations: ActivationSpec = Field(default_factory=lambda: ActivationSpec(hooks=["*"]))
-    features: None = Field(default=None, description="not here: /v1/generate or /v1/features give features")
+    features: Any = Field(default=None, description="not here: /v1/generate or /v1/features give features")
+
+    @field_validator("features")
+    @classmethod
+    def _no_features(cls, value: Any) -> None:
+        if value is not None:
+            raise ValueError("not taken here: /v1/generate (a capture) or /v1/features give an SAE's features")
+        return None
 
 
 class NextTokenRequest(Edits):

@@ -117,6 +117,7 @@ CASES = [
         "interventions.0.value: fits none of the forms it takes (float, list[any], DumpValue)",
     ),
     case("two-bad-fields", GEN, {"prompt": "Hi", "interventions": [{"hook": 1, "op": 2}]}, "interventions", "hook:"),
+    case("activations-features", ACTS, {"prompt": "Hi", "features": {"sae": "x"}}, "features", "features: not taken"),
     # the OpenAI route names its own fields
     case(
         "openai-beyond-context", CMPL, {"prompt": [464] * 100, "max_tokens": 60}, "max_tokens", "plus max_tokens (60)"

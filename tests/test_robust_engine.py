@@ -73,7 +73,7 @@ def test_edits_that_blow_up_the_logits_are_a_400(loaded: LoadedModel, temperatur
             bad = {"prompt": "Hi", "max_new_tokens": 5, "temperature": temperature, "interventions": [blow_up]}
             blown = pool.submit(c.post, GEN, json=bad)
             wait_until(lambda: engine.metrics.registry.get_sample_value("gpt2_queue_depth") == 2)
-        error = assert_error(blown.result(30), 400)
+        error = assert_error(blown.result(30), 400, "interventions")
         assert "logits became non-finite" in error["message"] and "interventions" in error["message"]
         assert plain.result(30).json()["choices"][0]["token_ids"] == want
         assert_still_serving(c)
@@ -89,6 +89,7 @@ def test_edits_that_blow_up_a_stream_end_it_with_a_client_error(loaded: LoadedMo
         events = sse_events(r.text)
         error = events[-1]["error"]
         assert error["type"] == "invalid_request_error" and "logits became non-finite" in error["message"]
+        assert error["param"] == "interventions"
         assert_still_serving(c)
 
 
