@@ -59,6 +59,21 @@ class NamedVector(Strict):
     vector: str
 
 
+# The fields each op reads, besides hook, layers, heads and positions; any other given is a 400, not ignored.
+_OP_FIELDS: dict[str, tuple[str, ...]] = {
+    "all": ("factor", "value", "scale", "direction", "norm_match", "sae", "feature"),
+    "zero": (),
+    "mean": (),
+    "scale": ("factor",),
+    "add": ("value",),
+    "set": ("value",),
+    "steer": ("scale", "direction", "norm_match"),
+    "orthogonal": ("direction",),
+    "projection_cap": ("direction", "value"),
+    "clamp": ("sae", "feature", "value"),
+}
+
+
 class InterventionSpec(Strict):
     hook: str = Field(description="hook name or glob, e.g. blocks.3.hook_attn_out or blocks.*.attn.hook_z")
     op: Literal["zero", "mean", "scale", "add", "set", "steer", "orthogonal", "projection_cap", "clamp"]
@@ -79,6 +94,14 @@ class InterventionSpec(Strict):
     feature: int | None = Field(default=None, description="for clamp: the feature of that SAE")
 
     def edit(self, directions: Directions | None = None, where: str = "interventions") -> Edit:
+        given = [f for f in _OP_FIELDS["all"] if getattr(self, f) not in (None, False)]
+        stray = [f for f in given if f not in _OP_FIELDS[self.op]]
+        if stray:
+            takes = ", ".join(_OP_FIELDS[self.op]) or "none of them"
+            raise InterventionError(
+                f"{where}.{stray[0]} does not apply to {self.op} (of {', '.join(_OP_FIELDS['all'])} it takes {takes})",
+                "interventions",
+            )
         if self.op in STEERING_OPS:
             return self._steering_edit(directions or Directions(), where)
         value = None

@@ -117,6 +117,20 @@ CASES = [
         "interventions.0.value: fits none of the forms it takes (float, list[any], DumpValue)",
     ),
     case("two-bad-fields", GEN, {"prompt": "Hi", "interventions": [{"hook": 1, "op": 2}]}, "interventions", "hook:"),
+    case(
+        "edit-field-its-op-ignores",
+        NEXT,
+        {"prompt": "Hi", "interventions": [z_edit(), {"hook": "hook_embed", "op": "zero", "factor": 2.0}]},
+        "interventions",
+        "interventions[1].factor does not apply to zero",
+    ),
+    case(
+        "clamp-with-a-direction",
+        NEXT,
+        {"prompt": "Hi", "interventions": [{"hook": "hook_embed", "op": "clamp", "direction": [1.0], "value": 1.0}]},
+        "interventions",
+        "interventions[0].direction does not apply to clamp (of factor, value, scale, direction, norm_match, sae,",
+    ),
     case("activations-features", ACTS, {"prompt": "Hi", "features": {"sae": "x"}}, "features", "features: not taken"),
     # the OpenAI route names its own fields
     case(
