@@ -95,11 +95,9 @@ def install_error_handlers(app: FastAPI) -> None:
             )
         if not loc:
             return error_response(400, _body_problem(first.get("type"), request.headers.get("content-type")))
-        forms = _union_forms(e.errors())
-        if forms is not None:
-            path, tried = forms
-            message = f"{'.'.join(path)}: fits none of the forms it takes ({', '.join(tried)})"
-            return error_response(400, message, path[0])
+        union = _union_error(e.errors())
+        if union is not None:
+            return error_response(400, union, loc[0])
         message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")  # a validator's own words
         return error_response(400, f"{'.'.join(loc)}: {message}", loc[0])
 
@@ -119,15 +117,26 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(500, f"internal server error (request id {request_id})")
 
 
-def _union_forms(errors: Sequence[Any]) -> tuple[list[str], list[str]] | None:
+def _union_error(errors: Sequence[Any]) -> str | None:
     """Where the first error is one of a union's branches (pydantic puts the branch's name in the path,
-    `prompt.list[int].0`), the field's path and the branches tried, in order; else None."""
+    `prompt.list[int].0`): for an object given where objects are among the forms, the first error of the
+    object form it came closest to (`direction.feature: Field required`); else the forms it fits none of.
+    None where the first error is not in a union."""
     paths = [[str(part) for part in error.get("loc", ()) if part != "body"] for error in errors]
     first = paths[0]
     for i in range(1, len(first)):
-        tried = list(dict.fromkeys(p[i] for p in paths if len(p) > i and p[:i] == first[:i]))
-        if len(tried) > 1 and all(_is_type_name(t) for t in tried):
-            return first[:i], tried
+        under = [(p, e) for p, e in zip(paths, errors, strict=True) if len(p) > i and p[:i] == first[:i]]
+        tried = list(dict.fromkeys(p[i] for p, _ in under))
+        if len(tried) < 2 or not all(_is_type_name(t) for t in tried):
+            continue
+        field = ".".join(first[:i])
+        given_object = any(len(p) == i + 1 and isinstance(e.get("input"), dict) for p, e in under)
+        objects = [t for t in tried if t[:1].isupper()]  # the model forms
+        if given_object and objects:
+            closest = min(objects, key=lambda t: sum(p[i] == t for p, _ in under))
+            p, e = next((p, e) for p, e in under if p[i] == closest)
+            return f"{'.'.join([field, *p[i + 1 :]])}: {e.get('msg', 'invalid value')}"
+        return f"{field}: fits none of the forms it takes ({', '.join(tried)})"
     return None
 
 

@@ -8,7 +8,7 @@ import math
 from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from model.generate import SEED_RANGE, GenerationError, SamplingParams
 from model.hooks import UnknownHookError, select_hooks
@@ -27,12 +27,21 @@ MAX_HOOKS = 2048  # hook names or globs in one list: more than gpt2-xl's 1111 ho
 MAX_INTERVENTIONS = 1024  # edits in one request
 
 
+def _short_hook(name: str) -> str:
+    if len(name) > 256:  # (a length constraint in the type would refuse lone surrogates less clearly)
+        raise ValueError(f"a hook name or glob of {len(name)} characters: at most 256")
+    return name
+
+
+HookName = Annotated[str, AfterValidator(_short_hook)]  # a name or glob (the longest real name has 31 characters)
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class ActivationSpec(Strict):
-    hooks: list[str] = Field(
+    hooks: list[HookName] = Field(
         min_length=1, max_length=MAX_HOOKS, description="hook names or glob patterns, e.g. blocks.*.hook_resid_post"
     )
     format: Literal["json", "safetensors_base64"] = "json"
@@ -75,7 +84,7 @@ _OP_FIELDS: dict[str, tuple[str, ...]] = {
 
 
 class InterventionSpec(Strict):
-    hook: str = Field(description="hook name or glob, e.g. blocks.3.hook_attn_out or blocks.*.attn.hook_z")
+    hook: HookName = Field(description="hook name or glob, e.g. blocks.3.hook_attn_out or blocks.*.attn.hook_z")
     op: Literal["zero", "mean", "scale", "add", "set", "steer", "orthogonal", "projection_cap", "clamp"]
     factor: float | None = Field(default=None, description="for scale")
     value: float | list[Any] | DumpValue | None = Field(
@@ -94,7 +103,7 @@ class InterventionSpec(Strict):
     feature: int | None = Field(default=None, description="for clamp: the feature of that SAE")
 
     def edit(self, directions: Directions | None = None, where: str = "interventions") -> Edit:
-        given = [f for f in _OP_FIELDS["all"] if getattr(self, f) not in (None, False)]
+        given = [f for f in _OP_FIELDS["all"] if getattr(self, f) is not None and getattr(self, f) is not False]
         stray = [f for f in given if f not in _OP_FIELDS[self.op]]
         if stray:
             takes = ", ".join(_OP_FIELDS[self.op]) or "none of them"
@@ -368,7 +377,7 @@ class GradientsRequest(Edits):
     prompt: str | None = None
     input_ids: list[int] | None = None
     metric: MetricSpec
-    hooks: list[str] = Field(
+    hooks: list[HookName] = Field(
         min_length=1, max_length=MAX_HOOKS, description="hook names or globs, e.g. blocks.*.hook_resid_pre"
     )
     format: Literal["json", "safetensors"] = Field(default="json", description="safetensors: the answer is a file")
@@ -558,7 +567,7 @@ class SteeringVectorRequest(Strict):
 
     positive: list[str] | list[list[int]] = Field(description="prompts (texts or token id lists)")
     negative: list[str] | list[list[int]]
-    hook: str = Field(description="a hook with one vector per position, e.g. blocks.6.hook_resid_pre")
+    hook: HookName = Field(description="a hook with one vector per position, e.g. blocks.6.hook_resid_pre")
     reduce: Literal["last", "mean"] = "last"
     name: str | None = Field(default=None, description="store the vector under this name, for later edits")
 

@@ -116,6 +116,30 @@ CASES = [
         "interventions",
         "interventions.0.value: fits none of the forms it takes (float, list[any], DumpValue)",
     ),
+    case(
+        "object-form-missing-a-field",
+        NEXT,
+        {
+            "prompt": "Hi",
+            "interventions": [{"hook": "hook_embed", "op": "steer", "scale": 1, "direction": {"sae": "a"}}],
+        },
+        "interventions",
+        "interventions.0.direction.feature: Field required",
+    ),
+    case(
+        "hook-name-too-long",
+        GEN,
+        {"prompt": "Hi", "activations": {"hooks": ["blocks.*" + "x" * 300]}},
+        "activations",
+        "characters: at most 256",
+    ),
+    case(
+        "edit-field-zero-its-op-ignores",
+        NEXT,
+        {"prompt": "Hi", "interventions": [{"hook": "hook_embed", "op": "zero", "factor": 0}]},
+        "interventions",
+        "interventions[0].factor does not apply to zero",
+    ),
     case("two-bad-fields", GEN, {"prompt": "Hi", "interventions": [{"hook": 1, "op": 2}]}, "interventions", "hook:"),
     case(
         "edit-field-its-op-ignores",

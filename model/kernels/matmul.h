@@ -862,9 +862,11 @@ inline Rows<I8> prepare(const float* x, int64_t M, int64_t K, std::vector<int16_
       amax = std::fabs(r[k]) > amax ? std::fabs(r[k]) : amax;
       any_nan = any_nan || std::isnan(r[k]);
     }
-    // A NaN in the row makes its scale NaN, so its outputs are NaN, as float32's would be (rounded to int16,
-    // NaN would become a plain number); an infinity does too (scale inf, every x rounded to 0: 0 * inf).
-    xs[m] = any_nan ? std::numeric_limits<float>::quiet_NaN() : amax > 0 ? amax / 32767.0f : 1.0f;
+    // A NaN or an infinity in the row makes its scale NaN, so its outputs are NaN, non-finite as float32's
+    // would be (rounded to int16, a NaN would become a plain number). A row whose largest |x| is below 1e-30
+    // counts as zero (scale 1, each x rounds to 0): its scale's inverse would overflow float32.
+    const bool finite = !any_nan && amax <= std::numeric_limits<float>::max();
+    xs[m] = !finite ? std::numeric_limits<float>::quiet_NaN() : amax > 1e-30f ? amax / 32767.0f : 1.0f;
     const float inv = 1.0f / xs[m];
     const __m256 scale = _mm256_set1_ps(inv);
     for (k = 0; k + 16 <= K; k += 16) {  // rounded to nearest, ties to even (as lrintf for finite x), to int16
