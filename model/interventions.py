@@ -84,6 +84,18 @@ def site_shape(name: str, config: GPTConfig) -> tuple[int, ...]:
 
 
 _SPLIT_INPUTS = ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input")
+_LN1 = ("ln1.hook_scale", "ln1.hook_normalized")
+
+
+def split_input_clashes(name: str) -> list[str]:
+    """The hook points of `name`'s layer whose edits cannot go with an edit at `name`: for a per-head input
+    (`hook_q_input`, ...), ln1's hooks, and the other way round (an edited per-head input is normalised on its
+    own path, apart from ln1's hooks, which act on the stream itself); none for any other hook."""
+    if not name.startswith("blocks."):
+        return []
+    layer, _, site = name.removeprefix("blocks.").partition(".")  # "L", site
+    others = _LN1 if site in _SPLIT_INPUTS else _SPLIT_INPUTS if site in _LN1 else ()
+    return [f"blocks.{layer}.{other}" for other in others]
 
 
 @dataclass
@@ -128,8 +140,7 @@ class Interventions:
         of ln_1's own hooks in the same layer would have no single stream to act on: refused."""
         for name in self._targets:
             if name.endswith(_SPLIT_INPUTS):
-                layer = name[: -len(name.rsplit(".", 1)[-1])]  # "blocks.L."
-                clash = [n for n in self._targets if n.startswith(layer + "ln1.")]
+                clash = [n for n in split_input_clashes(name) if n in self._targets]
                 if clash:
                     raise InterventionError(
                         f"edits of {name} and {clash[0]} cannot be combined: an edited per-head input is "

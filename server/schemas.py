@@ -68,9 +68,10 @@ class NamedVector(Strict):
     vector: str
 
 
-# The fields each op reads, besides hook, layers, heads and positions; any other given is a 400, not ignored.
+# The fields each op reads, of the op-specific ones (besides hook, layers, heads and positions, which every op
+# takes); any other given is a 400, not ignored.
+_OP_SPECIFIC = ("factor", "value", "scale", "direction", "norm_match", "sae", "feature")
 _OP_FIELDS: dict[str, tuple[str, ...]] = {
-    "all": ("factor", "value", "scale", "direction", "norm_match", "sae", "feature"),
     "zero": (),
     "mean": (),
     "scale": ("factor",),
@@ -103,12 +104,12 @@ class InterventionSpec(Strict):
     feature: int | None = Field(default=None, description="for clamp: the feature of that SAE")
 
     def edit(self, directions: Directions | None = None, where: str = "interventions") -> Edit:
-        given = [f for f in _OP_FIELDS["all"] if getattr(self, f) is not None and getattr(self, f) is not False]
+        given = [f for f in _OP_SPECIFIC if getattr(self, f) is not None and getattr(self, f) is not False]
         stray = [f for f in given if f not in _OP_FIELDS[self.op]]
         if stray:
             takes = ", ".join(_OP_FIELDS[self.op]) or "none of them"
             raise InterventionError(
-                f"{where}.{stray[0]} does not apply to {self.op} (of {', '.join(_OP_FIELDS['all'])} it takes {takes})",
+                f"{where}.{stray[0]} does not apply to {self.op} (of {', '.join(_OP_SPECIFIC)} it takes {takes})",
                 "interventions",
             )
         if self.op in STEERING_OPS:

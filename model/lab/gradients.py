@@ -22,7 +22,7 @@ import torch
 from ..config import GPTConfig
 from ..gpt import GPT
 from ..hooks import Hooks
-from ..interventions import EditSpec, InterventionError
+from ..interventions import EditSpec, InterventionError, split_input_clashes
 
 
 class MetricError(InterventionError):
@@ -125,12 +125,6 @@ class GradientHooks:
         return {n: torch.zeros_like(v) if g is None else g for n, v, g in zip(names, values, grads, strict=True)}
 
 
-# TransformerLens' per-head inputs, and ln1's hooks: in one layer, an edit of one kind and a gradient at the other
-# are refused (`check_split_inputs`), as edits of both are (`Interventions`)
-_HEAD_INPUTS = ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input")
-_LN1 = ("ln1.hook_scale", "ln1.hook_normalized")
-
-
 def check_split_inputs(names: list[str], edited: Hooks | None) -> None:
     """Refuse (`InterventionError`, naming `hooks`) a gradient at a per-head input (`hook_q_input`, ...) where
     `edited` (the edits' hooks) changes ln1's hooks in the same layer, or at ln1's hooks where it changes a
@@ -140,12 +134,7 @@ def check_split_inputs(names: list[str], edited: Hooks | None) -> None:
     if edited is None:
         return
     for name in names:
-        parts = name.split(".", 2)  # ["blocks", "L", site]
-        if parts[0] != "blocks" or parts[2] not in (*_HEAD_INPUTS, *_LN1):
-            continue
-        layer = f"blocks.{parts[1]}."
-        others = _LN1 if parts[2] in _HEAD_INPUTS else _HEAD_INPUTS
-        clash = [layer + site for site in others if edited.active(layer + site)]
+        clash = [n for n in split_input_clashes(name) if edited.active(n)]
         if clash:
             raise InterventionError(
                 f"a gradient at {name} and an edit of {clash[0]} cannot be combined: an edited per-head input "
