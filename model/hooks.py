@@ -162,6 +162,7 @@ def site_shape(name: str, n_head: int, d_head: int, d_mlp: int, vocab_size: int)
     return (d_model,)
 
 
+@functools.lru_cache(maxsize=4096)  # asked for every hook a glob of a thousand edits matches
 def is_per_head(name: str) -> bool:
     """Hooks shaped [batch, pos, head, ...]."""
     return name.endswith(_PER_HEAD)
@@ -178,6 +179,7 @@ def _is_glob(pattern: str) -> bool:
     return any(c in pattern for c in "*?[")
 
 
+@functools.lru_cache(maxsize=4096)
 def is_attention_square(name: str) -> bool:
     """Hooks shaped [batch, head, query_pos, key_pos]: their masked future is filled in when assembled."""
     return name.endswith(("hook_attn_scores", "hook_pattern"))

@@ -98,6 +98,23 @@ def split_input_clashes(name: str) -> list[str]:
     return [f"blocks.{layer}.{other}" for other in others]
 
 
+def edit_sites(edit: Edit, n_layer: int, where: str = "edit") -> list[str]:
+    """The hook points `edit` applies to: its hook's matches (a name or a glob), in its `layers`."""
+    names = list(match_hooks(edit.hook, n_layer)) if isinstance(edit.hook, str) else []
+    if not names:
+        raise InterventionError(f"{where} matches no hook point; valid names are {describe_hook_names(n_layer)}")
+    if edit.layers is not None:  # an empty list selects nothing, like empty heads or positions
+        _check_range(edit.layers, n_layer, f"{where}: layer")
+        names = [n for n in names if _layer(n) in edit.layers]
+        if edit.layers and not names:
+            raise InterventionError(f"{where} has no hook point in layers {list(edit.layers)}")
+    return names
+
+
+def _where(i: int, edit: Edit) -> str:
+    return f"edit {i} ({edit.hook!r})"
+
+
 @dataclass
 class _Target:
     """An edit resolved to one hook point."""
@@ -118,17 +135,9 @@ class Interventions:
         self.n_tokens = n_tokens
         self._targets: dict[str, list[_Target]] = {}
         for i, edit in enumerate(edits):
-            where = f"edit {i} ({edit.hook!r})"
-            names = list(match_hooks(edit.hook, config.n_layer)) if isinstance(edit.hook, str) else []
-            if not names:
-                raise InterventionError(
-                    f"{where} matches no hook point; valid names are {describe_hook_names(config.n_layer)}"
-                )
-            if edit.layers is not None:  # an empty list selects nothing, like empty heads or positions
-                _check_range(edit.layers, config.n_layer, f"{where}: layer")
-                names = [n for n in names if _layer(n) in edit.layers]
-                if edit.layers and not names:
-                    raise InterventionError(f"{where} has no hook point in layers {list(edit.layers)}")
+            where = _where(i, edit)
+            names = edit_sites(edit, config.n_layer, where)
+            self._check_edit(edit, where)
             for name in names:
                 target = _Target(edit, name, is_per_head(name), is_attention_square(name))
                 self._check(target, where)
@@ -147,13 +156,11 @@ class Interventions:
                         "normalised on its own path, so ln1's hooks no longer see the stream it reads"
                     )
 
-    def _check(self, t: _Target, where: str) -> None:
-        e = t.edit
+    def _check_edit(self, e: Edit, where: str) -> None:
+        """What holds for an edit wherever it applies: checked once, however many hooks a glob matches."""
         if e.op not in OPS:
             raise InterventionError(f"{where}: unknown op {e.op!r}; use one of {', '.join(OPS)}")
         if e.heads is not None:
-            if not (t.per_head or t.square):
-                raise InterventionError(f"{where}: heads apply only to per-head hooks (q, k, v, z, scores, pattern)")
             _check_range(e.heads, self.config.n_head, f"{where}: head")
         if e.positions is not None:
             _check_range(e.positions, self.n_tokens, f"{where}: position")
@@ -163,6 +170,18 @@ class Interventions:
             raise InterventionError(f"{where}: factor {e.factor!r} is not a finite float32 number")
         if e.value is not None and not bool(e.value.to(torch.float32).isfinite().all()):
             raise InterventionError(f"{where}: value holds numbers that are not finite in float32 (inf, NaN, > 3.4e38)")
+        d = e.direction
+        if e.op in STEERING_OPS and e.op != "clamp" and d is not None:
+            if not bool(d.to(torch.float32).isfinite().all()):
+                raise InterventionError(f"{where}: direction holds numbers that are not finite in float32")
+            if e.op != "steer" and not float(d.to(torch.float32).abs().max()) > 0:
+                raise InterventionError(f"{where}: {e.op} needs a direction that is not zero")
+
+    def _check(self, t: _Target, where: str) -> None:
+        """What depends on the hook point an edit resolved to (after `_check_edit`)."""
+        e = t.edit
+        if e.heads is not None and not (t.per_head or t.square):
+            raise InterventionError(f"{where}: heads apply only to per-head hooks (q, k, v, z, scores, pattern)")
         if e.op in STEERING_OPS:
             self._check_steering(t, where)
             return
@@ -216,10 +235,6 @@ class Interventions:
             raise InterventionError(
                 f"{where}: direction of shape {list(d.shape)} does not fit {t.name}: give {list(site)}"
             )
-        if not bool(d.to(torch.float32).isfinite().all()):
-            raise InterventionError(f"{where}: direction holds numbers that are not finite in float32")
-        if e.op != "steer" and not float(d.to(torch.float32).abs().max()) > 0:
-            raise InterventionError(f"{where}: {e.op} needs a direction that is not zero")
 
     def _selected_site(self, t: _Target) -> tuple[int, ...]:
         site = site_shape(t.name, self.config)
@@ -377,6 +392,11 @@ class EditSpec:
     edits: tuple[Edit, ...] = ()
     ablate_attn: tuple[int, ...] = ()  # layers whose attention runs without its residual add
     ablate_mlp: tuple[int, ...] = ()  # layers whose MLP runs without its residual add
+
+    def n_sites(self, n_layer: int) -> int:
+        """(edit, hook point) pairs: the edits applied at each hook a pass reaches, summed (a glob counts
+        once per hook it matches). Each costs work on every forward pass, so a server bounds it."""
+        return sum(len(edit_sites(e, n_layer, _where(i, e))) for i, e in enumerate(self.edits))
 
     def hooks(self, config: GPTConfig, n_tokens: int, then: Hooks | None = None) -> Hooks | None:
         """Fresh `Hooks` for one sequence. `then` (a gradient capture, say) sees each value after the

@@ -25,6 +25,7 @@ OpenAIPrompt = str | list[str] | list[int] | list[list[int]]
 # Lists the server expands before any model work: bounded, so that none holds the event loop long.
 MAX_HOOKS = 2048  # hook names or globs in one list: more than gpt2-xl's 1111 hook points, each named
 MAX_INTERVENTIONS = 1024  # edits in one request
+MAX_EDIT_SITES = 4096  # (edit, hook point) pairs, a glob counted once per hook it matches: work on every pass
 
 
 def _short_hook(name: str) -> str:
@@ -202,11 +203,19 @@ def edit_spec(
     def layers(spec: list[int] | Literal["all"]) -> tuple[int, ...]:
         return tuple(range(n_layer)) if spec == "all" else tuple(spec)
 
-    return EditSpec(
+    spec = EditSpec(
         tuple(e.edit(directions, f"interventions[{i}]") for i, e in enumerate(interventions)),
         layers(residual.attn) if residual else (),
         layers(residual.mlp) if residual else (),
     )
+    sites = spec.n_sites(n_layer)
+    if sites > MAX_EDIT_SITES:
+        raise InterventionError(
+            f"the interventions apply at {sites} (edit, hook point) pairs, a glob counted once per hook it "
+            f"matches; at most {MAX_EDIT_SITES} (each costs work on every forward pass): narrow the globs or "
+            "their layers"
+        )
+    return spec
 
 
 def _tuple(values: list[int] | None) -> tuple[int, ...] | None:
