@@ -37,6 +37,22 @@ def dump_bytes_on_wire(config: GPTConfig, names: list[str], n_tokens: int, dtype
     return raw if wire == "safetensors" else 4 * math.ceil(raw / 3)
 
 
+# SAE features in JSON: per feature {"id": i, "value": v}, per token its four statistics and the keys.
+FEATURE_JSON_BYTES = 2 * JSON_BYTES_PER_VALUE + len('{"id":,"value":},')
+TOKEN_FEATURES_JSON_BYTES = 4 * JSON_BYTES_PER_VALUE + len(
+    '{"features":[],"l0":,"mse":,"error_norm":,"variance_explained":},'
+)
+
+
+def features_bytes_on_wire(n_tokens: int, k: int, wire: Literal["json", "safetensors"]) -> int:
+    """Bytes an SAE reading of `k` features per token over `n_tokens` positions takes in the response, at
+    most: JSON text, or the safetensors file's arrays (indices int64 and values float32 [T, k]; l0 int64,
+    mse and variance_explained float32 [T])."""
+    if wire == "json":
+        return n_tokens * (k * FEATURE_JSON_BYTES + TOKEN_FEATURES_JSON_BYTES)
+    return n_tokens * (k * (8 + 4) + 8 + 4 + 4)
+
+
 def activation_values(config: GPTConfig, names: list[str], n_tokens: int) -> int:
     """How many numbers a dump of `names` over `n_tokens` positions holds."""
     per_name = 0

@@ -436,3 +436,32 @@ def test_the_default_top_k_fits_a_small_sae(tiny: Checkpoint, tokenizer_dir: Pat
         assert len(post(c, "/v1/generate", body)["choices"][0]["features"]) == 4
         r = c.post("/v1/features", json={"input_ids": IDS[:3], "sae": "small", "top_k": 5})
         assert r.status_code == 400 and r.json()["error"]["param"] == "top_k", r.text
+
+
+def test_feature_readings_are_bounded_like_dumps(tiny: Checkpoint, tokenizer_dir: Path, sae_dirs) -> None:
+    """A reading's size on the wire is known before the model runs (an upper bound, checked here against
+    the answers themselves), and over `--max-activation-bytes` it is a 413 naming the field to shrink, on
+    /v1/features and on /v1/generate's `features`; the server serves on."""
+    from server.encoding import features_bytes_on_wire
+
+    ids = list(range(256))  # every feature of res1, each valued (a list, unlike top_k, gives inactive ones too)
+    limit = features_bytes_on_wire(len(IDS), len(ids), "json")
+    settings = Settings(sae=(f"res1={sae_dirs['res1']}",), max_activation_bytes=limit)
+    with TestClient(create_app(settings, loaded=load(tiny.path, tokenizer_dir=tokenizer_dir, device="cpu"))) as c:
+        body = {"input_ids": IDS, "sae": "res1", "features": ids}
+        rows = post(c, "/v1/features", body)["features"]
+        assert 0.25 * limit < len(json.dumps(rows, separators=(",", ":"))) <= limit  # zeros are short
+        file = load_safetensors(c.post("/v1/features", json=body | {"format": "safetensors"}).content)
+        arrays = sum(t.numel() * t.element_size() for t in file.values())
+        assert arrays == features_bytes_on_wire(len(IDS), len(ids), "safetensors")
+        r = c.post("/v1/features", json=body | {"input_ids": [*IDS, 11]})  # one token more
+        assert r.status_code == 413 and r.json()["error"]["param"] == "features", r.text
+        assert f"over the server's limit of {limit}" in r.json()["error"]["message"]
+        assert "format safetensors" in r.json()["error"]["message"]
+        r = c.post("/v1/features", json={"input_ids": IDS, "sae": "res1", "max_new_tokens": 1, "features": ids})
+        assert r.status_code == 413, r.text  # the continuation counts
+        assert c.post("/v1/features", json=body | {"input_ids": [*IDS, 11], "format": "safetensors"}).status_code == 200
+        gen = {"input_ids": IDS, "max_new_tokens": 1, "features": {"sae": "res1", "top_k": 256}}
+        r = c.post("/v1/generate", json=gen)
+        assert r.status_code == 413 and r.json()["error"]["param"] == "features.top_k", r.text
+        assert post(c, "/v1/generate", gen | {"max_new_tokens": 0})["choices"][0]["features"]

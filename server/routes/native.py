@@ -73,6 +73,9 @@ async def generate(
     params = req.sampling_params(settings.max_new_tokens)
     hooks = _checked_hooks(engine, settings, req.activations, prompts, params.max_new_tokens)
     reader = feature_reader(directions, req.features, "features.")  # SAE features: a capture of its hook
+    if reader is not None:  # in JSON, for each choice
+        n_tokens = sum(len(p) + params.max_new_tokens for p in prompts)
+        reader.check_size(n_tokens, "json", settings.max_activation_bytes, "features.")
     edits = req.edit_spec(engine.model.config.n_layer, directions)
     captured = hooks if reader is None else [*(hooks or []), reader.hook]
     streams = engine.submit(prompts, [params] * len(prompts), captured, edits)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import torch
 from fastapi import APIRouter, Depends, Request
@@ -21,6 +21,8 @@ from model.lab.sae import SAE, TokenFeatures, load_saes, token_features
 from model.lab.steering import DirectionError, Directions, SteeringVector, contrastive_vector
 from model.loading import LoadedModel
 
+from .. import encoding
+from ..errors import APIError
 from ..schemas import FeatureCapture, FeaturesRequest, SteeringVectorRequest
 from ..settings import Settings
 from ..threads import run_in_threadpool
@@ -80,6 +82,20 @@ class FeatureReader:
     def json(self, x: torch.Tensor) -> list[dict[str, Any]]:
         return [_row(r) for r in self.read(x)]
 
+    def check_size(self, n_tokens: int, wire: Literal["json", "safetensors"], limit: int, where: str = "") -> None:
+        """413 when the reading of `n_tokens` positions, as sent, could exceed the server's limit on a dump
+        (`--max-activation-bytes`): checked before the model runs."""
+        k, field = (len(self.ids), "features") if self.ids is not None else (self.top_k or 0, "top_k")
+        size = encoding.features_bytes_on_wire(n_tokens, k, wire)
+        if size > limit:
+            raise APIError(
+                413,
+                f"the SAE features ({k} per token over {n_tokens} tokens) would take up to {size} bytes as {wire}, "
+                f"over the server's limit of {limit}: ask for fewer features, fewer tokens"
+                + (" or format safetensors" if wire == "json" and not where else ""),
+                where + field,
+            )
+
 
 def feature_reader(directions: Directions, spec: FeatureCapture | None, where: str = "") -> FeatureReader | None:
     """The reader a request's features spec asks for (None without one); a 400 for an unknown SAE, top_k
@@ -113,6 +129,7 @@ async def features(
     sae = reader.sae
     prompts = await token_ids(engine, req.prompt, req.input_ids)
     params = req.sampling_params(settings.max_new_tokens)
+    reader.check_size(len(prompts[0]) + params.max_new_tokens, req.format, settings.max_activation_bytes)
     edits = req.edit_spec(engine.model.config.n_layer, directions)
     (completion,) = await results(engine.submit(prompts, [params], [sae.cfg.hook_name], edits), request)
     assert completion.activations is not None
