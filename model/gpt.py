@@ -18,6 +18,9 @@ from .config import GPTConfig
 from .hooks import HEAD_HOOKS, HookPoint, Hooks, hook_names
 from .kv_cache import KVCache, PackedBatch
 
+# Per-head inputs' changes for the queries, keys and values, [B, T, H, C] each (see Block._attn_input).
+PerHeadInputs = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
 
 class Conv1D(nn.Module):
     """A dense layer, y = x W + b, with W stored [in, out] as OpenAI's checkpoint stores it (their code
@@ -87,17 +90,18 @@ class CausalSelfAttention(nn.Module):
         x: torch.Tensor,
         cache: KVCache | PackedBatch | None,
         hooks: Hooks | None,
-        dx: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        dx: PerHeadInputs | None = None,
     ) -> torch.Tensor:
         """`x`: the normalised stream [B, T, C]. `dx`: with TransformerLens' per-head inputs, how much each
-        head's normalised input for its queries, keys and values differs from `x` ([B, T, H, C] each)."""
+        head's normalised input for its queries, keys and values differs from `x` ([B, T, H, C] each; None
+        where it does not)."""
         B, T, C = x.shape
         H, D = self.n_head, self.d_head
         q, k, v = (t.view(B, T, H, D) for t in self.c_attn(x).split(C, dim=2))
         if dx is not None:  # the projection is linear: q[h] = (x + dx_q[h]) W_Q[:, h] + b_Q[h], and so on
             w = self.c_attn.weight.view(C, 3, H, D)
-            dq, dk, dv = (torch.einsum("bthc,chd->bthd", d, w[:, i]) for i, d in enumerate(dx))  # [B, T, H, D]
-            q, k, v = q + dq, k + dk, v + dv
+            dq, dk, dv = (None if d is None else torch.einsum("bthc,chd->bthd", d, w[:, i]) for i, d in enumerate(dx))
+            q, k, v = (t if d is None else t + d for t, d in ((q, dq), (k, dk), (v, dv)))  # [B, T, H, D]
         q = self.hook_q(q, hooks)  # [B, T, H, D]
         k = self.hook_k(k, hooks)
         v = self.hook_v(v, hooks)
@@ -190,15 +194,13 @@ class Block(nn.Module):
         resid_post = self.hook_resid_post(resid_mid + mlp_out, hooks)
         return resid_post
 
-    def _attn_input(
-        self, resid_pre: torch.Tensor, hooks: Hooks | None
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+    def _attn_input(self, resid_pre: torch.Tensor, hooks: Hooks | None) -> tuple[torch.Tensor, PerHeadInputs | None]:
         """What the attention reads: `ln_1(resid_pre)` [B, T, C], with ln1's hooks; and, when TransformerLens'
         per-head inputs are asked for (`hook_attn_in`, then `hook_q_input`, `hook_k_input`, `hook_v_input`,
         each [B, T, H, C]), what each head's copy for its queries, keys and values changes in it, normalised on
-        its own: dx = ln_1(copy) - ln_1(resid_pre) [B, T, H, C]. That is 0 unless a hook edited the copy, so an
-        edit there reaches only its path; ln1's hooks act on the stream whatever else is asked for; and a
-        gradient reaches both."""
+        its own: dx = ln_1(copy) - ln_1(resid_pre) [B, T, H, C], None for a copy handed back as it was. That is
+        0 unless a hook edited the copy, so an edit there reaches only its path; ln1's hooks act on the stream
+        whatever else is asked for; and a gradient reaches both."""
         per_path = (self.hook_q_input, self.hook_k_input, self.hook_v_input)
         if hooks is None or not any(hooks.active(h.name) for h in (self.hook_attn_in, *per_path)):
             return self.ln_1(resid_pre, hooks), None
@@ -210,7 +212,7 @@ class Block(nn.Module):
         if all(x is copies for x in inputs):  # handed back as they were (a capture): every dx is 0
             return normalized, None
         unedited = self.ln_1(copies)  # [B, T, H, C]: the same values as each input's, unless it was edited
-        dq, dk, dv = (self.ln_1(x) - unedited for x in inputs)
+        dq, dk, dv = (None if x is copies else self.ln_1(x) - unedited for x in inputs)
         return normalized, (dq, dk, dv)
 
 
