@@ -8,6 +8,7 @@ runs alone (not batched with others), like a capture.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -160,8 +161,6 @@ class Interventions:
         """What holds for an edit wherever it applies: checked once, however many hooks a glob matches."""
         if e.op not in OPS:
             raise InterventionError(f"{where}: unknown op {e.op!r}; use one of {', '.join(OPS)}")
-        if e.heads is not None:
-            _check_range(e.heads, self.config.n_head, f"{where}: head")
         if e.positions is not None:
             _check_range(e.positions, self.n_tokens, f"{where}: position")
         if e.op == "scale" and e.factor is None:
@@ -171,7 +170,7 @@ class Interventions:
         if e.value is not None and not bool(e.value.to(torch.float32).isfinite().all()):
             raise InterventionError(f"{where}: value holds numbers that are not finite in float32 (inf, NaN, > 3.4e38)")
         d = e.direction
-        if e.op in STEERING_OPS and e.op != "clamp" and d is not None:
+        if e.op in STEERING_OPS and e.op != "clamp" and d is not None and d.numel():  # empty: a shape error, later
             if not bool(d.to(torch.float32).isfinite().all()):
                 raise InterventionError(f"{where}: direction holds numbers that are not finite in float32")
             if e.op != "steer" and not float(d.to(torch.float32).abs().max()) > 0:
@@ -180,8 +179,10 @@ class Interventions:
     def _check(self, t: _Target, where: str) -> None:
         """What depends on the hook point an edit resolved to (after `_check_edit`)."""
         e = t.edit
-        if e.heads is not None and not (t.per_head or t.square):
-            raise InterventionError(f"{where}: heads apply only to per-head hooks (q, k, v, z, scores, pattern)")
+        if e.heads is not None:
+            if not (t.per_head or t.square):
+                raise InterventionError(f"{where}: heads apply only to per-head hooks (q, k, v, z, scores, pattern)")
+            _check_range(e.heads, self.config.n_head, f"{where}: head")
         if e.op in STEERING_OPS:
             self._check_steering(t, where)
             return
@@ -366,6 +367,7 @@ class HookChain:
         return x
 
 
+@functools.lru_cache(maxsize=4096)  # asked for every hook a glob of a thousand edits matches
 def _layer(name: str) -> int | None:
     m = re.match(r"blocks\.(\d+)\.", name)
     return int(m.group(1)) if m else None

@@ -132,6 +132,8 @@ def test_steered_generation_equals_one_forward_pass(tiny_model: GPT, sae: SAE) -
         (Edit(HOOK, "steer", factor=float("inf"), direction=torch.ones(64)), "factor inf is not a finite"),
         (Edit(HOOK, "steer", factor=1.0, direction=torch.full((64,), float("nan"))), "not finite in float32"),
         (Edit(HOOK, "orthogonal", direction=torch.zeros(64)), "not zero"),
+        (Edit(HOOK, "orthogonal", direction=torch.ones(0)), r"direction of shape \[0\] does not fit"),
+        (Edit(HOOK, "projection_cap", factor=1.0, direction=torch.ones(0)), r"direction of shape \[0\]"),
         (Edit("blocks.0.attn.hook_z", "steer", factor=1.0, direction=torch.ones(64)), "one vector per position"),
         (Edit("blocks.0.attn.hook_pattern", "orthogonal", direction=torch.ones(64)), "one vector per position"),
         (Edit(HOOK, "projection_cap", direction=torch.ones(64)), "projection_cap needs a value"),
