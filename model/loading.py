@@ -177,7 +177,9 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
         try:
             dev = torch.device(device)
         except RuntimeError:
-            raise LoadError(f"unknown device {device!r}; use auto, cpu, cuda, cuda:N or mps") from None
+            dev = None
+        if dev is None or dev.type not in ("cpu", "cuda", "mps"):  # torch knows more (meta, xpu): nothing runs there
+            raise LoadError(f"unknown device {device!r}; use auto, cpu, cuda, cuda:N or mps")
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise LoadError(f"device {device!r}: CUDA is not available here (no GPU, or torch built without CUDA)")
         if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():

@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gpt2_scripts.generate import read_prompt
 from gpt2_scripts.sae_cli import add_sae_arguments, directions, features_table
 
 from model.analysis import LayerStats, analyze
@@ -59,13 +60,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--attribution", nargs=2, metavar=("CLEAN", "CORRUPT"), help="attribution patching of CLEAN into CORRUPT"
     )
-    p.add_argument("--metric", default="loss", help="for --attribution: loss, or the API's metric as JSON")
-    p.add_argument("--verify", type=int, default=0, metavar="K", help="for --attribution: patch the top K for real")
-    return p.parse_args(argv)
+    p.add_argument("--metric", help="for --attribution: loss (the default), or the API's metric as JSON")
+    p.add_argument("--verify", type=int, metavar="K", help="for --attribution: patch the top K for real (default 0)")
+    args = p.parse_args(argv)
+    if args.attribution:  # flags that the attribution run would not use: refused rather than ignored
+        given = [
+            flag
+            for flag, value in (
+                ("a prompt argument", args.prompt),
+                ("--sae", args.sae),
+                ("--gradients", args.gradients),
+                ("--no-ablated", args.no_ablated),
+            )
+            if value
+        ]
+        if given:
+            p.error(f"--attribution CLEAN CORRUPT does not take {', '.join(given)}")
+        args.metric = "loss" if args.metric is None else args.metric
+        args.verify = 0 if args.verify is None else args.verify
+    else:
+        for flag, value in (("--metric", args.metric), ("--verify", args.verify)):
+            if value is not None:
+                p.error(f"{flag} is for --attribution CLEAN CORRUPT")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        print("\ngpt2-analyze: interrupted", file=sys.stderr)
+        return 130
+
+
+def run(args: argparse.Namespace) -> int:
     if not 1 <= args.top_k <= MAX_TOP_K:
         return fail(f"--top-k must be in 1..{MAX_TOP_K}, got {args.top_k}")
     plt = None
@@ -79,9 +108,11 @@ def main(argv: list[str] | None = None) -> int:
             return fail(
                 f"--plot {args.plot}: the name must end in a format matplotlib writes ({', '.join(sorted(formats))})"
             )
+        if not Path(args.plot).parent.is_dir():  # before the long part
+            return fail(f"cannot write {args.plot}: no directory {Path(args.plot).parent}")
     if args.attribution:
         return attribution_main(args, plt)
-    prompt = sys.stdin.read() if args.prompt in (None, "-") else args.prompt
+    prompt = read_prompt(args.prompt)
     try:
         loaded = load_from(args)
         ids = validate_prompt(loaded.model, loaded.tokenizer.encode(prompt), 0)

@@ -11,9 +11,13 @@
 from __future__ import annotations
 
 import argparse
+import os
+import stat
 import sys
 from pathlib import Path
+from typing import Any
 
+import torch
 from gpt2_scripts.sae_cli import add_sae_arguments, directions, steering_edits
 from safetensors import SafetensorError
 
@@ -31,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("prompt", nargs="?", help="the prompt (read from standard input when omitted or '-')")
     add_checkpoint_arguments(p)
     p.add_argument("--max-new-tokens", type=int, default=50)
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, help="sampling temperature (default 1; 0 is --greedy)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="sample from the nucleus of this probability mass")
     p.add_argument("--seed", type=int, help="makes sampling reproducible")
@@ -54,20 +58,65 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="hook names or globs to dump (repeatable; default: every hook point)",
     )
     add_sae_arguments(p, steer=True)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.greedy and args.temperature is not None:
+        p.error("--greedy and --temperature conflict (--greedy is --temperature 0)")
+    return args
+
+
+def read_prompt(arg: str | None) -> str:
+    """The prompt argument, or standard input when it is omitted or '-'. Bytes that are not UTF-8 become lone
+    surrogates, as they do in a command-line argument, so that the tokenizer's check reports them in words."""
+    if arg not in (None, "-"):
+        return arg
+    raw = getattr(sys.stdin, "buffer", None)
+    return sys.stdin.read() if raw is None else raw.read().decode("utf-8", "surrogateescape")
+
+
+def dump_problem(path: str) -> str | None:
+    """Why the dump cannot go to `path`, found before the long part (None: it looks writable). The file is
+    written to a temporary name and renamed over `path`, which would replace a device, a pipe or a symlink."""
+    target = Path(path)
+    if not target.parent.is_dir():
+        return f"cannot write {path}: no directory {target.parent}"
+    if target.exists() and not stat.S_ISREG(target.stat().st_mode):
+        return f"cannot write {path}: it is not a regular file"
+    return None
+
+
+def write_dump(path: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    """`save_dump` to `path` (through a symlink, to the file it names), with the mode a new file gets from the
+    umask, or the old file's (safetensors writes a temporary file, private to its owner, and renames it)."""
+    target = Path(path).resolve()
+    try:
+        mode = stat.S_IMODE(target.stat().st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    save_dump(target, tensors, meta)
+    os.chmod(target, mode)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        return run(args)
+    except KeyboardInterrupt:  # Ctrl-C: no traceback; nothing half-written (a dump is written whole, at the end)
+        print("\ngpt2-generate: interrupted", file=sys.stderr)
+        return 130
+
+
+def run(args: argparse.Namespace) -> int:
     if args.hooks and not args.dump_activations:
         return fail("--hooks needs --dump-activations FILE")
-    if args.dump_activations and not Path(args.dump_activations).parent.is_dir():  # before the long part
-        return fail(f"cannot write {args.dump_activations}: no directory {Path(args.dump_activations).parent}")
-    prompt = sys.stdin.read() if args.prompt in (None, "-") else args.prompt
+    if args.dump_activations and (problem := dump_problem(args.dump_activations)):  # before the long part
+        return fail(problem)
+    prompt = read_prompt(args.prompt)
     try:
         params = SamplingParams(
             max_new_tokens=args.max_new_tokens,
-            temperature=0.0 if args.greedy else args.temperature,
+            temperature=0.0 if args.greedy else 1.0 if args.temperature is None else args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,
             seed=args.seed,
@@ -101,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         token_ids = result.prompt_ids + result.token_ids
         meta = {"model": loaded.name, "token_ids": token_ids, "text": prompt + result.text}
         try:
-            save_dump(args.dump_activations, result.activations, meta)
+            write_dump(args.dump_activations, result.activations, meta)
         except OSError as e:
             return fail(f"cannot write {args.dump_activations}: {e.strerror or e}")
         except SafetensorError as e:  # safetensors reports its I/O failures as its own error

@@ -10,6 +10,14 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # what both logging and uvicorn accept
+_DEVICE = re.compile(r"auto|(cpu|cuda|mps)(:[0-9]+)?")  # torch names more (meta, xpu, ...), which nothing here runs on
+
+
+def device_problem(device: str) -> str | None:
+    """Why `device` is not one this project runs on (None when it is one); shared with the command-line tools."""
+    if _DEVICE.fullmatch(device):
+        return None
+    return f"unknown device {device!r}; use auto, cpu, cuda, cuda:N or mps"
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,17 @@ class Settings:
             raise ValueError(f"prefill_chunk must be at least 1, got {self.prefill_chunk}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if problem := device_problem(self.device):
+            raise ValueError(problem)
+        if self.preset is not None:
+            from model.config import PRESETS  # here: torch comes with the model package
+
+            if self.preset not in PRESETS:
+                raise ValueError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
+        # an empty host would bind every interface, an empty key lock every request out
+        for name in ("model", "host", "api_key"):
+            if getattr(self, name) == "":
+                raise ValueError(f"{name} must not be empty")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
 
@@ -110,15 +129,15 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
     args = p.parse_args(argv)
     values: dict[str, Any] = {}
     for f in fields(Settings):
-        raw = getattr(args, f.name)
+        raw, source = getattr(args, f.name), "--" + f.name.replace("_", "-")
         if raw is None:  # not given as a flag: the environment's value, checked below (errors name the variable)
-            raw = env.get(_env_name(f.name))
+            raw, source = env.get(_env_name(f.name)), _env_name(f.name)
         if raw is None:
             continue
         try:
             values[f.name] = convert(f.name, raw)
         except ValueError as e:
-            p.error(f"{_env_name(f.name)} {e}")
+            p.error(f"{source} {e}")
     try:
         return Settings(**values)
     except ValueError as e:

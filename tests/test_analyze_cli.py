@@ -102,3 +102,47 @@ def test_plot_without_matplotlib_says_so(model_args: list[str], tmp_path: Path) 
         "gpt2-analyze: error: --plot needs matplotlib, which is not installed: pip install 'gpt2-server[plot]'\n"
     )
     assert not (tmp_path / "out.png").exists()
+
+
+# --- in process: refused before any model is loaded ---------------------------------------------------
+
+
+def test_plot_into_a_missing_directory_is_refused_before_the_work(
+    model_args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gpt2_scripts.analyze import main
+
+    target = tmp_path / "no-such-dir" / "out.png"
+    assert main([PROMPT, *model_args, "--plot", str(target)]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""  # no table printed, then an error
+    assert err == f"gpt2-analyze: error: cannot write {target}: no directory {target.parent}\n"
+
+
+def test_a_torch_device_this_project_does_not_run_on(model_args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    from gpt2_scripts.analyze import main
+
+    assert main([PROMPT, *model_args, "--device", "meta"]) == 1
+    assert capsys.readouterr().err == "gpt2-analyze: error: unknown device 'meta'; use auto, cpu, cuda, cuda:N or mps\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--attribution", "a b", "c d", PROMPT], "--attribution CLEAN CORRUPT does not take a prompt argument"),
+        (["--attribution", "a b", "c d", "--sae", "s=x", "--gradients"], "does not take --sae, --gradients"),
+        (["--attribution", "a b", "c d", "--no-ablated"], "does not take --no-ablated"),
+        ([PROMPT, "--metric", "loss"], "--metric is for --attribution CLEAN CORRUPT"),
+        ([PROMPT, "--verify", "3"], "--verify is for --attribution CLEAN CORRUPT"),
+    ],
+    ids=["prompt", "sae and gradients", "no-ablated", "metric", "verify"],
+)
+def test_flags_attribution_would_ignore_are_usage_errors(
+    args: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gpt2_scripts.analyze import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(args)
+    assert exit_info.value.code == 2
+    assert says in capsys.readouterr().err

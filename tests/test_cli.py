@@ -231,3 +231,71 @@ def test_unavailable_device(
         assert main(["hi", "--model", str(ckpt_with_tokenizer), "--device", device]) == 1
         err = capsys.readouterr().err
         assert err.startswith(f"gpt2-generate: error: device '{device}': {says}") and err.count("\n") == 1
+
+
+def test_prompt_from_stdin_that_is_not_utf8(
+    ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+
+    # a UTF-8 locale reads standard input strictly: the bytes must not reach Python's decoder as a traceback
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9"), encoding="utf-8", errors="strict"))
+    assert main(["--model", str(ckpt_with_tokenizer)]) == 1
+    err = capsys.readouterr().err
+    assert err == "gpt2-generate: error: not valid Unicode: it holds a lone surrogate (U+DCE9) at character 3\n"
+
+
+def test_a_torch_device_this_project_does_not_run_on(
+    ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for device in ("meta", "xpu"):  # torch knows the names; loading or sampling there would crash
+        assert main(["hi", "--model", str(ckpt_with_tokenizer), "--device", device]) == 1
+        err = capsys.readouterr().err
+        assert err == f"gpt2-generate: error: unknown device '{device}'; use auto, cpu, cuda, cuda:N or mps\n"
+
+
+def test_greedy_and_temperature_conflict(ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["hi", "--model", str(ckpt_with_tokenizer), "--greedy", "--temperature", "0.8"])
+    assert exit_info.value.code == 2
+    assert "--greedy and --temperature conflict" in capsys.readouterr().err
+
+
+def test_dump_onto_something_not_a_regular_file(
+    ckpt_with_tokenizer: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # safetensors writes a temporary file and renames it over the target: a device or a pipe would be replaced
+    fifo = tmp_path / "pipe.safetensors"
+    os.mkfifo(fifo)
+    args = ["hi", "--model", str(ckpt_with_tokenizer), "--max-new-tokens", "1", "--hooks", "logits"]
+    assert main([*args, "--dump-activations", str(fifo)]) == 1
+    assert capsys.readouterr().err == f"gpt2-generate: error: cannot write {fifo}: it is not a regular file\n"
+    assert fifo.is_fifo()
+
+
+def test_dump_through_a_symlink_with_the_umasks_mode(
+    ckpt_with_tokenizer: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real, link = tmp_path / "real.safetensors", tmp_path / "link.safetensors"
+    link.symlink_to(real)
+    args = ["hi", "--model", str(ckpt_with_tokenizer), "--max-new-tokens", "1", "--hooks", "logits"]
+    old = os.umask(0o022)
+    try:
+        assert main([*args, "--dump-activations", str(link)]) == 0, capsys.readouterr().err
+    finally:
+        os.umask(old)
+    assert link.is_symlink() and sorted(load_file(link)) == ["logits"]
+    assert real.stat().st_mode & 0o777 == 0o644  # not the temporary file's 0600
+
+
+def test_ctrl_c_exits_130_without_a_traceback(
+    ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gpt2_scripts.generate as cli
+
+    def interrupted(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "load_from", interrupted)
+    assert main(["hi", "--model", str(ckpt_with_tokenizer)]) == 130
+    assert capsys.readouterr().err == "\ngpt2-generate: interrupted\n"

@@ -21,6 +21,16 @@ def test_flags_override_the_environment_which_overrides_defaults() -> None:
         (["--max-batch-size", "abc"], {}, "argument --max-batch-size: invalid int value: 'abc'"),
         ([], {"GPT2_MAX_QUEUE": "0"}, "max_queue must be at least 1, got 0"),
         ([], {"GPT2_LOG_LEVEL": "trace"}, "log_level must be one of"),
+        # a flag's bad value names the flag, not the variable
+        (["--sae", "res8"], {}, "--sae must be ID=PATH"),
+        (["--cors-origins", "x"], {"GPT2_MAX_QUEUE": "q"}, "GPT2_MAX_QUEUE must be an integer"),
+        # names torch knows but nothing here runs on: refused at once, not served (or crashed on) after binding
+        ([], {"GPT2_DEVICE": "meta"}, "unknown device 'meta'; use auto, cpu, cuda, cuda:N or mps"),
+        (["--device", "xpu"], {}, "unknown device 'xpu'"),
+        (["--preset", "gpt3"], {}, "unknown preset 'gpt3'; choose one of gpt2, "),
+        # empty: a host that would bind every interface, a key that no request can give
+        ([], {"GPT2_HOST": ""}, "host must not be empty"),
+        ([], {"GPT2_API_KEY": ""}, "api_key must not be empty"),
     ],
 )
 def test_a_bad_value_is_a_usage_error_naming_it(
@@ -34,3 +44,8 @@ def test_a_bad_value_is_a_usage_error_naming_it(
 
 def test_a_valid_flag_overrides_a_bad_variable() -> None:
     assert parse_settings(["--max-batch-size", "8"], environ={"GPT2_MAX_BATCH_SIZE": "abc"}).max_batch_size == 8
+
+
+def test_the_devices_this_project_runs_on_are_accepted() -> None:
+    for device in ("auto", "cpu", "cuda", "cuda:1", "mps"):
+        assert parse_settings(["--device", device], environ={}).device == device
