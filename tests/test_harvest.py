@@ -110,6 +110,7 @@ def test_sources_read_in_order(tmp_path: Path) -> None:
         ("x.jsonl", '{"body": "ok"}\n', "text", r"x\.jsonl line 1: no text field 'text'; its fields are \['body'\]"),
         ("x.jsonl", '{"text": 3}\n', "text", r"line 1: 'text' is a int, expected text"),
         ("x.jsonl", "[1, 2]\n", "text", r"line 1: a JSON list"),
+        ("x.jsonl", '{"text": "a\\ud800b"}\n', "text", r"x\.jsonl line 1: 'text' is not valid Unicode"),
         ("x.parquet", "PAR? no", "text", r"x\.parquet: not a parquet file"),
         ("x.txt", b"\xff\xfe bad", "text", r"x\.txt: not UTF-8 text"),
         ("x.csv", "a,b", "text", r"cannot read \.csv; valid: \.txt, \.jsonl, \.parquet"),
@@ -252,6 +253,75 @@ def test_job_errors(tiny, tokenizer_dir: Path, corpus, tmp_path: Path) -> None:
     short.write_text("too short")
     with pytest.raises(HarvestError, match="fewer than 128 tokens"):
         harvest(tiny.path, short, tmp_path / "b", ["blocks.0.hook_resid_pre"], **tok)
+
+
+def test_a_job_failing_before_its_first_shard_leaves_no_folder(
+    tiny, tokenizer_dir: Path, corpus, tmp_path: Path
+) -> None:
+    """A bad input found after the folder was opened (too little text, a bad field) leaves the folder as it
+    was, so that the corrected command can run there (a manifest left behind refused it)."""
+    source, _ = corpus
+    tok = {"tokenizer": str(tokenizer_dir), "device": "cpu", "max_tokens": 256}
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    out = tmp_path / "new"
+    with pytest.raises(HarvestError, match="fewer than 128 tokens"):
+        harvest(tiny.path, empty, out, ["blocks.0.hook_resid_pre"], **tok)
+    assert not out.exists()
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    with pytest.raises(HarvestError, match="no text field 'body'"):
+        harvest(tiny.path, source, ready, ["blocks.0.hook_resid_pre"], text_field="body", **tok)
+    assert ready.is_dir() and not list(ready.iterdir())
+    fixed = harvest(tiny.path, source, ready, ["blocks.0.hook_resid_pre"], **tok)
+    assert fixed.complete and fixed.n_contexts == 2
+
+
+def test_resume_refuses_other_text_or_weights_at_the_same_path(
+    tiny, tokenizer_dir: Path, corpus, tmp_path: Path
+) -> None:
+    """Text edited in place to the same size, or other weights written over the checkpoint, are not the
+    job the folder holds: refused, not mixed into its shards."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    source = tmp_path / "docs.jsonl"
+    source.write_bytes(corpus[0].read_bytes())
+    model = tmp_path / "model"
+    shutil.copytree(tiny.path, model)
+    out = tmp_path / "acts"
+    opts = {"tokenizer": str(tokenizer_dir), "device": "cpu", "context_size": 16, "max_tokens": 16 * 8}
+    harvest(model, source, out, ["blocks.0.hook_resid_pre"], **opts)
+    before = tree_shas(out)
+    text = source.read_text()
+    source.write_text(text.replace(" cat ", " dog "))  # the same size, other text
+    assert source.stat().st_size == len(text)
+    with pytest.raises(HarvestError, match=r"other arguments \(source: "):
+        harvest(model, source, out, ["blocks.0.hook_resid_pre"], **opts)
+    source.write_text(text)
+    os.utime(model / "model.safetensors", ns=(1, 1))  # the same weights, touched: still this job
+    harvest(model, source, out, ["blocks.0.hook_resid_pre"], **opts)
+    assert tree_shas(out) == before
+    state = load_file(model / "model.safetensors")
+    save_file({k: v + 1 for k, v in state.items()}, model / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(HarvestError, match=r"other arguments \(weights: "):
+        harvest(model, source, out, ["blocks.0.hook_resid_pre"], **opts)
+    assert tree_shas(out) == before
+
+
+def test_a_failed_write_leaves_no_temporary_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from model.harvest import shards
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shards.os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        shards.write_atomic(tmp_path / "acts-00000.safetensors", b"x" * 1000)
+    assert list(tmp_path.iterdir()) == []
 
 
 # --- SAELens' format ---------------------------------------------------------------------------

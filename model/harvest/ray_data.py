@@ -98,6 +98,9 @@ def run_on_ray(
     try:
         if not manifest.complete:
             _run(plan, manifest, tokenizer, address, actors, cpus_per_actor, gpus_per_actor, progress)
+    except BaseException:
+        manifest.discard_if_empty()  # failed before its first shard: leave no folder to refuse a fix
+        raise
     finally:
         if progress is not None:
             progress.close()

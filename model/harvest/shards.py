@@ -49,11 +49,15 @@ class ShardRecord:
 def write_atomic(path: Path, data: bytes) -> str:
     """Write `data` to `path` so that `path` never holds a partial file; return its sha256."""
     tmp = path.with_name(_TMP + path.name)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, say: leave no partial temporary file behind
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
     return hashlib.sha256(data).hexdigest()
 
@@ -88,6 +92,8 @@ class Manifest:
         self.shards: dict[int, ShardRecord] = {}
         self.complete = False
         self.n_contexts: int | None = None
+        self.new = False  # this run wrote the manifest into a new or empty folder
+        self.made_dir = False  # this run made the folder
 
     @classmethod
     def open(cls, out_dir: str | Path, job: dict[str, Any], header: dict[str, Any]) -> Manifest:
@@ -97,8 +103,10 @@ class Manifest:
         out = Path(out_dir)
         if out.exists() and not out.is_dir():
             raise HarvestError(f"output {out} is a file, not a folder")
+        made_dir = not out.exists()
         out.mkdir(parents=True, exist_ok=True)
         manifest = cls(out, job, header)
+        manifest.made_dir = made_dir
         path = out / MANIFEST
         if not path.is_file():
             others = sorted(p.name for p in out.iterdir() if not p.name.startswith(_TMP))
@@ -108,6 +116,7 @@ class Manifest:
                     f"{', ...' if len(others) > 5 else ''}): give an empty or new folder, or one a harvest wrote"
                 )
             manifest.save()  # first, so that a folder with shards always says whose they are
+            manifest.new = True
         else:
             manifest._resume(path)
         for stray in out.glob(_TMP + "*"):
@@ -140,6 +149,22 @@ class Manifest:
         self.complete = bool(saved.get("complete")) and len(self.shards) == len(records)
         self.n_contexts = saved.get("n_contexts") if self.complete else None
         log.info("resuming %s: %d shards already there", self.out_dir, len(self.shards))
+
+    def discard_if_empty(self) -> None:
+        """Undo `open` for a job that failed before writing anything: remove the manifest it wrote into a new
+        or empty folder (and the folder, if it made it), so that the corrected job can start there."""
+        if not self.new or self.shards:
+            return
+        try:
+            names = [p.name for p in self.out_dir.iterdir() if not p.name.startswith(_TMP)]
+            if names != [MANIFEST]:  # a shard written but not yet recorded: keep the manifest naming its job
+                return
+            for p in self.out_dir.iterdir():
+                p.unlink()
+            if self.made_dir:
+                self.out_dir.rmdir()
+        except OSError as e:
+            log.warning("could not remove the empty harvest in %s: %s", self.out_dir, e)
 
     def add(self, record: ShardRecord) -> None:
         self.shards[record.index] = record

@@ -22,6 +22,7 @@ from typing import Any
 
 from ..tokenizer import InvalidTextError, Tokenizer
 from .errors import HarvestError
+from .shards import sha256_file
 
 FILE_KINDS = (".txt", ".jsonl", ".parquet")
 _DOCS_PER_ENCODE = 256  # documents handed to the tokenizer at once (it encodes them on its own threads)
@@ -51,7 +52,7 @@ class Source:
             "path": str(self.path),
             "kind": "files",
             "text_field": self.text_field,
-            "files": [{"name": self._name(f), "bytes": f.stat().st_size} for f in self.files],
+            "files": [{"name": self._name(f), "bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in self.files],
         }
 
     def _name(self, f: Path) -> str:
@@ -134,7 +135,14 @@ def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
                     f"{path} line {number}: no text field {field!r}; its fields are {sorted(row)} "
                     "(choose one with --text-field)"
                 )
-            yield _text(row[field], f"{path} line {number}", field)
+            text = _text(row[field], f"{path} line {number}", field)
+            try:  # JSON's \ud800 escapes can make a lone surrogate, which no tokenizer reads
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise HarvestError(
+                    f"{path} line {number}: {field!r} is not valid Unicode: a lone surrogate at character {e.start}"
+                ) from None
+            yield text
 
 
 def _parquet_documents(path: Path, field: str) -> Iterator[str]:
