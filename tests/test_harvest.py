@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from model.harvest import MANIFEST, HarvestError, harvest, open_source, pack
+from model.harvest.job import HarvestSpec, open_job
 from model.harvest.text import tokenize
 from model.tokenizer import Tokenizer
 
@@ -229,6 +230,24 @@ def test_max_tokens_and_a_resume_that_repairs(tiny, tokenizer_dir: Path, corpus,
     assert tree_shas(out) == before
     with pytest.raises(HarvestError, match=r"other arguments \(batch_size: 4 there, 5 now\)"):
         harvest(tiny.path, source, out, ["blocks.1.hook_resid_post"], **(opts | {"batch_size": 5}))
+
+
+def test_the_device_is_recorded_resolved(tiny, tokenizer_dir: Path, corpus, tmp_path: Path) -> None:
+    """A job records the kind of device its shards were computed on, not "auto" (which could mean a GPU
+    before a restart and the CPU after, mixing their rounding): here "auto" is the CPU, so a restart naming
+    the CPU is the same job, and one that would compute elsewhere is refused."""
+    source, _ = corpus
+    out = tmp_path / "acts"
+    opts = {"context_size": 16, "shard_size": 8, "tokenizer": str(tokenizer_dir), "max_tokens": 16 * 20}
+    harvest(tiny.path, source, out, ["blocks.0.hook_resid_pre"], **(opts | {"device": "auto"}))
+    assert json.loads((out / MANIFEST).read_text())["job"]["device"] == "cpu"
+    before = tree_shas(out)
+    (out / "acts-00001.safetensors").unlink()
+    harvest(tiny.path, source, out, ["blocks.0.hook_resid_pre"], **(opts | {"device": "cpu"}))
+    assert tree_shas(out) == before
+    spec = HarvestSpec(str(tiny.path), str(source), ("blocks.0.hook_resid_pre",), **(opts | {"device": "cpu"}))
+    with pytest.raises(HarvestError, match=r"other arguments \(device: 'cpu' there, 'cuda' now\)"):
+        open_job(spec, out, device="cuda")  # as Ray's driver opens a job whose actors compute on GPUs
 
 
 def test_job_errors(tiny, tokenizer_dir: Path, corpus, tmp_path: Path) -> None:

@@ -94,6 +94,7 @@ class Plan:
     separator_id: int
     source: dict[str, Any] = field(default_factory=dict)  # what identifies the text
     weights: list[dict[str, Any]] | None = None  # what identifies the weight files (None: a model given loaded)
+    device: str = "cpu"  # the kind of device the shards are computed on: their rounding depends on it
 
     @property
     def suffix(self) -> str:
@@ -111,7 +112,7 @@ class Plan:
             "revision": s.revision,
             "preset": s.preset,
             "tokenizer": s.tokenizer,
-            "device": s.device,
+            "device": self.device,  # resolved: "auto" could mean a GPU's rounding before a restart and a CPU's after
             "dtype": _dtype_name(self.dtype) if s.dtype != INT8 else INT8,
             "hooks": list(self.names),
             "text_field": s.text_field,
@@ -161,9 +162,11 @@ def make_plan(
     tokenizer: Tokenizer,
     dtype: torch.dtype,
     weights: list[dict[str, Any]] | None = None,
+    device: str = "cpu",
 ) -> Plan:
     """Resolve `spec` against the model's shape: hooks, shapes, shard size; bad values are `HarvestError`s.
-    `weights` identifies the weight files (`weights_identity`), so that a resume refuses other weights."""
+    `weights` identifies the weight files (`weights_identity`), so that a resume refuses other weights;
+    `device` is the kind of device that computes the shards (cpu, cuda, mps)."""
     if spec.context_size > config.n_positions:
         raise HarvestError(f"context size {spec.context_size} is more than the model's {config.n_positions} positions")
     try:
@@ -198,6 +201,7 @@ def make_plan(
         eot,
         source.describe(),
         weights,
+        device,
     )
 
 
@@ -308,17 +312,22 @@ def load_model(spec: HarvestSpec) -> LoadedModel:
 
 
 def open_job(
-    spec: HarvestSpec, out_dir: str | Path, loaded: LoadedModel | None = None
+    spec: HarvestSpec, out_dir: str | Path, loaded: LoadedModel | None = None, device: str | None = None
 ) -> tuple[Plan, Manifest, Tokenizer]:
-    """Plan the job and open (or resume) its output folder."""
+    """Plan the job and open (or resume) its output folder. `device`: the kind of device the workers compute
+    on, where it is not this process's (None: `loaded`'s, or `spec.device` resolved here)."""
     weights: list[dict[str, Any]] | None = None  # a model given loaded has no files to identify
     if loaded is not None:
         config, tokenizer, dtype = loaded.model.config, loaded.tokenizer, loaded.dtype
-        name, revision = loaded.name, loaded.revision
+        name, revision, here = loaded.name, loaded.revision, loaded.device
     else:
         config, tokenizer, dtype, weights = locate_model(spec)
         name, revision = spec.model, spec.revision
-    plan = make_plan(spec, config, tokenizer, dtype, weights)
+        try:
+            here = resolve_device(spec.device)
+        except LoadError as e:
+            raise HarvestError(str(e)) from None
+    plan = make_plan(spec, config, tokenizer, dtype, weights, device or here.type)
     manifest = Manifest.open(out_dir, plan.job(), plan.header(name, revision))
     return plan, manifest, tokenizer
 

@@ -90,7 +90,9 @@ def run_on_ray(
         raise HarvestError(f"actors must be a positive integer, got {actors}")
     if cpus_per_actor <= 0 or gpus_per_actor < 0:
         raise HarvestError(f"CPUs per actor must be > 0 and GPUs >= 0, got {cpus_per_actor} and {gpus_per_actor}")
-    plan, manifest, tokenizer = open_job(spec, out_dir)
+    # Ray hides the GPUs from an actor that asks for none, so "auto" computes on GPUs exactly when it asks for some
+    device = ("cuda" if gpus_per_actor > 0 else "cpu") if spec.device == "auto" else None
+    plan, manifest, tokenizer = open_job(spec, out_dir, device=device)
     T = spec.context_size
     if progress is not None:
         total = None if plan.max_contexts is None else plan.max_contexts * T
