@@ -208,6 +208,13 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
 INT8 = "int8"  # weight-only int8 (model/quantize.py): float32 activations
 
 
+def dtype_problem(name: str) -> str | None:
+    """Why `name` is not a dtype `load` takes (None when it is one)."""
+    if name == "auto" or name == INT8 or name in DTYPE_NAMES:
+        return None
+    return f"unknown dtype {name!r}; use auto, float32, float16, bfloat16 or int8"
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype of the activations (and of the weights, but for int8, whose activations are float32)."""
     if isinstance(dtype, torch.dtype):
@@ -216,8 +223,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype == INT8:
         return torch.float32
-    if dtype not in DTYPE_NAMES:
-        raise LoadError(f"unknown dtype {dtype!r}; use auto, float32, float16, bfloat16 or int8")
+    if problem := dtype_problem(dtype):
+        raise LoadError(problem)
     if device.type == "cpu" and DTYPE_NAMES[dtype] != torch.float32 and (why := kernels.slow_half_precision()):
         log.warning("%s on this CPU will be slower than float32: %s", dtype, why)
     return DTYPE_NAMES[dtype]

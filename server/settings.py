@@ -98,11 +98,13 @@ class Settings:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if problem := device_problem(self.device):
             raise ValueError(problem)
-        if self.preset is not None:
-            from model.config import PRESETS  # here: torch comes with the model package
+        from model.config import PRESETS  # here: torch comes with the model package
+        from model.loading import dtype_problem
 
-            if self.preset not in PRESETS:
-                raise ValueError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
+        if problem := dtype_problem(self.dtype):
+            raise ValueError(problem)
         # an empty host would bind every interface, an empty key lock every request out
         for name in ("model", "host", "api_key"):
             if getattr(self, name) == "":

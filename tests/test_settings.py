@@ -28,6 +28,7 @@ def test_flags_override_the_environment_which_overrides_defaults() -> None:
         ([], {"GPT2_DEVICE": "meta"}, "unknown device 'meta'; use auto, cpu, cuda, cuda:N or mps"),
         (["--device", "xpu"], {}, "unknown device 'xpu'"),
         (["--preset", "gpt3"], {}, "unknown preset 'gpt3'; choose one of gpt2, "),
+        (["--dtype", "fp8"], {}, "unknown dtype 'fp8'; use auto, float32, float16, bfloat16 or int8"),
         # empty: a host that would bind every interface, a key that no request can give
         ([], {"GPT2_HOST": ""}, "host must not be empty"),
         ([], {"GPT2_API_KEY": ""}, "api_key must not be empty"),
