@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gpt2_scripts.console import run_console
 from gpt2_scripts.generate import read_prompt
 from gpt2_scripts.sae_cli import add_sae_arguments, directions, features_table
 
@@ -87,14 +88,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        return run(args)
-    except KeyboardInterrupt:
-        print("\ngpt2-analyze: interrupted", file=sys.stderr)
-        return 130
-
-
-def run(args: argparse.Namespace) -> int:
     if not 1 <= args.top_k <= MAX_TOP_K:
         return fail(f"--top-k must be in 1..{MAX_TOP_K}, got {args.top_k}")
     plt = None
@@ -380,5 +373,10 @@ def fail(message: str) -> int:
     return 1
 
 
+def console() -> None:
+    """The `gpt2-analyze` command."""
+    run_console(main, "gpt2-analyze: interrupted")
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gpt2_scripts.console import run_console
 from gpt2_scripts.sae_cli import add_sae_arguments, directions, steering_edits
 from safetensors import SafetensorError
 
@@ -98,16 +99,8 @@ def write_dump(path: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
     os.chmod(target, mode)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:  # Ctrl-C leaves nothing half-written: a dump is written at the end
     args = parse_args(argv)
-    try:
-        return run(args)
-    except KeyboardInterrupt:  # Ctrl-C: no traceback; nothing half-written (a dump is written whole, at the end)
-        print("\ngpt2-generate: interrupted", file=sys.stderr)
-        return 130
-
-
-def run(args: argparse.Namespace) -> int:
     if args.hooks and not args.dump_activations:
         return fail("--hooks needs --dump-activations FILE")
     if args.dump_activations and (problem := dump_problem(args.dump_activations)):  # before the long part
@@ -168,5 +161,10 @@ def fail(message: str) -> int:
     return 1
 
 
+def console() -> None:
+    """The `gpt2-generate` command."""
+    run_console(main, "gpt2-generate: interrupted")
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

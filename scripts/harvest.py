@@ -16,6 +16,7 @@ import sys
 import time
 
 import torch
+from gpt2_scripts.console import run_console
 
 from model.harvest import FORMATS, HarvestError, HarvestSpec, run_harvest
 from model.loading import add_checkpoint_arguments
@@ -171,9 +172,6 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(e))
     except OSError as e:
         return fail(f"{e.filename or args.out}: {e.strerror or e}")
-    except KeyboardInterrupt:
-        print("gpt2-harvest: interrupted; run it again with the same arguments to resume", file=sys.stderr)
-        return 130
     n = manifest.n_contexts or 0
     print(
         f"wrote {len(manifest.shards)} shards, {n:,} contexts of {spec.context_size} tokens "
@@ -188,5 +186,10 @@ def fail(message: str) -> int:
     return 1
 
 
+def console() -> None:
+    """The `gpt2-harvest` command."""
+    run_console(main, "gpt2-harvest: interrupted; run it again with the same arguments to resume")
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -288,14 +290,30 @@ def test_dump_through_a_symlink_with_the_umasks_mode(
     assert real.stat().st_mode & 0o777 == 0o644  # not the temporary file's 0600
 
 
-def test_ctrl_c_exits_130_without_a_traceback(
-    ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import gpt2_scripts.generate as cli
-
-    def interrupted(*_: object) -> None:
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(cli, "load_from", interrupted)
-    assert main(["hi", "--model", str(ckpt_with_tokenizer)]) == 130
-    assert capsys.readouterr().err == "\ngpt2-generate: interrupted\n"
+@pytest.mark.parametrize("tool", ["generate", "analyze", "harvest"])
+def test_ctrl_c_ends_the_tool_by_sigint_without_a_traceback(tool: str, ckpt_with_tokenizer: Path, tmp_path) -> None:
+    """One line on stderr, then the process dies of SIGINT, as Python's own handling ends it (so that a shell
+    loop running the tool stops: bash carries on after a child that exits 130). When the signal comes,
+    generate and analyze wait on standard input for the prompt, harvest in its job (made to wait here)."""
+    model = ["--model", str(ckpt_with_tokenizer)]
+    args, wait = model, ""
+    if tool == "harvest":
+        (tmp_path / "docs.txt").write_text("some text")
+        args = [str(tmp_path / "docs.txt"), *model, "--hooks", "hook_embed", "--out", str(tmp_path / "acts")]
+        wait = "import time; cli.run_harvest = lambda *a, **k: time.sleep(60); "
+    code = (
+        f"import sys; sys.argv = ['gpt2-{tool}', *{args!r}]; import gpt2_scripts.{tool} as cli; {wait}"
+        "print('ready', flush=True); cli.console()"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        time.sleep(1.0)  # into main(), waiting on standard input
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGINT, err
+    assert f"gpt2-{tool}: interrupted" in err and "Traceback" not in err, err
