@@ -77,9 +77,14 @@ def read_prompt(arg: str | None) -> str:
 def dump_problem(path: str) -> str | None:
     """Why the dump cannot go to `path`, found before the long part (None: it looks writable). The file is
     written to a temporary name and renamed over `path`, which would replace a device, a pipe or a symlink."""
-    target = Path(path)
+    if not Path(path).parent.is_dir():
+        return f"cannot write {path}: no directory {Path(path).parent}"
+    try:
+        target = Path(path).resolve()  # through symlinks: where the file will be
+    except (OSError, RuntimeError) as e:  # a symlink loop
+        return f"cannot write {path}: {e}"
     if not target.parent.is_dir():
-        return f"cannot write {path}: no directory {target.parent}"
+        return f"cannot write {path}: it links to {target}, in no directory"
     if target.exists() and not stat.S_ISREG(target.stat().st_mode):
         return f"cannot write {path}: it is not a regular file"
     return None

@@ -14,7 +14,8 @@ _DEVICE = re.compile(r"auto|(cpu|cuda|mps)(:[0-9]+)?")  # torch names more (meta
 
 
 def device_problem(device: str) -> str | None:
-    """Why `device` is not one this project runs on (None when it is one); shared with the command-line tools."""
+    """Why `device` is not one this project runs on (None when it is one): checked before the server binds,
+    without torch (`model.loading.resolve_device` refuses the same names when the model loads)."""
     if _DEVICE.fullmatch(device):
         return None
     return f"unknown device {device!r}; use auto, cpu, cuda, cuda:N or mps"

@@ -273,6 +273,14 @@ def test_dump_onto_something_not_a_regular_file(
     assert main([*args, "--dump-activations", str(fifo)]) == 1
     assert capsys.readouterr().err == f"gpt2-generate: error: cannot write {fifo}: it is not a regular file\n"
     assert fifo.is_fifo()
+    loop = tmp_path / "loop.safetensors"  # a symlink to itself: refused before the work, not a traceback after
+    loop.symlink_to(loop)
+    assert main([*args, "--dump-activations", str(loop)]) == 1
+    assert f"cannot write {loop}: " in capsys.readouterr().err
+    dangling = tmp_path / "dangling.safetensors"  # into a folder that is not there
+    dangling.symlink_to(tmp_path / "missing" / "x.safetensors")
+    assert main([*args, "--dump-activations", str(dangling)]) == 1
+    assert "in no directory" in capsys.readouterr().err
 
 
 def test_dump_through_a_symlink_with_the_umasks_mode(

@@ -287,6 +287,10 @@ def test_a_job_failing_before_its_first_shard_leaves_no_folder(
     with pytest.raises(HarvestError, match="fewer than 128 tokens"):
         harvest(tiny.path, empty, out, ["blocks.0.hook_resid_pre"], **tok)
     assert not out.exists()
+    deep = tmp_path / "a" / "b" / "c"  # every folder it made goes, not only the last
+    with pytest.raises(HarvestError, match="fewer than 128 tokens"):
+        harvest(tiny.path, empty, deep, ["blocks.0.hook_resid_pre"], **tok)
+    assert not (tmp_path / "a").exists()
     ready = tmp_path / "ready"
     ready.mkdir()
     with pytest.raises(HarvestError, match="no text field 'body'"):
@@ -294,6 +298,19 @@ def test_a_job_failing_before_its_first_shard_leaves_no_folder(
     assert ready.is_dir() and not list(ready.iterdir())
     fixed = harvest(tiny.path, source, ready, ["blocks.0.hook_resid_pre"], **tok)
     assert fixed.complete and fixed.n_contexts == 2
+
+
+def test_a_manifest_of_another_version_is_refused_in_words(tiny, tokenizer_dir: Path, corpus, tmp_path: Path) -> None:
+    """A folder an older gpt2-harvest wrote recorded its job otherwise: the same arguments cannot match it,
+    so the error says so instead of listing every argument as changed."""
+    source, _ = corpus
+    out = tmp_path / "acts"
+    opts = {"tokenizer": str(tokenizer_dir), "device": "cpu", "context_size": 16, "max_tokens": 16 * 8}
+    harvest(tiny.path, source, out, ["blocks.0.hook_resid_pre"], **opts)
+    saved = json.loads((out / MANIFEST).read_text())
+    (out / MANIFEST).write_text(json.dumps(saved | {"version": 1}))
+    with pytest.raises(HarvestError, match=r"written by another version of gpt2-harvest \(manifest version 1, "):
+        harvest(tiny.path, source, out, ["blocks.0.hook_resid_pre"], **opts)
 
 
 def test_resume_refuses_other_text_or_weights_at_the_same_path(

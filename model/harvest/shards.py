@@ -25,7 +25,7 @@ from .errors import HarvestError
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: the job names the text's and the weights' sha256 and the device kind resolved
 _TMP = ".tmp-"
 
 
@@ -83,6 +83,13 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def _difference(key: str, there: Any, now: Any) -> str:
+    """One argument a restart changed, for the error: both values when short, else what changed."""
+    if len(repr(there)) + len(repr(now)) <= 120:
+        return f"{key}: {there!r} there, {now!r} now"
+    return f"{key}: other {'files (names, sizes or sha256)' if key in ('source', 'weights') else 'values'} now"
+
+
 class Manifest:
     """`manifest.json` of one output folder: `job` (the arguments that decide every shard's bytes, which a
     restart must repeat), `header` (what the shards hold), and the finished shards."""
@@ -93,7 +100,7 @@ class Manifest:
         self.complete = False
         self.n_contexts: int | None = None
         self.new = False  # this run wrote the manifest into a new or empty folder
-        self.made_dir = False  # this run made the folder
+        self.made: Path | None = None  # the outermost folder this run made (out_dir or one above it)
 
     @classmethod
     def open(cls, out_dir: str | Path, job: dict[str, Any], header: dict[str, Any]) -> Manifest:
@@ -103,10 +110,10 @@ class Manifest:
         out = Path(out_dir)
         if out.exists() and not out.is_dir():
             raise HarvestError(f"output {out} is a file, not a folder")
-        made_dir = not out.exists()
+        missing = [p for p in (out, *out.parents) if not p.exists()]
         out.mkdir(parents=True, exist_ok=True)
         manifest = cls(out, job, header)
-        manifest.made_dir = made_dir
+        manifest.made = missing[-1] if missing else None
         path = out / MANIFEST
         if not path.is_file():
             others = sorted(p.name for p in out.iterdir() if not p.name.startswith(_TMP))
@@ -130,12 +137,15 @@ class Manifest:
             records = [ShardRecord(**r) for r in saved["shards"]]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise HarvestError(f"{path} is not a harvest manifest this version can read ({e})") from None
+        if saved.get("version") != MANIFEST_VERSION:
+            raise HarvestError(
+                f"{path} was written by another version of gpt2-harvest (manifest version {saved.get('version')}, "
+                f"this one writes {MANIFEST_VERSION}), which recorded its job otherwise: it cannot be resumed "
+                "here; give another output folder (its finished shards stay readable)"
+            )
         if saved_job != self.job:
-            diffs = [
-                f"{k}: {saved_job.get(k)!r} there, {self.job.get(k)!r} now"
-                for k in sorted(set(saved_job) | set(self.job))
-                if saved_job.get(k) != self.job.get(k)
-            ]
+            diffs = [_difference(k, saved_job.get(k), self.job.get(k)) for k in sorted(set(saved_job) | set(self.job))
+                     if saved_job.get(k) != self.job.get(k)]  # fmt: skip
             raise HarvestError(
                 f"{self.out_dir} holds a harvest with other arguments ({'; '.join(diffs)}): "
                 "start it again with the same arguments to resume it, or give another output folder"
@@ -161,8 +171,11 @@ class Manifest:
                 return
             for p in self.out_dir.iterdir():
                 p.unlink()
-            if self.made_dir:
-                self.out_dir.rmdir()
+            if self.made is not None:  # the folders it made, from the inside out
+                for folder in (self.out_dir, *self.out_dir.parents):
+                    folder.rmdir()
+                    if folder == self.made:
+                        break
         except OSError as e:
             log.warning("could not remove the empty harvest in %s: %s", self.out_dir, e)
 
