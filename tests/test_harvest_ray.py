@@ -63,3 +63,14 @@ def test_ray_equals_in_process(tiny, tokenizer_dir: Path, tmp_path: Path) -> Non
         data = (on_ray / shard["file"]).read_bytes()
         assert data == (tmp_path / "local" / shard["file"]).read_bytes(), shard["file"]
         assert hashlib.sha256(data).hexdigest() == shard["sha256"]
+
+
+def test_a_gpu_device_needs_gpus_per_actor(tiny, tokenizer_dir: Path, tmp_path: Path) -> None:
+    """Ray hides the GPUs from an actor that asks for none: refused before any actor starts (they failed)."""
+    from model.harvest import HarvestError
+    from model.harvest.ray_data import run_on_ray
+
+    spec = HarvestSpec(model=str(tiny.path), source=str(tmp_path), hooks=("hook_embed",), device="cuda")
+    with pytest.raises(HarvestError, match=r"device 'cuda' needs GPUs per actor above 0"):
+        run_on_ray(spec, tmp_path / "acts", gpus_per_actor=0)
+    assert not (tmp_path / "acts").exists()

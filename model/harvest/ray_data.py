@@ -90,6 +90,10 @@ def run_on_ray(
         raise HarvestError(f"actors must be a positive integer, got {actors}")
     if cpus_per_actor <= 0 or gpus_per_actor < 0:
         raise HarvestError(f"CPUs per actor must be > 0 and GPUs >= 0, got {cpus_per_actor} and {gpus_per_actor}")
+    if spec.device.startswith("cuda") and gpus_per_actor == 0:
+        raise HarvestError(
+            f"device {spec.device!r} needs GPUs per actor above 0: Ray hides the GPUs from an actor that asks for none"
+        )
     # Ray hides the GPUs from an actor that asks for none, so "auto" computes on GPUs exactly when it asks for some
     device = ("cuda" if gpus_per_actor > 0 else "cpu") if spec.device == "auto" else None
     plan, manifest, tokenizer = open_job(spec, out_dir, device=device)
