@@ -10,6 +10,8 @@ the token ids (as JSON) and the text.
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +38,42 @@ def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def dump_path_problem(path: str | Path) -> str | None:
+    """Why a dump cannot be written to `path` (None: it looks writable), to ask before the work that makes
+    the dump. The file is written to a temporary name and renamed over the target, which would replace a
+    device or a pipe; a symlink is followed to the file it names."""
+    if not Path(path).parent.is_dir():
+        return f"cannot write {path}: no directory {Path(path).parent}"
+    try:
+        target = Path(path).resolve()  # through symlinks: where the file will be
+    except (OSError, RuntimeError) as e:  # a symlink loop
+        return f"cannot write {path}: {e}"
+    if not target.parent.is_dir():
+        return f"cannot write {path}: it links to {target}, in no directory"
+    if target.exists() and not stat.S_ISREG(target.stat().st_mode):
+        return f"cannot write {path}: it is not a regular file"
+    return None
+
+
 def save_dump(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> None:
-    """Write `tensors` with `metadata` (values that are not strings are stored as JSON)."""
-    save_file(_contiguous(tensors), str(path), metadata=_metadata(metadata))
+    """Write `tensors` with `metadata` (values that are not strings are stored as JSON) to `path`, through a
+    symlink to the file it names, with the mode of the file it replaces or the one a new file gets from the
+    umask (safetensors writes a temporary file, private to its owner, and renames it over the path). A path
+    `dump_path_problem` refuses is a `ValueError`."""
+    if problem := dump_path_problem(path):
+        raise ValueError(problem)
+    target = Path(path).resolve()
+    new = not target.exists()
+    if new:
+        target.touch()  # created as any new file is: its mode is the one the dump keeps
+    mode = stat.S_IMODE(target.stat().st_mode)
+    try:
+        save_file(_contiguous(tensors), str(target), metadata=_metadata(metadata))
+    except BaseException:
+        if new:
+            target.unlink(missing_ok=True)
+        raise
+    os.chmod(target, mode)
 
 
 def dump_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> bytes:

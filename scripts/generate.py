@@ -11,18 +11,13 @@
 from __future__ import annotations
 
 import argparse
-import os
-import stat
 import sys
-from pathlib import Path
-from typing import Any
 
-import torch
 from gpt2_scripts.console import run_console
 from gpt2_scripts.sae_cli import add_sae_arguments, directions, steering_edits
 from safetensors import SafetensorError
 
-from model.dump import save_dump
+from model.dump import dump_path_problem, save_dump
 from model.generate import Generation, GenerationError, SamplingParams
 from model.hooks import UnknownHookError
 from model.interventions import InterventionError
@@ -74,41 +69,11 @@ def read_prompt(arg: str | None) -> str:
     return sys.stdin.read() if raw is None else raw.read().decode("utf-8", "surrogateescape")
 
 
-def dump_problem(path: str) -> str | None:
-    """Why the dump cannot go to `path`, found before the long part (None: it looks writable). The file is
-    written to a temporary name and renamed over `path`, which would replace a device, a pipe or a symlink."""
-    if not Path(path).parent.is_dir():
-        return f"cannot write {path}: no directory {Path(path).parent}"
-    try:
-        target = Path(path).resolve()  # through symlinks: where the file will be
-    except (OSError, RuntimeError) as e:  # a symlink loop
-        return f"cannot write {path}: {e}"
-    if not target.parent.is_dir():
-        return f"cannot write {path}: it links to {target}, in no directory"
-    if target.exists() and not stat.S_ISREG(target.stat().st_mode):
-        return f"cannot write {path}: it is not a regular file"
-    return None
-
-
-def write_dump(path: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-    """`save_dump` to `path` (through a symlink, to the file it names), with the mode a new file gets from the
-    umask, or the old file's (safetensors writes a temporary file, private to its owner, and renames it)."""
-    target = Path(path).resolve()
-    try:
-        mode = stat.S_IMODE(target.stat().st_mode)
-    except FileNotFoundError:
-        umask = os.umask(0)
-        os.umask(umask)
-        mode = 0o666 & ~umask
-    save_dump(target, tensors, meta)
-    os.chmod(target, mode)
-
-
 def main(argv: list[str] | None = None) -> int:  # Ctrl-C leaves nothing half-written: a dump is written at the end
     args = parse_args(argv)
     if args.hooks and not args.dump_activations:
         return fail("--hooks needs --dump-activations FILE")
-    if args.dump_activations and (problem := dump_problem(args.dump_activations)):  # before the long part
+    if args.dump_activations and (problem := dump_path_problem(args.dump_activations)):  # before the long part
         return fail(problem)
     prompt = read_prompt(args.prompt)
     try:
@@ -148,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:  # Ctrl-C leaves nothing half-wr
         token_ids = result.prompt_ids + result.token_ids
         meta = {"model": loaded.name, "token_ids": token_ids, "text": prompt + result.text}
         try:
-            write_dump(args.dump_activations, result.activations, meta)
+            save_dump(args.dump_activations, result.activations, meta)
         except OSError as e:
             return fail(f"cannot write {args.dump_activations}: {e.strerror or e}")
         except SafetensorError as e:  # safetensors reports its I/O failures as its own error

@@ -68,3 +68,27 @@ def test_non_contiguous_and_low_precision_tensors(tmp_path: Path) -> None:
     assert metadata == {}
     for name, t in tensors.items():
         assert loaded[name].dtype == t.dtype and torch.equal(loaded[name], t)
+
+
+def test_save_dump_follows_symlinks_keeps_modes_and_refuses_devices(tmp_path: Path) -> None:
+    """safetensors renames a temporary file (mode 0600) over the path: `save_dump` writes through a symlink to
+    its file, gives a new file the umask's mode and a replaced one its own, and refuses a pipe it would replace."""
+    import os
+
+    t = {"x": torch.ones(2)}
+    real, link = tmp_path / "real.safetensors", tmp_path / "link.safetensors"
+    link.symlink_to(real)
+    old = os.umask(0o022)
+    try:
+        save_dump(link, t, {})
+    finally:
+        os.umask(old)
+    assert link.is_symlink() and real.stat().st_mode & 0o777 == 0o644 and torch.equal(load_file(real)["x"], t["x"])
+    real.chmod(0o640)
+    save_dump(real, t, {})
+    assert real.stat().st_mode & 0o777 == 0o640
+    fifo = tmp_path / "pipe.safetensors"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="it is not a regular file"):
+        save_dump(fifo, t, {})
+    assert fifo.is_fifo()
