@@ -395,10 +395,10 @@ class EditSpec:
     ablate_attn: tuple[int, ...] = ()  # layers whose attention runs without its residual add
     ablate_mlp: tuple[int, ...] = ()  # layers whose MLP runs without its residual add
 
-    def n_sites(self, n_layer: int) -> int:
-        """(edit, hook point) pairs: the edits applied at each hook a pass reaches, summed (a glob counts
-        once per hook it matches). Each costs work on every forward pass, so a server bounds it."""
-        return sum(len(edit_sites(e, n_layer, _where(i, e))) for i, e in enumerate(self.edits))
+    def sites(self, n_layer: int) -> list[str]:
+        """The hook point of each (edit, hook point) pair, edit by edit (a glob gives one for each hook it
+        matches). Each pair costs work on every forward pass, so a server bounds how many."""
+        return [n for i, e in enumerate(self.edits) for n in edit_sites(e, n_layer, _where(i, e))]
 
     def hooks(self, config: GPTConfig, n_tokens: int, then: Hooks | None = None) -> Hooks | None:
         """Fresh `Hooks` for one sequence. `then` (a gradient capture, say) sees each value after the

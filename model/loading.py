@@ -172,14 +172,21 @@ def _download(name: str, repo_id: str, revision: str | None) -> CheckpointFiles:
 # --- reading the weights -----------------------------------------------------------------------
 
 
+def device_problem(name: str) -> str | None:
+    """Why `name` is not a device this project runs on (None when it is one), without asking the hardware."""
+    try:
+        if name == "auto" or torch.device(name).type in ("cpu", "cuda", "mps"):  # not meta, xpu, ...: torch knows more
+            return None
+    except RuntimeError:
+        pass
+    return f"unknown device {name!r}; use auto, cpu, cuda, cuda:N or mps"
+
+
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
     if str(device) != "auto":
-        try:
-            dev = torch.device(device)
-        except RuntimeError:
-            dev = None
-        if dev is None or dev.type not in ("cpu", "cuda", "mps"):  # torch knows more (meta, xpu): nothing runs there
-            raise LoadError(f"unknown device {device!r}; use auto, cpu, cuda, cuda:N or mps")
+        if problem := device_problem(str(device)):
+            raise LoadError(problem)
+        dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise LoadError(f"device {device!r}: CUDA is not available here (no GPU, or torch built without CUDA)")
         if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():

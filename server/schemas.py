@@ -208,7 +208,7 @@ def edit_spec(
         layers(residual.attn) if residual else (),
         layers(residual.mlp) if residual else (),
     )
-    sites = spec.n_sites(n_layer)
+    sites = len(spec.sites(n_layer))
     if sites > MAX_EDIT_SITES:
         raise InterventionError(
             f"the interventions apply at {sites} (edit, hook point) pairs, a glob counted once per hook it "

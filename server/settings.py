@@ -10,15 +10,6 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # what both logging and uvicorn accept
-_DEVICE = re.compile(r"auto|(cpu|cuda|mps)(:[0-9]+)?")  # torch names more (meta, xpu, ...), which nothing here runs on
-
-
-def device_problem(device: str) -> str | None:
-    """Why `device` is not one this project runs on (None when it is one): checked before the server binds,
-    without torch (`model.loading.resolve_device` refuses the same names when the model loads)."""
-    if _DEVICE.fullmatch(device):
-        return None
-    return f"unknown device {device!r}; use auto, cpu, cuda, cuda:N or mps"
 
 
 @dataclass(frozen=True)
@@ -97,11 +88,11 @@ class Settings:
             raise ValueError(f"prefill_chunk must be at least 1, got {self.prefill_chunk}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        from model.config import PRESETS  # here: torch comes with the model package
+        from model.loading import device_problem, dtype_problem
+
         if problem := device_problem(self.device):
             raise ValueError(problem)
-        from model.config import PRESETS  # here: torch comes with the model package
-        from model.loading import dtype_problem
-
         if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
         if problem := dtype_problem(self.dtype):

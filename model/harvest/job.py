@@ -282,16 +282,18 @@ class Progress(Protocol):
     def close(self) -> None: ...
 
 
-def locate_model(spec: HarvestSpec) -> tuple[GPTConfig, Tokenizer, torch.dtype, list[dict[str, Any]]]:
-    """The model's shape, tokenizer, activation dtype and weight files' identity, without reading its
-    weights (for a driver that plans a job its workers run)."""
+def locate_model(
+    spec: HarvestSpec, device: torch.device
+) -> tuple[GPTConfig, Tokenizer, torch.dtype, list[dict[str, Any]]]:
+    """The model's shape, tokenizer, activation dtype (on `device`) and weight files' identity, without
+    reading its weights (for a driver that plans a job its workers run)."""
     try:
         files = locate(spec.model, revision=spec.revision, preset_name=spec.preset)
         tok_dir = spec.tokenizer or files.tokenizer_dir
         if tok_dir is None:
             raise HarvestError(f"{files.name} ships no tokenizer: give a tokenizer directory (--tokenizer DIR)")
         tokenizer = Tokenizer.from_dir(tok_dir)
-        dtype = resolve_dtype(spec.dtype, resolve_device(spec.device))
+        dtype = resolve_dtype(spec.dtype, device)
     except (LoadError, ConfigError, TokenizerError) as e:
         raise HarvestError(str(e)) from None
     return files.config, tokenizer, dtype, weights_identity(files.weights)
@@ -321,12 +323,12 @@ def open_job(
         config, tokenizer, dtype = loaded.model.config, loaded.tokenizer, loaded.dtype
         name, revision, here = loaded.name, loaded.revision, loaded.device
     else:
-        config, tokenizer, dtype, weights = locate_model(spec)
-        name, revision = spec.model, spec.revision
         try:
             here = resolve_device(spec.device)
         except LoadError as e:
             raise HarvestError(str(e)) from None
+        config, tokenizer, dtype, weights = locate_model(spec, here)
+        name, revision = spec.model, spec.revision
     plan = make_plan(spec, config, tokenizer, dtype, weights, device or here.type)
     manifest = Manifest.open(out_dir, plan.job(), plan.header(name, revision))
     return plan, manifest, tokenizer

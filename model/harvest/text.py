@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..tokenizer import InvalidTextError, Tokenizer
+from ..tokenizer import InvalidTextError, Tokenizer, check_unicode
 from .errors import HarvestError
 from .shards import sha256_file
 
@@ -136,12 +136,10 @@ def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
                     "(choose one with --text-field)"
                 )
             text = _text(row[field], f"{path} line {number}", field)
-            try:  # JSON's \ud800 escapes can make a lone surrogate, which no tokenizer reads
-                text.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise HarvestError(
-                    f"{path} line {number}: {field!r} is not valid Unicode: a lone surrogate at character {e.start}"
-                ) from None
+            try:  # JSON's \ud800 escapes can make a lone surrogate, which no tokenizer reads: named here, by line
+                check_unicode(text)
+            except InvalidTextError as e:
+                raise HarvestError(f"{path} line {number}: {field!r} is {e}") from None
             yield text
 
 

@@ -15,13 +15,13 @@ both the loss's gradient at every layer's stream and each block's Jacobian again
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 
 from ..config import GPTConfig
 from ..gpt import GPT
-from ..hooks import Hooks
 from ..interventions import EditSpec, InterventionError, split_input_clashes
 
 
@@ -125,16 +125,14 @@ class GradientHooks:
         return {n: torch.zeros_like(v) if g is None else g for n, v, g in zip(names, values, grads, strict=True)}
 
 
-def check_split_inputs(names: list[str], edited: Hooks | None) -> None:
+def check_split_inputs(names: list[str], edited: Collection[str]) -> None:
     """Refuse (`InterventionError`, naming `hooks`) a gradient at a per-head input (`hook_q_input`, ...) where
-    `edited` (the edits' hooks) changes ln1's hooks in the same layer, or at ln1's hooks where it changes a
-    per-head input. The gradient at a hook is the first-order effect of an edit there, and edits of both in
-    one layer have no single meaning: an edited per-head input is normalised on its own path, apart from
-    ln1's hooks, which act on the stream itself."""
-    if edited is None:
-        return
+    an edit changes ln1's hooks in the same layer (`edited`: the hook points edits apply at), or at ln1's hooks
+    where one changes a per-head input. The gradient at a hook is the first-order effect of an edit there,
+    and edits of both in one layer have no single meaning: an edited per-head input is normalised on its own
+    path, apart from ln1's hooks, which act on the stream itself."""
     for name in names:
-        clash = [n for n in split_input_clashes(name) if edited.active(n)]
+        clash = [n for n in split_input_clashes(name) if n in edited]
         if clash:
             raise InterventionError(
                 f"a gradient at {name} and an edit of {clash[0]} cannot be combined: an edited per-head input "
@@ -156,7 +154,7 @@ def gradients(model: GPT, ids: list[int], metric: Metric, names: list[str], edit
     Builds a graph even where the caller runs under `torch.inference_mode` (the engine's thread); the
     parameters' `.grad` are left untouched."""
     check_metric(metric, len(ids), model.config.vocab_size)
-    check_split_inputs(names, edits.hooks(model.config, len(ids)) if edits is not None else None)
+    check_split_inputs(names, set(edits.sites(model.config.n_layer)) if edits is not None else set())
     with torch.inference_mode(False), torch.enable_grad():
         capture = GradientHooks(names)
         hooks = edits.hooks(model.config, len(ids), then=capture) if edits is not None else capture
