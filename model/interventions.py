@@ -374,9 +374,15 @@ def _layer(name: str) -> int | None:
 
 
 def _check_range(values: Sequence[int], n: int, what: str, param: str = "interventions") -> None:
+    """Each of `values` an int in 0..n-1, and none twice: so a list holds n of them at most (a position named
+    5,000 times would select, and copy, its values 5,000 times)."""
+    seen: set[int] = set()
     for v in values:
         if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < n:
             raise InterventionError(f"{what} {v!r} is out of range 0..{n - 1}", param)
+        if v in seen:
+            raise InterventionError(f"{what} {v} is named twice", param)
+        seen.add(v)
 
 
 def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:

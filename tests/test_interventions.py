@@ -331,6 +331,11 @@ def test_interventions_see_the_ablated_stream(tiny_model: GPT) -> None:
         (Edit("blocks.0.attn.hook_z", "zero", heads=(4,)), "head 4 is out of range 0..3"),
         (Edit("blocks.0.hook_resid_pre", "zero", heads=(0,)), "heads apply only to per-head hooks"),
         (Edit("blocks.0.hook_resid_pre", "zero", positions=(T,)), f"position {T} is out of range 0..{T - 1}"),
+        # a list names each at most once, so it is as long as the sequence, the heads or the layers at most (a
+        # position named 5,000 times once selected and copied its values 5,000 times: gigabytes)
+        (Edit("blocks.0.hook_resid_pre", "scale", factor=1.0, positions=(1,) * 5000), "position 1 is named twice"),
+        (Edit("blocks.0.attn.hook_z", "zero", heads=(0, 1, 0)), "head 0 is named twice"),
+        (Edit("blocks.*.hook_attn_out", "zero", layers=(1, 1)), "layer 1 is named twice"),
         (Edit("blocks.0.hook_resid_pre", "scale"), "scale needs a factor"),
         (Edit("blocks.0.hook_resid_pre", "add"), "add needs a value"),
         (Edit("blocks.0.hook_resid_pre", "add", value=torch.ones(3)), "does not fit blocks.0.hook_resid_pre"),

@@ -163,6 +163,14 @@ BAD_EDITS: dict[str, tuple[dict[str, Any], str]] = {
         {"interventions": [{"hook": "blocks.0.hook_attn_out", "op": "zero", "positions": [99]}]},
         "position 99 is out of range",
     ),
+    "a position named twice": (
+        {"interventions": [{"hook": "logits", "op": "scale", "factor": 1.0, "positions": [1] * 5000}]},
+        "position 1 is named twice",
+    ),
+    "a head named twice": (
+        {"interventions": [{"hook": "blocks.0.attn.hook_pattern", "op": "zero", "heads": [0] * 2000}]},
+        "head 0 is named twice",
+    ),
     "layer out of range": (
         {"interventions": [{"hook": "blocks.*.hook_attn_out", "op": "zero", "layers": [2]}]},
         "layer 2 is out of range 0..1",
