@@ -76,5 +76,6 @@ def features_table(sae_id: str, sae: SAE, loaded: LoadedModel, ids: list[int], t
     for p, (t, r) in enumerate(zip(ids, rows, strict=True)):
         ve = f"{r.variance_explained:8.3f}" if r.variance_explained is not None else f"{'-':>8}"
         top = "  ".join(f"{i}:{v:.2f}" for i, v in r.features)
-        lines.append(f"{p:>4}  {json.dumps(text(t))[:16]:<16} {r.l0:>5} {ve}  {top}")
+        l0 = f"{r.l0:>5}" if r.l0 is not None else f"{'-':>5}"  # not finite: no count
+        lines.append(f"{p:>4}  {json.dumps(text(t))[:16]:<16} {l0} {ve}  {top}")
     return "\n".join(lines)

@@ -247,6 +247,12 @@ class FeatureCapture(Strict):
     def selection(self, d_sae: int, where: str = "") -> tuple[int | None, list[int] | None]:
         """(top_k, feature ids): one of them, checked against the SAE's size (errors name `where` + field)."""
         if self.features is not None:
+            if "top_k" in self.model_fields_set:  # one or the other, never one silently dropped
+                raise GenerationError(
+                    f"{where}top_k and {where}features exclude each other: features reads the ids it lists, "
+                    "top_k the largest; give one",
+                    f"{where}top_k",
+                )
             if not 1 <= len(self.features) <= 1024:
                 raise GenerationError(
                     f"{where}features must list 1..1024 ids, got {len(self.features)}", f"{where}features"

@@ -211,6 +211,18 @@ BAD = {
     "unknown SAE in features": ("/v1/features", {"sae": "nope"}, "sae", "unknown SAE 'nope'; loaded SAEs: mlp0, res1"),
     "feature out of range": ("/v1/features", {"sae": "res1", "features": [256]}, "features", "out of range 0..255"),
     "top_k zero": ("/v1/features", {"sae": "res1", "top_k": 0}, "top_k", "top_k must be in 1..256"),
+    "top_k beside features": (
+        "/v1/features",
+        {"sae": "res1", "features": [1], "top_k": 3},
+        "top_k",
+        "top_k and features exclude each other",
+    ),
+    "top_k beside features in generate": (
+        "/v1/generate",
+        {"max_new_tokens": 1, "features": {"sae": "res1", "features": [1], "top_k": 3}},
+        "features.top_k",
+        "features.top_k and features.features exclude each other",
+    ),
     "unknown SAE in a direction": (
         "/v1/next-token",
         {"interventions": [{"hook": RES, "op": "steer", "scale": 1.0, "direction": {"sae": "x", "feature": 0}}]},
@@ -414,8 +426,16 @@ def test_features_that_are_not_finite(tiny: Checkpoint, tokenizer_dir: Path, tmp
         zeroed = {"input_ids": IDS[:4], "sae": "cnr", "interventions": [{"hook": RES, "op": "zero"}]}
         rows = post(c, "/v1/features", zeroed)["features"]
         assert len(rows) == 4 and all(r["mse"] is None for r in rows)
+        # no count and no top features where the reading is NaN (a NaN is not > 0: it once counted as l0 0)
+        assert all(r["l0"] is None and r["features"] == [] for r in rows), rows
+        chosen = post(c, "/v1/features", zeroed | {"features": [0, 5]})["features"]
+        assert all([f["value"] for f in r["features"]] == [None, None] and r["l0"] is None for r in chosen)
         file = c.post("/v1/features", json=zeroed | {"format": "safetensors"})
         assert file.status_code == 200 and load_safetensors(file.content)["mse"].isnan().all()
+        assert load_safetensors(file.content)["l0"].tolist() == [-1] * 4
+        generated = {"input_ids": IDS[:4], "max_new_tokens": 0, "features": {"sae": "cnr"}}
+        choice = post(c, "/v1/generate", generated | {"interventions": [{"hook": RES, "op": "zero"}]})["choices"][0]
+        assert all(r["l0"] is None for r in choice["features"]), choice["features"]
         overflow = [{"hook": "blocks.0.hook_resid_post", "op": "scale", "factor": 3e38}]
         r = c.post("/v1/features", json={"input_ids": IDS[:4], "sae": "cnr", "interventions": overflow})
         assert r.status_code == 400 and r.json()["error"]["param"] == "interventions", r.text

@@ -330,7 +330,7 @@ class TokenFeatures:
     the SAE reconstructs the input there."""
 
     features: list[tuple[int, float]]
-    l0: int  # features active (> 0)
+    l0: int | None  # features active (> 0); None where the reading is not finite (no count is meaningful)
     mse: float  # mean over d_in of (x - x̂)²
     error_norm: float  # ‖x - x̂‖
     variance_explained: float | None  # 1 - ‖x - x̂‖² / ‖x - mean(x)‖² (None for a constant x)
@@ -343,16 +343,18 @@ def token_features(sae: SAE, x: torch.Tensor, top_k: int | None, ids: list[int] 
     f, x_hat = sae.reconstruct(x_in)  # [T, d_sae], [T, d_in]
     err = (x_in - x_hat).pow(2).sum(-1)  # [T]
     spread = (x_in - x_in.mean(-1, keepdim=True)).pow(2).sum(-1)  # [T]
+    finite = f.isfinite().all(-1).tolist()  # [T]: a NaN compares false, so it would count as inactive
     out = []
     for t in range(x_in.shape[0]):
         if ids is not None:
-            chosen = [(i, float(f[t, i])) for i in ids]
+            chosen = [(i, float(f[t, i])) for i in ids]  # NaN where the reading is
+        elif not finite[t]:  # no order among NaNs: no top features, rather than a misleading few
+            chosen = []
         else:
             assert top_k is not None
             top = f[t].topk(min(top_k, sae.cfg.d_sae))
             chosen = [(int(i), float(v)) for v, i in zip(top.values, top.indices, strict=True) if v > 0]
         e, s = float(err[t]), float(spread[t])
-        out.append(
-            TokenFeatures(chosen, int((f[t] > 0).sum()), e / sae.cfg.d_in, math.sqrt(e), 1 - e / s if s > 0 else None)
-        )
+        l0 = int((f[t] > 0).sum()) if finite[t] else None
+        out.append(TokenFeatures(chosen, l0, e / sae.cfg.d_in, math.sqrt(e), 1 - e / s if s > 0 else None))
     return out

@@ -162,7 +162,8 @@ async def features(
 
 def _file(rows: list[TokenFeatures], meta: dict[str, Any]) -> bytes:
     """The features as a safetensors file: `indices` and `values` [T, k] (k the most any token has; a top-k
-    list shorter than k is padded with index -1 and value 0), and `l0`, `mse`, `variance_explained` [T]."""
+    list shorter than k is padded with index -1 and value 0), and `l0`, `mse`, `variance_explained` [T] (`l0`
+    -1 where the reading is not finite)."""
     from safetensors.torch import save
 
     k = max((len(r.features) for r in rows), default=0)
@@ -176,7 +177,7 @@ def _file(rows: list[TokenFeatures], meta: dict[str, Any]) -> bytes:
         {
             "indices": indices,
             "values": values,
-            "l0": torch.tensor([r.l0 for r in rows], dtype=torch.int64),
+            "l0": torch.tensor([-1 if r.l0 is None else r.l0 for r in rows], dtype=torch.int64),  # -1: not finite
             "mse": torch.tensor([r.mse for r in rows]),
             "variance_explained": torch.tensor(
                 [nan if r.variance_explained is None else r.variance_explained for r in rows]
