@@ -335,3 +335,24 @@ def test_analyze_errors(client: TestClient, body: dict[str, Any], says: str) -> 
     r = client.post("/v1/analyze", json=body)
     assert r.status_code == 400, r.text
     assert says in r.json()["error"]["message"]
+
+
+def test_an_analysis_over_the_size_limit_is_a_413_before_running(tiny: Checkpoint, tokenizer_dir: Path) -> None:
+    """/v1/analyze's answer (every layer's logit lens: top_k tokens a position) is bounded like a dump: its
+    size, known before running, over --max-activation-bytes is a 413 naming top_k, and the estimate is an
+    upper bound on the real answer (once 158 MB at 1024 tokens and top_k 100 went through unchecked)."""
+    from server import encoding
+
+    loaded = load(tiny.path, tokenizer_dir=tokenizer_dir, device="cpu")
+    body = {"input_ids": CLEAN, "top_k": 100, "gradients": True}
+    estimate = encoding.analysis_bytes_on_wire(loaded.model.config, T, 100, 2, loaded.tokenizer)
+    with TestClient(create_app(Settings(max_activation_bytes=estimate), loaded=loaded)) as c:
+        r = c.post("/v1/analyze", json=body)
+        assert r.status_code == 200, r.text
+        assert len(r.content) <= estimate
+        assert estimate < 4 * len(r.content)  # a bound, not a guess far off
+        r = c.post("/v1/analyze", json=body | {"input_ids": [*CLEAN, 13]})
+        assert r.status_code == 413, r.text
+        error = r.json()["error"]
+        assert error["param"] == "top_k" and "smaller top_k" in error["message"], error
+        assert c.post("/v1/analyze", json={"input_ids": CLEAN, "top_k": 2}).status_code == 200  # still serving

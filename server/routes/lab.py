@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import FileResponse
 
 from model.analysis import LayerStats, analyze
@@ -15,8 +15,11 @@ from model.gpt import GPT
 from model.interventions import EditSpec, NonFiniteActivations
 from model.lab.gradients import LayerGradient, highway
 
+from .. import encoding
+from ..errors import APIError
 from ..schemas import AnalyzeRequest
-from .deps import EngineDep, SettingsDep, token_ids, unless_disconnected
+from ..threads import run_in_threadpool
+from .deps import EngineDep, SettingsDep, json_response, token_ids, unless_disconnected
 from .gradients import check_graph
 from .sae import DirectionsDep
 
@@ -29,15 +32,27 @@ async def viewer() -> FileResponse:
     return FileResponse(STATIC / "index.html")
 
 
-@router.post("/v1/analyze")
+@router.post("/v1/analyze", response_model=None)
 async def analyze_prompt(
     req: AnalyzeRequest, engine: EngineDep, request: Request, settings: SettingsDep, directions: DirectionsDep
-) -> dict[str, Any]:
+) -> Response:
     (ids,) = await token_ids(engine, req.prompt, req.input_ids)
     config = engine.model.config
     validate_prompt(engine.model, ids, 0, "input_ids" if req.input_ids is not None else "prompt")
     if not 1 <= req.top_k <= 100:
         raise GenerationError(f"top_k must be in 1..100, got {req.top_k}", "top_k")
+    runs = 2 if req.compare_ablated else 1
+    size = await run_in_threadpool(
+        encoding.analysis_bytes_on_wire, config, len(ids), req.top_k, runs, engine.tokenizer
+    )  # the first call reads every token's text once
+    if size > settings.max_activation_bytes:
+        raise APIError(
+            413,
+            f"the analysis would take up to {size} bytes as JSON, over the server's limit of "
+            f"{settings.max_activation_bytes}: ask for a smaller top_k, a shorter prompt"
+            + (" or compare_ablated false" if req.compare_ablated else ""),
+            "top_k",
+        )
     edits = req.edit_spec(config.n_layer, directions)
     everything = tuple(range(config.n_layer))
     no_residual = EditSpec(edits.edits if edits else (), everything, everything)
@@ -88,10 +103,12 @@ async def analyze_prompt(
             layer["jacobian_identity_distance"] = g.jacobian_identity_distance
         return out
 
-    return {
-        "model": engine.loaded.name,
-        "input_ids": ids,
-        "tokens": [text(t) for t in ids],
-        "layers": layers(main),
-        "ablated": layers(ablated) if ablated is not None else None,
-    }
+    return await json_response(  # every token's text and the encoding on a worker thread, not the event loop
+        lambda: {
+            "model": engine.loaded.name,
+            "input_ids": ids,
+            "tokens": [text(t) for t in ids],
+            "layers": layers(main),
+            "ablated": layers(ablated) if ablated is not None else None,
+        }
+    )
