@@ -72,9 +72,7 @@ def longest_token_json(tokenizer: Tokenizer) -> int:
     return max(len(json.dumps(t, ensure_ascii=False).encode()) for t in texts)
 
 
-def analysis_bytes_on_wire(
-    config: GPTConfig, n_tokens: int, top_k: int, runs: int, tokenizer: Tokenizer
-) -> int:
+def analysis_bytes_on_wire(config: GPTConfig, n_tokens: int, top_k: int, runs: int, tokenizer: Tokenizer) -> int:
     """Bytes /v1/analyze's answer takes in JSON, at most, known before running: `runs` measured runs (2 with
     the run without residual connections) of the embeddings and every block's statistics and logit lens,
     and the prompt's ids and tokens."""

@@ -200,14 +200,17 @@ class Engine:
         params: Sequence[SamplingParams],
         hooks: Sequence[str] | None = None,
         edits: EditSpec | None = None,
+        count_param: str = "prompt",
     ) -> list[RequestStream]:
         """Queue one sequence per prompt, all or none. Raises `GenerationError`/`UnknownHookError` for an
-        invalid request or one that could never fit (both 400s: a retry would not help), then `QueueFull`
-        (429) when valid sequences do not fit now; nothing is queued then."""
+        invalid request or one that could never fit (both 400s: a retry would not help; `count_param`, the
+        field that set how many there are, is named when they are too many), then `QueueFull` (429) when
+        valid sequences do not fit now; nothing is queued then."""
         if len(prompts) > self.max_queue:  # checked before building anything: the count is the client's
             raise GenerationError(
                 f"the request asks for {len(prompts)} sequences (one per prompt and choice), more than the "
-                f"server queues at once ({self.max_queue}, its --max-queue): send at most {self.max_queue}"
+                f"server queues at once ({self.max_queue}, its --max-queue): send at most {self.max_queue}",
+                count_param,
             )
         names = select_hooks(list(hooks), self.model.config.n_layer) if hooks else None
         seqs = [

@@ -23,6 +23,7 @@ from model.gpt import GPT
 from model.hooks import run_with_cache
 from model.interventions import Edit, EditSpec
 from model.lab.sae import load_sae, token_features
+from model.lab.steering import contrastive_vector
 from model.loading import load
 from server.app import create_app
 from server.settings import Settings
@@ -194,6 +195,28 @@ def test_steering_vectors_are_measured_stored_and_used(client: TestClient, tiny_
     assert "joy" in client.get("/v1/model").json()["steering_vectors"]
     mean_body = post(client, "/v1/steering-vectors", {"positive": pos, "negative": neg, "hook": RES, "reduce": "mean"})
     assert mean_body["name"] is None and mean_body["vector"] != body["vector"]
+
+
+def test_a_steering_vector_is_measured_one_prompt_a_job(
+    client: TestClient, tiny_model: GPT, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each prompt of /v1/steering-vectors is a job of its own on the engine, so running streams take their
+    decode steps between them (128 long prompts in one job once held every stream for all of them); the
+    vector is exactly the model-level contrastive_vector's."""
+    engine = client.app.state.engine  # type: ignore[attr-defined]
+    jobs = []
+    call = engine.call
+
+    def counted(fn: Any) -> Any:
+        jobs.append(fn)
+        return call(fn)
+
+    monkeypatch.setattr(engine, "call", counted)
+    pos, neg = [[1, 2, 3], [4, 5]], [[6, 7], [8], [9, 10, 11]]
+    body = post(client, "/v1/steering-vectors", {"positive": pos, "negative": neg, "hook": RES, "reduce": "mean"})
+    assert len(jobs) == 5
+    want = contrastive_vector(tiny_model, pos, neg, RES, "mean")
+    assert torch.equal(torch.tensor(body["vector"]), want.vector)
 
 
 def test_the_store_is_bounded(client: TestClient) -> None:

@@ -680,6 +680,19 @@ def test_queue_full_is_429(loaded: LoadedModel) -> None:
         assert_still_serving(c)
 
 
+def test_more_sequences_than_the_queue_holds_is_a_400_naming_the_field(loaded: LoadedModel) -> None:
+    """A request of more sequences (prompts x n) than --max-queue could ever hold is a 400, not a 429 (a
+    retry could not succeed), and `param` names what made them too many: n, or the prompts."""
+    with serve(loaded, max_queue=4) as c:
+        error = assert_error(c.post(CMPL, json={"prompt": ["a"] * 5, "max_tokens": 1}), 400, "prompt")
+        assert "asks for 5 sequences" in error["message"], error
+        error = assert_error(c.post(CMPL, json={"prompt": ["a", "b"], "n": 3, "max_tokens": 1}), 400, "n")
+        assert "asks for 6 sequences" in error["message"], error
+        assert_error(c.post(GEN, json={"prompt": ["a"] * 5, "max_new_tokens": 1}), 400, "prompt")
+        assert_error(c.post(GEN, json={"input_ids": [[1]] * 5, "max_new_tokens": 1}), 400, "input_ids")
+        assert_still_serving(c)
+
+
 def test_not_ready_is_503(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     release = threading.Event()
 

@@ -148,18 +148,28 @@ def contrastive_vector(
 ) -> SteeringVector:
     """mean over `positive` prompts - mean over `negative` prompts of the value at `hook` (a d_model site),
     each prompt's taken at its last position or averaged over its positions (float32)."""
+    values = [[prompt_value(model, ids, hook, reduce) for ids in side] for side in (positive, negative)]
+    return contrast(hook, values[0], values[1])
+
+
+def prompt_value(model: GPT, ids: Sequence[int], hook: str, reduce: Reduce) -> torch.Tensor:
+    """One prompt's value at `hook` (a d_model site) for a contrastive vector, [d] float32 on the CPU: at
+    its last position, or averaged over its positions. A forward pass of its own, ended at the hook (the
+    server runs each as one job, so the decode steps of other requests go on between prompts)."""
     if not has_one_vector_per_position(hook):
         raise ValueError(f"{hook} is not a hook with one vector per position: no steering vector to measure there")
+    idx = torch.tensor([list(ids)], device=model.wte.weight.device)
+    x = run_with_cache(model, idx, [hook])[hook][0].to(torch.float32)  # [T, d]
+    return (x[-1] if reduce == "last" else x.mean(0)).cpu()
 
-    def mean_of(prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-        total = None
-        for ids in prompts:
-            idx = torch.tensor([list(ids)], device=model.wte.weight.device)
-            x = run_with_cache(model, idx, [hook])[hook][0].to(torch.float32)  # [T, d]
-            v = x[-1] if reduce == "last" else x.mean(0)
-            total = v if total is None else total + v
-        assert total is not None
-        return total / len(prompts)
 
-    diff = mean_of(positive) - mean_of(negative)
-    return SteeringVector(hook, diff.cpu(), len(positive), len(negative))
+def contrast(hook: str, positive: Sequence[torch.Tensor], negative: Sequence[torch.Tensor]) -> SteeringVector:
+    """The steering vector of the prompts' values (`prompt_value`): mean of `positive` - mean of `negative`."""
+
+    def mean_of(values: Sequence[torch.Tensor]) -> torch.Tensor:
+        total = values[0]
+        for v in values[1:]:  # in order, one at a time
+            total = total + v
+        return total / len(values)
+
+    return SteeringVector(hook, mean_of(positive) - mean_of(negative), len(positive), len(negative))

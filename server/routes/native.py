@@ -78,7 +78,8 @@ async def generate(
         reader.check_size(n_tokens, "json", settings.max_activation_bytes, "features.")
     edits = req.edit_spec(engine.model.config.n_layer, directions)
     captured = hooks if reader is None else [*(hooks or []), reader.hook]
-    streams = engine.submit(prompts, [params] * len(prompts), captured, edits)
+    field = "input_ids" if req.input_ids is not None else "prompt"
+    streams = engine.submit(prompts, [params] * len(prompts), captured, edits, count_param=field)
     reply = _Reply(engine, req.activations, reader, hooks)
     if req.stream:
         return sse(reply.stream(merged(streams)))
@@ -98,7 +99,8 @@ async def activations(
         _check_stackable(prompts, params.max_new_tokens, "input_ids" if req.input_ids is not None else "prompt")
     hooks = _checked_hooks(engine, settings, req.activations, prompts, params.max_new_tokens, file=True)
     edits = req.edit_spec(engine.model.config.n_layer, directions)
-    completions = await results(engine.submit(prompts, [params] * len(prompts), hooks, edits), request)
+    field = "input_ids" if req.input_ids is not None else "prompt"
+    completions = await results(engine.submit(prompts, [params] * len(prompts), hooks, edits, field), request)
     blob = await run_in_threadpool(_Reply(engine, None).file, completions, req.activations.dtype, len(prompts) > 1)
     return Response(blob, media_type="application/octet-stream")
 

@@ -46,7 +46,8 @@ async def completions(req: CompletionRequest, request: Request, engine: EngineDe
     req.check()
     prompts = await openai_prompt_ids(engine, req.prompt)
     with _openai_names():
-        streams = engine.submit(*req.sequences(prompts, engine.model.config.n_positions, settings.max_new_tokens))
+        sequences = req.sequences(prompts, engine.model.config.n_positions, settings.max_new_tokens)
+        streams = engine.submit(*sequences, count_param="n" if req.n > 1 else "prompt")
     reply = _Reply(engine, req)
     if req.stream:
         return sse(reply.stream(streams))

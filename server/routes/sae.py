@@ -18,7 +18,7 @@ from model.generate import GenerationError, validate_prompt
 from model.gpt import GPT
 from model.hooks import has_one_vector_per_position, hook_names
 from model.lab.sae import SAE, TokenFeatures, load_saes, token_features
-from model.lab.steering import DirectionError, Directions, SteeringVector, contrastive_vector
+from model.lab.steering import DirectionError, Directions, contrast, prompt_value
 from model.loading import LoadedModel
 
 from .. import encoding
@@ -206,10 +206,15 @@ async def steering_vectors(
     except DirectionError as e:
         raise GenerationError(str(e), e.param) from None
 
-    def measure(model: GPT) -> SteeringVector:
-        return contrastive_vector(model, sides[0], sides[1], req.hook, req.reduce)
-
-    vector = await unless_disconnected(request, engine.call(measure))
+    values: list[list[torch.Tensor]] = [[], []]
+    for side, prompts in zip(values, sides, strict=True):
+        for ids in prompts:  # a job each: the decode steps of running streams go on between the prompts
+            side.append(
+                await unless_disconnected(
+                    request, engine.call(lambda model, ids=ids: prompt_value(model, ids, req.hook, req.reduce))
+                )
+            )
+    vector = contrast(req.hook, values[0], values[1])
     if req.name is not None:
         try:
             directions.store(req.name, vector)
