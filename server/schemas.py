@@ -488,6 +488,8 @@ class CompletionRequest(BaseModel):
         best_of = extra.get("best_of")
         if best_of is not None and (not isinstance(best_of, int) or isinstance(best_of, bool) or best_of != self.n):
             raise GenerationError(f"best_of={best_of!r} is not supported (only best_of == n)", "best_of")
+        if self.stream_options is not None and not self.stream:  # as OpenAI answers it, not silently dropped
+            raise GenerationError("stream_options is only allowed when stream is true", "stream_options")
         if not 1 <= self.n <= 16:
             raise GenerationError(f"n must be in 1..16, got {self.n}", "n")
         if self.logprobs is not None and not 0 <= self.logprobs <= 5:

@@ -472,6 +472,7 @@ def test_completions_stream(client: TestClient, loaded: LoadedModel) -> None:
         assert isinstance(c["created"], int) and c["model"] == loaded.name
     *token_chunks, usage = chunks
     assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+    assert all("usage" in c and c["usage"] is None for c in token_chunks)  # OpenAI's: null until the last
     for choice in whole["choices"]:
         mine = [c["choices"][0] for c in token_chunks if c["choices"][0]["index"] == choice["index"]]
         assert all(len(c["choices"]) == 1 for c in token_chunks)
@@ -481,6 +482,14 @@ def test_completions_stream(client: TestClient, loaded: LoadedModel) -> None:
         assert mine[-1]["finish_reason"] == "length"
     without_usage = sse_events(client.post(CMPL, json={**request, "stream": True}).text)
     assert all("usage" not in c or c["usage"] is None for c in without_usage)
+
+
+def test_stream_options_without_stream_is_a_400(client: TestClient) -> None:
+    """As OpenAI answers it: stream_options is only allowed with stream true (it was silently dropped)."""
+    body = {"prompt": PROMPTS[0], "max_tokens": 2, "stream_options": {"include_usage": True}}
+    error = assert_error(client.post(CMPL, json=body), 400, "stream_options")
+    assert "only allowed when stream is true" in error["message"]
+    assert client.post(CMPL, json=body | {"stream_options": None}).status_code == 200  # null: not set
 
 
 def test_completions_stream_echo_logprobs(client: TestClient) -> None:

@@ -148,22 +148,27 @@ class _Reply:
     async def stream(self, streams: list[RequestStream]) -> AsyncIterator[dict[str, Any]]:
         index = {id(s): i for i, s in enumerate(streams)}
         offsets: dict[int, _TextOffsets] = {}  # per choice, from its first event on
+        usage = self.req.stream_options is not None and self.req.stream_options.include_usage
+
+        def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:  # with usage asked for, null until the last
+            return self._envelope(choices) | ({"usage": None} if usage else {})
+
         async for stream, event in merged(streams):
             i = index[id(stream)]
             if (self.req.echo or self.req.logprobs is not None) and i not in offsets:
                 offsets[i], echoed = await run_in_threadpool(self._prompt, i, stream)
                 if echoed is not None:
-                    yield self._envelope([echoed])
+                    yield chunk([echoed])
             if event is not None:
                 logprobs = None
                 if self.req.logprobs is not None and event.logprob is not None:
                     logprobs = self._logprobs([event.logprob], [event.token_id], offsets[i])
-                yield self._envelope([{"index": i, "text": event.text, "logprobs": logprobs, "finish_reason": None}])
+                yield chunk([{"index": i, "text": event.text, "logprobs": logprobs, "finish_reason": None}])
             else:
                 assert stream.completion is not None
                 reason = FINISH_REASONS[stream.completion.finish_reason]
-                yield self._envelope([{"index": i, "text": "", "logprobs": None, "finish_reason": reason}])
-        if self.req.stream_options is not None and self.req.stream_options.include_usage:
+                yield chunk([{"index": i, "text": "", "logprobs": None, "finish_reason": reason}])
+        if usage:
             done = [s.completion for s in streams if s.completion is not None]
             yield self._envelope([]) | {"usage": self._usage(done)}
 
