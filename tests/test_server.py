@@ -827,3 +827,28 @@ def test_greedy_same_alone_and_batched(loaded: LoadedModel) -> None:
             one["choices"][0]["token_ids"]
             == greedy(loaded, ids_of(loaded, body["prompt"]), body["max_new_tokens"]).token_ids
         )
+
+
+def test_top_logprobs_name_ids_past_the_tokenizer_apart(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """A model whose vocabulary is padded past the tokenizer's (nanoGPT's 50304) can choose an id the tokenizer
+    does not know: OpenAI's logprobs show it as <|id:N|>, not as "", where several such ids once collapsed
+    into one key of top_logprobs (2 entries for logprobs 5) and overwrote the chosen token's."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from model.loading import load
+
+    hf = GPT2LMHeadModel(GPT2Config(vocab_size=50304, n_layer=1, n_head=2, n_embd=32, n_positions=64))
+    with torch.no_grad():
+        wte = hf.transformer.wte.weight
+        wte.normal_(0, 0.02)
+        wte[50257:] = wte[50257:] * 50  # the padded ids' logits far larger: they fill the top
+    hf.save_pretrained(tmp_path)
+    with serve(load(tmp_path, tokenizer_dir=tokenizer_dir, device="cpu")) as c:
+        body = {"prompt": [50300], "max_tokens": 1, "temperature": 0, "logprobs": 5}
+        (choice,) = post_ok(c, CMPL, body)["choices"]
+        (top,) = choice["logprobs"]["top_logprobs"]
+        assert len(top) in (5, 6), top  # the 5 most likely, and the chosen token if it is not among them
+        padded = [name for name in top if re.fullmatch(r"<\|id:\d+\|>", name)]
+        assert len(padded) >= 2 and all(int(name[5:-2]) >= 50257 for name in padded), top
+        (token,) = choice["logprobs"]["tokens"]
+        assert top[token] == choice["logprobs"]["token_logprobs"][0]

@@ -84,8 +84,11 @@ class _Reply:
         }
 
     def _token(self, token_id: int) -> str:
-        """A token as OpenAI shows it: its text, or `bytes:\\xNN...` for a piece of a multi-byte character
-        (so distinct tokens never share a name)."""
+        """A token as OpenAI shows it: its text, or `bytes:\\xNN...` for a piece of a multi-byte character, or
+        `<|id:N|>` for an id the tokenizer does not know (a vocabulary padded past it, as nanoGPT pads to
+        50304), so distinct tokens never share a name."""
+        if token_id >= self.engine.tokenizer.vocab_size:
+            return f"<|id:{token_id}|>"
         text = self.engine.tokenizer.token_text(token_id)
         if "\ufffd" not in text:
             return text
