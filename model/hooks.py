@@ -175,6 +175,30 @@ def has_one_vector_per_position(name: str) -> bool:
     return not (is_attention_square(name) or is_per_head(name) or name.endswith("hook_scale"))
 
 
+_SITES = frozenset(site for site, _ in _BLOCK_SITES)
+
+
+def check_hook_name(name: object) -> None:
+    """Raise `UnknownHookError` unless `name` is a hook point of a GPT-2 of some depth: an exact name, not a
+    glob (which would match no name as such)."""
+    if isinstance(name, str) and _is_glob(name):
+        raise UnknownHookError(
+            f"{name!r} is a pattern; Capture takes exact names: expand it with select_hooks(patterns, n_layer)"
+        )
+    if isinstance(name, str) and name in (*_FIRST, *_LAST):
+        return
+    layer, _, site = name.removeprefix("blocks.").partition(".") if isinstance(name, str) else ("", "", "")
+    if not (isinstance(name, str) and name.startswith("blocks.") and layer.isdigit() and site in _SITES):
+        raise UnknownHookError(
+            f"unknown hook {name!r}: no hook point is named so; valid names are {describe_hook_names_any()}"
+        )
+
+
+def describe_hook_names_any() -> str:
+    """The valid names in a compact form, L standing for a block's index."""
+    return ", ".join([*_FIRST, *(f"blocks.L.{site}" for site, _ in _BLOCK_SITES), *_LAST])
+
+
 def _is_glob(pattern: str) -> bool:
     return any(c in pattern for c in "*?[")
 
@@ -196,6 +220,10 @@ class Capture:
     """
 
     def __init__(self, names: list[str] | tuple[str, ...]) -> None:
+        """`names`: exact hook names (`select_hooks(patterns, n_layer)` expands globs and checks the layers
+        against a model). A glob or a name no GPT-2 has is refused here: it would capture nothing."""
+        for name in names:
+            check_hook_name(name)
         self.names = list(names)
         self._wanted = frozenset(self.names)
         self._chunks: dict[str, list[torch.Tensor]] = {n: [] for n in self.names}
@@ -297,14 +325,18 @@ class StopAfter:
 
 
 def run_with_cache(
-    model: GPT, idx: torch.Tensor, names: list[str], edits: Hooks | None = None
+    model: GPT, idx: torch.Tensor | list[int], names: list[str], edits: Hooks | None = None
 ) -> dict[str, torch.Tensor]:
-    """The values at hook points `names` (in model order) for token ids `idx` [B, T], each [B, T, ...]
-    (attention squares [B, head, T, T]), from one forward pass that ends as soon as the last of them is
+    """The values at hook points `names` (exact names or globs, as `select_hooks` takes them: an unknown one
+    is an error) for token ids `idx` [B, T] (or a list of ids: one sequence), each [B, T, ...] (attention
+    squares [B, head, T, T]), from one forward pass that ends as soon as the last of them in model order is
     taken: the blocks after it and the LM head never run. `edits` (interventions) see and change the
     values first."""
     from .interventions import HookChain  # interventions imports this module
 
+    names = select_hooks(names, model.config.n_layer)  # in model order: the pass ends at the last
+    if not isinstance(idx, torch.Tensor):
+        idx = torch.tensor([list(idx)], device=model.wte.weight.device)  # [1, T]
     capture = Capture(names)
     run_until(model, idx, capture if edits is None else HookChain(edits, capture), names[-1])
     return capture.tensors()

@@ -358,3 +358,37 @@ def test_run_with_cache_stops_after_the_last_wanted_hook(tiny_model: GPT) -> Non
     for name in names:
         assert torch.equal(got[name], full.tensors()[name]), name
     assert seen[-1] == "blocks.0.hook_resid_post" and "blocks.1.hook_resid_pre" not in seen  # block 1 never ran
+
+
+@pytest.mark.parametrize(
+    ("names", "says"),
+    [
+        (["blocks.*.hook_resid_post"], "is a pattern; Capture takes exact names: expand it with select_hooks"),
+        (["blocks.0.hook_resid_psot"], "unknown hook 'blocks.0.hook_resid_psot'"),
+        (["bogus"], "valid names are hook_embed, hook_pos_embed, blocks.L.hook_resid_pre"),
+    ],
+)
+def test_a_capture_refuses_names_that_would_capture_nothing(names: list[str], says: str) -> None:
+    """A glob or a misspelt name once captured nothing and said nothing (tensors() then lacked the key)."""
+    with pytest.raises(UnknownHookError) as e:
+        Capture(names)
+    assert says in str(e.value)
+
+
+def test_run_with_cache_takes_globs_and_any_order_and_refuses_unknown_names(tiny_model: GPT) -> None:
+    """Names as `select_hooks` takes them: globs expanded, put in model order (the pass ends at the last in
+    model order, so a later name listed first was once never reached), unknown ones refused; a list of ids
+    is one sequence."""
+    from model.hooks import run_with_cache
+
+    ids = [5, 6, 7, 8]
+    with torch.inference_mode():
+        full = Capture(["blocks.0.hook_resid_pre", "blocks.1.hook_resid_pre", "blocks.1.hook_resid_post"])
+        tiny_model(torch.tensor([ids]), hooks=full)
+        got = run_with_cache(tiny_model, ids, ["blocks.1.hook_resid_post", "blocks.*.hook_resid_pre"])
+    assert list(got) == ["blocks.0.hook_resid_pre", "blocks.1.hook_resid_pre", "blocks.1.hook_resid_post"]
+    for name, value in got.items():
+        assert torch.equal(value, full.tensors()[name]), name
+    for bad in (["blocks.2.hook_resid_post"], ["blocks.0.hook_nope"]):
+        with pytest.raises(UnknownHookError, match="no hook point matches it"):
+            run_with_cache(tiny_model, ids, bad)

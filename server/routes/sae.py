@@ -7,6 +7,7 @@ live in this process's memory (`Directions`, bounded by `--max-steering-vectors`
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -206,14 +207,13 @@ async def steering_vectors(
     except DirectionError as e:
         raise GenerationError(str(e), e.param) from None
 
+    def measure(ids: list[int]) -> Callable[[GPT], torch.Tensor]:
+        return lambda model: prompt_value(model, ids, req.hook, req.reduce)
+
     values: list[list[torch.Tensor]] = [[], []]
     for side, prompts in zip(values, sides, strict=True):
         for ids in prompts:  # a job each: the decode steps of running streams go on between the prompts
-            side.append(
-                await unless_disconnected(
-                    request, engine.call(lambda model, ids=ids: prompt_value(model, ids, req.hook, req.reduce))
-                )
-            )
+            side.append(await unless_disconnected(request, engine.call(measure(ids))))
     vector = contrast(req.hook, values[0], values[1])
     if req.name is not None:
         try:
