@@ -852,3 +852,32 @@ def test_top_logprobs_name_ids_past_the_tokenizer_apart(tmp_path: Path, tokenize
         assert len(padded) >= 2 and all(int(name[5:-2]) >= 50257 for name in padded), top
         (token,) = choice["logprobs"]["tokens"]
         assert top[token] == choice["logprobs"]["token_logprobs"][0]
+
+
+def test_echo_of_a_prompt_that_ends_inside_a_character(tiny: Any, tokenizer_dir: Path) -> None:
+    """A token-id prompt may end inside a multi-byte character (0xE1 here), which the completion then goes on
+    (a model made to answer the byte 0xBB every time: 0xE1 0xBB 0xBB is one character): the choice's text is
+    the prompt's decoding then the completion's, each on its own, and text_offset indexes that text (it was
+    computed by decoding across the boundary, so it pointed one character off), streamed or whole."""
+    from model.loading import load
+
+    lm = load(tiny.path, tokenizer_dir=tokenizer_dir, device="cpu")
+    tok = lm.tokenizer
+    first, then = (next(i for i in range(256) if tok.token_bytes(i) == b) for b in (b"\xe1", b"\xbb"))
+    with torch.no_grad():  # logits = ln_f(x) @ wte.T with ln_f's output fixed at wte[then]: `then` wins
+        lm.model.wte.weight[then] *= 10
+        lm.model.ln_f.weight.zero_()
+        lm.model.ln_f.bias.copy_(lm.model.wte.weight[then])
+    prompt = [464, first]
+    request = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1}
+    with serve(lm) as c:
+        (whole,) = post_ok(c, CMPL, request)["choices"]
+        streamed = [ch["choices"][0] for ch in sse_events(c.post(CMPL, json=request | {"stream": True}).text)]
+    prompt_text, completion_text = tok.decode(prompt), tok.decode([then] * 3)
+    assert tok.decode([*prompt, then, then]) != prompt_text + tok.decode([then, then])  # they do join
+    assert whole["logprobs"]["tokens"][2:] == ["bytes:\\xbb"] * 3
+    assert whole["text"] == prompt_text + completion_text
+    offsets = whole["logprobs"]["text_offset"]
+    assert offsets == [0, 3, len(prompt_text), len(prompt_text) + 1, len(prompt_text) + 2]
+    assert "".join(ch["text"] for ch in streamed) == whole["text"]
+    assert [o for ch in streamed if ch["logprobs"] for o in ch["logprobs"]["text_offset"]] == offsets

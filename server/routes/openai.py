@@ -119,13 +119,12 @@ class _Reply:
         echo = self.req.echo
         logprobs = None
         if self.req.logprobs is not None:
-            entries: list[TokenLogprob | None] = list(c.logprobs or [])
-            ids = list(c.token_ids)
-            if echo:
-                entries = list(c.prompt_logprobs or [None] * len(c.prompt_ids)) + entries
-                ids = c.prompt_ids + ids
-            offsets = _TextOffsets(self.engine.tokenizer.decode, 0 if echo else len(prompt_text))
-            logprobs = self._logprobs(entries, ids, offsets)
+            decode = self.engine.tokenizer.decode
+            logprobs = self._logprobs(list(c.logprobs or []), list(c.token_ids), _TextOffsets(decode, len(prompt_text)))
+            if echo:  # the prompt's offsets in its own text, then the completion's after it (`_TextOffsets`)
+                entries = list(c.prompt_logprobs or [None] * len(c.prompt_ids))
+                echoed = self._logprobs(entries, c.prompt_ids, _TextOffsets(decode))
+                logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
         return {
             "index": i,
             "text": (prompt_text if echo else "") + c.text,
@@ -182,16 +181,19 @@ class _Reply:
         text = decode(stream.prompt)
         if not self.req.echo:
             return _TextOffsets(decode, len(text)), None
-        offsets, logprobs = _TextOffsets(decode), None
+        logprobs = None
         if self.req.logprobs is not None:
             entries = stream.prompt_logprobs or [None] * len(stream.prompt)
-            logprobs = self._logprobs(list(entries), stream.prompt, offsets)
-        return offsets, {"index": i, "text": text, "logprobs": logprobs, "finish_reason": None}
+            logprobs = self._logprobs(list(entries), stream.prompt, _TextOffsets(decode))
+        return _TextOffsets(decode, len(text)), {"index": i, "text": text, "logprobs": logprobs, "finish_reason": None}
 
 
 class _TextOffsets:
     """OpenAI's `text_offset` of a choice's tokens, one after another: where each starts in the text, that
-    is the length of the text the tokens before it decode to, after `start` characters. Decodes only the
+    is the length of the text the tokens before it decode to, after `start` characters. The prompt and the
+    completion are each decoded on their own, as the choice's text is made of them (so a character split
+    between the prompt's last token and the first generated one shows as U+FFFD on both sides, and the
+    offsets still index that text). Decodes only the
     tokens since the last whole character (where the text of the tokens so far splits exactly), so that a
     token costs the same at any length and a stream's offsets equal the whole answer's."""
 
