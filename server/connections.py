@@ -20,7 +20,8 @@ import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .errors import error_body, error_response
+from .errors import error_body
+from .middleware import REFUSAL
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -115,10 +116,7 @@ class _BoundedH11Protocol(H11Protocol):
         self.transport.close()
 
     async def _app_or_503(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if len(self.connections) > self.max_connections:
-            message = f"the server has {self.max_connections} connections open, its limit (--max-connections)"
-            log.warning("%s: answering 503", message)
-            refusal = error_response(503, message, headers={"Retry-After": "1", "Connection": "close"})
-            await refusal(scope, receive, send)
-            return
+        if len(self.connections) > self.max_connections:  # the request guard answers it: a 503 with a request
+            # id, logged and counted like every other answer
+            scope[REFUSAL] = f"the server has {self.max_connections} connections open, its limit (--max-connections)"
         await self._app(scope, receive, send)

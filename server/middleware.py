@@ -45,6 +45,11 @@ class CORS(CORSMiddleware):
         return error_response(400, f"the CORS preflight was refused: {reason}", headers=headers)
 
 
+# A scope key the connection layer (`server.connections`) sets on a request it refuses, with the reason: the
+# guard answers it 503, so that the refusal carries a request id and is logged and counted like any answer.
+REFUSAL = "gpt2.refusal"
+
+
 class RequestGuard:
     def __init__(
         self,
@@ -81,7 +86,12 @@ class RequestGuard:
             await send(message)
 
         try:
-            rejection = self._check_key(scope["path"], headers)
+            refusal = scope.get(REFUSAL)
+            if refusal is not None:
+                log.warning("%s: answering 503 (request %s)", refusal, request_id)
+                rejection = error_response(503, refusal, headers={"Retry-After": "1", "Connection": "close"})
+            else:
+                rejection = self._check_key(scope["path"], headers)
             if rejection is None:
                 receive, rejection = await self._bounded_body(headers, receive)
             if rejection is not None:

@@ -6,6 +6,7 @@ the connection closes, an idle keep-alive connection is closed, a request beyond
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 from collections.abc import Iterator
@@ -161,11 +162,14 @@ def test_a_request_beyond_the_connection_cap_is_a_503(loaded: LoadedModel) -> No
             error = refused.json()["error"]
             assert error["type"] == "service_unavailable"
             assert "2 connections open, its limit (--max-connections)" in error["message"]
+            assert re.fullmatch(r"[0-9a-f]{32}", refused.headers["x-request-id"])  # answered by the guard
         finally:
             for sock in idle:
                 sock.close()
         wait_until(lambda: r.open_connections() == 0, timeout=GUARD)
         assert_good_request(r)
+        metrics = httpx.get(r.url + "/metrics", timeout=GUARD).text  # counted like any answer
+        assert 'gpt2_requests_total{route="unmatched",status="503"} 1.0' in metrics, metrics
 
 
 @pytest.mark.parametrize(
