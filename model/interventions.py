@@ -328,8 +328,8 @@ class ResidualAblation:
     `hook_attn_out` is carried on, an edit of `hook_resid_mid` applies to what replaced it."""
 
     def __init__(self, attn: Sequence[int], mlp: Sequence[int], n_layer: int, edits: Hooks | None = None) -> None:
-        _check_range(attn, n_layer, "residual.attn: layer", "residual")
-        _check_range(mlp, n_layer, "residual.mlp: layer", "residual")
+        _check_range(attn, n_layer, "residual.attn: layer", "residual", distinct=False)  # a set: repeats are free
+        _check_range(mlp, n_layer, "residual.mlp: layer", "residual", distinct=False)
         self._replace: dict[str, str] = {}  # resid hook -> the sub-layer output that replaces it
         for layer in attn:
             self._replace[f"blocks.{layer}.hook_resid_mid"] = f"blocks.{layer}.hook_attn_out"
@@ -373,14 +373,14 @@ def _layer(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _check_range(values: Sequence[int], n: int, what: str, param: str = "interventions") -> None:
-    """Each of `values` an int in 0..n-1, and none twice: so a list holds n of them at most (a position named
-    5,000 times would select, and copy, its values 5,000 times)."""
+def _check_range(values: Sequence[int], n: int, what: str, param: str = "interventions", distinct: bool = True) -> None:
+    """Each of `values` an int in 0..n-1, and, if `distinct`, none twice: so an edit's list holds n of them
+    at most (a position named 5,000 times would select, and copy, its values 5,000 times)."""
     seen: set[int] = set()
     for v in values:
         if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < n:
             raise InterventionError(f"{what} {v!r} is out of range 0..{n - 1}", param)
-        if v in seen:
+        if distinct and v in seen:
             raise InterventionError(f"{what} {v} is named twice", param)
         seen.add(v)
 

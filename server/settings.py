@@ -31,7 +31,10 @@ class Settings:
     max_batch_size: int = field(default=16, metadata={"help": "sequences decoded together"})
     max_queue: int = field(
         default=256,
-        metadata={"help": "sequences allowed to wait, and model calls (next-token, analyze) likewise; beyond it, 429"},
+        metadata={
+            "help": "sequences allowed to wait, and model calls (next-token, analyze, features, gradients, "
+            "attribution, steering vectors) likewise; beyond it, 429"
+        },
     )
     prefill_chunk: int | None = field(
         default=None, metadata={"help": "prompt tokens per step, packed with decode tokens (default: 64 CPU, 512 GPU)"}

@@ -252,6 +252,12 @@ def test_a_dump_of_a_shorter_prompt_is_refused(client: TestClient) -> None:
     assert "value covers 3 positions, position 7 needed" in r.json()["error"]["message"]
 
 
+def test_residual_lists_may_repeat_a_layer(client: TestClient) -> None:
+    """Unlike an edit's positions, heads and layers, the residual lists name a set: a repeat is harmless."""
+    once = next_token(client, CLEAN, residual={"attn": [0], "mlp": [1]})
+    assert next_token(client, CLEAN, residual={"attn": [0, 0], "mlp": [1, 1, 1]}) == once
+
+
 def test_the_server_still_serves_after_bad_edits_and_keeps_nothing(client: TestClient) -> None:
     before = next_token(client, CLEAN)
     for edits, _ in BAD_EDITS.values():

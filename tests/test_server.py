@@ -697,6 +697,7 @@ def test_more_sequences_than_the_queue_holds_is_a_400_naming_the_field(loaded: L
         assert "asks for 5 sequences" in error["message"], error
         error = assert_error(c.post(CMPL, json={"prompt": ["a", "b"], "n": 3, "max_tokens": 1}), 400, "n")
         assert "asks for 6 sequences" in error["message"], error
+        assert_error(c.post(CMPL, json={"prompt": ["a"] * 5, "n": 2, "max_tokens": 1}), 400, "prompt")  # n can't help
         assert_error(c.post(GEN, json={"prompt": ["a"] * 5, "max_new_tokens": 1}), 400, "prompt")
         assert_error(c.post(GEN, json={"input_ids": [[1]] * 5, "max_new_tokens": 1}), 400, "input_ids")
         assert_still_serving(c)

@@ -47,7 +47,8 @@ async def completions(req: CompletionRequest, request: Request, engine: EngineDe
     prompts = await openai_prompt_ids(engine, req.prompt)
     with _openai_names():
         sequences = req.sequences(prompts, engine.model.config.n_positions, settings.max_new_tokens)
-        streams = engine.submit(*sequences, count_param="n" if req.n > 1 else "prompt")
+        too_many_prompts = len(prompts) > engine.max_queue  # then no n could help
+        streams = engine.submit(*sequences, count_param="n" if req.n > 1 and not too_many_prompts else "prompt")
     reply = _Reply(engine, req)
     if req.stream:
         return sse(reply.stream(streams))
