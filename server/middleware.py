@@ -32,9 +32,21 @@ OPEN_PATHS = frozenset({"/health", "/"})  # answered without an API key (with /s
 # ASCII characters. Any other (a huge one, control characters) is replaced by a fresh id.
 REQUEST_ID = re.compile(r"[!-~]{1,128}")
 
+# A scope key the connection layer (`server.connections`) sets on a request it refuses, with the reason: the
+# guard answers it 503, so that the refusal carries a request id and is logged and counted like any answer.
+REFUSAL = "gpt2.refusal"
+
 
 class CORS(CORSMiddleware):
-    """Starlette's CORS, with a refused preflight answered in this API's error shape (not plain text)."""
+    """Starlette's CORS, with a refused preflight answered in this API's error shape (not plain text). A
+    request the connection layer refused (`REFUSAL`) goes straight on to the guard, preflight or not: its
+    answer is the 503."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and REFUSAL in scope:
+            await self.app(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
 
     def preflight_response(self, request_headers: Headers) -> Response:
         response = super().preflight_response(request_headers)
@@ -43,11 +55,6 @@ class CORS(CORSMiddleware):
         reason = bytes(response.body).decode()  # e.g. "Disallowed CORS origin, method"
         headers = {k: v for k, v in response.headers.items() if k.startswith("access-control-")}
         return error_response(400, f"the CORS preflight was refused: {reason}", headers=headers)
-
-
-# A scope key the connection layer (`server.connections`) sets on a request it refuses, with the reason: the
-# guard answers it 503, so that the refusal carries a request id and is logged and counted like any answer.
-REFUSAL = "gpt2.refusal"
 
 
 class RequestGuard:

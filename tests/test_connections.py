@@ -172,6 +172,24 @@ def test_a_request_beyond_the_connection_cap_is_a_503(loaded: LoadedModel) -> No
         assert 'gpt2_requests_total{route="unmatched",status="503"} 1.0' in metrics, metrics
 
 
+def test_a_cors_preflight_beyond_the_connection_cap_is_a_503_too(loaded: LoadedModel) -> None:
+    """CORS, the outermost layer, answers preflights itself: one refused by the connection cap must still get
+    the 503 (and its connection closed), not CORS's 200."""
+    with running(loaded, max_connections=2, header_timeout=120.0, cors_origins=("http://a.example",)) as r:
+        idle = [r.connect() for _ in range(2)]
+        try:
+            wait_until(lambda: r.open_connections() == 2, timeout=GUARD)
+            preflight = {"Origin": "http://a.example", "Access-Control-Request-Method": "POST"}
+            refused = httpx.options(r.url + "/v1/generate", headers=preflight, timeout=GUARD)
+            assert refused.status_code == 503 and refused.headers["connection"] == "close", refused.text
+            assert "--max-connections" in refused.json()["error"]["message"]
+        finally:
+            for sock in idle:
+                sock.close()
+        wait_until(lambda: r.open_connections() == 0, timeout=GUARD)
+        assert httpx.options(r.url + "/v1/generate", headers=preflight, timeout=GUARD).status_code == 200
+
+
 @pytest.mark.parametrize(
     ("argv", "env", "expected"),
     [
