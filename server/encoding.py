@@ -8,8 +8,6 @@ time: the event loop's thread gets the GIL back between pieces, so other request
 from __future__ import annotations
 
 import base64
-import functools
-import json
 import math
 import secrets
 from typing import Any, Literal
@@ -20,7 +18,6 @@ import torch
 from model.config import GPTConfig
 from model.dump import dump_bytes
 from model.hooks import is_attention_square, site_shape
-from model.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 Wire = Literal["json", "safetensors_base64", "safetensors"]
@@ -56,33 +53,16 @@ def features_bytes_on_wire(n_tokens: int, k: int, wire: Literal["json", "safeten
     return n_tokens * (k * (8 + 4) + 8 + 4 + 4)
 
 
-# /v1/analyze: per layer its statistics (the norms one per token, the attention entropy one per head, three
-# numbers, the gradient highway's three) and the logit lens, top_k {"id", "token", "prob"} per token.
-LENS_ENTRY_JSON_BYTES = 2 * JSON_BYTES_PER_VALUE + len('{"id":,"token":,"prob":},')  # and the token's text
-LAYER_JSON_BYTES = 6 * JSON_BYTES_PER_VALUE + len(
-    '{"layer":,"norms":[],"effective_rank":,"collapse":,"mean_cosine":,"attention_entropy":[],"logit_lens":[],'
-    '"grad_norm":,"jacobian_norm":,"jacobian_identity_distance":},'
-)
+# /v1/analyze: every layer's logit lens holds top_k {"id", "token", "prob"} a position, the bulk of the answer.
+# The least such an entry can take in JSON: a one-digit id, an empty token text, a three-character number.
+LENS_ENTRY_MIN_JSON_BYTES = len('{"id":0,"token":"","prob":0.0},')
 
 
-@functools.lru_cache(maxsize=8)
-def longest_token_json(tokenizer: Tokenizer) -> int:
-    """Bytes of the longest JSON string any single token's text makes (quotes and escapes included)."""
-    texts = tokenizer.decode_batch([[i] for i in range(tokenizer.vocab_size)])
-    return max(len(json.dumps(t, ensure_ascii=False).encode()) for t in texts)
-
-
-def analysis_bytes_on_wire(config: GPTConfig, n_tokens: int, top_k: int, runs: int, tokenizer: Tokenizer) -> int:
-    """Bytes /v1/analyze's answer takes in JSON, at most, known before running: `runs` measured runs (2 with
-    the run without residual connections) of the embeddings and every block's statistics and logit lens,
-    and the prompt's ids and tokens."""
-    token = longest_token_json(tokenizer)
-    per_layer = (
-        LAYER_JSON_BYTES
-        + (n_tokens + config.n_head) * JSON_BYTES_PER_VALUE
-        + n_tokens * (len("[],") + top_k * (LENS_ENTRY_JSON_BYTES + token))
-    )
-    return n_tokens * (JSON_BYTES_PER_VALUE + token + 1) + runs * (config.n_layer + 1) * per_layer
+def analysis_min_bytes(config: GPTConfig, n_tokens: int, top_k: int, runs: int) -> int:
+    """Bytes /v1/analyze's answer takes in JSON at least, known before running: the logit lens of `runs`
+    measured runs (2 with the run without residual connections), the embeddings' and every block's. A lower
+    bound: over a limit it is certainly over; the answer itself is measured once built."""
+    return runs * (config.n_layer + 1) * n_tokens * top_k * LENS_ENTRY_MIN_JSON_BYTES
 
 
 def activation_values(config: GPTConfig, names: list[str], n_tokens: int) -> int:

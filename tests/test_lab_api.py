@@ -343,22 +343,33 @@ def test_analyze_errors(client: TestClient, body: dict[str, Any], says: str) -> 
     assert says in r.json()["error"]["message"]
 
 
-def test_an_analysis_over_the_size_limit_is_a_413_before_running(tiny: Checkpoint, tokenizer_dir: Path) -> None:
-    """/v1/analyze's answer (every layer's logit lens: top_k tokens a position) is bounded like a dump: its
-    size, known before running, over --max-activation-bytes is a 413 naming top_k, and the estimate is an
-    upper bound on the real answer (once 158 MB at 1024 tokens and top_k 100 went through unchecked)."""
+def test_an_analysis_over_the_size_limit_is_a_413(
+    tiny: Checkpoint, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/v1/analyze's answer (every layer's logit lens: top_k tokens a position) is bounded like a dump: over
+    --max-activation-bytes it is a 413 naming top_k (or the prompt, at top_k 1), by its real size once built,
+    and before any model work where even its least possible size is over (once 1024 tokens at top_k 100 made
+    a 158 MB answer unchecked)."""
     from server import encoding
 
     loaded = load(tiny.path, tokenizer_dir=tokenizer_dir, device="cpu")
     body = {"input_ids": CLEAN, "top_k": 100, "gradients": True}
-    estimate = encoding.analysis_bytes_on_wire(loaded.model.config, T, 100, 2, loaded.tokenizer)
-    with TestClient(create_app(Settings(max_activation_bytes=estimate), loaded=loaded)) as c:
-        r = c.post("/v1/analyze", json=body)
-        assert r.status_code == 200, r.text
-        assert len(r.content) <= estimate
-        assert estimate < 4 * len(r.content)  # a bound, not a guess far off
-        r = c.post("/v1/analyze", json=body | {"input_ids": [*CLEAN, 13]})
-        assert r.status_code == 413, r.text
-        error = r.json()["error"]
-        assert error["param"] == "top_k" and "smaller top_k" in error["message"], error
+    with TestClient(create_app(Settings(), loaded=loaded)) as c:
+        size = len(c.post("/v1/analyze", json=body).content)
+    least = encoding.analysis_min_bytes(loaded.model.config, T, 100, 2)
+    assert least <= size
+    with TestClient(create_app(Settings(max_activation_bytes=size), loaded=loaded)) as c:
+        assert c.post("/v1/analyze", json=body).status_code == 200  # at the limit: served
+    with TestClient(create_app(Settings(max_activation_bytes=size - 1), loaded=loaded)) as c:
+        error = c.post("/v1/analyze", json=body).json()["error"]  # measured once built
+        assert error["param"] == "top_k" and f"takes {size} bytes" in error["message"], error
+        engine = c.app.state.engine  # type: ignore[attr-defined]
+        calls: list[object] = []
+        monkeypatch.setattr(engine, "call", lambda fn: calls.append(fn))  # no model work may start
+        r = c.post("/v1/analyze", json=body | {"input_ids": CLEAN * 15, "gradients": False})
+        assert r.status_code == 413 and "takes at least" in r.json()["error"]["message"] and not calls, r.text
+        monkeypatch.undo()
         assert c.post("/v1/analyze", json={"input_ids": CLEAN, "top_k": 2}).status_code == 200  # still serving
+    with TestClient(create_app(Settings(max_activation_bytes=2000), loaded=loaded)) as c:
+        r = c.post("/v1/analyze", json={"input_ids": CLEAN, "top_k": 1, "compare_ablated": False})
+        assert r.status_code == 413 and r.json()["error"]["param"] == "input_ids", r.text  # top_k 1: the prompt

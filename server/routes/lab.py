@@ -19,7 +19,7 @@ from .. import encoding
 from ..errors import APIError
 from ..schemas import AnalyzeRequest
 from ..threads import run_in_threadpool
-from .deps import EngineDep, SettingsDep, json_response, token_ids, unless_disconnected
+from .deps import EngineDep, SettingsDep, token_ids, unless_disconnected
 from .gradients import check_graph
 from .sae import DirectionsDep
 
@@ -41,18 +41,22 @@ async def analyze_prompt(
     validate_prompt(engine.model, ids, 0, "input_ids" if req.input_ids is not None else "prompt")
     if not 1 <= req.top_k <= 100:
         raise GenerationError(f"top_k must be in 1..100, got {req.top_k}", "top_k")
-    runs = 2 if req.compare_ablated else 1
-    size = await run_in_threadpool(
-        encoding.analysis_bytes_on_wire, config, len(ids), req.top_k, runs, engine.tokenizer
-    )  # the first call reads every token's text once
-    if size > settings.max_activation_bytes:
-        raise APIError(
+    prompt_field = "input_ids" if req.input_ids is not None else "prompt"
+
+    def too_big(size: int, at_least: bool) -> APIError:
+        """A 413 naming what would make the answer smaller: top_k, or else the prompt."""
+        smaller = "a smaller top_k, a shorter prompt" if req.top_k > 1 else "a shorter prompt"
+        return APIError(
             413,
-            f"the analysis would take up to {size} bytes as JSON, over the server's limit of "
-            f"{settings.max_activation_bytes}: ask for a smaller top_k, a shorter prompt"
+            f"the analysis takes {'at least ' if at_least else ''}{size} bytes as JSON, over the server's limit "
+            f"of {settings.max_activation_bytes}: ask for {smaller}"
             + (" or compare_ablated false" if req.compare_ablated else ""),
-            "top_k",
+            "top_k" if req.top_k > 1 else prompt_field,
         )
+
+    least = encoding.analysis_min_bytes(config, len(ids), req.top_k, 2 if req.compare_ablated else 1)
+    if least > settings.max_activation_bytes:  # certainly over: refused before any model work
+        raise too_big(least, at_least=True)
     edits = req.edit_spec(config.n_layer, directions)
     everything = tuple(range(config.n_layer))
     no_residual = EditSpec(edits.edits if edits else (), everything, everything)
@@ -103,12 +107,17 @@ async def analyze_prompt(
             layer["jacobian_identity_distance"] = g.jacobian_identity_distance
         return out
 
-    return await json_response(  # every token's text and the encoding on a worker thread, not the event loop
-        lambda: {
-            "model": engine.loaded.name,
-            "input_ids": ids,
-            "tokens": [text(t) for t in ids],
-            "layers": layers(main),
-            "ablated": layers(ablated) if ablated is not None else None,
-        }
+    body = await run_in_threadpool(  # every token's text and the encoding on a worker thread, not the event loop
+        lambda: encoding.json_bytes(
+            {
+                "model": engine.loaded.name,
+                "input_ids": ids,
+                "tokens": [text(t) for t in ids],
+                "layers": layers(main),
+                "ablated": layers(ablated) if ablated is not None else None,
+            }
+        )
     )
+    if len(body) > settings.max_activation_bytes:  # bounded like a dump, by its real size
+        raise too_big(len(body), at_least=False)
+    return Response(body, media_type="application/json")
