@@ -39,13 +39,16 @@ REFUSAL = "gpt2.refusal"
 
 class CORS(CORSMiddleware):
     """Starlette's CORS, with a refused preflight answered in this API's error shape (not plain text). A
-    request the connection layer refused (`REFUSAL`) goes straight on to the guard, preflight or not: its
-    answer is the 503."""
+    preflight the connection layer refused (`REFUSAL`) goes straight on to the guard, whose answer is the 503
+    (CORS would answer it itself); any other refused request goes through CORS as usual, so its 503 carries
+    the CORS headers a browser needs to read it."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and REFUSAL in scope:
-            await self.app(scope, receive, send)
-            return
+        if scope["type"] == "http" and REFUSAL in scope and scope["method"] == "OPTIONS":
+            headers = Headers(scope=scope)
+            if "origin" in headers and "access-control-request-method" in headers:  # a preflight
+                await self.app(scope, receive, send)
+                return
         await super().__call__(scope, receive, send)
 
     def preflight_response(self, request_headers: Headers) -> Response:

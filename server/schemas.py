@@ -201,7 +201,9 @@ def edit_spec(
     directions: Directions | None = None,
 ) -> EditSpec:
     def layers(spec: list[int] | Literal["all"]) -> tuple[int, ...]:
-        return tuple(range(n_layer)) if spec == "all" else tuple(spec)
+        # a set of layers: a repeat is dropped here, once, so the list the model checks on every sequence of
+        # the request is n_layer long at most (a million repeats in a body once cost seconds of event loop)
+        return tuple(range(n_layer)) if spec == "all" else tuple(dict.fromkeys(spec))
 
     spec = EditSpec(
         tuple(e.edit(directions, f"interventions[{i}]") for i, e in enumerate(interventions)),

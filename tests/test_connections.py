@@ -183,6 +183,9 @@ def test_a_cors_preflight_beyond_the_connection_cap_is_a_503_too(loaded: LoadedM
             refused = httpx.options(r.url + "/v1/generate", headers=preflight, timeout=GUARD)
             assert refused.status_code == 503 and refused.headers["connection"] == "close", refused.text
             assert "--max-connections" in refused.json()["error"]["message"]
+            plain = httpx.get(r.url + "/health", headers={"Origin": "http://a.example"}, timeout=GUARD)
+            assert plain.status_code == 503  # and readable by the page that sent it
+            assert plain.headers["access-control-allow-origin"] == "http://a.example", plain.headers
         finally:
             for sock in idle:
                 sock.close()

@@ -258,6 +258,16 @@ def test_residual_lists_may_repeat_a_layer(client: TestClient) -> None:
     assert next_token(client, CLEAN, residual={"attn": [0, 0], "mlp": [1, 1, 1]}) == once
 
 
+def test_residual_repeats_are_dropped_once_at_parsing() -> None:
+    """A residual list's repeats are dropped where the request is read, so the layers the model checks for each
+    of a request's sequences are n_layer at most (a million repeats in a 4 MiB body once held the event loop
+    for seconds, once per prompt)."""
+    from server.schemas import ResidualSpec, edit_spec
+
+    spec = edit_spec([], ResidualSpec(attn=[1, 0] * 500_000, mlp=[1] * 1000), 2)
+    assert (spec.ablate_attn, spec.ablate_mlp) == ((1, 0), (1,))
+
+
 def test_the_server_still_serves_after_bad_edits_and_keeps_nothing(client: TestClient) -> None:
     before = next_token(client, CLEAN)
     for edits, _ in BAD_EDITS.values():
