@@ -358,8 +358,8 @@ def test_an_analysis_over_the_size_limit_is_a_413(
 ) -> None:
     """/v1/analyze's answer (every layer's logit lens: top_k tokens a position) is bounded like a dump: over
     --max-activation-bytes it is a 413 naming top_k (or the prompt, at top_k 1), by its real size once built,
-    and before any model work where even its least possible size is over (once 1024 tokens at top_k 100 made
-    a 158 MB answer unchecked)."""
+    before any model work where even its least possible size is over, and as soon as the layers written so
+    far are over it (once 1024 tokens at top_k 100 made a 158 MB answer unchecked)."""
     from server import encoding
 
     loaded = load(tiny.path, tokenizer_dir=tokenizer_dir, device="cpu")
@@ -380,6 +380,9 @@ def test_an_analysis_over_the_size_limit_is_a_413(
         assert r.status_code == 413 and "takes at least" in r.json()["error"]["message"] and not calls, r.text
         monkeypatch.undo()
         assert c.post("/v1/analyze", json={"input_ids": CLEAN, "top_k": 2}).status_code == 200  # still serving
+    with TestClient(create_app(Settings(max_activation_bytes=(least + size) // 2), loaded=loaded)) as c:
+        error = c.post("/v1/analyze", json=body).json()["error"]  # over while being written: stopped there
+        assert error["param"] == "top_k" and "takes more than the limit as JSON" in error["message"], error
     with TestClient(create_app(Settings(max_activation_bytes=2000), loaded=loaded)) as c:
         r = c.post("/v1/analyze", json={"input_ids": CLEAN, "top_k": 1, "compare_ablated": False})
         assert r.status_code == 413 and r.json()["error"]["param"] == "input_ids", r.text  # top_k 1: the prompt

@@ -43,12 +43,14 @@ async def analyze_prompt(
         raise GenerationError(f"top_k must be in 1..100, got {req.top_k}", "top_k")
     prompt_field = "input_ids" if req.input_ids is not None else "prompt"
 
-    def too_big(size: int, at_least: bool) -> APIError:
-        """A 413 naming what would make the answer smaller: top_k, or else the prompt."""
+    def too_big(size: int | None, at_least: bool) -> APIError:
+        """A 413 naming what would make the answer smaller: top_k, or else the prompt (`size` None: the answer
+        went over the limit while it was being written)."""
         smaller = "a smaller top_k, a shorter prompt" if req.top_k > 1 else "a shorter prompt"
+        takes = "more than the limit" if size is None else f"{'at least ' if at_least else ''}{size} bytes"
         return APIError(
             413,
-            f"the analysis takes {'at least ' if at_least else ''}{size} bytes as JSON, over the server's limit "
+            f"the analysis takes {takes} as JSON, over the server's limit "
             f"of {settings.max_activation_bytes}: ask for {smaller}"
             + (" or compare_ablated false" if req.compare_ablated else ""),
             "top_k" if req.top_k > 1 else prompt_field,
@@ -87,10 +89,14 @@ async def analyze_prompt(
         ablated = (ablated_stats, await gradients(no_residual) if req.gradients else None)
     text = engine.tokenizer.token_text
 
-    def layers(measured: Run) -> list[dict[str, Any]]:
+    def layers(measured: Run, budget: list[int]) -> encoding.RawJSON:
+        """A run's layers as JSON text, written a layer at a time (its dicts dropped once written) and each
+        counted against what is left of the limit (`budget`): over it, the 413 comes before the rest is
+        built, so building never holds much more than the limit."""
         stats, grads = measured
-        out = [
-            {
+        pieces = [b"["]
+        for n, s in enumerate(stats):
+            layer: dict[str, Any] = {
                 "layer": s.layer,
                 "norms": s.norms,
                 "effective_rank": s.effective_rank,
@@ -99,25 +105,34 @@ async def analyze_prompt(
                 "attention_entropy": s.attention_entropy,
                 "logit_lens": [[{"id": i, "token": text(i), "prob": p} for i, p in top] for top in s.logit_lens],
             }
-            for s in stats
-        ]
-        for layer, g in zip(out, grads or [], strict=False):  # the same layers, in the same order
-            layer["grad_norm"] = g.grad_norm
-            layer["jacobian_norm"] = g.jacobian_norm
-            layer["jacobian_identity_distance"] = g.jacobian_identity_distance
-        return out
+            if grads is not None:  # the same layers, in the same order
+                g = grads[n]
+                layer |= {
+                    "grad_norm": g.grad_norm,
+                    "jacobian_norm": g.jacobian_norm,
+                    "jacobian_identity_distance": g.jacobian_identity_distance,
+                }
+            pieces.append((b"," if n else b"") + encoding.json_bytes(layer))
+            budget[0] -= len(pieces[-1])
+            if budget[0] < 0:
+                raise too_big(None, at_least=False)
+        pieces.append(b"]")
+        return encoding.RawJSON(pieces)
 
-    body = await run_in_threadpool(  # every token's text and the encoding on a worker thread, not the event loop
-        lambda: encoding.json_bytes(
+    def answer() -> bytes:
+        budget = [settings.max_activation_bytes]
+        body = encoding.json_bytes(
             {
                 "model": engine.loaded.name,
                 "input_ids": ids,
                 "tokens": [text(t) for t in ids],
-                "layers": layers(main),
-                "ablated": layers(ablated) if ablated is not None else None,
+                "layers": layers(main, budget),
+                "ablated": layers(ablated, budget) if ablated is not None else None,
             }
         )
-    )
-    if len(body) > settings.max_activation_bytes:  # bounded like a dump, by its real size
-        raise too_big(len(body), at_least=False)
+        if len(body) > settings.max_activation_bytes:  # the rest of the answer: bounded by its real size
+            raise too_big(len(body), at_least=False)
+        return body
+
+    body = await run_in_threadpool(answer)  # every token's text and the encoding off the event loop
     return Response(body, media_type="application/json")
