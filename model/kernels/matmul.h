@@ -4,7 +4,7 @@
 // 512-bit FMA pipes (`fma_ports`), else of 32 to 96 rows at least 7/8 full, of 10 to 16 rows, and of 8 to 16
 // rows in a product as wide as the LM head; with AVX2, blocks of 16 to 96 rows at least 7/8 full, float32 or
 // int8 (in int16). What follows describes the dot-product tiles every other product takes (with AVX-512, one
-// row of x, and two of float32, run them one output at a time, W's rows in order: see `group`).
+// or two rows of x run them one output at a time, W's rows in order: see `group`).
 //
 // W is stored [N, K] row-major (nn.Linear's layout: one output's weights contiguous), so every output is a
 // dot product over a contiguous row and each thread streams one contiguous slab of W: the threads split the
@@ -335,12 +335,13 @@ inline void group(Rows<W> x, int64_t M, int64_t K, const typename W::T* w, int64
                     y + j, N, op, {nullptr, 0, 1});
     return;
   }
-  if (M == 2 && std::is_same<W, F32>::value) {  // two rows of float32 x (a batch-2 step): the same stream, each
-    // row of W against both rows of x. Measured on a 2-core Zen 5 host, 2 threads, A/B in one process: the 48
-    // block matrices 10.9-11.5 -> 8.5-8.7 ms and the LM head 4.8-4.9 -> 3.4-3.5 while memory read at 35-41
-    // GB/s, 7.0-7.2 -> 6.3-6.5 and 3.0-3.1 -> 2.4-2.5 at 55-78; a fused decode step of 2 rows at 200
-    // positions 14.0-14.5 -> 13.0-13.3 ms. At 3 and 4 rows the stream was even or slower (its few
-    // accumulators wait on the FMA's latency): those keep the tiles, as int8 (not measured) does.
+  if (M == 2) {  // two rows of x (a batch-2 step): the same stream, each row of W against both rows of x.
+    // Measured on a 2-core Zen 5 host, 2 threads, A/B in one process: float32, the 48 block matrices 10.9-11.5
+    // -> 8.5-8.7 ms and the LM head 4.8-4.9 -> 3.4-3.5 while memory read at 35-41 GB/s, 7.0-7.2 -> 6.3-6.5 and
+    // 3.0-3.1 -> 2.4-2.5 at 55-78, a fused decode step of 2 rows at 200 positions 14.0-14.5 -> 13.0-13.3 ms;
+    // int8 (the same sums, bit for bit), the block matrices 3.13-3.38 -> 2.85-3.28 ms and the LM head 1.17-1.26
+    // -> 1.04-1.13. At 3 and 4 rows the stream was even or slower in float32 (its few accumulators wait on
+    // the FMA's latency): those keep the tiles.
     for (int j = 0; j < nr; ++j)
       tile<W, 2, 1>(x.x, x.xs, x.xf, K, w + j * ldw, ldw, scale ? scale + j : nullptr, bias ? bias + j : nullptr,
                     y + j, N, op, {nullptr, 0, 1});
