@@ -96,9 +96,9 @@ def is_optional(name: str) -> bool:
     return name.endswith(OPTIONAL_SITES)
 
 
-def describe_hook_names(n_layer: int) -> str:
-    """The valid names in a compact form, for error messages."""
-    layers = f"{{0..{n_layer - 1}}}"
+def describe_hook_names(n_layer: int | None) -> str:
+    """The valid names in a compact form, for error messages (`n_layer` None: of any depth, L for a block)."""
+    layers = "L" if n_layer is None else f"{{0..{n_layer - 1}}}"
     return ", ".join([*_FIRST, *(f"blocks.{layers}.{site}" for site, _ in _BLOCK_SITES), *_LAST])
 
 
@@ -181,22 +181,17 @@ _SITES = frozenset(site for site, _ in _BLOCK_SITES)
 def check_hook_name(name: object) -> None:
     """Raise `UnknownHookError` unless `name` is a hook point of a GPT-2 of some depth: an exact name, not a
     glob (which would match no name as such)."""
-    if isinstance(name, str) and _is_glob(name):
+    if not isinstance(name, str) or not name:
+        raise UnknownHookError(f"hook names must be non-empty strings, got {name!r}")
+    if _is_glob(name):
         raise UnknownHookError(
             f"{name!r} is a pattern; Capture takes exact names: expand it with select_hooks(patterns, n_layer)"
         )
-    if isinstance(name, str) and name in (*_FIRST, *_LAST):
-        return
-    layer, _, site = name.removeprefix("blocks.").partition(".") if isinstance(name, str) else ("", "", "")
-    if not (isinstance(name, str) and name.startswith("blocks.") and layer.isdigit() and site in _SITES):
+    layer, _, site = name.removeprefix("blocks.").partition(".")
+    if name not in (*_FIRST, *_LAST) and not (name.startswith("blocks.") and layer.isdigit() and site in _SITES):
         raise UnknownHookError(
-            f"unknown hook {name!r}: no hook point is named so; valid names are {describe_hook_names_any()}"
+            f"unknown hook {name!r}: no hook point is named so; valid names are {describe_hook_names(None)}"
         )
-
-
-def describe_hook_names_any() -> str:
-    """The valid names in a compact form, L standing for a block's index."""
-    return ", ".join([*_FIRST, *(f"blocks.L.{site}" for site, _ in _BLOCK_SITES), *_LAST])
 
 
 def _is_glob(pattern: str) -> bool:

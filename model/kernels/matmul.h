@@ -324,27 +324,27 @@ inline void group(Rows<W> x, int64_t M, int64_t K, const typename W::T* w, int64
   scale = scale ? scale + n0 : nullptr, bias = bias ? bias + n0 : nullptr;
   const typename W::T* next = w + NR * ldw;  // the next group's rows
 #ifdef __AVX512F__
-  if (M == 1) {  // one row of x (a batch-1 step): W's rows one after another, a single sequential stream, which
+  if (M <= 2) {  // one row of x (a batch-1 step): W's rows one after another, a single sequential stream, which
     // the hardware prefetchers follow better than a tile's NR rows at once with ours ahead of them. Measured
     // on a 2-core Zen 4 host: 150 MB of float32 W at 37 against 22-27 GB/s (2 threads, as fast as a plain
     // sum); a batch-1 step of gpt2-small 18.1 -> 13.6 ms in float32, 7.5 -> 3.8 ms in int8; prefetching in
     // the stream made it slower. The AVX2 build keeps the prefetching tiles, measured on a Zen 1 host
     // (where the hardware prefetchers alone left int8 at a third of the bandwidth).
-    for (int j = 0; j < nr; ++j)
-      tile<W, 1, 1>(x.x, x.xs, x.xf, K, w + j * ldw, ldw, scale ? scale + j : nullptr, bias ? bias + j : nullptr,
-                    y + j, N, op, {nullptr, 0, 1});
-    return;
-  }
-  if (M == 2) {  // two rows of x (a batch-2 step): the same stream, each row of W against both rows of x.
-    // Measured on a 2-core Zen 5 host, 2 threads, A/B in one process: float32, the 48 block matrices 10.9-11.5
-    // -> 8.5-8.7 ms and the LM head 4.8-4.9 -> 3.4-3.5 while memory read at 35-41 GB/s, 7.0-7.2 -> 6.3-6.5 and
-    // 3.0-3.1 -> 2.4-2.5 at 55-78, a fused decode step of 2 rows at 200 positions 14.0-14.5 -> 13.0-13.3 ms;
-    // int8 (the same sums, bit for bit), the block matrices 3.13-3.38 -> 2.85-3.28 ms and the LM head 1.17-1.26
-    // -> 1.04-1.13. At 3 and 4 rows the stream was even or slower in float32 (its few accumulators wait on
-    // the FMA's latency): those keep the tiles.
-    for (int j = 0; j < nr; ++j)
-      tile<W, 2, 1>(x.x, x.xs, x.xf, K, w + j * ldw, ldw, scale ? scale + j : nullptr, bias ? bias + j : nullptr,
-                    y + j, N, op, {nullptr, 0, 1});
+    // Two rows (a batch-2 step) take the same stream, each row of W against both rows of x. Measured on a
+    // 2-core Zen 5 host, 2 threads, A/B in one process: float32, the 48 block matrices 10.9-11.5 -> 8.5-8.7
+    // ms and the LM head 4.8-4.9 -> 3.4-3.5 while memory read at 35-41 GB/s, 7.0-7.2 -> 6.3-6.5 and 3.0-3.1
+    // -> 2.4-2.5 at 55-78, a fused decode step of 2 rows at 200 positions 14.0-14.5 -> 13.0-13.3 ms; int8
+    // (the same sums, bit for bit), the block matrices 3.13-3.38 -> 2.85-3.28 ms and the LM head 1.17-1.26 ->
+    // 1.04-1.13. At 3 and 4 rows the stream was even or slower in float32 (its few accumulators wait on the
+    // FMA's latency): those keep the tiles.
+    for (int j = 0; j < nr; ++j) {
+      const float* s = scale ? scale + j : nullptr;
+      const float* b = bias ? bias + j : nullptr;
+      if (M == 1)
+        tile<W, 1, 1>(x.x, x.xs, x.xf, K, w + j * ldw, ldw, s, b, y + j, N, op, {nullptr, 0, 1});
+      else
+        tile<W, 2, 1>(x.x, x.xs, x.xf, K, w + j * ldw, ldw, s, b, y + j, N, op, {nullptr, 0, 1});
+    }
     return;
   }
 #endif

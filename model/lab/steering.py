@@ -158,8 +158,7 @@ def prompt_value(model: GPT, ids: Sequence[int], hook: str, reduce: Reduce) -> t
     server runs each as one job, so the decode steps of other requests go on between prompts)."""
     if not has_one_vector_per_position(hook):
         raise ValueError(f"{hook} is not a hook with one vector per position: no steering vector to measure there")
-    idx = torch.tensor([list(ids)], device=model.wte.weight.device)
-    x = run_with_cache(model, idx, [hook])[hook][0].to(torch.float32)  # [T, d]
+    x = run_with_cache(model, list(ids), [hook])[hook][0].to(torch.float32)  # [T, d]
     return (x[-1] if reduce == "last" else x.mean(0)).cpu()
 
 

@@ -45,6 +45,11 @@ EngineDep = Annotated[Engine, Depends(get_engine)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 
 
+def prompt_field(input_ids: object) -> str:
+    """The field a request's prompt came in, given its `input_ids`: what errors about the prompt name."""
+    return "input_ids" if input_ids is not None else "prompt"
+
+
 async def token_ids(
     engine: Engine, prompt: str | Sequence[Any] | None, input_ids: Sequence[Any] | None
 ) -> list[list[int]]:

@@ -24,7 +24,7 @@ from ..errors import APIError
 from ..schemas import AttributionRequest, GradientsRequest
 from ..settings import Settings
 from ..threads import run_in_threadpool
-from .deps import EngineDep, SettingsDep, encode, json_response, token_ids, unless_disconnected
+from .deps import EngineDep, SettingsDep, encode, json_response, prompt_field, token_ids, unless_disconnected
 from .sae import DirectionsDep
 
 router = APIRouter(tags=["lab"])
@@ -47,7 +47,7 @@ async def gradients_at_hooks(
     req: GradientsRequest, request: Request, engine: EngineDep, settings: SettingsDep, directions: DirectionsDep
 ) -> Response:
     (ids,) = await token_ids(engine, req.prompt, req.input_ids)
-    param = "input_ids" if req.input_ids is not None else "prompt"
+    param = prompt_field(req.input_ids)
     validate_prompt(engine.model, ids, 0, param)
     config = engine.model.config
     names, metric, edits = (

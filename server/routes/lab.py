@@ -19,7 +19,7 @@ from .. import encoding
 from ..errors import APIError
 from ..schemas import AnalyzeRequest
 from ..threads import run_in_threadpool
-from .deps import EngineDep, SettingsDep, token_ids, unless_disconnected
+from .deps import EngineDep, SettingsDep, prompt_field, token_ids, unless_disconnected
 from .gradients import check_graph
 from .sae import DirectionsDep
 
@@ -38,10 +38,10 @@ async def analyze_prompt(
 ) -> Response:
     (ids,) = await token_ids(engine, req.prompt, req.input_ids)
     config = engine.model.config
-    validate_prompt(engine.model, ids, 0, "input_ids" if req.input_ids is not None else "prompt")
+    field = prompt_field(req.input_ids)
+    validate_prompt(engine.model, ids, 0, field)
     if not 1 <= req.top_k <= 100:
         raise GenerationError(f"top_k must be in 1..100, got {req.top_k}", "top_k")
-    prompt_field = "input_ids" if req.input_ids is not None else "prompt"
 
     def too_big(size: int | None, at_least: bool) -> APIError:
         """A 413 naming what would make the answer smaller: top_k, or else the prompt (`size` None: the answer
@@ -53,7 +53,7 @@ async def analyze_prompt(
             f"the analysis takes {takes} as JSON, over the server's limit "
             f"of {settings.max_activation_bytes}: ask for {smaller}"
             + (" or compare_ablated false" if req.compare_ablated else ""),
-            "top_k" if req.top_k > 1 else prompt_field,
+            "top_k" if req.top_k > 1 else field,
         )
 
     least = encoding.analysis_min_bytes(config, len(ids), req.top_k, 2 if req.compare_ablated else 1)

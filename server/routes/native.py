@@ -27,7 +27,17 @@ from ..errors import APIError
 from ..schemas import ActivationSpec, ActivationsRequest, GenerateRequest, NextTokenRequest
 from ..settings import Settings
 from ..threads import run_in_threadpool
-from .deps import EngineDep, SettingsDep, json_response, merged, results, sse, token_ids, unless_disconnected
+from .deps import (
+    EngineDep,
+    SettingsDep,
+    json_response,
+    merged,
+    prompt_field,
+    results,
+    sse,
+    token_ids,
+    unless_disconnected,
+)
 from .sae import DirectionsDep, FeatureReader, describe_saes, feature_reader
 
 router = APIRouter(tags=["native"])
@@ -78,8 +88,7 @@ async def generate(
         reader.check_size(n_tokens, "json", settings.max_activation_bytes, "features.")
     edits = req.edit_spec(engine.model.config.n_layer, directions)
     captured = hooks if reader is None else [*(hooks or []), reader.hook]
-    field = "input_ids" if req.input_ids is not None else "prompt"
-    streams = engine.submit(prompts, [params] * len(prompts), captured, edits, count_param=field)
+    streams = engine.submit(prompts, [params] * len(prompts), captured, edits, prompt_field(req.input_ids))
     reply = _Reply(engine, req.activations, reader, hooks)
     if req.stream:
         return sse(reply.stream(merged(streams)))
@@ -96,11 +105,12 @@ async def activations(
     prompts = await token_ids(engine, req.prompt, req.input_ids)
     params = req.sampling_params(settings.max_new_tokens)
     if len(prompts) > 1:
-        _check_stackable(prompts, params.max_new_tokens, "input_ids" if req.input_ids is not None else "prompt")
+        _check_stackable(prompts, params.max_new_tokens, prompt_field(req.input_ids))
     hooks = _checked_hooks(engine, settings, req.activations, prompts, params.max_new_tokens, file=True)
     edits = req.edit_spec(engine.model.config.n_layer, directions)
-    field = "input_ids" if req.input_ids is not None else "prompt"
-    completions = await results(engine.submit(prompts, [params] * len(prompts), hooks, edits, field), request)
+    completions = await results(
+        engine.submit(prompts, [params] * len(prompts), hooks, edits, prompt_field(req.input_ids)), request
+    )
     blob = await run_in_threadpool(_Reply(engine, None).file, completions, req.activations.dtype, len(prompts) > 1)
     return Response(blob, media_type="application/octet-stream")
 
@@ -130,7 +140,7 @@ async def next_token(
     vocab = engine.model.config.vocab_size
     if not 1 <= req.top_k <= vocab:
         raise GenerationError(f"top_k must be in 1..{vocab}, got {req.top_k}", "top_k")
-    validate_prompt(engine.model, ids, 0, "input_ids" if req.input_ids is not None else "prompt")
+    validate_prompt(engine.model, ids, 0, prompt_field(req.input_ids))
     edits = req.edit_spec(engine.model.config.n_layer, directions)
     hooks = edits.hooks(engine.model.config, len(ids)) if edits is not None else None
 
