@@ -8,7 +8,7 @@ norm, the effective rank of the token x d_model matrix, the rank-collapse measur
 mean cosine similarity between tokens, the mean attention entropy and the logit lens's top token at the
 last position; then the same with every skip connection removed, side by side, where the collapse shows
 (Dong, Cordonnier & Loukas 2021, "Attention is not all you need"). `--plot` draws norm, effective rank
-and collapse across layers (needs matplotlib: `pip install 'gpt2-server[plot]'`).
+and collapse across layers (needs matplotlib: `pip install matplotlib`, the project's `plot` extra).
 
     gpt2-analyze "The cat sat on the mat because" --model gpt2 --gradients --plot highway.png
     gpt2-analyze --attribution "The Eiffel Tower is in" "The Colosseum is in" --model gpt2 \
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             plt = _pyplot()
         except ImportError:
-            return fail("--plot needs matplotlib, which is not installed: pip install 'gpt2-server[plot]'")
+            return fail("--plot needs matplotlib, which is not installed: pip install matplotlib (the project's plot extra)")
         formats = plt.FigureCanvasBase.get_supported_filetypes()
         if Path(args.plot).suffix.removeprefix(".").lower() not in formats:  # else matplotlib would add .png
             return fail(
