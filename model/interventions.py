@@ -181,7 +181,10 @@ class Interventions:
         e = t.edit
         if e.heads is not None:
             if not (t.per_head or t.square):
-                raise InterventionError(f"{where}: heads apply only to per-head hooks (q, k, v, z, scores, pattern)")
+                raise InterventionError(
+                    f"{where}: heads apply only to per-head hooks (q, k, v, z, scores, pattern, and the optional "
+                    "hook_attn_in, hook_q_input, hook_k_input, hook_v_input, attn.hook_result)"
+                )
             _check_range(e.heads, self.config.n_head, f"{where}: head")
         if e.op in STEERING_OPS:
             self._check_steering(t, where)
