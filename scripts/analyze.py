@@ -95,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             plt = _pyplot()
         except ImportError:
-            return fail("--plot needs matplotlib, which is not installed: pip install matplotlib (the project's plot extra)")
+            return fail(
+                "--plot needs matplotlib, which is not installed: pip install matplotlib (the project's plot extra)"
+            )
         formats = plt.FigureCanvasBase.get_supported_filetypes()
         if Path(args.plot).suffix.removeprefix(".").lower() not in formats:  # else matplotlib would add .png
             return fail(

@@ -99,7 +99,8 @@ def test_plot_without_matplotlib_says_so(model_args: list[str], tmp_path: Path) 
     r = gpt2_analyze(PROMPT, *model_args, "--plot", str(tmp_path / "out.png"), prelude=hide_matplotlib)
     assert r.returncode == 1
     assert r.stderr == (
-        "gpt2-analyze: error: --plot needs matplotlib, which is not installed: pip install matplotlib (the project's plot extra)\n"
+        "gpt2-analyze: error: --plot needs matplotlib, which is not installed: "
+        "pip install matplotlib (the project's plot extra)\n"
     )
     assert not (tmp_path / "out.png").exists()
 

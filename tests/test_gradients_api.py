@@ -254,5 +254,48 @@ def test_gradient_jobs_run_between_decode_steps(client: TestClient, monkeypatch:
             assert "step" in log[a:b], log
 
 
+def test_attribution_verifies_one_site_per_engine_call(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An attribution's scoring runs and each of its `verify` patched runs are separate engine calls, with
+    decode steps between them: a long verification does not stall the running streams."""
+    import server.routes.gradients as route
+
+    engine = client.app.state.engine  # type: ignore[attr-defined]
+    log: list[str] = []
+    real_step, real_score, real_verify = engine._step, route.score_sites, route.verify_site
+
+    def step() -> None:
+        if len(engine._batch):
+            log.append("step")
+        real_step()
+
+    def score(*args: Any) -> Any:
+        log.append("score")
+        return real_score(*args)
+
+    def verify(*args: Any) -> Any:
+        log.append("verify")
+        return real_verify(*args)
+
+    monkeypatch.setattr(engine, "_step", step)
+    monkeypatch.setattr(route, "score_sites", score)
+    monkeypatch.setattr(route, "verify_site", verify)
+    gen = {"input_ids": CLEAN, "max_new_tokens": 60, "temperature": 0, "ignore_eos": True}
+    body = attr(verify=4)
+    with ThreadPoolExecutor(2) as pool:
+        generation = pool.submit(_post, client, "/v1/generate", gen)
+        wait_until(lambda: "step" in log)
+        r = client.post("/v1/attribution", json=body)
+        assert r.status_code == 200, r.text
+        assert generation.result(60) == 200
+    assert len(r.json()["verified"]) == 4
+    calls = [i for i, e in enumerate(log) if e in ("score", "verify")]
+    assert [log[i] for i in calls] == ["score"] + ["verify"] * 4
+    last_step = max(i for i, e in enumerate(log) if e == "step")
+    assert calls[0] < last_step, "the attribution came after the generation ended: nothing was interleaved"
+    for a, b in itertools.pairwise(calls):  # while the generation still decodes, a step between calls
+        if b < last_step:
+            assert "step" in log[a:b], log
+
+
 def _post(client: TestClient, path: str, body: dict[str, Any]) -> int:
     return client.post(path, json=body).status_code

@@ -57,10 +57,52 @@ class Attribution:
     verified: list[Verified]
 
 
+@dataclass(frozen=True)
+class Scores:
+    """The two runs' part of an attribution (`score_sites`): every site's score, and what verifying one
+    needs (the clean run's values at the sites' hooks)."""
+
+    clean_metric: float
+    corrupted_metric: float
+    resid_pre: torch.Tensor  # [layer, pos]
+    z: torch.Tensor  # [layer, head]
+    attn_out: torch.Tensor  # [layer]
+    mlp_out: torch.Tensor  # [layer]
+    clean_values: dict[str, torch.Tensor]  # hook -> the clean run's value [T, ...]
+
+    def top(self, k: int) -> list[tuple[float, Site]]:
+        """The `k` sites of largest |score|, each with its score, largest first."""
+        sites: list[tuple[float, Site]] = []
+        for i in range(self.resid_pre.shape[0]):
+            sites += [
+                (float(s), Site(f"blocks.{i}.hook_resid_pre", i, position=t)) for t, s in enumerate(self.resid_pre[i])
+            ]
+            sites += [(float(s), Site(f"blocks.{i}.attn.hook_z", i, head=h)) for h, s in enumerate(self.z[i])]
+            sites += [
+                (float(self.attn_out[i]), Site(f"blocks.{i}.hook_attn_out", i)),
+                (float(self.mlp_out[i]), Site(f"blocks.{i}.hook_mlp_out", i)),
+            ]
+        return sorted(sites, key=lambda pair: -abs(pair[0]))[:k]
+
+    def with_verified(self, verified: list[Verified]) -> Attribution:
+        return Attribution(
+            self.clean_metric, self.corrupted_metric, self.resid_pre, self.z, self.attn_out, self.mlp_out, verified
+        )
+
+
 def attribution(model: GPT, clean: list[int], corrupted: list[int], metric: Metric, verify: int = 0) -> Attribution:
     """Attribution scores of every site in `SITES` for patching `clean`'s values into `corrupted` (same
     length), and, for the `verify` sites of largest |score|, the metric with each really patched in. The
-    loss's targets are the clean prompt's tokens in both runs (a metric is one function of the logits)."""
+    loss's targets are the clean prompt's tokens in both runs (a metric is one function of the logits).
+    The server runs the same as `score_sites`, then each `verify_site`, one engine call each."""
+    scores = score_sites(model, clean, corrupted, metric)
+    return scores.with_verified(
+        [verify_site(model, scores, clean, corrupted, metric, *top) for top in scores.top(verify)]
+    )
+
+
+def score_sites(model: GPT, clean: list[int], corrupted: list[int], metric: Metric) -> Scores:
+    """Every site's score: the clean run, then the corrupted run's forward and backward pass."""
     check_attribution(clean, corrupted, metric, model.config.vocab_size)
     L = model.config.n_layer
     names = [f"blocks.{i}.{site}" for i in range(L) for site in SITES]
@@ -68,7 +110,7 @@ def attribution(model: GPT, clean: list[int], corrupted: list[int], metric: Metr
     idx = torch.tensor([clean], device=model.wte.weight.device)
     with torch.inference_mode():
         cache = {n: v[0] for n, v in run_with_cache(model, idx, [*names, "logits"]).items()}  # [T, ...]
-    clean_metric = float(metric_value(metric, cache["logits"], targets))
+    clean_metric = float(metric_value(metric, cache.pop("logits"), targets))
     corrupt = _corrupted_gradients(model, corrupted, targets, metric, names)
     grads, values = {n: g[0] for n, g in corrupt.grads.items()}, corrupt.values
 
@@ -79,21 +121,15 @@ def attribution(model: GPT, clean: list[int], corrupted: list[int], metric: Metr
     z = torch.stack([score(f"blocks.{i}.attn.hook_z", (0, 2)) for i in range(L)])  # [L, H]
     attn = torch.stack([score(f"blocks.{i}.hook_attn_out", (0, 1)) for i in range(L)])  # [L]
     mlp = torch.stack([score(f"blocks.{i}.hook_mlp_out", (0, 1)) for i in range(L)])  # [L]
+    return Scores(clean_metric, corrupt.metric, resid, z, attn, mlp, cache)
 
-    sites: list[tuple[float, Site]] = []
-    for i in range(L):
-        sites += [(float(s), Site(f"blocks.{i}.hook_resid_pre", i, position=t)) for t, s in enumerate(resid[i])]
-        sites += [(float(s), Site(f"blocks.{i}.attn.hook_z", i, head=h)) for h, s in enumerate(z[i])]
-        sites += [
-            (float(attn[i]), Site(f"blocks.{i}.hook_attn_out", i)),
-            (float(mlp[i]), Site(f"blocks.{i}.hook_mlp_out", i)),
-        ]
-    top = sorted(sites, key=lambda pair: -abs(pair[0]))[:verify]
-    verified = []
-    for estimate, site in top:
-        patched = patched_metric(model, corrupted, targets, metric, site.edit(cache[site.hook]))
-        verified.append(Verified(site, estimate, patched, patched - corrupt.metric))
-    return Attribution(clean_metric, corrupt.metric, resid, z, attn, mlp, verified)
+
+def verify_site(
+    model: GPT, scores: Scores, clean: list[int], corrupted: list[int], metric: Metric, estimate: float, site: Site
+) -> Verified:
+    """`site` patched for real: the corrupted run with the clean run's value set in there."""
+    patched = patched_metric(model, corrupted, clean, metric, site.edit(scores.clean_values[site.hook]))
+    return Verified(site, estimate, patched, patched - scores.corrupted_metric)
 
 
 def check_attribution(clean: list[int], corrupted: list[int], metric: Metric, vocab_size: int) -> None:

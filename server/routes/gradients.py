@@ -15,7 +15,7 @@ from fastapi.responses import Response
 
 from model.generate import validate_prompt
 from model.gpt import GPT
-from model.lab.attribution import Attribution, Site, attribution, check_attribution
+from model.lab.attribution import Scores, Site, Verified, check_attribution, score_sites, verify_site
 from model.lab.gradients import Gradients, Metric, check_metric, grad_name, gradients, graph_bytes
 
 from .. import encoding
@@ -120,10 +120,18 @@ async def attribution_patching(
     check_attribution(clean, corrupted, metric, engine.model.config.vocab_size)
     check_graph(engine, settings, len(corrupted), "corrupted")
 
-    def run(model: GPT) -> Attribution:
-        return attribution(model, clean, corrupted, metric, req.verify)
+    def scored(model: GPT) -> Scores:
+        return score_sites(model, clean, corrupted, metric)
 
-    result = await unless_disconnected(request, engine.call(run))
+    scores = await unless_disconnected(request, engine.call(scored))
+    verified = []
+    for estimate, top in scores.top(req.verify):  # one engine call each: streams step between them
+
+        def verify(model: GPT, estimate: float = estimate, top: Site = top) -> Verified:
+            return verify_site(model, scores, clean, corrupted, metric, estimate, top)
+
+        verified.append(await unless_disconnected(request, engine.call(verify)))
+    result = scores.with_verified(verified)
     text = engine.tokenizer.token_text
 
     def site(s: Site) -> dict[str, Any]:
