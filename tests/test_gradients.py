@@ -16,7 +16,7 @@ import torch
 from conftest import Checkpoint, load_ours
 
 from model.gpt import GPT
-from model.hooks import hook_names, is_optional
+from model.hooks import UnknownHookError, hook_names, is_optional
 from model.interventions import Edit, EditSpec
 from model.lab.gradients import (
     GradientHooks,
@@ -321,6 +321,18 @@ def test_a_metric_that_cannot_be_computed_names_its_field(ours64: GPT, metric: M
     with pytest.raises(MetricError) as e:
         gradients(ours64, PROMPT, metric, ["blocks.0.hook_resid_pre"])
     assert e.value.param == param
+
+
+def test_hook_names_are_checked_and_globs_expanded(ours64: GPT) -> None:
+    """Python's `gradients` resolves names as the HTTP route does: a name that matches nothing is an error
+    (it gave an empty answer), a glob takes every layer, in model order."""
+    with pytest.raises(UnknownHookError, match="blocks.0.hook_resid_pre_typo"):
+        gradients(ours64, PROMPT, Loss(), ["blocks.0.hook_resid_pre_typo"])
+    L = ours64.config.n_layer
+    got = gradients(ours64, PROMPT, Loss(), ["blocks.*.hook_resid_pre", "hook_embed"])
+    assert list(got.grads) == ["hook_embed"] + [f"blocks.{i}.hook_resid_pre" for i in range(L)]
+    want = gradients(ours64, PROMPT, Loss(), ["blocks.1.hook_resid_pre"])
+    torch.testing.assert_close(got.grads["blocks.1.hook_resid_pre"], want.grads["blocks.1.hook_resid_pre"])
 
 
 def test_a_one_token_prompt_has_no_loss(ours64: GPT) -> None:

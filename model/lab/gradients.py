@@ -22,6 +22,7 @@ import torch
 
 from ..config import GPTConfig
 from ..gpt import GPT
+from ..hooks import select_hooks
 from ..interventions import EditSpec, InterventionError, split_input_clashes
 
 
@@ -150,9 +151,11 @@ class Gradients:
 
 def gradients(model: GPT, ids: list[int], metric: Metric, names: list[str], edits: EditSpec | None = None) -> Gradients:
     """One forward pass over `ids` (with `edits`: interventions, residual ablation) and one backward pass:
-    the metric and its gradient at each hook point of `names` (`check_split_inputs` says what is refused).
+    the metric and its gradient at each hook point of `names` (exact names or globs, in model order; one
+    that matches nothing is an `UnknownHookError`; `check_split_inputs` says what else is refused).
     Builds a graph even where the caller runs under `torch.inference_mode` (the engine's thread); the
     parameters' `.grad` are left untouched."""
+    names = select_hooks(names, model.config.n_layer)
     check_metric(metric, len(ids), model.config.vocab_size)
     check_split_inputs(names, set(edits.sites(model.config.n_layer)) if edits is not None else set())
     with torch.inference_mode(False), torch.enable_grad():
@@ -161,7 +164,7 @@ def gradients(model: GPT, ids: list[int], metric: Metric, names: list[str], edit
         idx = torch.tensor([ids], device=model.wte.weight.device)
         value = metric_value(metric, model(idx, hooks=hooks)[0], ids)
         if not value.isfinite():
-            raise MetricError(f"the metric is not finite ({float(value)}): nothing to differentiate", "metric")
+            raise MetricError(f"the metric is not finite ({value.detach().item()}): nothing to differentiate", "metric")
         if not value.requires_grad:  # none of the hooks lies on a path to the metric
             return Gradients(float(value), {n: torch.zeros_like(v.detach()) for n, v in capture.values.items()})
         grads = capture.grads(value)
@@ -219,7 +222,7 @@ def highway(
         idx = torch.tensor([ids], device=model.wte.weight.device)
         loss = metric_value(Loss(), model(idx, hooks=hooks)[0], ids)
         if not loss.isfinite():
-            raise MetricError(f"the loss is not finite ({float(loss)}): no gradient to measure", "gradients")
+            raise MetricError(f"the loss is not finite ({loss.detach().item()}): no gradient to measure", "gradients")
         grads = capture.grads(loss, retain_graph=True)
         streams = [pre[0], *post]
 
