@@ -268,6 +268,16 @@ def test_job_errors(tiny, tokenizer_dir: Path, corpus, tmp_path: Path) -> None:
     (busy / "mine.txt").write_text("keep me")
     with pytest.raises(HarvestError, match=r"not empty and holds no manifest\.json"):
         harvest(tiny.path, source, busy, ["blocks.0.hook_resid_pre"], **tok)
+    with pytest.raises(HarvestError, match=f"max-tokens must be at most {sys.maxsize}, got {10**22}"):
+        harvest(tiny.path, source, tmp_path / "a", ["blocks.0.hook_resid_pre"], max_tokens=10**22, **tok)
+    # the user's files named .tmp-*: not a harvest's leftovers, so the folder is not empty, and they stay
+    for name, make in ((".tmp-notes.txt", lambda p: p.write_text("mine")), (".tmp-dir", Path.mkdir)):
+        folder = tmp_path / f"user{name}"
+        folder.mkdir()
+        make(folder / name)
+        with pytest.raises(HarvestError, match=rf"not empty and holds no manifest\.json \({name}\)"):
+            harvest(tiny.path, source, folder, ["blocks.0.hook_resid_pre"], **tok)
+        assert [p.name for p in folder.iterdir()] == [name]
     short = tmp_path / "short.txt"
     short.write_text("too short")
     with pytest.raises(HarvestError, match="fewer than 128 tokens"):

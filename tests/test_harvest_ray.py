@@ -74,3 +74,21 @@ def test_a_gpu_device_needs_gpus_per_actor(tiny, tokenizer_dir: Path, tmp_path: 
     with pytest.raises(HarvestError, match=r"device 'cuda' needs GPUs per actor above 0"):
         run_on_ray(spec, tmp_path / "acts", gpus_per_actor=0)
     assert not (tmp_path / "acts").exists()
+
+
+def test_a_bad_ray_address_is_one_error_and_leaves_no_folder(tiny, tokenizer_dir: Path, tmp_path: Path) -> None:
+    """An address Ray refuses is a HarvestError in one line (it was Ray's traceback), and the job's new folder
+    is removed as for any job failing before its first shard."""
+    from model.harvest import HarvestError
+    from model.harvest.ray_data import run_on_ray
+
+    source = tmp_path / "docs.txt"
+    source.write_text("the cat sat on the mat . " * 40)
+    spec = HarvestSpec(
+        model=str(tiny.path), source=str(source), hooks=("blocks.0.hook_resid_pre",), context_size=32,
+        tokenizer=str(tokenizer_dir), device="cpu",
+    )  # fmt: skip
+    out = tmp_path / "out"
+    with pytest.raises(HarvestError, match=r"^could not start or reach Ray at 'http://nope:1': Invalid Ray address") as e:
+        run_on_ray(spec, out, address="http://nope:1")
+    assert "\n" not in str(e.value) and not out.exists()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import queue
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -67,6 +68,8 @@ class HarvestSpec:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise HarvestError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+            if value > sys.maxsize:
+                raise HarvestError(f"{name.replace('_', '-')} must be at most {sys.maxsize}, got {value}")
         if self.format not in FORMATS:
             raise HarvestError(f"unknown format {self.format!r}; valid: {', '.join(FORMATS)}")
         if not self.hooks:

@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,13 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 2  # 2: the job names the text's and the weights' sha256 and the device kind resolved
 _TMP = ".tmp-"
+_OURS = re.compile(r"(manifest|dataset_info|state)\.json|acts-\d{5,}\..+")  # the names `write_atomic` is given
+
+
+def _leftover(path: Path) -> bool:
+    """A temporary file a harvest's `write_atomic` left (killed before its rename): `.tmp-` and a name
+    a harvest writes. Anything else is the user's, even with a name starting `.tmp-`."""
+    return path.name.startswith(_TMP) and bool(_OURS.fullmatch(path.name[len(_TMP) :])) and path.is_file()
 
 
 def shard_name(index: int, suffix: str) -> str:
@@ -116,7 +124,7 @@ class Manifest:
         manifest.made = missing[-1] if missing else None
         path = out / MANIFEST
         if not path.is_file():
-            others = sorted(p.name for p in out.iterdir() if not p.name.startswith(_TMP))
+            others = sorted(p.name for p in out.iterdir() if not _leftover(p))
             if others:
                 raise HarvestError(
                     f"output folder {out} is not empty and holds no {MANIFEST} ({', '.join(others[:5])}"
@@ -126,8 +134,9 @@ class Manifest:
             manifest.new = True
         else:
             manifest._resume(path)
-        for stray in out.glob(_TMP + "*"):
-            stray.unlink()
+        for stray in out.iterdir():
+            if _leftover(stray):
+                stray.unlink()
         return manifest
 
     def _resume(self, path: Path) -> None:
@@ -166,7 +175,7 @@ class Manifest:
         if not self.new or self.shards:
             return
         try:
-            names = [p.name for p in self.out_dir.iterdir() if not p.name.startswith(_TMP)]
+            names = [p.name for p in self.out_dir.iterdir() if not _leftover(p)]
             if names != [MANIFEST]:  # a shard written but not yet recorded: keep the manifest naming its job
                 return
             for p in self.out_dir.iterdir():
