@@ -326,7 +326,7 @@ def test_a_metric_that_cannot_be_computed_names_its_field(ours64: GPT, metric: M
 def test_hook_names_are_checked_and_globs_expanded(ours64: GPT) -> None:
     """Python's `gradients` resolves names as the HTTP route does: a name that matches nothing is an error
     (it gave an empty answer), a glob takes every layer, in model order."""
-    with pytest.raises(UnknownHookError, match="blocks.0.hook_resid_pre_typo"):
+    with pytest.raises(UnknownHookError, match=r"blocks\.0\.hook_resid_pre_typo"):
         gradients(ours64, PROMPT, Loss(), ["blocks.0.hook_resid_pre_typo"])
     L = ours64.config.n_layer
     got = gradients(ours64, PROMPT, Loss(), ["blocks.*.hook_resid_pre", "hook_embed"])

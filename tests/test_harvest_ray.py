@@ -89,6 +89,7 @@ def test_a_bad_ray_address_is_one_error_and_leaves_no_folder(tiny, tokenizer_dir
         tokenizer=str(tokenizer_dir), device="cpu",
     )  # fmt: skip
     out = tmp_path / "out"
-    with pytest.raises(HarvestError, match=r"^could not start or reach Ray at 'http://nope:1': Invalid Ray address") as e:
+    refused = r"^could not start or reach Ray at 'http://nope:1': Invalid Ray address"
+    with pytest.raises(HarvestError, match=refused) as e:
         run_on_ray(spec, out, address="http://nope:1")
     assert "\n" not in str(e.value) and not out.exists()
