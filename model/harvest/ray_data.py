@@ -139,9 +139,9 @@ def _run(
             try:
                 ray.init(address=address)
             except Exception as e:  # Ray's own types differ by cause (ConnectionError, ValueError, ...)
-                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
                 where = f"at {address!r}" if address else "(a local instance)"
-                raise HarvestError(f"could not start or reach Ray {where}: {first}") from e
+                raise HarvestError(f"could not start or reach Ray {where}: {reason}") from e
         try:
             shards = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
                 ShardActor,
