@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
+import operator
 import secrets
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -72,6 +74,14 @@ class SamplingParams:
             "seed",
             f"must be an integer in {SEED_RANGE.start}..{SEED_RANGE.stop - 1} (an int64)",
         )
+        for name in ("stop", "stop_token_ids"):  # one string or id: one stop (a string is not its characters)
+            value = getattr(self, name)
+            if isinstance(value, (str, int)):
+                object.__setattr__(self, name, (value,))
+            elif isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+            elif not isinstance(value, tuple):
+                raise GenerationError(f"{name} must be a list or tuple, got {type(value).__name__}", name)
         # Stop strings are looked for after every token, so their number and length are bounded (checked
         # first, so that no message repeats a huge value).
         if len(self.stop) > MAX_STOPS:
@@ -287,10 +297,19 @@ def prefill_prompts(model: GPT, seqs: Sequence[SequenceState]) -> None:
 
 def validate_prompt(model: GPT, prompt: Sequence[int], max_new_tokens: int, param: str = "prompt") -> list[int]:
     n_ctx, vocab = model.config.n_positions, model.config.vocab_size
-    ids = list(prompt)
+    if isinstance(prompt, torch.Tensor):  # a 1-D tensor of ids, as a tokenizer may give them
+        if prompt.dim() != 1 or prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+            raise GenerationError(
+                f"a prompt given as a tensor must be 1-D and of integers, got {prompt.dim()}-D {prompt.dtype}", param
+            )
+        prompt = prompt.tolist()
+    ids = [operator.index(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in prompt]
     if not ids:
         raise GenerationError("the prompt is empty: give at least one token", param)
-    bad = [t for t in ids if not _is_int(t) or not 0 <= t < vocab]
+    odd = [t for t in ids if not _is_int(t)]
+    if odd:
+        raise GenerationError(f"token ids must be integers, got {odd[0]!r}", param)
+    bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
         raise GenerationError(f"token id {bad[0]!r} is outside the vocabulary (0..{vocab - 1})", param)
     if len(ids) > n_ctx:
@@ -660,7 +679,7 @@ class Generation:
         if len(per_prompt) != len(prompts):
             raise GenerationError(f"{len(per_prompt)} parameter sets for {len(prompts)} prompts")
         self.model = model
-        names = select_hooks(list(hooks), model.config.n_layer) if hooks else None
+        names = select_hooks(hooks if isinstance(hooks, str) else list(hooks), model.config.n_layer) if hooks else None
         self._seqs = [
             new_sequence(model, i, prompt, p, tokenizer, names, edits)
             for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True))

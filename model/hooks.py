@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
+import re
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -123,8 +124,11 @@ def _hook_name_set(n_layer: int) -> frozenset[str]:
 def select_hooks(patterns: list[str] | tuple[str, ...], n_layer: int) -> list[str]:
     """Expand exact names and glob patterns into hook names, in model order (see `match_hooks`).
 
-    A pattern that matches nothing is an error naming it and listing the valid names.
+    A pattern that matches nothing is an error naming it and listing the valid names. One string is one
+    pattern (not a list of its characters).
     """
+    if isinstance(patterns, str):
+        patterns = [patterns]
     chosen: set[str] = set()
     for pattern in patterns:
         if not isinstance(pattern, str) or not pattern:
@@ -178,6 +182,9 @@ def has_one_vector_per_position(name: str) -> bool:
 _SITES = frozenset(site for site, _ in _BLOCK_SITES)
 
 
+_LAYER = re.compile(r"0|[1-9][0-9]*")  # a layer as hook names spell it: ASCII digits, no leading zero
+
+
 def check_hook_name(name: object) -> None:
     """Raise `UnknownHookError` unless `name` is a hook point of a GPT-2 of some depth: an exact name, not a
     glob (which would match no name as such)."""
@@ -188,7 +195,8 @@ def check_hook_name(name: object) -> None:
             f"{name!r} is a pattern; Capture takes exact names: expand it with select_hooks(patterns, n_layer)"
         )
     layer, _, site = name.removeprefix("blocks.").partition(".")
-    if name not in (*_FIRST, *_LAST) and not (name.startswith("blocks.") and layer.isdigit() and site in _SITES):
+    in_block = name.startswith("blocks.") and _LAYER.fullmatch(layer) is not None and site in _SITES
+    if name not in (*_FIRST, *_LAST) and not in_block:
         raise UnknownHookError(
             f"unknown hook {name!r}: no hook point is named so; valid names are {describe_hook_names(None)}"
         )
@@ -217,6 +225,8 @@ class Capture:
     def __init__(self, names: list[str] | tuple[str, ...]) -> None:
         """`names`: exact hook names (`select_hooks(patterns, n_layer)` expands globs and checks the layers
         against a model). A glob or a name no GPT-2 has is refused here: it would capture nothing."""
+        if isinstance(names, str):  # one name, not its characters
+            names = [names]
         for name in names:
             check_hook_name(name)
         self.names = list(names)

@@ -331,8 +331,10 @@ def test_prompt_plus_max_new_tokens_beyond_the_context(tiny_model: GPT) -> None:
         ([], "the prompt is empty"),
         ([1, 50257], "token id 50257 is outside the vocabulary (0..50256)"),
         ([-1], "token id -1 is outside the vocabulary"),
-        ([1, True], "token id True is outside the vocabulary"),
-        ([1.0], "token id 1.0 is outside the vocabulary"),
+        ([1, True], "token ids must be integers, got True"),
+        ([1.0], "token ids must be integers, got 1.0"),
+        (torch.tensor([[1, 2]]), "a prompt given as a tensor must be 1-D and of integers, got 2-D torch.int64"),
+        (torch.tensor([1.0]), "a prompt given as a tensor must be 1-D and of integers, got 1-D torch.float32"),
     ],
 )
 def test_bad_prompts(tiny_model: GPT, prompt: list, message: str) -> None:
@@ -340,6 +342,25 @@ def test_bad_prompts(tiny_model: GPT, prompt: list, message: str) -> None:
         generate(tiny_model, [PROMPT, prompt], SamplingParams(max_new_tokens=2))
     assert info.value.param == "prompt"
     assert message in str(info.value)
+
+
+def test_prompts_as_tensors_and_numpy_ids_and_a_single_stop(tiny_model: GPT) -> None:
+    """A 1-D integer tensor or numpy ints are a prompt like a list of ints (a tensor's ids were reported
+    "outside the vocabulary"); `stop="ab"` is one stop string, not "a" and "b"; hooks named by one string
+    are that one name (it was read letter by letter)."""
+    import numpy as np
+
+    params = SamplingParams(max_new_tokens=3, **GREEDY)
+    want = generate(tiny_model, [PROMPT], params)[0].token_ids
+    assert generate(tiny_model, [torch.tensor(PROMPT)], params)[0].token_ids == want
+    assert generate(tiny_model, [np.array(PROMPT)], params)[0].token_ids == want
+    assert SamplingParams(stop="Ars").stop == ("Ars",)
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+    assert SamplingParams(stop_token_ids=7).stop_token_ids == (7,)
+    with pytest.raises(GenerationError, match="stop must be a list or tuple, got set"):
+        SamplingParams(stop={"a"})
+    (done,) = generate(tiny_model, [PROMPT], params, hooks="blocks.0.hook_resid_pre")
+    assert done.activations is not None and list(done.activations) == ["blocks.0.hook_resid_pre"]
 
 
 def test_bad_requests(tiny_model: GPT) -> None:

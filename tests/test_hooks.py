@@ -366,6 +366,10 @@ def test_run_with_cache_stops_after_the_last_wanted_hook(tiny_model: GPT) -> Non
         (["blocks.*.hook_resid_post"], "is a pattern; Capture takes exact names: expand it with select_hooks"),
         (["blocks.0.hook_resid_psot"], "unknown hook 'blocks.0.hook_resid_psot'"),
         (["bogus"], "valid names are hook_embed, hook_pos_embed, blocks.L.hook_resid_pre"),
+        (["blocks.01.hook_resid_post"], "unknown hook 'blocks.01.hook_resid_post'"),  # no GPT-2 spells it so
+        (["blocks.\u00b2.hook_resid_post"], "unknown hook"),  # str.isdigit() took a superscript two
+        (["blocks.\u0663.hook_resid_post"], "unknown hook"),  # and an Arabic-Indic three
+        ("bogus", "unknown hook 'bogus'"),  # one string: one name (it was read letter by letter)
     ],
 )
 def test_a_capture_refuses_names_that_would_capture_nothing(names: list[str], says: str) -> None:
