@@ -121,7 +121,7 @@ def _hook_name_set(n_layer: int) -> frozenset[str]:
     return frozenset(hook_names(n_layer))
 
 
-def select_hooks(patterns: list[str] | tuple[str, ...], n_layer: int) -> list[str]:
+def select_hooks(patterns: str | list[str] | tuple[str, ...], n_layer: int) -> list[str]:
     """Expand exact names and glob patterns into hook names, in model order (see `match_hooks`).
 
     A pattern that matches nothing is an error naming it and listing the valid names. One string is one
@@ -222,7 +222,7 @@ class Capture:
     the causal mask gives) and concatenated along `q`. Chunks must come from one sequence in order.
     """
 
-    def __init__(self, names: list[str] | tuple[str, ...]) -> None:
+    def __init__(self, names: str | list[str] | tuple[str, ...]) -> None:
         """`names`: exact hook names (`select_hooks(patterns, n_layer)` expands globs and checks the layers
         against a model). A glob or a name no GPT-2 has is refused here: it would capture nothing."""
         if isinstance(names, str):  # one name, not its characters
