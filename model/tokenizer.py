@@ -87,7 +87,11 @@ class Tokenizer:
         return self._tok.decode_batch(batch, skip_special_tokens=False)
 
     def token_text(self, token_id: int) -> str:
-        """The text one token stands for on its own (a lone piece of a multi-byte character shows as U+FFFD)."""
+        """The text one token stands for on its own (a lone piece of a multi-byte character shows as U+FFFD);
+        `<|id:N|>` for an id past the tokenizer's vocabulary (a model's vocabulary padded past it, as nanoGPT
+        pads to 50304), which would otherwise show as nothing."""
+        if token_id >= self.vocab_size:
+            return f"<|id:{token_id}|>"
         return self._tok.decode([token_id], skip_special_tokens=False)
 
     def token_bytes(self, token_id: int) -> bytes:

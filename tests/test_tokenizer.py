@@ -60,6 +60,8 @@ def test_token_text_and_bytes(tok: Tokenizer) -> None:
     assert "\ufffd" in "".join(tok.token_text(i) for i in ids)  # pieces of one character stand alone as U+FFFD
     with pytest.raises(ValueError, match=r"token id 50257 is outside the vocabulary \(0\.\.50256\)"):
         tok.token_bytes(50257)
+    # a model's vocabulary padded past the tokenizer's (nanoGPT's 50304): each id its own name, not ""
+    assert [tok.token_text(i) for i in (50257, 50303)] == ["<|id:50257|>", "<|id:50303|>"]
 
 
 def test_save_and_reload(from_vocab_and_merges: Tokenizer, tmp_path: Path) -> None:

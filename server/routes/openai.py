@@ -88,9 +88,7 @@ class _Reply:
         """A token as OpenAI shows it: its text, or `bytes:\\xNN...` for a piece of a multi-byte character, or
         `<|id:N|>` for an id the tokenizer does not know (a vocabulary padded past it, as nanoGPT pads to
         50304), so distinct tokens never share a name."""
-        if token_id >= self.engine.tokenizer.vocab_size:
-            return f"<|id:{token_id}|>"
-        text = self.engine.tokenizer.token_text(token_id)
+        text = self.engine.tokenizer.token_text(token_id)  # <|id:N|> past the tokenizer's vocabulary
         if "\ufffd" not in text:
             return text
         raw = self.engine.tokenizer.token_bytes(token_id)
