@@ -106,8 +106,10 @@ def analyze(model: GPT, ids: list[int], top_k: int = 5, edits: Hooks | None = No
             )
             if not stats.finite():
                 where = "after the embeddings" if layer == -1 else f"at layer {layer}"
+                cause = "the edits made the activations" if edits is not None else "the activations became"
                 raise NonFiniteActivations(
-                    f"the edits made the activations non-finite (inf or NaN, or too large to measure) {where}"
+                    f"{cause} non-finite (inf or NaN, or too large to measure) {where}"
+                    + ("" if edits is not None else ": the weights, or their dtype's range (float16's ends at 65504)")
                 )
             out.append(stats)
     return out

@@ -620,9 +620,14 @@ class DecodeBatch:
             try:
                 if not ok:
                     edited = seq.hooks is not None and seq.hooks is not seq.capture
+                    why = (
+                        "interventions with large factors or values can do this"
+                        if edited
+                        else "the weights, or their dtype's range: float16's ends at 65504"
+                    )
                     raise GenerationError(
                         f"the logits became non-finite (inf or NaN) at generated token {len(seq.tokens) + 1}: "
-                        "the activations overflowed (interventions with large factors or values can do this)",
+                        f"the activations overflowed ({why})",
                         "interventions" if edited else None,
                     )
                 out.append((seq, seq.accept(row, best)))

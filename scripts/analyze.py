@@ -88,6 +88,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    for flag, value in (("--model", args.model), ("--plot", args.plot)):
+        if value == "":
+            return fail(f"{flag} is empty: give a name or a path")
     if not 1 <= args.top_k <= MAX_TOP_K:
         return fail(f"--top-k must be in 1..{MAX_TOP_K}, got {args.top_k}")
     plt = None
@@ -105,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         if not Path(args.plot).parent.is_dir():  # before the long part
             return fail(f"cannot write {args.plot}: no directory {Path(args.plot).parent}")
+        if Path(args.plot).is_dir():
+            return fail(f"cannot write {args.plot}: it is a directory")
     if args.attribution:
         return attribution_main(args, plt)
     prompt = read_prompt(args.prompt)
@@ -117,17 +122,20 @@ def main(argv: list[str] | None = None) -> int:
 
     model, tok = loaded.model, loaded.tokenizer
     n_layer = model.config.n_layer
-    normal = analyze(model, ids, args.top_k)
-    ablated = None
     everything = tuple(range(n_layer))
     no_skips = EditSpec((), everything, everything)
-    if not args.no_ablated:
-        ablated = analyze(model, ids, args.top_k, no_skips.hooks(model.config, len(ids)))
+    if args.gradients and len(ids) < 2:
+        return fail("--gradients needs a prompt of at least 2 tokens (the loss predicts the second)")
+    ablated = None
     grads: tuple[list[LayerGradient], list[LayerGradient] | None] | None = None
-    if args.gradients:
-        if len(ids) < 2:
-            return fail("--gradients needs a prompt of at least 2 tokens (the loss predicts the second)")
-        grads = highway(model, ids), None if args.no_ablated else highway(model, ids, no_skips)
+    try:  # a run whose activations or loss are not finite (float16 overflowing, say) is one line, not a traceback
+        normal = analyze(model, ids, args.top_k)
+        if not args.no_ablated:
+            ablated = analyze(model, ids, args.top_k, no_skips.hooks(model.config, len(ids)))
+        if args.gradients:
+            grads = highway(model, ids), None if args.no_ablated else highway(model, ids, no_skips)
+    except InterventionError as e:
+        return fail(str(e))
 
     print(f"{loaded.name}: {len(ids)} tokens; layer -1 is the embeddings, layer L the stream after block L")
     print(table(normal, ablated, tok))

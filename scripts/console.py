@@ -1,10 +1,14 @@
 """How the command-line tools end: `main()`'s return value is the exit status, and Ctrl-C prints one line
 instead of a traceback, then ends the process by SIGINT, as Python's own handling does. A shell waiting
 on the tool sees it killed by the signal and stops too (bash carries on with a loop after a child that
-merely exits 130)."""
+merely exits 130).
+
+The installed commands start here (`generate`, `analyze`, `harvest`), importing their module inside
+`run_console`: a Ctrl-C while torch is still being imported is the same one line."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import sys
@@ -21,3 +25,22 @@ def run_console(main: Callable[[], int], interrupted: str) -> NoReturn:
         os.kill(os.getpid(), signal.SIGINT)
         status = 130  # not reached where SIGINT ends the process, as it does on POSIX
     sys.exit(status)
+
+
+def _command(module: str, name: str) -> NoReturn:
+    run_console(lambda: importlib.import_module(f"gpt2_scripts.{module}").main(), f"{name}: interrupted")
+
+
+def generate() -> NoReturn:
+    """The `gpt2-generate` command."""
+    _command("generate", "gpt2-generate")
+
+
+def analyze() -> NoReturn:
+    """The `gpt2-analyze` command."""
+    _command("analyze", "gpt2-analyze")
+
+
+def harvest() -> NoReturn:
+    """The `gpt2-harvest` command."""
+    _command("harvest", "gpt2-harvest")

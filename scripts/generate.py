@@ -71,6 +71,9 @@ def read_prompt(arg: str | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:  # Ctrl-C leaves nothing half-written: a dump is written at the end
     args = parse_args(argv)
+    for flag, value in (("--model", args.model), ("--dump-activations", args.dump_activations)):
+        if value == "":
+            return fail(f"{flag} is empty: give a name or a path")
     if args.hooks and not args.dump_activations:
         return fail("--hooks needs --dump-activations FILE")
     if args.dump_activations and (problem := dump_path_problem(args.dump_activations)):  # before the long part
@@ -98,9 +101,14 @@ def main(argv: list[str] | None = None) -> int:  # Ctrl-C leaves nothing half-wr
     out = sys.stdout
     out.write(prompt)
     out.flush()
-    for event in generation:
-        out.write(event.text)
+    try:
+        for event in generation:
+            out.write(event.text)
+            out.flush()
+    except (GenerationError, InterventionError) as e:  # the logits became inf or NaN (float16 overflowing, say)
+        out.write("\n")
         out.flush()
+        return fail(str(e))
     out.write("\n")
     result = generation.results[0]
 

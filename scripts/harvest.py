@@ -131,6 +131,9 @@ def _duration(seconds: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for flag, value in (("--model", args.model), ("--out", args.out), ("the source", args.source)):
+        if value == "":  # would be the current directory
+            return fail(f"{flag} is empty: give a name or a path")
     if args.threads is not None:
         if args.threads < 1:
             return fail(f"--threads must be a positive integer, got {args.threads}")

@@ -325,3 +325,25 @@ def test_ctrl_c_ends_the_tool_by_sigint_without_a_traceback(tool: str, ckpt_with
         proc.kill()
     assert proc.returncode == -signal.SIGINT, err
     assert f"gpt2-{tool}: interrupted" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("tool", ["generate", "analyze", "harvest"])
+def test_ctrl_c_while_the_tool_still_imports_is_one_line(tool: str) -> None:
+    """The installed commands (`gpt2_scripts.console`) import their module inside `run_console`, so a Ctrl-C
+    during the first second, while torch is being imported, is the same one line (it was a traceback). The
+    import is made to hang here."""
+    code = (
+        f"import sys, time, importlib; sys.argv = ['gpt2-{tool}']; import gpt2_scripts.console as c; "
+        "importlib.import_module = lambda name: time.sleep(60); "
+        f"print('ready', flush=True); c.{tool}()"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        time.sleep(0.5)  # inside the (hanging) import
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGINT, err
+    assert err.strip() == f"gpt2-{tool}: interrupted", err

@@ -9,6 +9,7 @@ Outperforms Automated Circuit Discovery"). Two forward passes and one backward p
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +113,9 @@ def score_sites(model: GPT, clean: list[int], corrupted: list[int], metric: Metr
         cache = {n: v[0] for n, v in run_with_cache(model, idx, [*names, "logits"]).items()}  # [T, ...]
     clean_metric = float(metric_value(metric, cache.pop("logits"), targets))
     corrupt = _corrupted_gradients(model, corrupted, targets, metric, names)
+    for run, value in (("clean", clean_metric), ("corrupted", corrupt.metric)):
+        if not math.isfinite(value):  # every score would be NaN: say why instead
+            raise MetricError(f"the {run} run's metric is not finite ({value}): no attribution to compute", run)
     grads, values = {n: g[0] for n, g in corrupt.grads.items()}, corrupt.values
 
     def score(name: str, over: tuple[int, ...]) -> torch.Tensor:
