@@ -155,7 +155,15 @@ class SAE:
                 raise SAEError(
                     f"{source}: {name} has shape {list(weights[name].shape)}, cfg.json implies {list(shape)}"
                 )
+            if not weights[name].is_floating_point():
+                raise SAEError(
+                    f"{source}: {WEIGHTS_FILE} holds {name} as {str(weights[name].dtype).removeprefix('torch.')}; "
+                    "an SAE's weights are floating point"
+                )
         w = {name: weights[name].to(torch.float32) for name in need}
+        for name, t in w.items():  # float32: a float64 weight past its range would be infinite
+            if not bool(torch.isfinite(t).all()):
+                raise SAEError(f"{source}: {WEIGHTS_FILE} holds NaN or infinite values in {name}")
         self.W_enc, self.b_enc, self.W_dec, self.b_dec = w["W_enc"], w["b_enc"], w["W_dec"], w["b_dec"]
         self.threshold = w.get("threshold")
 
