@@ -74,9 +74,13 @@ def test_verify_patches_the_top_sites_with_the_set_edit(ours64: GPT) -> None:
     every = _scores(result)
     ranked = sorted(every.values(), key=abs, reverse=True)
     assert [v.attribution for v in result.verified] == pytest.approx(ranked[:5])
-    names = sorted({v.site.hook for v in result.verified})
+    # every site, each patched with the whole clean value of its hook (the verification keeps only the part
+    # its edit sets: one position's, one head's)
+    full = attribution(ours64, CLEAN, CORRUPTED, metric, verify=len(every))
+    assert full.verified[:5] == result.verified
+    names = sorted({v.site.hook for v in full.verified})
     clean = values(ours64, CLEAN, names)
-    for v in result.verified:
+    for v in full.verified:
         s = v.site
         edit = Edit(
             s.hook,
@@ -91,7 +95,6 @@ def test_verify_patches_the_top_sites_with_the_set_edit(ours64: GPT) -> None:
         assert v.patched_metric == pytest.approx(want, rel=1e-9)
         assert v.patched_change == pytest.approx(want - result.corrupted_metric, rel=1e-9, abs=1e-12)
     # patching the whole residual stream of layer 0 at the differing position restores the clean metric
-    full = attribution(ours64, CLEAN, CORRUPTED, metric, verify=len(every))
     (site,) = [v for v in full.verified if v.site == Site("blocks.0.hook_resid_pre", 0, position=1)]
     assert site.patched_metric == pytest.approx(full.clean_metric, rel=1e-9)
 
@@ -119,3 +122,18 @@ def test_prompts_of_different_lengths_are_refused(ours64: GPT) -> None:
     with pytest.raises(MetricError) as e:
         attribution(ours64, CLEAN, CORRUPTED, LogProb(99999))
     assert e.value.param == "metric.token"
+
+
+def test_scores_keep_only_what_their_verification_needs(ours64: GPT) -> None:
+    """Between the server's engine calls the scores hold the clean run's values only where a site to verify
+    needs them: nothing without `verify`, one position's vector for a residual-stream site."""
+    from model.lab.attribution import score_sites
+
+    metric = LogitDiff((318, 373))
+    assert score_sites(ours64, CLEAN, CORRUPTED, metric).candidates == []
+    scores = score_sites(ours64, CLEAN, CORRUPTED, metric, verify=1000)
+    C = ours64.config.n_embd
+    for c in scores.candidates:
+        want = (C,) if c.site.position is not None else (T, *c.value.shape[1:])
+        assert tuple(c.value.shape) == want, c.site
+    assert len(scores.candidates) == len(_scores(scores.with_verified([])))

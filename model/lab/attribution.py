@@ -32,11 +32,16 @@ class Site:
     position: int | None = None
     head: int | None = None
 
-    def edit(self, clean: torch.Tensor) -> Edit:
-        """The `set` edit that patches the clean run's value `clean` [T, ...] in at this site."""
+    def patch(self, clean: torch.Tensor) -> torch.Tensor:
+        """What this site's edit needs of the clean run's value `clean` [T, ...] at its hook: one position's
+        [C] (a copy, so that the rest can be freed), or all of it (a head's edit selects its head itself)."""
+        return clean[self.position].clone() if self.position is not None else clean
+
+    def edit(self, value: torch.Tensor) -> Edit:
+        """The `set` edit that patches `value` (this site's `patch` of the clean run) in at this site."""
         positions = (self.position,) if self.position is not None else None
         heads = (self.head,) if self.head is not None else None
-        return Edit(self.hook, "set", value=clean, positions=positions, heads=heads)
+        return Edit(self.hook, "set", value=value, positions=positions, heads=heads)
 
 
 @dataclass(frozen=True)
@@ -59,9 +64,18 @@ class Attribution:
 
 
 @dataclass(frozen=True)
+class Candidate:
+    """A site to patch for real: its score and the clean run's value its edit sets (`Site.patch`)."""
+
+    site: Site
+    estimate: float
+    value: torch.Tensor
+
+
+@dataclass(frozen=True)
 class Scores:
-    """The two runs' part of an attribution (`score_sites`): every site's score, and what verifying one
-    needs (the clean run's values at the sites' hooks)."""
+    """The two runs' part of an attribution (`score_sites`): every site's score, and the sites to verify
+    with what their edits need (only that of the clean run is kept)."""
 
     clean_metric: float
     corrupted_metric: float
@@ -69,21 +83,7 @@ class Scores:
     z: torch.Tensor  # [layer, head]
     attn_out: torch.Tensor  # [layer]
     mlp_out: torch.Tensor  # [layer]
-    clean_values: dict[str, torch.Tensor]  # hook -> the clean run's value [T, ...]
-
-    def top(self, k: int) -> list[tuple[float, Site]]:
-        """The `k` sites of largest |score|, each with its score, largest first."""
-        sites: list[tuple[float, Site]] = []
-        for i in range(self.resid_pre.shape[0]):
-            sites += [
-                (float(s), Site(f"blocks.{i}.hook_resid_pre", i, position=t)) for t, s in enumerate(self.resid_pre[i])
-            ]
-            sites += [(float(s), Site(f"blocks.{i}.attn.hook_z", i, head=h)) for h, s in enumerate(self.z[i])]
-            sites += [
-                (float(self.attn_out[i]), Site(f"blocks.{i}.hook_attn_out", i)),
-                (float(self.mlp_out[i]), Site(f"blocks.{i}.hook_mlp_out", i)),
-            ]
-        return sorted(sites, key=lambda pair: -abs(pair[0]))[:k]
+    candidates: list[Candidate]  # the sites of largest |score|, largest first
 
     def with_verified(self, verified: list[Verified]) -> Attribution:
         return Attribution(
@@ -96,14 +96,13 @@ def attribution(model: GPT, clean: list[int], corrupted: list[int], metric: Metr
     length), and, for the `verify` sites of largest |score|, the metric with each really patched in. The
     loss's targets are the clean prompt's tokens in both runs (a metric is one function of the logits).
     The server runs the same as `score_sites`, then each `verify_site`, one engine call each."""
-    scores = score_sites(model, clean, corrupted, metric)
-    return scores.with_verified(
-        [verify_site(model, scores, clean, corrupted, metric, *top) for top in scores.top(verify)]
-    )
+    scores = score_sites(model, clean, corrupted, metric, verify)
+    return scores.with_verified([verify_site(model, scores, clean, corrupted, metric, c) for c in scores.candidates])
 
 
-def score_sites(model: GPT, clean: list[int], corrupted: list[int], metric: Metric) -> Scores:
-    """Every site's score: the clean run, then the corrupted run's forward and backward pass."""
+def score_sites(model: GPT, clean: list[int], corrupted: list[int], metric: Metric, verify: int = 0) -> Scores:
+    """Every site's score (the clean run, then the corrupted run's forward and backward pass), and the
+    `verify` sites of largest |score| to patch for real."""
     check_attribution(clean, corrupted, metric, model.config.vocab_size)
     L = model.config.n_layer
     names = [f"blocks.{i}.{site}" for i in range(L) for site in SITES]
@@ -125,15 +124,31 @@ def score_sites(model: GPT, clean: list[int], corrupted: list[int], metric: Metr
     z = torch.stack([score(f"blocks.{i}.attn.hook_z", (0, 2)) for i in range(L)])  # [L, H]
     attn = torch.stack([score(f"blocks.{i}.hook_attn_out", (0, 1)) for i in range(L)])  # [L]
     mlp = torch.stack([score(f"blocks.{i}.hook_mlp_out", (0, 1)) for i in range(L)])  # [L]
-    return Scores(clean_metric, corrupt.metric, resid, z, attn, mlp, cache)
+    top = _top_sites(resid, z, attn, mlp, verify)
+    candidates = [Candidate(site, estimate, site.patch(cache[site.hook])) for estimate, site in top]
+    return Scores(clean_metric, corrupt.metric, resid, z, attn, mlp, candidates)
+
+
+def _top_sites(
+    resid: torch.Tensor, z: torch.Tensor, attn: torch.Tensor, mlp: torch.Tensor, k: int
+) -> list[tuple[float, Site]]:
+    """The `k` sites of largest |score|, each with its score, largest first (ties in model order)."""
+    if k <= 0:
+        return []
+    sites: list[tuple[float, Site]] = []
+    for i, (r, h, a, m) in enumerate(zip(resid.tolist(), z.tolist(), attn.tolist(), mlp.tolist(), strict=True)):
+        sites += [(s, Site(f"blocks.{i}.hook_resid_pre", i, position=t)) for t, s in enumerate(r)]
+        sites += [(s, Site(f"blocks.{i}.attn.hook_z", i, head=j)) for j, s in enumerate(h)]
+        sites += [(a, Site(f"blocks.{i}.hook_attn_out", i)), (m, Site(f"blocks.{i}.hook_mlp_out", i))]
+    return sorted(sites, key=lambda pair: -abs(pair[0]))[:k]
 
 
 def verify_site(
-    model: GPT, scores: Scores, clean: list[int], corrupted: list[int], metric: Metric, estimate: float, site: Site
+    model: GPT, scores: Scores, clean: list[int], corrupted: list[int], metric: Metric, candidate: Candidate
 ) -> Verified:
-    """`site` patched for real: the corrupted run with the clean run's value set in there."""
-    patched = patched_metric(model, corrupted, clean, metric, site.edit(scores.clean_values[site.hook]))
-    return Verified(site, estimate, patched, patched - scores.corrupted_metric)
+    """`candidate`'s site patched for real: the corrupted run with the clean run's value set in there."""
+    patched = patched_metric(model, corrupted, clean, metric, candidate.site.edit(candidate.value))
+    return Verified(candidate.site, candidate.estimate, patched, patched - scores.corrupted_metric)
 
 
 def check_attribution(clean: list[int], corrupted: list[int], metric: Metric, vocab_size: int) -> None:

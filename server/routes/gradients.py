@@ -1,9 +1,10 @@
 """Gradients and attribution patching over HTTP: the metric's gradient at hook points (`/v1/gradients`) and
 attribution scores for every site with optional real patching (`/v1/attribution`).
 
-Each request is one job on the engine's thread (`Engine.call`, between two decode steps), which builds
-the only autograd graph alive at a time; a graph estimated over the server's `--max-gradient-bytes` is
-refused with 413 before anything runs."""
+A gradient request is one job on the engine's thread (`Engine.call`, between two decode steps), which builds
+the only autograd graph alive at a time; an attribution is one job for its two runs and one more for each
+site it verifies (each can meet a full queue, 429, as any call). A graph estimated over the server's
+`--max-gradient-bytes` is refused with 413 before anything runs."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from fastapi.responses import Response
 
 from model.generate import validate_prompt
 from model.gpt import GPT
-from model.lab.attribution import Scores, Site, Verified, check_attribution, score_sites, verify_site
+from model.lab.attribution import Candidate, Scores, Site, Verified, check_attribution, score_sites, verify_site
 from model.lab.gradients import Gradients, Metric, check_metric, grad_name, gradients, graph_bytes
 
 from .. import encoding
@@ -120,15 +121,15 @@ async def attribution_patching(
     check_attribution(clean, corrupted, metric, engine.model.config.vocab_size)
     check_graph(engine, settings, len(corrupted), "corrupted")
 
-    def scored(model: GPT) -> Scores:
-        return score_sites(model, clean, corrupted, metric)
+    def scored(model: GPT) -> Scores:  # the sites to verify chosen here too: sorting them is work
+        return score_sites(model, clean, corrupted, metric, req.verify)
 
     scores = await unless_disconnected(request, engine.call(scored))
     verified = []
-    for estimate, top in scores.top(req.verify):  # one engine call each: streams step between them
+    for candidate in scores.candidates:  # one engine call each: streams step between them
 
-        def verify(model: GPT, estimate: float = estimate, top: Site = top) -> Verified:
-            return verify_site(model, scores, clean, corrupted, metric, estimate, top)
+        def verify(model: GPT, candidate: Candidate = candidate) -> Verified:
+            return verify_site(model, scores, clean, corrupted, metric, candidate)
 
         verified.append(await unless_disconnected(request, engine.call(verify)))
     result = scores.with_verified(verified)
