@@ -41,6 +41,16 @@ def edit_weights(path: Path, **tensors: torch.Tensor) -> Path:
     return path
 
 
+@pytest.mark.parametrize(
+    "text", ["[" * 100_000 + "]" * 100_000, '{"d_in": ' + "9" * 5000 + "}"], ids=["deep", "5000 digits"]
+)
+def test_unparseable_cfg_json(tmp_path: Path, text: str) -> None:
+    path = sae_dir(tmp_path)
+    (path / "cfg.json").write_text(text)
+    with pytest.raises(SAEError, match=r"sae: cfg\.json is not readable JSON"):
+        load_sae(path)
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8, torch.bool])
 def test_integer_weights(tmp_path: Path, dtype: torch.dtype) -> None:
     path = edit_weights(sae_dir(tmp_path), W_enc=torch.ones(D_IN, D_SAE, dtype=dtype))

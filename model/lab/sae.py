@@ -277,8 +277,10 @@ def _from_dir(path: Path, where: str, model_kwargs: dict[str, Any] | None) -> SA
             )
     try:
         cfg = json.loads(cfg_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: UnicodeDecodeError, JSONDecodeError, a 5000-digit number
         raise SAEError(f"{where}: {CFG_FILE} is not readable JSON: {e}") from None
+    except RecursionError:
+        raise SAEError(f"{where}: {CFG_FILE} is not readable JSON: it is nested too deeply") from None
     if not isinstance(cfg, dict):
         raise SAEError(f"{where}: {CFG_FILE} must hold a JSON object")
     try:
