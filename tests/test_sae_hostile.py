@@ -41,6 +41,44 @@ def edit_weights(path: Path, **tensors: torch.Tensor) -> Path:
     return path
 
 
+@pytest.mark.parametrize("kwargs", [[1], "x", 3, True, []])
+def test_model_kwargs_must_be_an_object(tmp_path: Path, kwargs: Any) -> None:
+    path = edit_cfg(sae_dir(tmp_path), model_from_pretrained_kwargs=kwargs)
+    with pytest.raises(SAEError, match=r"cfg\.json field model_from_pretrained_kwargs must be a JSON object, got"):
+        load_sae(path)
+
+
+def test_model_kwargs_under_metadata(tmp_path: Path) -> None:
+    path = sae_dir(tmp_path)
+    edit_cfg(path, metadata={"hook_name": HOOK, "model_from_pretrained_kwargs": ["center_writing_weights"]})
+    with pytest.raises(SAEError, match=r"sae: cfg\.json field model_from_pretrained_kwargs must be a JSON object"):
+        load_sae(path)
+    # metadata's (even an empty one) takes precedence over the top level's, as every other field's does
+    edit_cfg(path, metadata={"hook_name": HOOK, "model_from_pretrained_kwargs": {}})
+    edit_cfg(path, model_from_pretrained_kwargs={"center_writing_weights": True})
+    assert not load_sae(path).cfg.center_writing_weights
+    edit_cfg(path, metadata={"hook_name": HOOK}, model_from_pretrained_kwargs={"center_writing_weights": True})
+    assert load_sae(path).cfg.center_writing_weights
+
+
+@pytest.mark.parametrize("k", [True, False, 0, -3, D_SAE + 1, "5", 5.0, [5]])
+def test_topk_k_must_be_a_count(tmp_path: Path, k: Any) -> None:
+    path = sae_dir(tmp_path, "topk", k=k)
+    with pytest.raises(SAEError, match=rf"a topk SAE needs k in 1\.\.{D_SAE}, got"):
+        load_sae(path)
+
+
+def test_topk_k_from_activation_fn_kwargs(tmp_path: Path) -> None:
+    path = sae_dir(tmp_path, activation_fn="topk", activation_fn_kwargs={"k": True})
+    with pytest.raises(SAEError, match=r"a topk SAE needs k in 1\.\.48, got True"):
+        load_sae(path)
+    edit_cfg(path, activation_fn_kwargs={"k": D_SAE})
+    assert load_sae(path).cfg.k == D_SAE
+    edit_cfg(path, activation_fn_kwargs=[4])
+    with pytest.raises(SAEError, match=r"cfg\.json field activation_fn_kwargs must be a JSON object, got \[4\]"):
+        load_sae(path)
+
+
 @pytest.mark.parametrize(
     "text", ["[" * 100_000 + "]" * 100_000, '{"d_in": ' + "9" * 5000 + "}"], ids=["deep", "5000 digits"]
 )

@@ -29,7 +29,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, cast
+from typing import Any, Literal, NamedTuple, TypeGuard, cast
 
 import torch
 
@@ -116,12 +116,12 @@ class SAEConfig:
         if not (isinstance(d_in, int) and isinstance(d_sae, int) and d_in > 0 and d_sae > 0):
             raise SAEError(f"{where}: d_in and d_sae must be positive integers, got {d_in!r} and {d_sae!r}")
         k = cfg.get("k")
-        if k is None and isinstance(cfg.get("activation_fn_kwargs"), dict):
-            k = cfg["activation_fn_kwargs"].get("k")
-        if architecture == "topk" and not (isinstance(k, int) and 0 < k <= d_sae):
-            raise SAEError(f"{where}: a topk SAE needs k in 1..{d_sae}, got {k!r}")
-        kwargs = field("model_from_pretrained_kwargs") or {}
-        kwargs = {**kwargs, **(model_kwargs or {})}
+        if k is None:
+            k = _object(cfg, "activation_fn_kwargs", where).get("k")
+        if architecture == "topk" and not (_is_int(k) and 0 < k <= d_sae):
+            raise SAEError(f"{where}: a topk SAE needs k in 1..{d_sae}, got {_brief(k)}")
+        held = meta if meta.get("model_from_pretrained_kwargs") is not None else cfg
+        kwargs = {**_object(held, "model_from_pretrained_kwargs", where), **(model_kwargs or {})}
         return cls(
             architecture=architecture,
             d_in=d_in,
@@ -134,6 +134,27 @@ class SAEConfig:
             center_writing_weights=bool(kwargs.get("center_writing_weights", False)),
             model_name=field("model_name"),
         )
+
+
+def _brief(value: object) -> str:
+    """A cfg.json value for an error message, on one short line."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    """A JSON integer: Python's bool is an int, but JSON's true is not a size."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _object(cfg: dict[str, Any], name: str, where: str) -> dict[str, Any]:
+    """The JSON object `cfg[name]` ({} where it is absent or null)."""
+    value = cfg.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise SAEError(f"{where}: {CFG_FILE} field {name} must be a JSON object, got {_brief(value)}")
+    return value
 
 
 class SAE:
