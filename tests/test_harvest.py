@@ -271,7 +271,8 @@ def test_job_errors(tiny, tokenizer_dir: Path, corpus, tmp_path: Path) -> None:
     with pytest.raises(HarvestError, match=f"max-tokens must be at most {sys.maxsize}, got {10**22}"):
         harvest(tiny.path, source, tmp_path / "a", ["blocks.0.hook_resid_pre"], max_tokens=10**22, **tok)
     # the user's files named .tmp-*: not a harvest's leftovers, so the folder is not empty, and they stay
-    for name, make in ((".tmp-notes.txt", lambda p: p.write_text("mine")), (".tmp-dir", Path.mkdir)):
+    mine = (".tmp-notes.txt", ".tmp-acts-00001.safetensors.bak", ".tmp-acts-00001.txt")
+    for name, make in [*((n, lambda p: p.write_text("mine")) for n in mine), (".tmp-dir", Path.mkdir)]:
         folder = tmp_path / f"user{name}"
         folder.mkdir()
         make(folder / name)

@@ -13,6 +13,7 @@ worker (or be hub names).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -135,12 +136,17 @@ def _run(
         raise HarvestError(f"{plan.spec.source} holds fewer than {T} tokens: not one whole context of {T}")
     connected = ray.is_initialized()
     if rows:
+        if connected and address is not None:
+            log.warning("this process is connected to Ray already: the job runs there, not at %r", address)
         if not connected:
             try:
                 ray.init(address=address)
             except Exception as e:  # Ray's own types differ by cause (ConnectionError, ValueError, ...)
+                if ray.is_initialized():  # started in part: leave nothing running
+                    ray.shutdown()
                 reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                where = f"at {address!r}" if address else "(a local instance)"
+                target = address or os.environ.get("RAY_ADDRESS")
+                where = f"at {target!r}" if target else "(a local instance)"
                 raise HarvestError(f"could not start or reach Ray {where}: {reason}") from e
         try:
             shards = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(

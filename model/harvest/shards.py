@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 2  # 2: the job names the text's and the weights' sha256 and the device kind resolved
 _TMP = ".tmp-"
-_OURS = re.compile(r"(manifest|dataset_info|state)\.json|acts-\d{5,}\..+")  # the names `write_atomic` is given
+_OURS = re.compile(r"(manifest|dataset_info|state)\.json|acts-\d{5,}\.(safetensors|arrow)")  # `write_atomic`'s names
 
 
 def _leftover(path: Path) -> bool:
