@@ -61,6 +61,13 @@ def test_model_kwargs_under_metadata(tmp_path: Path) -> None:
     assert load_sae(path).cfg.center_writing_weights
 
 
+@pytest.mark.parametrize("value", ["true", 1, [True]])
+def test_center_writing_weights_must_be_a_boolean(tmp_path: Path, value: Any) -> None:
+    path = edit_cfg(sae_dir(tmp_path), model_from_pretrained_kwargs={"center_writing_weights": value})
+    with pytest.raises(SAEError, match=r"cfg\.json field center_writing_weights must be true or false, got"):
+        load_sae(path)
+
+
 @pytest.mark.parametrize("k", [True, False, 0, -3, D_SAE + 1, "5", 5.0, [5]])
 def test_topk_k_must_be_a_count(tmp_path: Path, k: Any) -> None:
     path = sae_dir(tmp_path, "topk", k=k)
@@ -123,3 +130,41 @@ def test_non_finite_threshold_and_float64_overflow(tmp_path: Path) -> None:
     path = edit_weights(sae_dir(tmp_path / "b"), b_dec=torch.full((D_IN,), 1e300, dtype=torch.float64))
     with pytest.raises(SAEError, match="NaN or infinite values in b_dec"):
         load_sae(path)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"d_in": True}, "d_in and d_sae must be positive integers, got True and 48"),
+        ({"d_sae": True}, "d_in and d_sae must be positive integers, got 16 and True"),
+        ({"d_sae": -48}, "d_in and d_sae must be positive integers, got 16 and -48"),
+        ({"d_sae": float("nan")}, "d_in and d_sae must be positive integers, got 16 and nan"),
+        ({"d_sae": ..., "expansion_factor": True}, "field expansion_factor must be a positive integer, got True"),
+        ({"d_sae": ..., "expansion_factor": -3}, "field expansion_factor must be a positive integer, got -3"),
+        ({"d_sae": ..., "expansion_factor": "3"}, "field expansion_factor must be a positive integer, got '3'"),
+        ({"apply_b_dec_to_input": "false"}, "field apply_b_dec_to_input must be true or false, got 'false'"),
+        ({"apply_b_dec_to_input": 0}, "field apply_b_dec_to_input must be true or false, got 0"),
+        ({"rescale_acts_by_decoder_norm": "no"}, "field rescale_acts_by_decoder_norm must be true or false, got 'no'"),
+        ({"metadata": [1], "hook_name": HOOK}, r"field metadata must be a JSON object, got \[1\]"),
+        ({"metadata": {"hook_name": ["blocks.1.hook_resid_pre"]}}, r"field hook_name must be a string, got \["),
+        ({"metadata": {"hook_name": HOOK, "model_name": 7}}, "field model_name must be a string, got 7"),
+        ({"normalize_activations": 0}, "normalize_activations 0 is not supported"),
+        ({"normalize_activations": []}, r"normalize_activations \[\] is not supported"),
+        ({"architecture": ["x"] * 100}, r"architecture \['x', .*\.\.\. is not supported"),
+    ],
+)
+def test_wrong_json_types(tmp_path: Path, fields: dict[str, Any], message: str) -> None:
+    path = edit_cfg(sae_dir(tmp_path), **fields)
+    with pytest.raises(SAEError, match=message) as e:
+        load_sae(path)
+    assert str(e.value).startswith(f"{path}: ")
+    assert "\n" not in str(e.value) and len(str(e.value)) < 300
+
+
+def test_what_still_loads(tmp_path: Path) -> None:
+    """The layouts real releases use: null fields, the boolean normalisation, only the expansion factor."""
+    path = edit_cfg(sae_dir(tmp_path), apply_b_dec_to_input=None, model_from_pretrained_kwargs=None, metadata=None)
+    edit_cfg(path, hook_point=HOOK, normalize_activations=True, d_sae=..., expansion_factor=3)
+    cfg = load_sae(path).cfg
+    assert (cfg.d_sae, cfg.apply_b_dec_to_input, cfg.normalize_activations) == (48, False, "expected_average_only_in")
+    assert cfg.model_name is None and not cfg.center_writing_weights

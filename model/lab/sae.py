@@ -84,7 +84,7 @@ class SAEConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], where: str, model_kwargs: dict[str, Any] | None = None) -> SAEConfig:
-        meta: dict[str, Any] = cfg["metadata"] if isinstance(cfg.get("metadata"), dict) else {}
+        meta: dict[str, Any] = _object(cfg, "metadata", where)
 
         def field(*names: str) -> Any:
             for source in (meta, cfg):
@@ -98,23 +98,36 @@ class SAEConfig:
             architecture = "topk"
         if architecture not in ARCHITECTURES:
             raise SAEError(
-                f"{where}: architecture {architecture!r} is not supported; use one of {', '.join(ARCHITECTURES)}"
+                f"{where}: architecture {_brief(architecture)} is not supported; use one of {', '.join(ARCHITECTURES)}"
             )
-        norm = cfg.get("normalize_activations") or "none"
+        norm = cfg.get("normalize_activations")
+        if norm is None:
+            norm = "none"
         if isinstance(norm, bool):  # SAELens before 6 wrote a boolean
             norm = "expected_average_only_in" if norm else "none"
         if norm not in NORMALIZATIONS:
             raise SAEError(
-                f"{where}: normalize_activations {norm!r} is not supported; use one of {', '.join(NORMALIZATIONS)}"
+                f"{where}: normalize_activations {_brief(norm)} is not supported; "
+                f"use one of {', '.join(NORMALIZATIONS)}"
             )
         hook = field("hook_name", "hook_point")
-        if not isinstance(hook, str):
+        if hook is None:
             raise SAEError(f"{where}: no hook_name (under metadata, or at the top level as older releases keep it)")
-        d_in, d_sae = cfg.get("d_in"), cfg.get("d_sae")
-        if d_sae is None and isinstance(d_in, int) and isinstance(cfg.get("expansion_factor"), int):
-            d_sae = d_in * cfg["expansion_factor"]  # the oldest training configs give only the ratio
-        if not (isinstance(d_in, int) and isinstance(d_sae, int) and d_in > 0 and d_sae > 0):
-            raise SAEError(f"{where}: d_in and d_sae must be positive integers, got {d_in!r} and {d_sae!r}")
+        if not isinstance(hook, str):
+            raise SAEError(f"{where}: {CFG_FILE} field hook_name must be a string, got {_brief(hook)}")
+        model_name = field("model_name")
+        if model_name is not None and not isinstance(model_name, str):
+            raise SAEError(f"{where}: {CFG_FILE} field model_name must be a string, got {_brief(model_name)}")
+        d_in, d_sae, factor = cfg.get("d_in"), cfg.get("d_sae"), cfg.get("expansion_factor")
+        if d_sae is None and factor is not None:  # the oldest training configs give only the ratio
+            if not (_is_int(factor) and factor > 0):
+                raise SAEError(
+                    f"{where}: {CFG_FILE} field expansion_factor must be a positive integer, got {_brief(factor)}"
+                )
+            if _is_int(d_in):
+                d_sae = d_in * factor
+        if not (_is_int(d_in) and _is_int(d_sae) and d_in > 0 and d_sae > 0):
+            raise SAEError(f"{where}: d_in and d_sae must be positive integers, got {_brief(d_in)} and {_brief(d_sae)}")
         k = cfg.get("k")
         if k is None:
             k = _object(cfg, "activation_fn_kwargs", where).get("k")
@@ -127,12 +140,12 @@ class SAEConfig:
             d_in=d_in,
             d_sae=d_sae,
             hook_name=hook,
-            apply_b_dec_to_input=bool(cfg.get("apply_b_dec_to_input", True)),
+            apply_b_dec_to_input=_flag(cfg, "apply_b_dec_to_input", True, where),
             normalize_activations=cast(Normalization, norm),
             k=k if architecture == "topk" else None,
-            rescale_acts_by_decoder_norm=bool(cfg.get("rescale_acts_by_decoder_norm", False)),
-            center_writing_weights=bool(kwargs.get("center_writing_weights", False)),
-            model_name=field("model_name"),
+            rescale_acts_by_decoder_norm=_flag(cfg, "rescale_acts_by_decoder_norm", False, where),
+            center_writing_weights=_flag(kwargs, "center_writing_weights", False, where),
+            model_name=model_name,
         )
 
 
@@ -155,6 +168,14 @@ def _object(cfg: dict[str, Any], name: str, where: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise SAEError(f"{where}: {CFG_FILE} field {name} must be a JSON object, got {_brief(value)}")
     return value
+
+
+def _flag(cfg: dict[str, Any], name: str, default: bool, where: str) -> bool:
+    """The JSON boolean `cfg[name]` (`default` where it is absent; null is false, as in SAELens)."""
+    value = cfg.get(name, default)
+    if value is not None and not isinstance(value, bool):
+        raise SAEError(f"{where}: {CFG_FILE} field {name} must be true or false, got {_brief(value)}")
+    return bool(value)
 
 
 class SAE:
