@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from gpt2_scripts.console import run_console
@@ -95,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:  # Ctrl-C leaves nothing half-wr
         hooks = (args.hooks or ["*"]) if args.dump_activations else None
         edits = steering_edits(args.steer, directions(args, loaded), loaded.model.config.n_layer)
         generation = Generation(loaded.model, [tok.encode(prompt)], params, tok, hooks, edits)
-    except (LoadError, GenerationError, UnknownHookError, InvalidTextError, InterventionError, SAEError) as e:
+    except GenerationError as e:
+        return fail(in_flags(e))
+    except (LoadError, UnknownHookError, InvalidTextError, InterventionError, SAEError) as e:
         return fail(str(e))
 
     out = sys.stdout
@@ -132,6 +135,25 @@ def main(argv: list[str] | None = None) -> int:  # Ctrl-C leaves nothing half-wr
         )
     print(f"[{len(result.token_ids)} tokens, finish reason: {result.finish_reason}]", file=sys.stderr)
     return 0
+
+
+FLAGS = {  # SamplingParams' fields, as this command's flags name them
+    "max_new_tokens": "--max-new-tokens",
+    "temperature": "--temperature",
+    "top_k": "--top-k",
+    "top_p": "--top-p",
+    "seed": "--seed",
+    "stop": "--stop",
+    "logprobs": "--show-logprobs",
+}
+
+
+def in_flags(e: GenerationError) -> str:
+    """The error's message with the field it names written as the flag that set it."""
+    message = str(e)
+    for field, flag in FLAGS.items():
+        message = re.sub(rf"\b{field}\b", flag, message)
+    return message
 
 
 def fail(message: str) -> int:
