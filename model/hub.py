@@ -19,10 +19,12 @@ def hub_errors(
 ) -> Iterator[None]:
     """Raise `error(message)` for a failed `hf_hub_download` inside the block: the hub unreachable with
     nothing cached (`offline`: what to give instead), no such repository or revision, a file missing
-    (`missing(e)` says which), or any other refusal. `where` prefixes each message (say, the SAE's spec)."""
+    (`missing(e)` says which), a repo id or file name the hub client refuses to ask for (`nodir/..`,
+    `a/b/../x`), or any other refusal. `where` prefixes each message (say, the SAE's spec)."""
     from huggingface_hub.errors import (
         EntryNotFoundError,
         HfHubHTTPError,
+        HFValidationError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
@@ -43,3 +45,25 @@ def hub_errors(
         raise error(f"{where}{missing(e)}") from None
     except HfHubHTTPError as e:
         raise error(f"{where}the Hugging Face hub refused the download of {repo!r}: {e}") from None
+    except HFValidationError as e:
+        raise error(f"{where}not a local path, and not a valid hub repo id: {repo!r} ({_reason(e)})") from None
+    except ValueError as e:
+        if not _raised_by_hub_client(e):  # the block's own ValueErrors (a bad config.json, say) are not ours
+            raise
+        raise error(
+            f"{where}not a local path, and not a valid path in the hub repository {repo!r}: {_reason(e)}"
+        ) from None
+
+
+def _raised_by_hub_client(e: BaseException) -> bool:
+    """Whether `e` was raised inside huggingface_hub (its checks of file names are plain ValueErrors)."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and str(tb.tb_frame.f_globals.get("__name__", "")).startswith("huggingface_hub")
+
+
+def _reason(e: Exception) -> str:
+    """The hub client's message, on one line and without its advice to ask the repository's owner."""
+    first = str(e).strip().split("\n")[0]
+    return first.split(" Please ask the repository owner")[0].rstrip(".")
