@@ -126,11 +126,7 @@ def _locate_dir(path: Path, name: str, preset_name: str | None) -> CheckpointFil
     if (path / "model.safetensors").is_file():
         weights = [path / "model.safetensors"]
     elif index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, TypeError) as e:
-            raise LoadError(f"{index} is not a valid safetensors index: {e}") from None
-        weights = [path / s for s in shards]
+        weights = [path / s for s in _index_shards(index)]
         for w in weights:
             if not w.is_file():
                 raise LoadError(f"{index} names the shard {w.name}, which is missing")
@@ -142,6 +138,38 @@ def _locate_dir(path: Path, name: str, preset_name: str | None) -> CheckpointFil
     else:
         raise LoadError(f"no model.safetensors in {path}")
     return CheckpointFiles(name, weights, config, path if tokenizer_files(path) else None)
+
+
+def _index_shards(index: Path) -> list[str]:
+    """The shard files a `model.safetensors.index.json` names: its "weight_map" maps each tensor name to
+    the name of a file beside it."""
+    try:
+        content = json.loads(index.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise LoadError(f"cannot read {index}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LoadError(f"{index} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise LoadError(f"{index} is not a valid safetensors index: its JSON is nested too deeply") from None
+    weight_map = content.get("weight_map") if isinstance(content, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise LoadError(
+            f'{index} is not a valid safetensors index: it needs a non-empty "weight_map" object mapping '
+            "each tensor name to the file of its shard"
+        )
+    for tensor, shard in weight_map.items():
+        if not (isinstance(shard, str) and shard not in ("", ".", "..") and Path(shard).name == shard):
+            raise LoadError(
+                f"{index} is not a valid safetensors index: the shard of tensor {_clip(tensor)} must be the name "
+                f"of a file in {index.parent}, got {_clip(shard)}"
+            )
+    return sorted(set(weight_map.values()))
+
+
+def _clip(value: object) -> str:
+    """repr(value), cut short for a message (a hostile file can hold megabyte-long names)."""
+    text = repr(value)
+    return text if len(text) <= 100 else text[:100] + "..."
 
 
 def _download(name: str, repo_id: str, revision: str | None) -> CheckpointFiles:
@@ -260,7 +288,10 @@ def load_state(
             elif name not in expected:
                 raise LoadError(f"unexpected tensor {key!r} in {path.name}: not part of a GPT-2 checkpoint")
             elif name in sources:
-                raise LoadError(f"tensor {name!r} appears twice (as {sources[name][1]!r} and {key!r})")
+                first, first_key = sources[name]
+                raise LoadError(
+                    f"tensor {name!r} appears twice (as {first_key!r} in {first.path.name} and {key!r} in {path.name})"
+                )
             else:
                 sources[name] = (st, key)
     missing = [n for n in expected if n not in sources]

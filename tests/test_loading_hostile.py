@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from model.config import ConfigError, GPTConfig
 from model.hub import hub_errors
 from model.loading import LoadError, load_weights, official_shapes
+from model.safetensors_file import SafetensorsFile
 
 CPU = {"device": "cpu"}
 SMALL = GPTConfig(n_layer=2, n_head=2, n_embd=8, n_positions=8, vocab_size=16)
@@ -62,3 +63,71 @@ def test_hub_errors_turns_the_hub_clients_refusals_into_the_callers_error() -> N
         hf_hub_download("a/b", "../x/cfg.json", local_files_only=True)
     with pytest.raises(ConfigError), hub_errors(LoadError, "a/b", None, missing=str, offline=""):
         raise ConfigError("a bad config.json")  # the block's own ValueErrors pass through
+
+
+# --- 2. a malformed model.safetensors.index.json -------------------------------------------------
+
+
+def sharded(tmp_path: Path) -> Path:
+    """SMALL as two shards and their index."""
+    ckpt = write_checkpoint(tmp_path / "ckpt")
+    state = SafetensorsFile(ckpt / "model.safetensors")
+    tensors = {k: state.read(k) for k in state.entries}
+    (ckpt / "model.safetensors").unlink()
+    names = sorted(tensors)
+    weight_map = {k: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, k in enumerate(names)}
+    for shard in set(weight_map.values()):
+        save_file({k: tensors[k] for k in names if weight_map[k] == shard}, ckpt / shard)
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return ckpt
+
+
+def test_a_sharded_checkpoint_loads(tmp_path: Path) -> None:
+    assert load_weights(sharded(tmp_path), **CPU).config == SMALL
+
+
+@pytest.mark.parametrize(
+    ("index", "expected"),
+    [
+        ({"weight_map": ["a"]}, r'it needs a non-empty "weight_map" object'),
+        ({"weight_map": {}}, r'it needs a non-empty "weight_map" object'),
+        ({"weight_map": "model.safetensors"}, r'it needs a non-empty "weight_map" object'),
+        ([1], r'it needs a non-empty "weight_map" object'),
+        ({"weight_map": {"wte.weight": 3}}, r"the shard of tensor 'wte\.weight' must be the name of a file in .*got 3"),
+        ({"weight_map": {"wte.weight": "."}}, r"must be the name of a file in .*got '\.'"),
+        ({"weight_map": {"wte.weight": ""}}, r"must be the name of a file in .*got ''"),
+        ({"weight_map": {"wte.weight": "../../etc/passwd"}}, r"got '\.\./\.\./etc/passwd'"),
+        ({"weight_map": {"wte.weight": "sub/model.safetensors"}}, r"got 'sub/model\.safetensors'"),
+        ({"weight_map": {"wte.weight": None}}, r"got None"),
+    ],
+)  # fmt: skip
+def test_a_malformed_index(index: object, expected: str, tmp_path: Path) -> None:
+    ckpt = sharded(tmp_path)
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(
+        LoadError, match=r"model\.safetensors\.index\.json is not a valid safetensors index: .*" + expected
+    ):
+        load_weights(ckpt, **CPU)
+
+
+def test_an_index_nested_too_deeply(tmp_path: Path) -> None:
+    ckpt = sharded(tmp_path)
+    (ckpt / "model.safetensors.index.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(LoadError, match=r"index\.json is not a valid safetensors index: its JSON is nested too deeply"):
+        load_weights(ckpt, **CPU)
+
+
+def test_a_tensor_in_two_shards_names_both_files(tmp_path: Path) -> None:
+    ckpt = sharded(tmp_path)
+    first = SafetensorsFile(ckpt / "model-00001-of-00002.safetensors")
+    key = next(iter(first.entries))
+    second = SafetensorsFile(ckpt / "model-00002-of-00002.safetensors")
+    tensors = {k: second.read(k) for k in second.entries} | {key: first.read(key)}
+    save_file(tensors, ckpt / "model-00002-of-00002.safetensors")
+    name = key.removeprefix("transformer.")
+    with pytest.raises(
+        LoadError,
+        match=rf"tensor '{name}' appears twice \(as '{key}' in model-00001-of-00002\.safetensors and '{key}' in "
+        r"model-00002-of-00002\.safetensors\)",
+    ):
+        load_weights(ckpt, **CPU)
