@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,25 +66,49 @@ class SafetensorsFile:
             header = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError):
             raise SafetensorsError(f"{self.path} is not a safetensors file: its header is not JSON") from None
+        except RecursionError:
+            raise SafetensorsError(f"{self.path} is not a safetensors file: its header is nested too deeply") from None
         if not isinstance(header, dict):
             raise SafetensorsError(f"{self.path} is not a safetensors file: its header is not a JSON object")
-        meta = header.pop("__metadata__", None) or {}
-        self.metadata: dict[str, str] = {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
+        meta = header.pop("__metadata__", None)
+        if meta is not None and not (
+            isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())  # JSON keys are strings
+        ):
+            raise SafetensorsError(
+                f"{self.path}: the header's __metadata__ must be an object of strings, got {_short(meta)}"
+            )
+        self.metadata: dict[str, str] = meta or {}
         data_start = 8 + header_len
         self.entries: dict[str, TensorEntry] = {}
         for name, info in header.items():
             self.entries[name] = self._entry(name, info, data_start, size)
+        self._check_layout(data_start)
 
     def _entry(self, name: str, info: object, data_start: int, size: int) -> TensorEntry:
-        try:
-            assert isinstance(info, dict)
-            dtype = DTYPES[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(o) for o in info["data_offsets"])
-        except (AssertionError, KeyError, TypeError, ValueError):
-            raise SafetensorsError(f"{self.path}: malformed header entry for tensor {name!r}: {info!r}") from None
+        if not (isinstance(info, dict) and {"dtype", "shape", "data_offsets"} <= info.keys()):
+            raise SafetensorsError(
+                f"{self.path}: malformed header entry for tensor {name!r}: {_short(info)} "
+                "(each tensor needs its dtype, shape and data_offsets)"
+            )
+        dtype_name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
+            raise SafetensorsError(
+                f"{self.path}: tensor {name!r} has the unsupported dtype {_short(dtype_name, str)} "
+                f"(this reader takes {', '.join(DTYPES)})"
+            )
+        if not (isinstance(shape, list) and all(_count(d) for d in shape)):
+            raise SafetensorsError(
+                f"{self.path}: malformed header entry for tensor {name!r}: its shape must be a list of "
+                f"non-negative integers, got {_short(shape)}"
+            )
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_count(o) for o in offsets)):
+            raise SafetensorsError(
+                f"{self.path}: malformed header entry for tensor {name!r}: its data_offsets must be two "
+                f"non-negative integers, got {_short(offsets)}"
+            )
+        dtype, shape, (begin, end) = DTYPES[dtype_name], tuple(shape), offsets
         nbytes = math.prod(shape) * dtype.itemsize
-        if end - begin != nbytes or begin < 0:
+        if end - begin != nbytes:
             raise SafetensorsError(
                 f"{self.path}: tensor {name!r} of shape {list(shape)} needs {nbytes} bytes "
                 f"but its header gives the range {begin}..{end}"
@@ -94,6 +119,19 @@ class SafetensorsFile:
                 f"but the file has only {size} bytes"
             )
         return TensorEntry(name, dtype, shape, data_start + begin, nbytes)
+
+    def _check_layout(self, data_start: int) -> None:
+        """The tensors' byte ranges must tile the data from its start, without gaps or overlaps, as the
+        official `safetensors` library requires ("invalid offset")."""
+        end, before = data_start, "the data begins"
+        for entry in sorted(self.entries.values(), key=lambda e: (e.begin, e.nbytes)):
+            if entry.begin != end:
+                raise SafetensorsError(
+                    f"{self.path}: invalid offset for tensor {entry.name!r}: its bytes begin at "
+                    f"{entry.begin - data_start} but {before} at {end - data_start} (the tensors' byte ranges "
+                    "must follow each other without gaps or overlaps)"
+                )
+            end, before = entry.begin + entry.nbytes, f"tensor {entry.name!r} ends"
 
     def read(self, name: str) -> torch.Tensor:
         """Read one tensor into fresh CPU memory."""
@@ -106,3 +144,17 @@ class SafetensorsFile:
         if entry.nbytes == 0:
             return torch.empty(entry.shape, dtype=entry.dtype)
         return torch.frombuffer(buf, dtype=entry.dtype).view(entry.shape)
+
+
+def _count(value: object) -> bool:
+    """Whether a header's shape entry or offset is a non-negative JSON integer (not a float, bool or string)."""
+    return type(value) is int and value >= 0
+
+
+def _short(value: object, show: Callable[[object], str] = json.dumps) -> str:
+    """`value` for a message, cut short: a hostile header can be megabytes long."""
+    try:
+        text = show(value)
+    except (RecursionError, ValueError):
+        return "(a value nested too deeply to show)"
+    return text if len(text) <= 200 else text[:200] + "..."

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from model.config import ConfigError, GPTConfig
 from model.hub import hub_errors
 from model.loading import LoadError, load_weights, official_shapes
-from model.safetensors_file import SafetensorsFile
+from model.safetensors_file import SafetensorsError, SafetensorsFile
 
 CPU = {"device": "cpu"}
 SMALL = GPTConfig(n_layer=2, n_head=2, n_embd=8, n_positions=8, vocab_size=16)
@@ -130,4 +130,107 @@ def test_a_tensor_in_two_shards_names_both_files(tmp_path: Path) -> None:
         match=rf"tensor '{name}' appears twice \(as '{key}' in model-00001-of-00002\.safetensors and '{key}' in "
         r"model-00002-of-00002\.safetensors\)",
     ):
+        load_weights(ckpt, **CPU)
+
+
+# --- 3. a malformed safetensors header -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("shape", "expected"),
+    [
+        ("[Infinity]", r"\[Infinity\]"),
+        ("[NaN]", r"\[NaN\]"),
+        ('["4"]', r'\["4"\]'),
+        ("[4.0]", r"\[4\.0\]"),
+        ("[4.7]", r"\[4\.7\]"),
+        ("[true]", r"\[true\]"),
+        ("[-4]", r"\[-4\]"),
+        ("4", "4"),
+    ],
+)
+def test_a_shape_that_is_not_a_list_of_non_negative_integers(shape: str, expected: str, tmp_path: Path) -> None:
+    path = write_raw(
+        tmp_path / "w.safetensors", f'{{"t": {{"dtype": "F32", "shape": {shape}, "data_offsets": [0, 16]}}}}', bytes(16)
+    )
+    with pytest.raises(SafetensorsError) as info:
+        SafetensorsFile(path)
+    message = str(info.value)
+    assert message.startswith(
+        f"{path}: malformed header entry for tensor 't': its shape must be a list of non-negative"
+    )
+    assert f"got {expected.replace(chr(92), '')}" in message
+
+
+@pytest.mark.parametrize("offsets", ["[0, 16, 3]", "[-4, 12]", "[0.0, 16]", "[0, 1.6e1]", '["0", 16]', "[true, 16]"])
+def test_offsets_that_are_not_two_non_negative_integers(offsets: str, tmp_path: Path) -> None:
+    header = f'{{"t": {{"dtype": "F32", "shape": [4], "data_offsets": {offsets}}}}}'
+    path = write_raw(tmp_path / "w.safetensors", header, bytes(16))
+    with pytest.raises(SafetensorsError, match=r"its data_offsets must be two non-negative integers"):
+        SafetensorsFile(path)
+
+
+def test_a_header_nested_too_deeply(tmp_path: Path) -> None:
+    path = write_raw(tmp_path / "w.safetensors", "[" * 100_000 + "]" * 100_000)
+    with pytest.raises(SafetensorsError, match=r"is not a safetensors file: its header is nested too deeply"):
+        SafetensorsFile(path)
+
+
+def test_a_huge_shape_is_a_size_mismatch(tmp_path: Path) -> None:
+    path = write_raw(tmp_path / "w.safetensors", {"t": f32([2**62, 2**62], 0, 16)}, bytes(16))
+    with pytest.raises(
+        SafetensorsError, match=r"tensor 't' of shape \[4611686018427387904, 4611686018427387904\] needs"
+    ):
+        SafetensorsFile(path)
+
+
+@pytest.mark.parametrize(
+    ("header", "name", "where"),
+    [
+        ({"a": f32([4], 0, 16), "b": f32([4], 8, 24)}, "b", "begin at 8 but tensor 'a' ends at 16"),  # overlap
+        ({"a": f32([4], 0, 16), "b": f32([4], 0, 16)}, "[ab]", "begin at 0 but tensor '[ab]' ends at 16"),  # the same
+        ({"a": f32([4], 0, 16), "b": f32([4], 20, 36)}, "b", "begin at 20 but tensor 'a' ends at 16"),  # a gap
+        ({"a": f32([4], 4, 20)}, "a", "begin at 4 but the data begins at 0"),  # a gap before the first
+    ],
+)  # fmt: skip
+def test_overlapping_or_gapped_offsets_are_refused(header: dict, name: str, where: str, tmp_path: Path) -> None:
+    path = write_raw(tmp_path / "w.safetensors", header, bytes(40))
+    with pytest.raises(SafetensorsError, match=rf"^{path}: invalid offset for tensor '{name}': its bytes {where} "):
+        SafetensorsFile(path)
+
+
+def test_offsets_out_of_the_headers_order_are_fine(tmp_path: Path) -> None:
+    """The official writer orders the data by dtype and name, not as the header lists it; zero-size
+    tensors share an offset."""
+    body = torch.arange(8, dtype=torch.float32).numpy().tobytes()
+    header = {"b": f32([4], 16, 32), "z": f32([0], 16, 16), "a": f32([4], 0, 16), "y": f32([0], 0, 0)}
+    st = SafetensorsFile(write_raw(tmp_path / "w.safetensors", header, body))
+    assert st.read("b").tolist() == [4, 5, 6, 7] and st.read("a").tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("meta", [[1], "x", 3, {"a": {"b": 1}}, {"a": 1}, {"a": None}])
+def test_metadata_must_map_strings_to_strings(meta: object, tmp_path: Path) -> None:
+    path = write_raw(tmp_path / "w.safetensors", {"__metadata__": meta, "t": f32([4], 0, 16)}, bytes(16))
+    with pytest.raises(SafetensorsError, match=r"the header's __metadata__ must be an object of strings, got "):
+        SafetensorsFile(path)
+
+
+def test_metadata_of_strings_is_read(tmp_path: Path) -> None:
+    path = write_raw(tmp_path / "w.safetensors", {"__metadata__": {"format": "pt"}, "t": f32([4], 0, 16)}, bytes(16))
+    assert SafetensorsFile(path).metadata == {"format": "pt"}
+
+
+@pytest.mark.parametrize("dtype", ["F8_E4M3", "f32", "F4"])
+def test_an_unsupported_dtype_is_named(dtype: str, tmp_path: Path) -> None:
+    path = write_raw(
+        tmp_path / "w.safetensors", {"t": {"dtype": dtype, "shape": [4], "data_offsets": [0, 4]}}, bytes(4)
+    )
+    with pytest.raises(SafetensorsError, match=rf"^{path}: tensor 't' has the unsupported dtype {dtype} \(this reader"):
+        SafetensorsFile(path)
+
+
+def test_a_header_error_is_a_load_error_naming_the_file(tmp_path: Path) -> None:
+    ckpt = write_checkpoint(tmp_path / "ckpt")
+    write_raw(ckpt / "model.safetensors", {"t": f32([4.5], 0, 16)}, bytes(16))
+    with pytest.raises(LoadError, match=rf"^{ckpt / 'model.safetensors'}: malformed header entry for tensor 't'"):
         load_weights(ckpt, **CPU)
