@@ -6,6 +6,7 @@ Reference: OpenAI's GPT-2 release (Radford et al., 2019) and the Hugging Face `G
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,8 @@ class GPTConfig:
             raise ConfigError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if not self.layer_norm_epsilon > 0:
             raise ConfigError(f"layer_norm_epsilon must be positive, got {self.layer_norm_epsilon!r}")
+        if not math.isfinite(self.layer_norm_epsilon):
+            raise ConfigError(f"layer_norm_epsilon must be finite, got {self.layer_norm_epsilon!r}")
 
     @property
     def d_head(self) -> int:
@@ -77,6 +80,8 @@ class GPTConfig:
             raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ConfigError(f"{path} is not a GPT-2 config: its JSON is nested too deeply") from None
         if not isinstance(d, dict):
             raise ConfigError(f"{path} must hold a JSON object, got {type(d).__name__}")
         try:

@@ -10,7 +10,9 @@ import argparse
 import json
 import logging
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Protocol
 
@@ -54,25 +56,57 @@ LM_HEAD = "lm_head.weight"  # tied to wte.weight; present in some checkpoints
 
 def official_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor an official checkpoint must hold (names without prefix), with its shape in the file."""
-    C, V = config.n_embd, config.vocab_size
-    shapes: dict[str, tuple[int, ...]] = {"wte.weight": (V, C), "wpe.weight": (config.n_positions, C)}
+    return dict(_official_items(config))
+
+
+def _block_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors of one block (names after `h.N.`)."""
+    C = config.n_embd
+    return {
+        "ln_1.weight": (C,),
+        "ln_1.bias": (C,),
+        "attn.c_attn.weight": (C, 3 * C),
+        "attn.c_attn.bias": (3 * C,),
+        "attn.c_proj.weight": (C, C),
+        "attn.c_proj.bias": (C,),
+        "ln_2.weight": (C,),
+        "ln_2.bias": (C,),
+        "mlp.c_fc.weight": (C, 4 * C),
+        "mlp.c_fc.bias": (4 * C,),
+        "mlp.c_proj.weight": (4 * C, C),
+        "mlp.c_proj.bias": (C,),
+    }
+
+
+def _outer_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors outside the blocks."""
+    C = config.n_embd
+    return {
+        "wte.weight": (config.vocab_size, C),
+        "wpe.weight": (config.n_positions, C),
+        "ln_f.weight": (C,),
+        "ln_f.bias": (C,),
+    }
+
+
+def _official_items(config: GPTConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """`official_shapes` one by one, in file order (a config.json can ask for 10**12 blocks)."""
+    outer, block = _outer_shapes(config), _block_shapes(config)
+    yield from list(outer.items())[:2]
     for i in range(config.n_layer):
-        h = f"h.{i}."
-        shapes |= {
-            h + "ln_1.weight": (C,),
-            h + "ln_1.bias": (C,),
-            h + "attn.c_attn.weight": (C, 3 * C),
-            h + "attn.c_attn.bias": (3 * C,),
-            h + "attn.c_proj.weight": (C, C),
-            h + "attn.c_proj.bias": (C,),
-            h + "ln_2.weight": (C,),
-            h + "ln_2.bias": (C,),
-            h + "mlp.c_fc.weight": (C, 4 * C),
-            h + "mlp.c_fc.bias": (4 * C,),
-            h + "mlp.c_proj.weight": (4 * C, C),
-            h + "mlp.c_proj.bias": (C,),
-        }
-    return shapes | {"ln_f.weight": (C,), "ln_f.bias": (C,)}
+        for name, shape in block.items():
+            yield f"h.{i}.{name}", shape
+    yield from list(outer.items())[2:]
+
+
+BLOCK_TENSOR = re.compile(r"h\.(0|[1-9][0-9]{0,17})\.(.+)")  # longer indices are beyond any n_layer anyway
+
+
+def _official_shape(name: str, config: GPTConfig) -> tuple[int, ...] | None:
+    """The shape of `name` (without prefix) in an official checkpoint of `config`; None if it has none."""
+    if m := BLOCK_TENSOR.fullmatch(name):
+        return _block_shapes(config).get(m.group(2)) if int(m.group(1)) < config.n_layer else None
+    return _outer_shapes(config).get(name)
 
 
 # --- where the files are ----------------------------------------------------------------------
@@ -271,7 +305,6 @@ def load_state(
     """Read an official checkpoint into a state dict of our modules, one tensor at a time, checking names
     and shapes against `official_shapes` (every error names the tensor). `decode_kernels`: lay the weights
     out for our decode kernels where they will run (see `_stored`)."""
-    expected = official_shapes(config)
     sources: dict[str, tuple[SafetensorsFile, str]] = {}  # name without prefix -> (file, name in file)
     lm_head: tuple[SafetensorsFile, str] | None = None
     for path in files:
@@ -285,7 +318,7 @@ def load_state(
                 continue
             if name == LM_HEAD:
                 lm_head = (st, key)
-            elif name not in expected:
+            elif _official_shape(name, config) is None:
                 raise LoadError(f"unexpected tensor {key!r} in {path.name}: not part of a GPT-2 checkpoint")
             elif name in sources:
                 first, first_key = sources[name]
@@ -294,13 +327,22 @@ def load_state(
                 )
             else:
                 sources[name] = (st, key)
-    missing = [n for n in expected if n not in sources]
-    if missing:
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise LoadError(f"checkpoint is missing tensor {', '.join(map(repr, missing[:5]))}{more}")
+    # Every source is an expected name, so the count says how many are missing; the names are found by
+    # walking the expected ones only until five are found (n_layer can be anything a config.json says).
+    n_missing = len(_outer_shapes(config)) + len(_block_shapes(config)) * config.n_layer - len(sources)
+    if n_missing:
+        missing = list(islice((n for n, _ in _official_items(config) if n not in sources), 5))
+        more = f" and {n_missing - 5} more" if n_missing > 5 else ""
+        blocks = len({n.split(".", 2)[1] for n in sources if n.startswith("h.")})
+        why = (
+            f" (the files hold tensors of {blocks} of the {config.n_layer} blocks that n_layer asks for)"
+            if blocks < config.n_layer
+            else ""
+        )
+        raise LoadError(f"checkpoint is missing tensor {', '.join(map(repr, missing))}{more}{why}")
 
     state: dict[str, torch.Tensor] = {}
-    for name, shape in expected.items():
+    for name, shape in _official_items(config):
         st, key = sources[name]
         entry = st.entries[key]
         if entry.shape != shape:
@@ -314,7 +356,7 @@ def load_state(
         del t
     if lm_head is not None:
         st, key = lm_head
-        if st.entries[key].shape != expected["wte.weight"]:
+        if st.entries[key].shape != _outer_shapes(config)["wte.weight"]:
             raise LoadError(f"tensor {key!r} has shape {list(st.entries[key].shape)}, expected the shape of wte")
         head = _read(st, key).to(device=device, dtype=dtype)
         if not torch.equal(head, state["wte.weight"]):

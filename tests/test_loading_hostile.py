@@ -4,6 +4,8 @@ never a traceback of another type, a hang or a silent misreading."""
 from __future__ import annotations
 
 import json
+import re
+import time
 from pathlib import Path
 
 import pytest
@@ -234,3 +236,51 @@ def test_a_header_error_is_a_load_error_naming_the_file(tmp_path: Path) -> None:
     write_raw(ckpt / "model.safetensors", {"t": f32([4.5], 0, 16)}, bytes(16))
     with pytest.raises(LoadError, match=rf"^{ckpt / 'model.safetensors'}: malformed header entry for tensor 't'"):
         load_weights(ckpt, **CPU)
+
+
+# --- 4. config.json ------------------------------------------------------------------------------
+
+
+def test_a_config_nested_too_deeply(tmp_path: Path) -> None:
+    ckpt = write_checkpoint(tmp_path / "ckpt")
+    (ckpt / "config.json").write_text('{"n_layer": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(LoadError, match=r"config\.json is not a GPT-2 config: its JSON is nested too deeply"):
+        load_weights(ckpt, **CPU)
+
+
+@pytest.mark.parametrize(("value", "shown"), [("Infinity", "inf"), ("-Infinity", "-inf"), ("1e999", "inf")])
+def test_layer_norm_epsilon_must_be_finite(value: str, shown: str, tmp_path: Path) -> None:
+    ckpt = write_checkpoint(tmp_path / "ckpt")
+    config = (ckpt / "config.json").read_text().replace('"layer_norm_epsilon": 1e-05', f'"layer_norm_epsilon": {value}')
+    (ckpt / "config.json").write_text(config)
+    with pytest.raises(LoadError, match=rf"layer_norm_epsilon must be (finite|positive), got {shown}"):
+        load_weights(ckpt, **CPU)
+    with pytest.raises(ConfigError, match=r"layer_norm_epsilon must be finite, got inf"):
+        GPTConfig(layer_norm_epsilon=float("inf"))
+
+
+def test_a_huge_n_layer_fails_fast(tmp_path: Path) -> None:
+    """The file holds 2 blocks: the missing ones are counted, not listed (10**12 names would never fit)."""
+    ckpt = write_checkpoint(tmp_path / "ckpt")
+    for n_layer in (10**6, 10**12):
+        config = json.loads((ckpt / "config.json").read_text()) | {"n_layer": n_layer}
+        (ckpt / "config.json").write_text(json.dumps(config))
+        start = time.perf_counter()
+        with pytest.raises(LoadError) as info:
+            load_weights(ckpt, **CPU)
+        assert time.perf_counter() - start < 2
+        assert str(info.value) == (
+            "checkpoint is missing tensor 'h.2.ln_1.weight', 'h.2.ln_1.bias', 'h.2.attn.c_attn.weight', "
+            f"'h.2.attn.c_attn.bias', 'h.2.attn.c_proj.weight' and {12 * (n_layer - 2) - 5} more "
+            f"(the files hold tensors of 2 of the {n_layer} blocks that n_layer asks for)"
+        )
+
+
+def test_block_names_beyond_n_layer_are_unexpected(tmp_path: Path) -> None:
+    ckpt = write_checkpoint(tmp_path / "ckpt")
+    st = SafetensorsFile(ckpt / "model.safetensors")
+    tensors = {k: st.read(k) for k in st.entries}
+    for key in ["transformer.h.2.ln_1.weight", "transformer.h.01.ln_1.weight", "transformer.h." + "9" * 5000 + ".x"]:
+        save_file(tensors | {key: torch.zeros(8)}, ckpt / "model.safetensors")
+        with pytest.raises(LoadError, match=rf"^unexpected tensor {re.escape(repr(key))} in model\.safetensors"):
+            load_weights(ckpt, **CPU)
