@@ -279,14 +279,24 @@ INT8 = "int8"  # weight-only int8 (model/quantize.py): float32 activations
 
 def dtype_problem(name: str) -> str | None:
     """Why `name` is not a dtype `load` takes (None when it is one)."""
+    if not isinstance(name, str):
+        return f"dtype must be a name (auto, float32, float16, bfloat16 or int8) or a torch dtype, got {name!r}"
     if name == "auto" or name == INT8 or name in DTYPE_NAMES:
         return None
     return f"unknown dtype {name!r}; use auto, float32, float16, bfloat16 or int8"
 
 
+TORCH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the torch dtypes `load` also takes
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype of the activations (and of the weights, but for int8, whose activations are float32)."""
     if isinstance(dtype, torch.dtype):
+        if dtype not in TORCH_DTYPES:
+            raise LoadError(
+                f"unsupported dtype {dtype}; use torch.float32, torch.float16 or torch.bfloat16 "
+                "(or a name: auto, float32, float16, bfloat16 or int8)"
+            )
         return dtype
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -447,7 +457,8 @@ def load(
     (`openai-community/gpt2`, with `revision`), a checkpoint directory (`config.json` and
     `model.safetensors`), or one `.safetensors` file (its shape from `preset_name`).
     `dtype`: auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16, or int8 (weight-only int8
-    with a scale per output channel, float32 activations: `model/quantize.py`).
+    with a scale per output channel, float32 activations: `model/quantize.py`); or one of the torch dtypes
+    torch.float32, torch.float16 and torch.bfloat16 (any other is a LoadError).
     `device`: auto (cuda, then mps, then cpu) or a torch device name.
     `tokenizer_dir`: where the tokenizer is, for checkpoints that ship none.
     `decode_kernels`: float32 on a CPU, the few-row products of decode steps run on our kernels

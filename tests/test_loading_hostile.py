@@ -284,3 +284,28 @@ def test_block_names_beyond_n_layer_are_unexpected(tmp_path: Path) -> None:
         save_file(tensors | {key: torch.zeros(8)}, ckpt / "model.safetensors")
         with pytest.raises(LoadError, match=rf"^unexpected tensor {re.escape(repr(key))} in model\.safetensors"):
             load_weights(ckpt, **CPU)
+
+
+# --- 5. a torch dtype -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bool, torch.float64, torch.complex64])
+def test_an_unsupported_torch_dtype(dtype: torch.dtype, tmp_path: Path) -> None:
+    ckpt = write_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(LoadError, match=rf"^unsupported dtype {dtype}; use torch\.float32, torch\.float16 or torch\."):
+        load_weights(ckpt, dtype=dtype, **CPU)
+
+
+@pytest.mark.parametrize("dtype", [3, None, ["float32"]])
+def test_a_dtype_that_is_neither_a_name_nor_a_torch_dtype(dtype: object, tmp_path: Path) -> None:
+    ckpt = write_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(
+        LoadError, match=r"^dtype must be a name \(auto, float32, float16, bfloat16 or int8\) or a torch"
+    ):
+        load_weights(ckpt, dtype=dtype, **CPU)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_floating_torch_dtype_is_taken(dtype: torch.dtype, tmp_path: Path) -> None:
+    model = load_weights(write_checkpoint(tmp_path / "ckpt"), dtype=dtype, **CPU)
+    assert {p.dtype for p in model.parameters()} == {dtype}
