@@ -11,7 +11,7 @@ import json
 import logging
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from itertools import islice
 from pathlib import Path
 from typing import Protocol
@@ -129,10 +129,10 @@ def locate(source: str | Path, *, revision: str | None = None, preset_name: str 
     if path.is_file():
         if path.suffix != ".safetensors":
             raise LoadError(f"{path} is not a .safetensors file; give a checkpoint directory or a .safetensors file")
-        if preset_name is not None:
+        if (path.parent / "config.json").is_file():
+            config = _config_and_preset(path.parent / "config.json", preset_name)
+        elif preset_name is not None:
             config = preset(preset_name)
-        elif (path.parent / "config.json").is_file():
-            config = GPTConfig.from_json_file(path.parent / "config.json")
         else:
             raise LoadError(
                 f"{path} is a bare weights file: its head count cannot be read from tensor shapes, "
@@ -150,10 +150,10 @@ def locate(source: str | Path, *, revision: str | None = None, preset_name: str 
 
 
 def _locate_dir(path: Path, name: str, preset_name: str | None) -> CheckpointFiles:
-    if preset_name is not None:
+    if (path / "config.json").is_file():
+        config = _config_and_preset(path / "config.json", preset_name)
+    elif preset_name is not None:
         config = preset(preset_name)
-    elif (path / "config.json").is_file():
-        config = GPTConfig.from_json_file(path / "config.json")
     else:
         raise LoadError(f"no config.json in {path}: a checkpoint directory needs one (or name a preset)")
     index = path / "model.safetensors.index.json"
@@ -172,6 +172,23 @@ def _locate_dir(path: Path, name: str, preset_name: str | None) -> CheckpointFil
     else:
         raise LoadError(f"no model.safetensors in {path}")
     return CheckpointFiles(name, weights, config, path if tokenizer_files(path) else None)
+
+
+def _config_and_preset(config_file: Path, preset_name: str | None) -> GPTConfig:
+    """The config in `config_file`; a preset, which names the shape of weights without a config.json, must
+    agree with it."""
+    config = GPTConfig.from_json_file(config_file)
+    if preset_name is not None and (named := preset(preset_name)) != config:
+        differences = ", ".join(
+            f"{f.name} {getattr(named, f.name)} against {getattr(config, f.name)}"
+            for f in fields(config)
+            if getattr(named, f.name) != getattr(config, f.name)
+        )
+        raise LoadError(
+            f"the preset {preset_name!r} disagrees with {config_file} ({differences}); a preset names the shape "
+            "of weights without a config.json: leave it out"
+        )
+    return config
 
 
 def _index_shards(index: Path) -> list[str]:
@@ -455,7 +472,8 @@ def load(
 
     `source`: a hub name (`gpt2`, `gpt2-medium`, `gpt2-large`, `gpt2-xl`, `distilgpt2`) or repo id
     (`openai-community/gpt2`, with `revision`), a checkpoint directory (`config.json` and
-    `model.safetensors`), or one `.safetensors` file (its shape from `preset_name`).
+    `model.safetensors`), or one `.safetensors` file (its shape from `preset_name`; a preset given with a
+    `config.json` must agree with it, or it is a LoadError).
     `dtype`: auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16, or int8 (weight-only int8
     with a scale per output channel, float32 activations: `model/quantize.py`); or one of the torch dtypes
     torch.float32, torch.float16 and torch.bfloat16 (any other is a LoadError).

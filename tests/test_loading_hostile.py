@@ -309,3 +309,25 @@ def test_a_dtype_that_is_neither_a_name_nor_a_torch_dtype(dtype: object, tmp_pat
 def test_a_floating_torch_dtype_is_taken(dtype: torch.dtype, tmp_path: Path) -> None:
     model = load_weights(write_checkpoint(tmp_path / "ckpt"), dtype=dtype, **CPU)
     assert {p.dtype for p in model.parameters()} == {dtype}
+
+
+# --- 6. a preset with a config.json ----------------------------------------------------------------
+
+
+def test_a_preset_that_disagrees_with_config_json(tmp_path: Path) -> None:
+    ckpt = write_checkpoint(tmp_path / "ckpt")
+    for source in (ckpt, ckpt / "model.safetensors"):
+        with pytest.raises(LoadError) as info:
+            load_weights(source, preset_name="distilgpt2", **CPU)
+        assert str(info.value) == (
+            f"the preset 'distilgpt2' disagrees with {ckpt / 'config.json'} (n_layer 6 against 2, n_head 12 against "
+            "2, n_embd 768 against 8, n_positions 1024 against 8, vocab_size 50257 against 16); a preset names the "
+            "shape of weights without a config.json: leave it out"
+        )
+
+
+def test_a_preset_without_config_json_gives_the_shape(tmp_path: Path) -> None:
+    ckpt = write_checkpoint(tmp_path / "ckpt")
+    (ckpt / "config.json").unlink()
+    with pytest.raises(LoadError, match=r"missing tensor 'h\.2\.ln_1\.weight'.* of 2 of the 6 blocks that n_layer"):
+        load_weights(ckpt, preset_name="distilgpt2", **CPU)
