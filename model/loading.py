@@ -303,7 +303,8 @@ def dtype_problem(name: str) -> str | None:
     return f"unknown dtype {name!r}; use auto, float32, float16, bfloat16 or int8"
 
 
-TORCH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the torch dtypes `load` also takes
+# the torch dtypes `load` also takes: float64 too, for exactness checks in Python (the tests' reference runs)
+TORCH_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -311,7 +312,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if isinstance(dtype, torch.dtype):
         if dtype not in TORCH_DTYPES:
             raise LoadError(
-                f"unsupported dtype {dtype}; use torch.float32, torch.float16 or torch.bfloat16 "
+                f"unsupported dtype {dtype}; use torch.float32, torch.float64, torch.float16 or torch.bfloat16 "
                 "(or a name: auto, float32, float16, bfloat16 or int8)"
             )
         return dtype
@@ -476,7 +477,7 @@ def load(
     `config.json` must agree with it, or it is a LoadError).
     `dtype`: auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16, or int8 (weight-only int8
     with a scale per output channel, float32 activations: `model/quantize.py`); or one of the torch dtypes
-    torch.float32, torch.float16 and torch.bfloat16 (any other is a LoadError).
+    torch.float32, torch.float64 (exactness checks), torch.float16 and torch.bfloat16 (any other is a LoadError).
     `device`: auto (cuda, then mps, then cpu) or a torch device name.
     `tokenizer_dir`: where the tokenizer is, for checkpoints that ship none.
     `decode_kernels`: float32 on a CPU, the few-row products of decode steps run on our kernels

@@ -289,10 +289,11 @@ def test_block_names_beyond_n_layer_are_unexpected(tmp_path: Path) -> None:
 # --- 5. a torch dtype -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.int8, torch.bool, torch.float64, torch.complex64])
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bool, torch.float8_e4m3fn, torch.complex64])
 def test_an_unsupported_torch_dtype(dtype: torch.dtype, tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt")
-    with pytest.raises(LoadError, match=rf"^unsupported dtype {dtype}; use torch\.float32, torch\.float16 or torch\."):
+    refused = rf"^unsupported dtype {dtype}; use torch\.float32, torch\.float64, torch\.float16 or torch\."
+    with pytest.raises(LoadError, match=refused):
         load_weights(ckpt, dtype=dtype, **CPU)
 
 
@@ -305,7 +306,7 @@ def test_a_dtype_that_is_neither_a_name_nor_a_torch_dtype(dtype: object, tmp_pat
         load_weights(ckpt, dtype=dtype, **CPU)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 def test_a_floating_torch_dtype_is_taken(dtype: torch.dtype, tmp_path: Path) -> None:
     model = load_weights(write_checkpoint(tmp_path / "ckpt"), dtype=dtype, **CPU)
     assert {p.dtype for p in model.parameters()} == {dtype}
