@@ -16,6 +16,19 @@ class ConfigError(ValueError):
     """A `config.json` that is missing, malformed, or asks for something this model does not implement."""
 
 
+def read_json(path: Path, error: type[Exception], what: str) -> Any:
+    """The JSON value in the file `path`, or `error` with a one-line message: unreadable, not JSON, or nested
+    too deeply to parse (`what` says what the file should have been)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise error(f"cannot read {path}: {e.strerror or e}") from None
+    except ValueError as e:  # not UTF-8, not JSON, or a number of more than 4300 digits
+        raise error(f"{path} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise error(f"{path} is not {what}: its JSON is nested too deeply") from None
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     n_layer: int = 12
@@ -74,14 +87,7 @@ class GPTConfig:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"no config.json found at {path}")
-        try:
-            d = json.loads(path.read_text(encoding="utf-8"))
-        except OSError as e:
-            raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from None
-        except RecursionError:
-            raise ConfigError(f"{path} is not a GPT-2 config: its JSON is nested too deeply") from None
+        d = read_json(path, ConfigError, "a GPT-2 config")
         if not isinstance(d, dict):
             raise ConfigError(f"{path} must hold a JSON object, got {type(d).__name__}")
         try:

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from . import huge_pages, kernels
-from .config import PRESETS, ConfigError, GPTConfig, preset
+from .config import PRESETS, ConfigError, GPTConfig, preset, read_json
 from .gpt import GPT
 from .hub import hub_errors
 from .kernels.layers import use_kernels
@@ -194,14 +194,7 @@ def _config_and_preset(config_file: Path, preset_name: str | None) -> GPTConfig:
 def _index_shards(index: Path) -> list[str]:
     """The shard files a `model.safetensors.index.json` names: its "weight_map" maps each tensor name to
     the name of a file beside it."""
-    try:
-        content = json.loads(index.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise LoadError(f"cannot read {index}: {e.strerror or e}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LoadError(f"{index} is not valid JSON: {e}") from None
-    except RecursionError:
-        raise LoadError(f"{index} is not a valid safetensors index: its JSON is nested too deeply") from None
+    content = read_json(index, LoadError, "a valid safetensors index")
     weight_map = content.get("weight_map") if isinstance(content, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise LoadError(

@@ -248,6 +248,18 @@ def test_a_config_nested_too_deeply(tmp_path: Path) -> None:
         load_weights(ckpt, **CPU)
 
 
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+def test_a_number_of_5000_digits_is_not_valid_json(name: str, tmp_path: Path) -> None:
+    """Python's int parser refuses more than 4300 digits with a plain ValueError, which escaped as a
+    traceback."""
+    ckpt = write_checkpoint(tmp_path / "ckpt")
+    if name != "config.json":  # the index is read where no model.safetensors is
+        (ckpt / "model.safetensors").unlink()
+    (ckpt / name).write_text('{"n_layer": ' + "1" * 5000 + "}")
+    with pytest.raises(LoadError, match=rf"{re.escape(name)} is not valid JSON: Exceeds the limit"):
+        load_weights(ckpt, **CPU)
+
+
 @pytest.mark.parametrize(("value", "shown"), [("Infinity", "inf"), ("-Infinity", "-inf"), ("1e999", "inf")])
 def test_layer_norm_epsilon_must_be_finite(value: str, shown: str, tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt")
