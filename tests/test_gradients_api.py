@@ -218,83 +218,74 @@ def test_bad_input_names_the_field(small_limits: TestClient, path: str, body: An
 # --- the engine: one gradient job between two decode steps ---------------------------------------------
 
 
-def test_gradient_jobs_run_between_decode_steps(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
-    """While a generation decodes, a burst of gradient requests runs one job per engine step: the decode
-    steps go on between them (each job holds the engine for its own forward and backward pass only)."""
+def log_engine(client: TestClient, monkeypatch: pytest.MonkeyPatch, **jobs: str) -> list[str]:
+    """A log of the engine's decode steps ("step", while sequences decode) and of calls to the functions of
+    `server.routes.gradients` named by `jobs` (each logged as the name it maps to)."""
     import server.routes.gradients as route
 
     engine = client.app.state.engine  # type: ignore[attr-defined]
     log: list[str] = []
-    real_step, real_gradients = engine._step, route.gradients
+    real_step = engine._step
 
     def step() -> None:
         if len(engine._batch):
             log.append("step")
         real_step()
 
-    def job(*args: Any) -> Any:
-        log.append("job")
-        return real_gradients(*args)
+    def logged(real: Any, entry: str) -> Any:
+        def call(*args: Any) -> Any:
+            log.append(entry)
+            return real(*args)
+
+        return call
 
     monkeypatch.setattr(engine, "_step", step)
-    monkeypatch.setattr(route, "gradients", job)
-    gen = {"input_ids": CLEAN, "max_new_tokens": 60, "temperature": 0, "ignore_eos": True}
+    for name, entry in jobs.items():
+        monkeypatch.setattr(route, name, logged(getattr(route, name), entry))
+    return log
+
+
+def assert_interleaved(log: list[str], calls: list[int]) -> None:
+    """While the generation still decodes, a decode step between every two of `calls` (indices into `log`)."""
+    last_step = max(i for i, e in enumerate(log) if e == "step")
+    assert calls[0] < last_step, "the jobs came after the generation ended: nothing was interleaved"
+    for a, b in itertools.pairwise(calls):
+        if b < last_step:
+            assert "step" in log[a:b], log
+
+
+GENERATION = {"input_ids": CLEAN, "max_new_tokens": 60, "temperature": 0, "ignore_eos": True}
+
+
+def test_gradient_jobs_run_between_decode_steps(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a generation decodes, a burst of gradient requests runs one job per engine step: the decode
+    steps go on between them (each job holds the engine for its own forward and backward pass only)."""
+    log = log_engine(client, monkeypatch, gradients="job")
     with ThreadPoolExecutor(7) as pool:
-        generation = pool.submit(_post, client, "/v1/generate", gen)
+        generation = pool.submit(_post, client, "/v1/generate", GENERATION)
         wait_until(lambda: "step" in log)
         requests = [pool.submit(_post, client, "/v1/gradients", grad(hooks=["hook_embed"])) for _ in range(6)]
         assert [r.result(60) for r in requests] == [200] * 6
         assert generation.result(60) == 200
     jobs = [i for i, e in enumerate(log) if e == "job"]
     assert len(jobs) == 6
-    last_step = max(i for i, e in enumerate(log) if e == "step")
-    assert jobs[0] < last_step, "the gradient jobs came after the generation ended: nothing was interleaved"
-    for a, b in itertools.pairwise(jobs):  # while the generation still decodes, a step between jobs
-        if b < last_step:
-            assert "step" in log[a:b], log
+    assert_interleaved(log, jobs)
 
 
 def test_attribution_verifies_one_site_per_engine_call(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
     """An attribution's scoring runs and each of its `verify` patched runs are separate engine calls, with
     decode steps between them: a long verification does not stall the running streams."""
-    import server.routes.gradients as route
-
-    engine = client.app.state.engine  # type: ignore[attr-defined]
-    log: list[str] = []
-    real_step, real_score, real_verify = engine._step, route.score_sites, route.verify_site
-
-    def step() -> None:
-        if len(engine._batch):
-            log.append("step")
-        real_step()
-
-    def score(*args: Any) -> Any:
-        log.append("score")
-        return real_score(*args)
-
-    def verify(*args: Any) -> Any:
-        log.append("verify")
-        return real_verify(*args)
-
-    monkeypatch.setattr(engine, "_step", step)
-    monkeypatch.setattr(route, "score_sites", score)
-    monkeypatch.setattr(route, "verify_site", verify)
-    gen = {"input_ids": CLEAN, "max_new_tokens": 60, "temperature": 0, "ignore_eos": True}
-    body = attr(verify=4)
+    log = log_engine(client, monkeypatch, score_sites="score", verify_site="verify")
     with ThreadPoolExecutor(2) as pool:
-        generation = pool.submit(_post, client, "/v1/generate", gen)
+        generation = pool.submit(_post, client, "/v1/generate", GENERATION)
         wait_until(lambda: "step" in log)
-        r = client.post("/v1/attribution", json=body)
+        r = client.post("/v1/attribution", json=attr(verify=4))
         assert r.status_code == 200, r.text
         assert generation.result(60) == 200
     assert len(r.json()["verified"]) == 4
     calls = [i for i, e in enumerate(log) if e in ("score", "verify")]
     assert [log[i] for i in calls] == ["score"] + ["verify"] * 4
-    last_step = max(i for i, e in enumerate(log) if e == "step")
-    assert calls[0] < last_step, "the attribution came after the generation ended: nothing was interleaved"
-    for a, b in itertools.pairwise(calls):  # while the generation still decodes, a step between calls
-        if b < last_step:
-            assert "step" in log[a:b], log
+    assert_interleaved(log, calls)
 
 
 def _post(client: TestClient, path: str, body: dict[str, Any]) -> int:
