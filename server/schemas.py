@@ -438,7 +438,7 @@ class StreamOptions(BaseModel):
     """OpenAI's `stream_options`: whether the stream ends with a usage chunk (other options are ignored)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
-    include_usage: bool = False
+    include_usage: bool | None = False  # null: the default
 
 
 class CompletionRequest(BaseModel):
@@ -459,6 +459,10 @@ class CompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     stream_options: StreamOptions | None = None
+    # vLLM's sampling extensions, as /v1/generate has them (null: the default)
+    top_k: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -481,15 +485,22 @@ class CompletionRequest(BaseModel):
             "logit_bias": {},
             "suffix": "",
             "min_tokens": 0,
+            "min_p": 0,
             "use_beam_search": False,
         }
+        bias = extra.get("logit_bias")
+        if isinstance(bias, dict) and all(_is_zero(v) for v in bias.values()):  # biases of 0 change nothing
+            extra = {k: v for k, v in extra.items() if k != "logit_bias"}
         for name, value in neutral.items():
             given = extra.get(name)
-            if given is not None and given != value:
+            if given is not None and (given != value or isinstance(given, bool) != isinstance(value, bool)):
                 raise GenerationError(f"{name}={given!r} is not supported by this server", name)
         best_of = extra.get("best_of")
-        if best_of is not None and (not isinstance(best_of, int) or isinstance(best_of, bool) or best_of != self.n):
-            raise GenerationError(f"best_of={best_of!r} is not supported (only best_of == n)", "best_of")
+        if best_of is not None:
+            if not isinstance(best_of, int) or isinstance(best_of, bool):
+                raise GenerationError(f"best_of must be an integer, got {best_of!r}", "best_of")
+            if best_of != self.n:
+                raise GenerationError(f"best_of={best_of} is not supported (only best_of == n, {self.n})", "best_of")
         if self.stream_options is not None and not self.stream:  # as OpenAI answers it, not silently dropped
             raise GenerationError("stream_options is only allowed when stream is true", "stream_options")
         if not 1 <= self.n <= 16:
@@ -517,9 +528,16 @@ class CompletionRequest(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p,
             seed=seed,
             stop=stop_tuple(self.stop),
+            top_k=self.top_k or 0,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=bool(self.ignore_eos),
             logprobs=self.logprobs,
             prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None,
         )
+
+
+def _is_zero(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
 
 
 def stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:

@@ -146,7 +146,8 @@ CASES = [
 HARMLESS_OPENAI_FIELDS = {
     "presence_penalty": 0,
     "frequency_penalty": 0.0,
-    "logit_bias": {},
+    "logit_bias": {"50256": 0, "11": 0.0},  # biases of 0 change nothing
+    "min_p": 0,
     "best_of": 1,
     "user": "someone",
     "suffix": None,

@@ -40,6 +40,7 @@ import server.app as app_module
 from model.hooks import OPTIONAL_SITES, hook_names
 from model.loading import LoadedModel
 from server.app import create_app
+from server.schemas import CompletionRequest
 
 PROMPTS = ["Hello world", "The quick brown fox jumps over", "In 1905, Einstein", "Ünïcödé ✓ text"]
 
@@ -531,9 +532,41 @@ def test_completions_null_is_the_default(client: TestClient) -> None:
     request = {"prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0}
     penalties = ["presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "use_beam_search"]
     others = ["logit_bias", "suffix", "best_of", "n", "echo", "stream", "logprobs", "stop", "seed", "stream_options"]
-    nulls = dict.fromkeys([*penalties, *others])
+    vllm = ["top_k", "stop_token_ids", "ignore_eos", "min_p"]
+    nulls = dict.fromkeys([*penalties, *others, *vllm])
     plain, with_nulls = post_ok(client, CMPL, request), post_ok(client, CMPL, request | nulls)
     assert with_nulls["choices"] == plain["choices"] and with_nulls["usage"] == plain["usage"]
+    streamed = client.post(CMPL, json=request | {"stream": True, "stream_options": {"include_usage": None}})
+    assert streamed.status_code == 200 and '"usage"' not in streamed.text  # include_usage null: false
+
+
+def test_completions_take_vllm_sampling_fields(client: TestClient, loaded: LoadedModel) -> None:
+    """top_k, stop_token_ids and ignore_eos as /v1/generate takes them (they were ignored without a word)."""
+    ids = ids_of(loaded, PROMPTS[0])
+    top1 = post_ok(client, CMPL, {"prompt": PROMPTS[0], "max_tokens": 6, "seed": 7, "top_k": 1})
+    assert top1["choices"][0]["text"] == greedy(loaded, ids, 6).text  # top_k 1 samples the argmax
+    want = greedy(loaded, ids, 6).token_ids
+    stop_at = want[2]
+    body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "logprobs": 0, "stop_token_ids": [stop_at]}
+    stopped = post_ok(client, CMPL, body)["choices"][0]
+    assert stopped["finish_reason"] == "stop" and len(stopped["logprobs"]["tokens"]) == want.index(stop_at) + 1
+    params = CompletionRequest.model_validate({"prompt": "Hi", "ignore_eos": True, "top_k": 3}).sampling_params(4, None)
+    assert params.ignore_eos and params.top_k == 3
+    assert_error(client.post(CMPL, json={"prompt": "Hi", "max_tokens": 1, "ignore_eos": "yes"}), 400, "ignore_eos")
+    assert_error(client.post(CMPL, json={"prompt": "Hi", "max_tokens": 1, "top_k": -1}), 400, "top_k")
+    too_big = {"prompt": "Hi", "max_tokens": 1, "stop_token_ids": [50257]}
+    assert_error(client.post(CMPL, json=too_big), 400, "stop_token_ids")
+    assert_still_serving(client)
+
+
+def test_models_retrieve(client: TestClient, loaded: LoadedModel) -> None:
+    """OpenAI's GET /v1/models/{id}: the model /v1/models lists, by its id (a path's slashes included)."""
+    (entry,) = client.get("/v1/models").json()["data"]
+    r = client.get(f"/v1/models/{entry['id']}")
+    assert r.status_code == 200 and r.json() == entry
+    assert entry["owned_by"] == "local"  # a checkpoint directory: no hub owner
+    error = assert_error(client.get("/v1/models/gpt2-nope"), 404, "model")
+    assert "'gpt2-nope' does not exist" in error["message"]
 
 
 @pytest.mark.parametrize(
@@ -542,6 +575,11 @@ def test_completions_null_is_the_default(client: TestClient) -> None:
         ("repetition_penalty", 1.2),  # not implemented: any value but the neutral one (or null) is refused
         ("min_tokens", 2),
         ("use_beam_search", True),
+        ("min_p", 0.1),
+        ("logit_bias", {"11": 5}),
+        ("presence_penalty", False),  # a bool is not the neutral 0
+        ("best_of", 1.0),
+        ("best_of", 2),
         ("n", "2"),  # null is accepted, other types are not
         ("echo", 1),
         ("stream", "yes"),

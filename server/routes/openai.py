@@ -7,14 +7,17 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from model.generate import Completion, GenerationError, TokenLogprob
+from model.loading import HUB_REPOS
 
 from ..engine import Engine, RequestStream
+from ..errors import APIError
 from ..schemas import CompletionRequest
 from ..threads import run_in_threadpool
 from .deps import EngineDep, SettingsDep, json_response, merged, openai_prompt_ids, results, sse
@@ -27,17 +30,32 @@ OPENAI_NAMES = {"max_new_tokens": "max_tokens"}  # the engine's name -> this API
 
 @router.get("/v1/models")
 async def models(engine: EngineDep) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(engine)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, engine: EngineDep) -> dict[str, Any]:
+    """OpenAI's model retrieval: the served model by the id /v1/models lists (a local path's slashes too)."""
+    if model_id != engine.loaded.name:
+        served = engine.loaded.name
+        raise APIError(404, f"the model {model_id!r} does not exist: this server serves {served!r}", "model")
+    return _model_card(engine)
+
+
+def _model_card(engine: Engine) -> dict[str, Any]:
+    name = engine.loaded.name
+    if name in HUB_REPOS:  # the hub's owner of a short name; a repo id's own; "local" for a path
+        owner = HUB_REPOS[name].partition("/")[0]
+    elif "/" in name and not Path(name).exists() and not name.startswith((".", "/")):
+        owner = name.partition("/")[0]
+    else:
+        owner = "local"
     return {
-        "object": "list",
-        "data": [
-            {
-                "id": engine.loaded.name,
-                "object": "model",
-                "created": 0,
-                "owned_by": "openai-community",
-                "max_model_len": engine.model.config.n_positions,
-            }
-        ],
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": owner,
+        "max_model_len": engine.model.config.n_positions,
     }
 
 
