@@ -37,6 +37,15 @@ REQUEST_ID = re.compile(r"[!-~]{1,128}")
 REFUSAL = "gpt2.refusal"
 
 
+def app_path(scope: Scope) -> str:
+    """The request's path within the app: without the prefix it is mounted at (`root_path`: a Ray Serve
+    route prefix, a proxy's), which ASGI servers include in `path`."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and (path == root or path.startswith(root.rstrip("/") + "/")):
+        return path[len(root.rstrip("/")) :] or "/"
+    return path
+
+
 class CORS(CORSMiddleware):
     """Starlette's CORS, with a refused preflight answered in this API's error shape (not plain text). A
     preflight the connection layer refused (`REFUSAL`) goes straight on to the guard, whose answer is the 503
@@ -101,7 +110,7 @@ class RequestGuard:
                 log.warning("%s: answering 503 (request %s)", refusal, request_id)
                 rejection = error_response(503, refusal, headers={"Retry-After": "1", "Connection": "close"})
             else:
-                rejection = self._check_key(scope["path"], headers)
+                rejection = self._check_key(app_path(scope), headers)
             if rejection is None:
                 receive, rejection = await self._bounded_body(headers, receive)
             if rejection is not None:

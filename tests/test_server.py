@@ -695,6 +695,27 @@ def test_api_key(loaded: LoadedModel) -> None:
         assert r.status_code == 200, r.text
 
 
+def test_open_paths_need_no_key_under_a_route_prefix(loaded: LoadedModel) -> None:
+    """Mounted under a prefix (a Ray Serve route prefix, a proxy's root_path), /health and the viewer stay open
+    with an API key set: the prefix was compared too, so /keyed/health asked for the key."""
+    app = create_app(settings(api_key="s3cret"), loaded=loaded)
+    with TestClient(app, root_path="/keyed", raise_server_exceptions=False) as c:  # paths as Serve's proxy gives them
+        assert c.get("/keyed/health").status_code == 200
+        assert c.get("/keyed/").status_code == 200
+        assert_error(c.get("/keyed/v1/models"), 401)
+        assert c.get("/keyed/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+
+
+def test_health_is_503_once_the_engine_has_stopped(loaded: LoadedModel) -> None:
+    """A health check (Kubernetes' probes) sees an engine whose thread has ended: every request would get a
+    503, so the replica is not healthy (it answered 200)."""
+    with serve(loaded) as c:
+        assert c.get("/health").status_code == 200
+        c.app.state.engine.stop()  # type: ignore[attr-defined]
+        r = c.get("/health")
+        assert (r.status_code, r.json()) == (503, {"status": "stopped"})
+
+
 def test_cors_preflight_needs_no_key_and_a_refusal_has_the_error_shape(loaded: LoadedModel) -> None:
     origin, preflight = "http://ok.example", {"Access-Control-Request-Method": "POST"}
     with serve(loaded, api_key="s3cret", cors_origins=(origin,)) as c:

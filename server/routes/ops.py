@@ -11,8 +11,11 @@ router = APIRouter(tags=["operations"])
 
 @router.api_route("/health", methods=["GET", "HEAD"])  # health checkers often send HEAD
 async def health(request: Request) -> JSONResponse:
-    if request.app.state.engine is None:
+    engine = request.app.state.engine
+    if engine is None:
         return JSONResponse({"status": "loading"}, status_code=503)
+    if not engine.running:  # its thread ended (a stop, or a bug): every request would get a 503
+        return JSONResponse({"status": "stopped"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
