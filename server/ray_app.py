@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+import ray
 import torch
 from fastapi import FastAPI
 from ray import serve
@@ -108,13 +109,20 @@ def build(args: dict[str, Any]) -> Application:
     return application(plan(args))
 
 
+def replica_threads(planned: int) -> int:
+    """Torch threads for this replica: the CPUs Ray gave it (a config file's `ray_actor_options` may
+    override the builder's `num_cpus`), else `planned`."""
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU") if ray.is_initialized() else None
+    return max(1, math.floor(cpus)) if cpus else planned
+
+
 def application(p: Plan) -> Application:
     settings, threads = p.settings, p.threads
 
     def replica_app() -> FastAPI:
         """Runs on each replica as it starts, before Serve routes requests to it."""
         logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        torch.set_num_threads(threads)
+        torch.set_num_threads(replica_threads(threads))
         loaded = load_from(settings)
         release_openmp_pool()  # this thread's, from loading: the engine's thread should keep the only one
         return create_app(settings, loaded=loaded)

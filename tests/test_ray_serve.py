@@ -359,3 +359,25 @@ def test_ray_a_bad_argument_names_itself(args: dict[str, Any], says: str) -> Non
 def test_ray_a_bad_variable_names_itself() -> None:
     with pytest.raises(ValueError, match="GPT2_MAX_QUEUE must be an integer, got 'many'"):
         plan({}, environ={"GPT2_MAX_QUEUE": "many"})
+
+
+def test_a_replica_takes_as_many_torch_threads_as_ray_gave_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config file's `ray_actor_options: {num_cpus: 2}` overrides the builder's num_cpus: the replica then
+    runs 2 torch threads, as the CPUs Ray assigned it say (it kept the builder's 1)."""
+    import ray
+
+    from server.ray_app import replica_threads
+
+    class Context:
+        def __init__(self, cpus: float | None) -> None:
+            self.cpus = cpus
+
+        def get_assigned_resources(self) -> dict[str, float]:
+            return {} if self.cpus is None else {"CPU": self.cpus}
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    for cpus, want in ((2.0, 2), (3.5, 3), (0.5, 1), (None, 1)):
+        monkeypatch.setattr(ray, "get_runtime_context", lambda cpus=cpus: Context(cpus))
+        assert replica_threads(1) == want, cpus
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    assert replica_threads(4) == 4  # not in a Ray worker: the plan's
