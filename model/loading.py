@@ -121,6 +121,14 @@ class CheckpointFiles:
     revision: str | None = None
 
 
+def hub_repo(name: str) -> str | None:
+    """The hub repository a model name stands for where no file or directory has that name: a short name's
+    (`gpt2`: openai-community/gpt2), or the name itself in a repo id's form (`org/name`); None otherwise."""
+    if name in HUB_REPOS:
+        return HUB_REPOS[name]
+    return name if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not name.startswith((".", "/")) else None
+
+
 def locate(source: str | Path, *, revision: str | None = None, preset_name: str | None = None) -> CheckpointFiles:
     """Find config, weights and tokenizer for a hub name or repo id, a directory, or a .safetensors file."""
     path = Path(source).expanduser()
@@ -141,8 +149,8 @@ def locate(source: str | Path, *, revision: str | None = None, preset_name: str 
         tok_dir = path.parent if tokenizer_files(path.parent) else None
         return CheckpointFiles(str(source), [path], config, tok_dir)
     text = str(source)
-    if text in HUB_REPOS or (re.fullmatch(r"[\w.-]+/[\w.-]+", text) and not text.startswith((".", "/"))):
-        return _download(text, HUB_REPOS.get(text, text), revision)
+    if (repo := hub_repo(text)) is not None:
+        return _download(text, repo, revision)
     raise LoadError(
         f"no checkpoint at {text!r}: it is neither an existing file or directory nor a hub name "
         f"({', '.join(HUB_REPOS)}, or a repo id such as openai-community/gpt2)"

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from model.generate import Completion, GenerationError, TokenLogprob
-from model.loading import HUB_REPOS
+from model.loading import hub_repo
 
 from ..engine import Engine, RequestStream
 from ..errors import APIError
@@ -44,12 +44,8 @@ async def model(model_id: str, engine: EngineDep) -> dict[str, Any]:
 
 def _model_card(engine: Engine) -> dict[str, Any]:
     name = engine.loaded.name
-    if name in HUB_REPOS:  # the hub's owner of a short name; a repo id's own; "local" for a path
-        owner = HUB_REPOS[name].partition("/")[0]
-    elif "/" in name and not Path(name).exists() and not name.startswith((".", "/")):
-        owner = name.partition("/")[0]
-    else:
-        owner = "local"
+    repo = None if Path(name).expanduser().exists() else hub_repo(name)  # as `locate` read the name
+    owner = repo.partition("/")[0] if repo is not None else "local"
     return {
         "id": name,
         "object": "model",
