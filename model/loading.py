@@ -92,11 +92,11 @@ def _outer_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
 def _official_items(config: GPTConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
     """`official_shapes` one by one, in file order (a config.json can ask for 10**12 blocks)."""
     outer, block = _outer_shapes(config), _block_shapes(config)
-    yield from list(outer.items())[:2]
+    yield from ((name, outer[name]) for name in ("wte.weight", "wpe.weight"))
     for i in range(config.n_layer):
         for name, shape in block.items():
             yield f"h.{i}.{name}", shape
-    yield from list(outer.items())[2:]
+    yield from ((name, outer[name]) for name in ("ln_f.weight", "ln_f.bias"))
 
 
 BLOCK_TENSOR = re.compile(r"h\.(0|[1-9][0-9]{0,17})\.(.+)")  # longer indices are beyond any n_layer anyway
