@@ -684,7 +684,7 @@ class Generation:
         if len(per_prompt) != len(prompts):
             raise GenerationError(f"{len(per_prompt)} parameter sets for {len(prompts)} prompts")
         self.model = model
-        names = select_hooks(hooks if isinstance(hooks, str) else list(hooks), model.config.n_layer) if hooks else None
+        names = select_hooks(hooks, model.config.n_layer) if hooks else None
         self._seqs = [
             new_sequence(model, i, prompt, p, tokenizer, names, edits)
             for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True))

@@ -12,6 +12,7 @@ import contextlib
 import fnmatch
 import functools
 import re
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -121,7 +122,7 @@ def _hook_name_set(n_layer: int) -> frozenset[str]:
     return frozenset(hook_names(n_layer))
 
 
-def select_hooks(patterns: str | list[str] | tuple[str, ...], n_layer: int) -> list[str]:
+def select_hooks(patterns: str | Sequence[str], n_layer: int) -> list[str]:
     """Expand exact names and glob patterns into hook names, in model order (see `match_hooks`).
 
     A pattern that matches nothing is an error naming it and listing the valid names. One string is one

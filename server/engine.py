@@ -212,7 +212,7 @@ class Engine:
                 f"server queues at once ({self.max_queue}, its --max-queue): send at most {self.max_queue}",
                 count_param,
             )
-        names = select_hooks(list(hooks), self.model.config.n_layer) if hooks else None
+        names = select_hooks(hooks, self.model.config.n_layer) if hooks else None
         seqs = [
             new_sequence(self.model, i, prompt, p, self.tokenizer, names, edits)
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))

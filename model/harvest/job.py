@@ -173,7 +173,7 @@ def make_plan(
     if spec.context_size > config.n_positions:
         raise HarvestError(f"context size {spec.context_size} is more than the model's {config.n_positions} positions")
     try:
-        names = select_hooks(list(spec.hooks), config.n_layer)
+        names = select_hooks(spec.hooks, config.n_layer)
     except UnknownHookError as e:
         raise HarvestError(str(e)) from None
     T = spec.context_size
