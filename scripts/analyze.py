@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gpt2_scripts.console import run_console
+from gpt2_scripts.console import empty_flag, run_console
 from gpt2_scripts.generate import read_prompt
 from gpt2_scripts.sae_cli import add_sae_arguments, directions, features_table
 
@@ -88,9 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    for flag, value in (("--model", args.model), ("--plot", args.plot)):
-        if value == "":
-            return fail(f"{flag} is empty: give a name or a path")
+    if problem := empty_flag((("--model", args.model), ("--plot", args.plot))):
+        return fail(problem)
     if not 1 <= args.top_k <= MAX_TOP_K:
         return fail(f"--top-k must be in 1..{MAX_TOP_K}, got {args.top_k}")
     plt = None

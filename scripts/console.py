@@ -4,7 +4,8 @@ on the tool sees it killed by the signal and stops too (bash carries on with a l
 merely exits 130).
 
 The installed commands start here (`generate`, `analyze`, `harvest`), importing their module inside
-`run_console`: a Ctrl-C while torch is still being imported is the same one line."""
+`run_console`: a Ctrl-C while torch is still being imported is the same one line. `empty_flag` is the
+check the three share before any work."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import importlib
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import NoReturn
 
 
@@ -25,6 +26,15 @@ def run_console(main: Callable[[], int], interrupted: str) -> NoReturn:
         os.kill(os.getpid(), signal.SIGINT)
         status = 130  # not reached where SIGINT ends the process, as it does on POSIX
     sys.exit(status)
+
+
+def empty_flag(flags: Iterable[tuple[str, str | None]]) -> str | None:
+    """The error for the first (flag, value) given as an empty string, which a path would read as the
+    current directory and a name as nothing; None when there is none."""
+    for flag, value in flags:
+        if value == "":
+            return f"{flag} is empty: give a name or a path"
+    return None
 
 
 def _command(module: str, name: str) -> NoReturn:

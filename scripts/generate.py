@@ -14,7 +14,7 @@ import argparse
 import re
 import sys
 
-from gpt2_scripts.console import run_console
+from gpt2_scripts.console import empty_flag, run_console
 from gpt2_scripts.sae_cli import add_sae_arguments, directions, steering_edits
 from safetensors import SafetensorError
 
@@ -72,9 +72,8 @@ def read_prompt(arg: str | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:  # Ctrl-C leaves nothing half-written: a dump is written at the end
     args = parse_args(argv)
-    for flag, value in (("--model", args.model), ("--dump-activations", args.dump_activations)):
-        if value == "":
-            return fail(f"{flag} is empty: give a name or a path")
+    if problem := empty_flag((("--model", args.model), ("--dump-activations", args.dump_activations))):
+        return fail(problem)
     if args.hooks and not args.dump_activations:
         return fail("--hooks needs --dump-activations FILE")
     if args.dump_activations and (problem := dump_path_problem(args.dump_activations)):  # before the long part

@@ -16,7 +16,7 @@ import sys
 import time
 
 import torch
-from gpt2_scripts.console import run_console
+from gpt2_scripts.console import empty_flag, run_console
 
 from model.harvest import FORMATS, HarvestError, HarvestSpec, run_harvest
 from model.loading import add_checkpoint_arguments
@@ -131,9 +131,8 @@ def _duration(seconds: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    for flag, value in (("--model", args.model), ("--out", args.out), ("the source", args.source)):
-        if value == "":  # would be the current directory
-            return fail(f"{flag} is empty: give a name or a path")
+    if problem := empty_flag((("--model", args.model), ("--out", args.out), ("the source", args.source))):
+        return fail(problem)
     if args.threads is not None:
         if args.threads < 1:
             return fail(f"--threads must be a positive integer, got {args.threads}")
