@@ -5,28 +5,16 @@ Reference: OpenAI's GPT-2 release (Radford et al., 2019) and the Hugging Face `G
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .json_file import clip, read_json
+
 
 class ConfigError(ValueError):
     """A `config.json` that is missing, malformed, or asks for something this model does not implement."""
-
-
-def read_json(path: Path, error: type[Exception], what: str) -> Any:
-    """The JSON value in the file `path`, or `error` with a one-line message: unreadable, not JSON, or nested
-    too deeply to parse (`what` says what the file should have been)."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise error(f"cannot read {path}: {e.strerror or e}") from None
-    except ValueError as e:  # not UTF-8, not JSON, or a number of more than 4300 digits
-        raise error(f"{path} is not valid JSON: {e}") from None
-    except RecursionError:
-        raise error(f"{path} is not {what}: its JSON is nested too deeply") from None
 
 
 @dataclass(frozen=True)
@@ -42,7 +30,7 @@ class GPTConfig:
         for name in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+                raise ConfigError(f"{name} must be a positive integer, got {clip(value)}")
         if self.n_embd % self.n_head:
             raise ConfigError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if not self.layer_norm_epsilon > 0:
@@ -115,7 +103,7 @@ class GPTConfig:
 
 def _number(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"layer_norm_epsilon must be a number, got {value!r}")
+        raise ConfigError(f"layer_norm_epsilon must be a number, got {clip(value)}")
     return float(value)
 
 
@@ -136,12 +124,12 @@ def _refuse_unsupported(d: dict[str, Any]) -> None:
     for key, allowed in _SUPPORTED.items():
         if key in d and d[key] not in allowed:
             raise ConfigError(
-                f"unsupported setting {key}={d[key]!r}: this GPT-2 implements only "
+                f"unsupported setting {key}={clip(d[key])}: this GPT-2 implements only "
                 + " or ".join(repr(a) for a in allowed)
             )
     n_inner = d.get("n_inner")
     if n_inner is not None and "n_embd" in d and n_inner != 4 * d["n_embd"]:
-        raise ConfigError(f"unsupported setting n_inner={n_inner!r}: the MLP width must be 4 * n_embd")
+        raise ConfigError(f"unsupported setting n_inner={clip(n_inner)}: the MLP width must be 4 * n_embd")
 
 
 # Shapes of the official checkpoints (openai-community/* and distilbert/distilgpt2 on the hub).

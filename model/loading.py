@@ -19,9 +19,10 @@ from typing import Protocol
 import torch
 
 from . import huge_pages, kernels
-from .config import PRESETS, ConfigError, GPTConfig, preset, read_json
+from .config import PRESETS, ConfigError, GPTConfig, preset
 from .gpt import GPT
 from .hub import hub_errors
+from .json_file import clip, read_json
 from .kernels.layers import use_kernels
 from .quantize import quantize_
 from .safetensors_file import SafetensorsError, SafetensorsFile
@@ -212,16 +213,10 @@ def _index_shards(index: Path) -> list[str]:
     for tensor, shard in weight_map.items():
         if not (isinstance(shard, str) and shard not in ("", ".", "..") and Path(shard).name == shard):
             raise LoadError(
-                f"{index} is not a valid safetensors index: the shard of tensor {_clip(tensor)} must be the name "
-                f"of a file in {index.parent}, got {_clip(shard)}"
+                f"{index} is not a valid safetensors index: the shard of tensor {clip(tensor)} must be the name "
+                f"of a file in {index.parent}, got {clip(shard)}"
             )
     return sorted(set(weight_map.values()))
-
-
-def _clip(value: object) -> str:
-    """repr(value), cut short for a message (a hostile file can hold megabyte-long names)."""
-    text = repr(value)
-    return text if len(text) <= 100 else text[:100] + "..."
 
 
 def _download(name: str, repo_id: str, revision: str | None) -> CheckpointFiles:
@@ -348,7 +343,7 @@ def load_state(
             if name == LM_HEAD:
                 lm_head = (st, key)
             elif _official_shape(name, config) is None:
-                raise LoadError(f"unexpected tensor {key!r} in {path.name}: not part of a GPT-2 checkpoint")
+                raise LoadError(f"unexpected tensor {clip(key)} in {path.name}: not part of a GPT-2 checkpoint")
             elif name in sources:
                 first, first_key = sources[name]
                 raise LoadError(

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .json_file import clip
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -75,7 +76,7 @@ class SafetensorsFile:
             isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())  # JSON keys are strings
         ):
             raise SafetensorsError(
-                f"{self.path}: the header's __metadata__ must be an object of strings, got {_short(meta)}"
+                f"{self.path}: the header's __metadata__ must be an object of strings, got {clip(meta, json.dumps)}"
             )
         self.metadata: dict[str, str] = meta or {}
         data_start = 8 + header_len
@@ -87,35 +88,35 @@ class SafetensorsFile:
     def _entry(self, name: str, info: object, data_start: int, size: int) -> TensorEntry:
         if not (isinstance(info, dict) and {"dtype", "shape", "data_offsets"} <= info.keys()):
             raise SafetensorsError(
-                f"{self.path}: malformed header entry for tensor {name!r}: {_short(info)} "
+                f"{self.path}: malformed header entry for tensor {clip(name)}: {clip(info, json.dumps)} "
                 "(each tensor needs its dtype, shape and data_offsets)"
             )
         dtype_name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
         if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
             raise SafetensorsError(
-                f"{self.path}: tensor {name!r} has the unsupported dtype {_short(dtype_name, str)} "
+                f"{self.path}: tensor {clip(name)} has the unsupported dtype {clip(dtype_name, json.dumps)} "
                 f"(this reader takes {', '.join(DTYPES)})"
             )
         if not (isinstance(shape, list) and all(_count(d) for d in shape)):
             raise SafetensorsError(
-                f"{self.path}: malformed header entry for tensor {name!r}: its shape must be a list of "
-                f"non-negative integers, got {_short(shape)}"
+                f"{self.path}: malformed header entry for tensor {clip(name)}: its shape must be a list of "
+                f"non-negative integers, got {clip(shape, json.dumps)}"
             )
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(_count(o) for o in offsets)):
             raise SafetensorsError(
-                f"{self.path}: malformed header entry for tensor {name!r}: its data_offsets must be two "
-                f"non-negative integers, got {_short(offsets)}"
+                f"{self.path}: malformed header entry for tensor {clip(name)}: its data_offsets must be two "
+                f"non-negative integers, got {clip(offsets, json.dumps)}"
             )
         dtype, shape, (begin, end) = DTYPES[dtype_name], tuple(shape), offsets
         nbytes = math.prod(shape) * dtype.itemsize
         if end - begin != nbytes:
             raise SafetensorsError(
-                f"{self.path}: tensor {name!r} of shape {list(shape)} needs {nbytes} bytes "
+                f"{self.path}: tensor {clip(name)} of shape {list(shape)} needs {nbytes} bytes "
                 f"but its header gives the range {begin}..{end}"
             )
         if data_start + end > size:
             raise SafetensorsError(
-                f"{self.path} is truncated: tensor {name!r} ends at byte {data_start + end} "
+                f"{self.path} is truncated: tensor {clip(name)} ends at byte {data_start + end} "
                 f"but the file has only {size} bytes"
             )
         return TensorEntry(name, dtype, shape, data_start + begin, nbytes)
@@ -127,11 +128,11 @@ class SafetensorsFile:
         for entry in sorted(self.entries.values(), key=lambda e: (e.begin, e.nbytes)):
             if entry.begin != end:
                 raise SafetensorsError(
-                    f"{self.path}: invalid offset for tensor {entry.name!r}: its bytes begin at "
+                    f"{self.path}: invalid offset for tensor {clip(entry.name)}: its bytes begin at "
                     f"{entry.begin - data_start} but {before} at {end - data_start} (the tensors' byte ranges "
                     "must follow each other without gaps or overlaps)"
                 )
-            end, before = entry.begin + entry.nbytes, f"tensor {entry.name!r} ends"
+            end, before = entry.begin + entry.nbytes, f"tensor {clip(entry.name)} ends"
 
     def read(self, name: str) -> torch.Tensor:
         """Read one tensor into fresh CPU memory."""
@@ -140,7 +141,7 @@ class SafetensorsFile:
         with self.path.open("rb") as f:
             f.seek(entry.begin)
             if f.readinto(buf) != entry.nbytes:
-                raise SafetensorsError(f"{self.path} is truncated: could not read tensor {name!r}")
+                raise SafetensorsError(f"{self.path} is truncated: could not read tensor {clip(name)}")
         if entry.nbytes == 0:
             return torch.empty(entry.shape, dtype=entry.dtype)
         return torch.frombuffer(buf, dtype=entry.dtype).view(entry.shape)
@@ -149,12 +150,3 @@ class SafetensorsFile:
 def _count(value: object) -> bool:
     """Whether a header's shape entry or offset is a non-negative JSON integer (not a float, bool or string)."""
     return type(value) is int and value >= 0
-
-
-def _short(value: object, show: Callable[[object], str] = json.dumps) -> str:
-    """`value` for a message, cut short: a hostile header can be megabytes long."""
-    try:
-        text = show(value)
-    except (RecursionError, ValueError):
-        return "(a value nested too deeply to show)"
-    return text if len(text) <= 200 else text[:200] + "..."

@@ -116,6 +116,23 @@ def test_refusals(change: dict, message: str) -> None:
     assert message in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("change", "start"),
+    [
+        ({"model_type": "x" * 1_000_000}, "unsupported setting model_type='xxx"),
+        ({"n_inner": [[1] * 1_000_000]}, "unsupported setting n_inner=[[1, 1"),
+        ({"n_layer": "x" * 1_000_000}, "n_layer must be a positive integer, got 'xxx"),
+        ({"layer_norm_epsilon": ["x" * 1_000_000]}, "layer_norm_epsilon must be a number, got ['xxx"),
+    ],
+    ids=["model_type", "n_inner", "n_layer", "layer_norm_epsilon"],
+)
+def test_a_hostile_value_is_cut_short(change: dict, start: str) -> None:
+    """A config.json value of a megabyte is shown by its first hundred characters (model.json_file.clip)."""
+    with pytest.raises(ConfigError) as info:
+        GPTConfig.from_hf_dict({"n_layer": 2, "n_head": 2, "n_embd": 8} | change)
+    assert str(info.value).startswith(start) and len(str(info.value)) < 300
+
+
 @pytest.mark.parametrize("field", ["n_layer", "n_head", "n_embd"])
 def test_required_fields(field: str) -> None:
     d = {"n_layer": 2, "n_head": 2, "n_embd": 8}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from safetensors.torch import save_file
 
 from model.config import ConfigError, GPTConfig
 from model.hub import hub_errors
+from model.json_file import clip
 from model.loading import LoadError, load_weights, official_shapes
 from model.safetensors_file import SafetensorsError, SafetensorsFile
 
@@ -41,6 +43,40 @@ def write_raw(path: Path, header: dict | str, body: bytes = b"") -> Path:
 
 def f32(shape: list, begin: int, end: int) -> dict:
     return {"dtype": "F32", "shape": shape, "data_offsets": [begin, end]}
+
+
+# --- 0. a hostile value in a message ---------------------------------------------------------------
+
+
+def nested(depth: int) -> list:
+    """A list nested `depth` deep, built without recursion."""
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "x" * 1_000_000,
+        "line\nbreak\r\u2028",
+        [[1] * 1_000_000],
+        nested(100_000),  # deeper than Python's recursion allows: json parses less, but higher up the stack
+        10**5000,  # more digits than Python prints: computed from smaller numbers (d_in times a factor)
+        {"a": nested(100_000)},
+    ],
+    ids=["megabyte", "line breaks", "long list", "deep", "5000 digits", "deep in an object"],
+)
+@pytest.mark.parametrize("show", [repr, json.dumps])
+def test_clip_gives_one_short_line_and_never_raises(value: object, show: Callable[[object], str]) -> None:
+    text = clip(value, show)
+    assert len(text) <= 103 and "\n" not in text and "\r" not in text and "\u2028" not in text
+
+
+def test_clip_shows_a_short_value_whole() -> None:
+    assert clip("wte.weight") == "'wte.weight'" and clip([True, None], json.dumps) == "[true, null]"
+    assert clip("x" * 200) == "'" + "x" * 99 + "..."
 
 
 # --- 1. a source that looks like a repo id but is not a valid one ---------------------------------
@@ -227,8 +263,45 @@ def test_an_unsupported_dtype_is_named(dtype: str, tmp_path: Path) -> None:
     path = write_raw(
         tmp_path / "w.safetensors", {"t": {"dtype": dtype, "shape": [4], "data_offsets": [0, 4]}}, bytes(4)
     )
-    with pytest.raises(SafetensorsError, match=rf"^{path}: tensor 't' has the unsupported dtype {dtype} \(this reader"):
+    with pytest.raises(
+        SafetensorsError, match=rf"^{path}: tensor 't' has the unsupported dtype \"{dtype}\" \(this reader"
+    ):
         SafetensorsFile(path)
+
+
+LONG = "x" * 1_000_000  # a tensor name of a megabyte
+
+
+@pytest.mark.parametrize(
+    ("header", "body"),
+    [
+        ({LONG: [1]}, 16),  # malformed entry
+        ({LONG: {"dtype": "F8_E4M3", "shape": [4], "data_offsets": [0, 4]}}, 4),  # unsupported dtype
+        ({"t": {"dtype": LONG, "shape": [4], "data_offsets": [0, 4]}}, 4),
+        ({"t": {"dtype": "F32\nX", "shape": [4], "data_offsets": [0, 16]}}, 16),  # a line break in the dtype
+        ({LONG: f32([4.5], 0, 16)}, 16),  # shape
+        ({LONG: f32([4], 0, 16.0)}, 16),  # offsets
+        ({LONG: f32([4], 0, 8)}, 16),  # size mismatch
+        ({LONG: f32([4], 0, 16)}, 8),  # truncated
+        ({LONG: f32([4], 0, 16), LONG + "y": f32([4], 0, 16)}, 32),  # invalid offset
+    ],
+    ids=["entry", "dtype", "long dtype", "line break", "shape", "offsets", "size", "truncated", "offset"],
+)
+def test_a_hostile_header_gives_one_short_line(header: dict, body: int, tmp_path: Path) -> None:
+    path = write_raw(tmp_path / "w.safetensors", header, bytes(body))
+    with pytest.raises(SafetensorsError) as info:
+        SafetensorsFile(path)
+    message = str(info.value)
+    assert message.startswith(str(path)) and "\n" not in message and len(message) < len(str(path)) + 400
+
+
+def test_an_unexpected_tensor_of_a_long_name_gives_one_short_line(tmp_path: Path) -> None:
+    ckpt = write_checkpoint(tmp_path / "ckpt")
+    state = SafetensorsFile(ckpt / "model.safetensors")
+    save_file({k: state.read(k) for k in state.entries} | {LONG: torch.zeros(1)}, ckpt / "model.safetensors")
+    with pytest.raises(LoadError, match=r"^unexpected tensor 'xxx.*\.\.\. in model\.safetensors: not part of") as info:
+        load_weights(ckpt, **CPU)
+    assert len(str(info.value)) < 400
 
 
 def test_a_header_error_is_a_load_error_naming_the_file(tmp_path: Path) -> None:
@@ -294,7 +367,7 @@ def test_block_names_beyond_n_layer_are_unexpected(tmp_path: Path) -> None:
     tensors = {k: st.read(k) for k in st.entries}
     for key in ["transformer.h.2.ln_1.weight", "transformer.h.01.ln_1.weight", "transformer.h." + "9" * 5000 + ".x"]:
         save_file(tensors | {key: torch.zeros(8)}, ckpt / "model.safetensors")
-        with pytest.raises(LoadError, match=rf"^unexpected tensor {re.escape(repr(key))} in model\.safetensors"):
+        with pytest.raises(LoadError, match=rf"^unexpected tensor {re.escape(clip(key))} in model\.safetensors"):
             load_weights(ckpt, **CPU)
 
 

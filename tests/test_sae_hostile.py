@@ -168,3 +168,23 @@ def test_what_still_loads(tmp_path: Path) -> None:
     cfg = load_sae(path).cfg
     assert (cfg.d_sae, cfg.apply_b_dec_to_input, cfg.normalize_activations) == (48, False, "expected_average_only_in")
     assert cfg.model_name is None and not cfg.center_writing_weights
+
+
+def test_hostile_names_are_cut_short(tmp_path: Path) -> None:
+    """A megabyte-long name in either file gives a message of one short line."""
+    from model.config import GPTConfig
+    from model.lab.sae import load_saes
+
+    long = "x" * 1_000_000
+    path = edit_weights(sae_dir(tmp_path), **{long: torch.zeros(1)})
+    weights = load_file(str(path / "sae_weights.safetensors"))
+    del weights["W_enc"]
+    save_file(weights, str(path / "sae_weights.safetensors"))
+    with pytest.raises(SAEError, match=r"has no tensor 'W_enc' \(it has \[.*\.\.\.\)$") as e:
+        load_sae(path)
+    assert len(str(e.value)) < 400
+    path = edit_cfg(sae_dir(tmp_path / "b"), metadata={"hook_name": "blocks.1." + long})
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=D_IN, n_positions=8, vocab_size=16)
+    with pytest.raises(SAEError, match=r"reads 'blocks\.1\.xxx.*\.\.\., which this model does not have$") as e:
+        load_saes([f"s={path}"], config)
+    assert len(str(e.value)) < 400

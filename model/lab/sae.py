@@ -35,6 +35,7 @@ import torch
 
 from ..config import GPTConfig
 from ..hub import hub_errors
+from ..json_file import clip
 
 Architecture = Literal["standard", "topk", "jumprelu"]
 ARCHITECTURES = ("standard", "topk", "jumprelu")
@@ -98,7 +99,7 @@ class SAEConfig:
             architecture = "topk"
         if architecture not in ARCHITECTURES:
             raise SAEError(
-                f"{where}: architecture {_brief(architecture)} is not supported; use one of {', '.join(ARCHITECTURES)}"
+                f"{where}: architecture {clip(architecture)} is not supported; use one of {', '.join(ARCHITECTURES)}"
             )
         norm = cfg.get("normalize_activations")
         if norm is None:
@@ -107,32 +108,31 @@ class SAEConfig:
             norm = "expected_average_only_in" if norm else "none"
         if norm not in NORMALIZATIONS:
             raise SAEError(
-                f"{where}: normalize_activations {_brief(norm)} is not supported; "
-                f"use one of {', '.join(NORMALIZATIONS)}"
+                f"{where}: normalize_activations {clip(norm)} is not supported; use one of {', '.join(NORMALIZATIONS)}"
             )
         hook = field("hook_name", "hook_point")
         if hook is None:
             raise SAEError(f"{where}: no hook_name (under metadata, or at the top level as older releases keep it)")
         if not isinstance(hook, str):
-            raise SAEError(f"{where}: {CFG_FILE} field hook_name must be a string, got {_brief(hook)}")
+            raise SAEError(f"{where}: {CFG_FILE} field hook_name must be a string, got {clip(hook)}")
         model_name = field("model_name")
         if model_name is not None and not isinstance(model_name, str):
-            raise SAEError(f"{where}: {CFG_FILE} field model_name must be a string, got {_brief(model_name)}")
+            raise SAEError(f"{where}: {CFG_FILE} field model_name must be a string, got {clip(model_name)}")
         d_in, d_sae, factor = cfg.get("d_in"), cfg.get("d_sae"), cfg.get("expansion_factor")
         if d_sae is None and factor is not None:  # the oldest training configs give only the ratio
             if not (_is_int(factor) and factor > 0):
                 raise SAEError(
-                    f"{where}: {CFG_FILE} field expansion_factor must be a positive integer, got {_brief(factor)}"
+                    f"{where}: {CFG_FILE} field expansion_factor must be a positive integer, got {clip(factor)}"
                 )
             if _is_int(d_in):
                 d_sae = d_in * factor
         if not (_is_int(d_in) and _is_int(d_sae) and d_in > 0 and d_sae > 0):
-            raise SAEError(f"{where}: d_in and d_sae must be positive integers, got {_brief(d_in)} and {_brief(d_sae)}")
+            raise SAEError(f"{where}: d_in and d_sae must be positive integers, got {clip(d_in)} and {clip(d_sae)}")
         k = cfg.get("k")
         if k is None:
             k = _object(cfg, "activation_fn_kwargs", where).get("k")
         if architecture == "topk" and not (_is_int(k) and 0 < k <= d_sae):
-            raise SAEError(f"{where}: a topk SAE needs k in 1..{d_sae}, got {_brief(k)}")
+            raise SAEError(f"{where}: a topk SAE needs k in 1..{d_sae}, got {clip(k)}")
         held = meta if meta.get("model_from_pretrained_kwargs") is not None else cfg
         kwargs = {**_object(held, "model_from_pretrained_kwargs", where), **(model_kwargs or {})}
         return cls(
@@ -149,12 +149,6 @@ class SAEConfig:
         )
 
 
-def _brief(value: object) -> str:
-    """A cfg.json value for an error message, on one short line."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 def _is_int(value: object) -> TypeGuard[int]:
     """A JSON integer: Python's bool is an int, but JSON's true is not a size."""
     return isinstance(value, int) and not isinstance(value, bool)
@@ -166,7 +160,7 @@ def _object(cfg: dict[str, Any], name: str, where: str) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise SAEError(f"{where}: {CFG_FILE} field {name} must be a JSON object, got {_brief(value)}")
+        raise SAEError(f"{where}: {CFG_FILE} field {name} must be a JSON object, got {clip(value)}")
     return value
 
 
@@ -174,7 +168,7 @@ def _flag(cfg: dict[str, Any], name: str, default: bool, where: str) -> bool:
     """The JSON boolean `cfg[name]` (`default` where it is absent; null is false, as in SAELens)."""
     value = cfg.get(name, default)
     if value is not None and not isinstance(value, bool):
-        raise SAEError(f"{where}: {CFG_FILE} field {name} must be true or false, got {_brief(value)}")
+        raise SAEError(f"{where}: {CFG_FILE} field {name} must be true or false, got {clip(value)}")
     return bool(value)
 
 
@@ -192,7 +186,7 @@ class SAE:
         }
         for name, shape in need.items():
             if name not in weights:
-                raise SAEError(f"{source}: {WEIGHTS_FILE} has no tensor {name!r} (it has {', '.join(weights)})")
+                raise SAEError(f"{source}: {WEIGHTS_FILE} has no tensor {name!r} (it has {clip(list(weights))})")
             if tuple(weights[name].shape) != shape:
                 raise SAEError(
                     f"{source}: {name} has shape {list(weights[name].shape)}, cfg.json implies {list(shape)}"
@@ -284,7 +278,7 @@ class SAE:
 
     def check_feature(self, feature: object, what: str) -> int:
         if not isinstance(feature, int) or isinstance(feature, bool) or not 0 <= feature < self.cfg.d_sae:
-            raise SAEError(f"{what} {feature!r} is out of range 0..{self.cfg.d_sae - 1}")
+            raise SAEError(f"{what} {clip(feature)} is out of range 0..{self.cfg.d_sae - 1}")
         return feature
 
 
@@ -365,7 +359,7 @@ def load_saes(specs: Sequence[str], config: GPTConfig, device: torch.device | st
         sae = load_sae(source, device)
         hook = sae.cfg.hook_name
         if hook not in hook_names(config.n_layer):
-            raise SAEError(f"SAE {sae_id!r} ({source}) reads {hook!r}, which this model does not have")
+            raise SAEError(f"SAE {sae_id!r} ({source}) reads {clip(hook)}, which this model does not have")
         site = site_shape(hook, config.n_head, config.d_head, config.d_mlp, config.vocab_size)
         if site != (sae.cfg.d_in,):
             raise SAEError(f"SAE {sae_id!r} ({source}) reads vectors of {sae.cfg.d_in}, but {hook} holds {list(site)}")
