@@ -87,13 +87,23 @@ def test_topk_k_from_activation_fn_kwargs(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["[" * 100_000 + "]" * 100_000, '{"d_in": ' + "9" * 5000 + "}"], ids=["deep", "5000 digits"]
+    ("text", "expected"),
+    [
+        (b"[" * 100_000 + b"]" * 100_000, r"is not an SAE's cfg\.json: its JSON is nested too deeply$"),
+        (b'{"d_in": ' + b"9" * 5000 + b"}", r"is not valid JSON: Exceeds the limit \(4300 digits\)"),
+        (b'{"hook_name": "\xff"}', r"is not valid JSON: 'utf-8' codec can't decode byte 0xff"),
+        (b"d_in = 16", r"is not valid JSON: Expecting value: line 1 column 1"),
+    ],
+    ids=["deep", "5000 digits", "not UTF-8", "not JSON"],
 )
-def test_unparseable_cfg_json(tmp_path: Path, text: str) -> None:
+def test_unparseable_cfg_json(tmp_path: Path, text: bytes, expected: str) -> None:
+    """cfg.json is read as every JSON file of a checkpoint is (model.json_file.read_json): UTF-8 whatever
+    the locale, and each refusal one line naming the SAE and the file."""
     path = sae_dir(tmp_path)
-    (path / "cfg.json").write_text(text)
-    with pytest.raises(SAEError, match=r"sae: cfg\.json is not readable JSON"):
+    (path / "cfg.json").write_bytes(text)
+    with pytest.raises(SAEError, match=expected) as e:
         load_sae(path)
+    assert str(e.value).startswith(f"{path}: {path / 'cfg.json'} ") and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8, torch.bool])

@@ -23,7 +23,6 @@ value, so it needs nothing.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Sequence
@@ -35,7 +34,7 @@ import torch
 
 from ..config import GPTConfig
 from ..hub import hub_errors
-from ..json_file import clip
+from ..json_file import clip, read_json
 
 Architecture = Literal["standard", "topk", "jumprelu"]
 ARCHITECTURES = ("standard", "topk", "jumprelu")
@@ -311,12 +310,7 @@ def _from_dir(path: Path, where: str, model_kwargs: dict[str, Any] | None) -> SA
             raise SAEError(
                 f"{where}: no {f.name} in {path} (an SAE in SAELens' format has {CFG_FILE} and {WEIGHTS_FILE})"
             )
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except (OSError, ValueError) as e:  # ValueError: UnicodeDecodeError, JSONDecodeError, a 5000-digit number
-        raise SAEError(f"{where}: {CFG_FILE} is not readable JSON: {e}") from None
-    except RecursionError:
-        raise SAEError(f"{where}: {CFG_FILE} is not readable JSON: it is nested too deeply") from None
+    cfg = read_json(cfg_path, lambda message: SAEError(f"{where}: {message}"), f"an SAE's {CFG_FILE}")
     if not isinstance(cfg, dict):
         raise SAEError(f"{where}: {CFG_FILE} must hold a JSON object")
     try:
