@@ -180,6 +180,25 @@ def test_what_still_loads(tmp_path: Path) -> None:
     assert cfg.model_name is None and not cfg.center_writing_weights
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"d_in": 2**63},
+        {"d_sae": 2**63},
+        # d_in times the factor has 8002 digits: Python refuses to print it (a ValueError escaped)
+        {"d_in": 10**4000, "d_sae": ..., "expansion_factor": 10**4000},
+    ],
+    ids=["d_in", "d_sae", "from expansion_factor"],
+)
+def test_sizes_beyond_any_tensor(tmp_path: Path, fields: dict[str, Any]) -> None:
+    path = edit_cfg(sae_dir(tmp_path, "topk", k=4), **fields)
+    with pytest.raises(
+        SAEError, match=r"d_in and d_sae must be below 2\*\*63 \(no tensor has a longer dimension\)"
+    ) as e:
+        load_sae(path)
+    assert len(str(e.value)) < 400
+
+
 def test_hostile_names_are_cut_short(tmp_path: Path) -> None:
     """A megabyte-long name in either file gives a message of one short line."""
     from model.config import GPTConfig

@@ -127,6 +127,11 @@ class SAEConfig:
                 d_sae = d_in * factor
         if not (_is_int(d_in) and _is_int(d_sae) and d_in > 0 and d_sae > 0):
             raise SAEError(f"{where}: d_in and d_sae must be positive integers, got {clip(d_in)} and {clip(d_sae)}")
+        if max(d_in, d_sae) >= 2**63:  # d_in times a factor can even have too many digits to print
+            raise SAEError(
+                f"{where}: d_in and d_sae must be below 2**63 (no tensor has a longer dimension), "
+                f"got {clip(d_in)} and {clip(d_sae)}"
+            )
         k = cfg.get("k")
         if k is None:
             k = _object(cfg, "activation_fn_kwargs", where).get("k")
