@@ -131,8 +131,16 @@ def hub_repo(name: str) -> str | None:
 
 
 def locate(source: str | Path, *, revision: str | None = None, preset_name: str | None = None) -> CheckpointFiles:
-    """Find config, weights and tokenizer for a hub name or repo id, a directory, or a .safetensors file."""
+    """Find config, weights and tokenizer for a hub name or repo id, a directory, or a .safetensors file.
+    A `revision` names a commit of a hub repository: with a local source it is a LoadError (ignoring it
+    would hand back other weights than the ones asked for)."""
     path = Path(source).expanduser()
+    if revision is not None and (path.is_dir() or path.is_file()):
+        raise LoadError(
+            f"revision {clip(revision)} given for {clip(str(source))}, which is a local "
+            f"{'directory' if path.is_dir() else 'file'}: a revision applies only to a hub repository "
+            "(leave it out)"
+        )
     if path.is_dir():
         return _locate_dir(path, str(source), preset_name)
     if path.is_file():
@@ -470,7 +478,7 @@ def load(
     `source`: a hub name (`gpt2`, `gpt2-medium`, `gpt2-large`, `gpt2-xl`, `distilgpt2`) or repo id
     (`openai-community/gpt2`, with `revision`), a checkpoint directory (`config.json` and
     `model.safetensors`), or one `.safetensors` file (its shape from `preset_name`; a preset given with a
-    `config.json` must agree with it, or it is a LoadError).
+    `config.json` must agree with it, or it is a LoadError). A `revision` with a local source is a LoadError.
     `dtype`: auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16, or int8 (weight-only int8
     with a scale per output channel, float32 activations: `model/quantize.py`); or one of the torch dtypes
     torch.float32, torch.float64 (exactness checks), torch.float16 and torch.bfloat16 (any other is a LoadError).

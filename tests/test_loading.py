@@ -452,6 +452,34 @@ def test_hub_repository_without_weights(fake_hub: tuple[Path, list[tuple]]) -> N
         load_weights("gpt2", **CPU)
 
 
+@pytest.mark.parametrize("kind", ["directory", "file"])
+def test_a_revision_of_a_local_checkpoint_is_refused(
+    kind: str, fake_hub: tuple[Path, list[tuple]], tiny: Checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local source has no revisions: the one asked for would be ignored, and other weights handed back
+    than the user believes he has. Refused before anything is read or downloaded, by every entry point
+    (`locate` too, which the harvest job calls itself)."""
+    from model.loading import locate
+
+    monkeypatch.chdir(tmp_path)
+    write_byte_tokenizer(copy_checkpoint(tiny, tmp_path))
+    source = "ckpt" if kind == "directory" else "ckpt/model.safetensors"
+    expected = (
+        rf"^revision 'v2' given for '{re.escape(source)}', which is a local {kind}: a revision applies only to a hub "
+    )
+    for call in (load_checkpoint, load_weights):
+        with pytest.raises(LoadError, match=expected):
+            call(source, revision="v2", **CPU)
+    with pytest.raises(LoadError, match=expected):
+        locate(source, revision="v2")
+    assert fake_hub[1] == []  # nothing asked of the hub
+    assert load_checkpoint(source, **CPU).revision is None  # without a revision it loads as before
+    (tmp_path / "gpt2").mkdir()  # a directory that shadows a hub name is read as the directory: refused too
+    with pytest.raises(LoadError, match=r"^revision 'v2' given for 'gpt2', which is a local directory"):
+        load_weights("gpt2", revision="v2", **CPU)
+    assert fake_hub[1] == []
+
+
 # --- export ---------------------------------------------------------------------------------
 
 
