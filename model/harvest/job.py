@@ -28,7 +28,7 @@ from ..config import ConfigError, GPTConfig
 from ..gpt import GPT
 from ..hooks import UnknownHookError, is_attention_square, run_with_cache, select_hooks, site_shape
 from ..loading import DTYPE_NAMES, INT8, LoadedModel, LoadError, load_from, locate, resolve_device, resolve_dtype
-from ..tokenizer import EOT, Tokenizer, TokenizerError
+from ..tokenizer import EOT, Tokenizer, TokenizerError, tokenizer_files
 from . import saelens
 from .errors import HarvestError
 from .shards import Manifest, ShardRecord, sha256_file, shard_name, write_atomic
@@ -98,6 +98,7 @@ class Plan:
     source: dict[str, Any] = field(default_factory=dict)  # what identifies the text
     weights: list[dict[str, Any]] | None = None  # what identifies the weight files (None: a model given loaded)
     device: str = "cpu"  # the kind of device the shards are computed on: their rounding depends on it
+    tokenizer_files: list[dict[str, Any]] | None = None  # what identifies the tokenizer's files (None: loaded)
 
     @property
     def suffix(self) -> str:
@@ -127,6 +128,7 @@ class Plan:
             "format": s.format,
             "source": self.source,
             "weights": self.weights,
+            "tokenizer_files": self.tokenizer_files,
         }
 
     def header(self, model_name: str, revision: str | None) -> dict[str, Any]:
@@ -166,10 +168,12 @@ def make_plan(
     dtype: torch.dtype,
     weights: list[dict[str, Any]] | None = None,
     device: str = "cpu",
+    tokenizer_files: list[dict[str, Any]] | None = None,
 ) -> Plan:
     """Resolve `spec` against the model's shape: hooks, shapes, shard size; bad values are `HarvestError`s.
-    `weights` identifies the weight files (`weights_identity`), so that a resume refuses other weights;
-    `device` is the kind of device that computes the shards (cpu, cuda, mps)."""
+    `weights` and `tokenizer_files` identify the weight files and the tokenizer's (`files_identity`), so
+    that a resume refuses others at the same paths; `device` is the kind of device that computes the shards
+    (cpu, cuda, mps)."""
     if spec.context_size > config.n_positions:
         raise HarvestError(f"context size {spec.context_size} is more than the model's {config.n_positions} positions")
     try:
@@ -205,6 +209,7 @@ def make_plan(
         source.describe(),
         weights,
         device,
+        tokenizer_files,
     )
 
 
@@ -285,11 +290,21 @@ class Progress(Protocol):
     def close(self) -> None: ...
 
 
-def locate_model(
-    spec: HarvestSpec, device: torch.device
-) -> tuple[GPTConfig, Tokenizer, torch.dtype, list[dict[str, Any]]]:
-    """The model's shape, tokenizer, activation dtype (on `device`) and weight files' identity, without
-    reading its weights (for a driver that plans a job its workers run)."""
+@dataclass(frozen=True)
+class Located:
+    """What a driver knows of the model without reading its weights: its shape, tokenizer, activation
+    dtype, and the identities of its weight files and of the tokenizer files."""
+
+    config: GPTConfig
+    tokenizer: Tokenizer
+    dtype: torch.dtype
+    weights: list[dict[str, Any]]
+    tokenizer_files: list[dict[str, Any]]
+
+
+def locate_model(spec: HarvestSpec, device: torch.device) -> Located:
+    """The model as `Located` (activations' dtype on `device`), without reading its weights (for a driver
+    that plans a job its workers run)."""
     try:
         files = locate(spec.model, revision=spec.revision, preset_name=spec.preset)
         tok_dir = spec.tokenizer or files.tokenizer_dir
@@ -299,13 +314,15 @@ def locate_model(
         dtype = resolve_dtype(spec.dtype, device)
     except (LoadError, ConfigError, TokenizerError) as e:
         raise HarvestError(str(e)) from None
-    return files.config, tokenizer, dtype, weights_identity(files.weights)
+    tok_files = [Path(tok_dir) / name for name in tokenizer_files(Path(tok_dir)) or []]  # the ones from_dir read
+    return Located(files.config, tokenizer, dtype, files_identity(files.weights), files_identity(tok_files))
 
 
-def weights_identity(paths: list[Path]) -> list[dict[str, Any]]:
-    """Each weight file's name, size and sha256: other weights at the same path (a checkpoint overwritten,
-    another hub revision) give another identity; the same weights copied or touched do not. Read once a job
-    starts, at about 1 GB/s (gpt2-small 0.5 s, gpt2-xl 6 s), beside a harvest of minutes to hours."""
+def files_identity(paths: list[Path]) -> list[dict[str, Any]]:
+    """Each file's name, size and sha256: other files at the same path (a checkpoint overwritten, another hub
+    revision, a tokenizer's vocab.json edited) give another identity; the same files copied or touched do
+    not. Read once a job starts, at about 1 GB/s (gpt2-small's weights 0.5 s, gpt2-xl's 6 s), beside a
+    harvest of minutes to hours."""
     return [{"name": p.name, "bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in paths]
 
 
@@ -322,6 +339,7 @@ def open_job(
     """Plan the job and open (or resume) its output folder. `device`: the kind of device the workers compute
     on, where it is not this process's (None: `loaded`'s, or `spec.device` resolved here)."""
     weights: list[dict[str, Any]] | None = None  # a model given loaded has no files to identify
+    tok_files: list[dict[str, Any]] | None = None
     if loaded is not None:
         config, tokenizer, dtype = loaded.model.config, loaded.tokenizer, loaded.dtype
         name, revision, here = loaded.name, loaded.revision, loaded.device
@@ -330,9 +348,11 @@ def open_job(
             here = resolve_device(spec.device)
         except LoadError as e:
             raise HarvestError(str(e)) from None
-        config, tokenizer, dtype, weights = locate_model(spec, here)
+        located = locate_model(spec, here)
+        config, tokenizer, dtype = located.config, located.tokenizer, located.dtype
+        weights, tok_files = located.weights, located.tokenizer_files
         name, revision = spec.model, spec.revision
-    plan = make_plan(spec, config, tokenizer, dtype, weights, device or here.type)
+    plan = make_plan(spec, config, tokenizer, dtype, weights, device or here.type, tok_files)
     manifest = Manifest.open(out_dir, plan.job(), plan.header(name, revision))
     return plan, manifest, tokenizer
 

@@ -26,7 +26,10 @@ from .errors import HarvestError
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
-MANIFEST_VERSION = 2  # 2: the job names the text's and the weights' sha256 and the device kind resolved
+# 2: the job names the text's and the weights' sha256 and the device kind resolved; 3: the tokenizer files' too
+MANIFEST_VERSION = 3
+_TOKENIZER = "tokenizer_files"  # the job's key that version 3 added: version 2's jobs resume, and get it recorded
+_IDENTITIES = ("source", "weights", _TOKENIZER)  # the job's keys that identify files by name, size and sha256
 _TMP = ".tmp-"
 _OURS = re.compile(r"(manifest|dataset_info|state)\.json|acts-\d{5,}\.(safetensors|arrow)")  # `write_atomic`'s names
 
@@ -92,10 +95,35 @@ def sha256_file(path: Path) -> str:
 
 
 def _difference(key: str, there: Any, now: Any) -> str:
-    """One argument a restart changed, for the error: both values when short, else what changed."""
+    """One argument a restart changed, for the error: both values when short, the files that changed for
+    the files' identities, else that the values differ."""
+    if key in _IDENTITIES and (changed := _files_changed(there, now)):
+        return f"{key}: {changed}"
     if len(repr(there)) + len(repr(now)) <= 120:
         return f"{key}: {there!r} there, {now!r} now"
-    return f"{key}: other {'files (names, sizes or sha256)' if key in ('source', 'weights') else 'values'} now"
+    return f"{key}: other {'files (names, sizes or sha256)' if key in _IDENTITIES else 'values'} now"
+
+
+def _files_changed(there: Any, now: Any) -> str | None:
+    """The files that differ ("vocab.json changed", "b.txt new", "a.txt gone") between two lists of files'
+    identities ({name, bytes, sha256}) or two sources that differ only in their files; None for the rest."""
+    if isinstance(there, dict) and isinstance(now, dict) and "files" in there and "files" in now:
+        if {k: v for k, v in there.items() if k != "files"} != {k: v for k, v in now.items() if k != "files"}:
+            return None
+        there, now = there["files"], now["files"]
+    try:
+        before, after = {f["name"]: f for f in there}, {f["name"]: f for f in now}
+    except (TypeError, KeyError):
+        return None
+    changed = []
+    for name in [*before, *(n for n in after if n not in before)]:
+        if name not in after:
+            changed.append(f"{name} gone")
+        elif name not in before:
+            changed.append(f"{name} new")
+        elif before[name] != after[name]:
+            changed.append(f"{name} changed")
+    return ", ".join(changed) or None
 
 
 class Manifest:
@@ -146,12 +174,17 @@ class Manifest:
             records = [ShardRecord(**r) for r in saved["shards"]]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise HarvestError(f"{path} is not a harvest manifest this version can read ({e})") from None
-        if saved.get("version") != MANIFEST_VERSION:
+        # version 2 recorded everything but the tokenizer's identity: its job resumes with the tokenizer
+        # named now, whose identity is recorded from now on (what tokenized the shards before, it cannot say)
+        upgrade = saved.get("version") == 2 and isinstance(saved_job, dict) and _TOKENIZER not in saved_job
+        if saved.get("version") != MANIFEST_VERSION and not upgrade:
             raise HarvestError(
                 f"{path} was written by another version of gpt2-harvest (manifest version {saved.get('version')}, "
                 f"this one writes {MANIFEST_VERSION}), which recorded its job otherwise: it cannot be resumed "
                 "here; give another output folder (its finished shards stay readable)"
             )
+        if upgrade:
+            saved_job = saved_job | {_TOKENIZER: self.job.get(_TOKENIZER)}
         if saved_job != self.job:
             diffs = [_difference(k, saved_job.get(k), self.job.get(k)) for k in sorted(set(saved_job) | set(self.job))
                      if saved_job.get(k) != self.job.get(k)]  # fmt: skip
@@ -168,6 +201,14 @@ class Manifest:
         self.complete = bool(saved.get("complete")) and len(self.shards) == len(records)
         self.n_contexts = saved.get("n_contexts") if self.complete else None
         log.info("resuming %s: %d shards already there", self.out_dir, len(self.shards))
+        if upgrade and not self.complete:
+            log.warning(
+                "%s was started by a gpt2-harvest that did not record its tokenizer: resuming with the tokenizer "
+                "given now, whose files are recorded from now on (if they changed since the job started, its "
+                "new shards are tokenized otherwise: start it in another folder)",
+                self.out_dir,
+            )
+            self.save()  # the tokenizer's identity, from now on
 
     def discard_if_empty(self) -> None:
         """Undo `open` for a job that failed before writing anything: remove the manifest it wrote into a new
