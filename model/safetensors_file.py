@@ -83,7 +83,7 @@ class SafetensorsFile:
         self.entries: dict[str, TensorEntry] = {}
         for name, info in header.items():
             self.entries[name] = self._entry(name, info, data_start, size)
-        self._check_layout(data_start)
+        self._check_layout(data_start, size)
 
     def _entry(self, name: str, info: object, data_start: int, size: int) -> TensorEntry:
         if not (isinstance(info, dict) and {"dtype", "shape", "data_offsets"} <= info.keys()):
@@ -121,9 +121,10 @@ class SafetensorsFile:
             )
         return TensorEntry(name, dtype, shape, data_start + begin, nbytes)
 
-    def _check_layout(self, data_start: int) -> None:
-        """The tensors' byte ranges must tile the data from its start, without gaps or overlaps, as the
-        official `safetensors` library requires ("invalid offset")."""
+    def _check_layout(self, data_start: int, size: int) -> None:
+        """The tensors' byte ranges must tile the data from its start to the end of the file, without gaps,
+        overlaps or bytes left over, as the official `safetensors` library requires ("invalid offset",
+        "file not fully covered")."""
         end, before = data_start, "the data begins"
         for entry in sorted(self.entries.values(), key=lambda e: (e.begin, e.nbytes)):
             if entry.begin != end:
@@ -133,6 +134,11 @@ class SafetensorsFile:
                     "must follow each other without gaps or overlaps)"
                 )
             end, before = entry.begin + entry.nbytes, f"tensor {clip(entry.name)} ends"
+        if end != size:
+            raise SafetensorsError(
+                f"{self.path}: {size - end} bytes after the end of the tensors' data: it ends at byte {end}, the "
+                f"file at byte {size} (every byte of the data must belong to a tensor)"
+            )
 
     def read(self, name: str) -> torch.Tensor:
         """Read one tensor into fresh CPU memory."""

@@ -246,6 +246,44 @@ def test_offsets_out_of_the_headers_order_are_fine(tmp_path: Path) -> None:
     assert st.read("b").tolist() == [4, 5, 6, 7] and st.read("a").tolist() == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize(
+    ("header", "data", "extra"),
+    [
+        ({"a": f32([4], 0, 16)}, 16, 1),
+        ({"a": f32([4], 0, 16)}, 16, 100),
+        ({"a": f32([0], 0, 0)}, 0, 8),
+        ({"__metadata__": {"format": "pt"}}, 0, 8),  # no tensors, some bytes
+    ],
+    ids=["one byte", "a hundred bytes", "after a tensor of no bytes", "no tensors"],
+)
+def test_bytes_after_the_last_tensor_are_refused(header: dict, data: int, extra: int, tmp_path: Path) -> None:
+    """As the official library refuses them ("file not fully covered"): bytes no tensor covers are not a
+    safetensors file's, and a reader that skipped them would take a file cut or spliced wrongly for a good one."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = write_raw(tmp_path / "w.safetensors", header, bytes(data + extra))
+    size = path.stat().st_size
+    with pytest.raises(
+        SafetensorsError,
+        match=rf"^{path}: {extra} bytes after the end of the tensors' data: it ends at byte {size - extra}, the "
+        rf"file at byte {size} \(every byte of the data must belong to a tensor\)$",
+    ):
+        SafetensorsFile(path)
+    with pytest.raises(SafetensorError, match="file not fully covered"):
+        load_file(path)
+    path = write_raw(path, header, bytes(data))  # without them, both read it
+    assert SafetensorsFile(path).entries.keys() == load_file(path).keys()
+
+
+def test_bytes_after_the_last_tensor_are_a_load_error(tmp_path: Path) -> None:
+    ckpt = write_checkpoint(tmp_path / "ckpt")
+    with (ckpt / "model.safetensors").open("ab") as f:
+        f.write(bytes(3))
+    with pytest.raises(LoadError, match=r"model\.safetensors: 3 bytes after the end of the tensors' data"):
+        load_weights(ckpt, **CPU)
+
+
 @pytest.mark.parametrize("meta", [[1], "x", 3, {"a": {"b": 1}}, {"a": 1}, {"a": None}])
 def test_metadata_must_map_strings_to_strings(meta: object, tmp_path: Path) -> None:
     path = write_raw(tmp_path / "w.safetensors", {"__metadata__": meta, "t": f32([4], 0, 16)}, bytes(16))
