@@ -1,22 +1,47 @@
 """The harvest job as a Ray Data pipeline, on a local Ray instance this test starts (2 CPUs, a small object
-store): its shards equal the in-process run's, byte for byte, and its manifest lists the same shards."""
+store): its shards equal the in-process run's, byte for byte, and its manifest lists the same shards; its
+driver holds the folder's lock (a second job is refused) while its actors write there."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from model.harvest import MANIFEST, harvest
+from model.harvest import MANIFEST, HarvestError, harvest
 from model.harvest.job import HarvestSpec
+from model.harvest.lock import LOCK
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (the [ray] extra)")
 pytest.importorskip("ray.data", reason="Ray Data is not installed (ray[data])")
+
+
+class SecondJob:
+    """A progress that, as the Ray job's first shard is recorded, tries a second job into its folder."""
+
+    def __init__(self, *args: Any, **options: Any) -> None:
+        self.args, self.options, self.refused = args, options, ""
+
+    def start(self, total_tokens: int | None, done_tokens: int) -> None:
+        pass
+
+    def advance(self, tokens: int) -> None:
+        if not self.refused:
+            try:
+                harvest(*self.args, **self.options)
+                self.refused = "not refused"
+            except HarvestError as e:
+                self.refused = str(e)
+
+    def close(self) -> None:
+        pass
 
 
 def test_ray_equals_in_process(tiny, tokenizer_dir: Path, tmp_path: Path) -> None:
@@ -50,12 +75,16 @@ def test_ray_equals_in_process(tiny, tokenizer_dir: Path, tmp_path: Path) -> Non
         _temp_dir=ray_tmp,
         log_to_driver=False,
     )
+    second = SecondJob(tiny.path, source, on_ray, hooks, **options)
     try:
-        manifest = run_on_ray(spec, on_ray, actors=2, cpus_per_actor=1)
+        manifest = run_on_ray(spec, on_ray, actors=2, cpus_per_actor=1, progress=second)
     finally:
         ray.shutdown()
         shutil.rmtree(ray_tmp, ignore_errors=True)
+    holder = f"another harvest job (pid {os.getpid()}) is writing to {on_ray}"  # this process: Ray's driver
+    assert second.refused == f"{holder}; wait for it or pick another --out"
     assert manifest.complete and manifest.n_contexts == local.n_contexts
+    assert not (on_ray / LOCK).exists()
     ours = json.loads((tmp_path / "local" / MANIFEST).read_text())
     theirs = json.loads((on_ray / MANIFEST).read_text())
     assert theirs == ours  # the same job, shards, rows and sha256

@@ -1,22 +1,29 @@
 """What a harvest's output folder holds it to: the tokenizer it started with (its files' sha256, recorded in
-the manifest, so a tokenizer edited in place is refused on resume)."""
+the manifest, so a tokenizer edited in place is refused on resume), and one job at a time (a lock a second
+job is refused by, at once, and which a killed job leaves holding nothing)."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import random
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from model.harvest import MANIFEST, HarvestError, harvest
+from model.harvest.lock import LOCK, FolderLock
 from model.tokenizer import Tokenizer
 
+ROOT = Path(__file__).resolve().parents[1]
 HOOKS = ["blocks.0.hook_resid_pre"]
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "from", "home", "."]
 
@@ -114,3 +121,131 @@ def test_a_version_2_manifest_resumes_and_records_the_tokenizer(
     drop_first_merge(tok)
     with pytest.raises(HarvestError, match=r"tokenizer_files: tokenizer\.json changed"):
         harvest(tiny.path, source, out, HOOKS, **options(tok))
+
+
+# --- one job per folder ------------------------------------------------------------------------
+
+
+def refusal(pid: int, out: Path) -> str:
+    return f"another harvest job (pid {pid}) is writing to {out}; wait for it or pick another --out"
+
+
+class SecondJob:
+    """A progress that, at the first job's first batch, starts a second job into the same folder."""
+
+    def __init__(self, start: Any) -> None:
+        self.start_second, self.refused = start, None
+
+    def start(self, total_tokens: int | None, done_tokens: int) -> None:
+        pass
+
+    def advance(self, tokens: int) -> None:
+        if self.refused is None:
+            with pytest.raises(HarvestError) as e:
+                self.start_second()
+            self.refused = str(e.value)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_second_job_is_refused_while_the_first_runs(tiny, tokenizer_dir: Path, source: Path, tmp_path: Path) -> None:
+    """Started while another job writes into its folder (here from this process: the lock is per open
+    file, not per process), a job is refused at once, in one line naming the holder; the first job goes
+    on to the same files as a job run alone, and leaves no lock file."""
+    reference = tmp_path / "alone"
+    harvest(tiny.path, source, reference, HOOKS, **options(tokenizer_dir))
+    out = tmp_path / "acts"
+    second = SecondJob(lambda: harvest(tiny.path, source, out, HOOKS, **options(tokenizer_dir)))
+    assert harvest(tiny.path, source, out, HOOKS, progress=second, **options(tokenizer_dir)).complete
+    assert second.refused == refusal(os.getpid(), out)
+    assert tree_shas(out) == tree_shas(reference)
+
+
+def hold_lock(out: Path) -> subprocess.Popen[str]:
+    """Another process holding `out`'s lock, as a running job does, until it is killed."""
+    code = "import sys; from pathlib import Path; from model.harvest.lock import FolderLock; "
+    code += "lock = FolderLock.acquire(Path(sys.argv[1])); print('locked', flush=True); sys.stdin.read()"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    assert proc.stdout is not None and proc.stdout.readline() == "locked\n"
+    return proc
+
+
+def test_a_killed_holder_leaves_a_lock_that_blocks_nothing(
+    tiny, tokenizer_dir: Path, source: Path, tmp_path: Path
+) -> None:
+    """Refused while another process holds the lock, a job changes nothing there (the holder's lock file
+    included); once the holder is killed (kill -9), its lock file is left behind and the job resumes."""
+    out = tmp_path / "acts"
+    harvest(tiny.path, source, out, HOOKS, **options(tokenizer_dir))
+    whole = tree_shas(out)
+    (out / "acts-00001.safetensors").unlink()
+    interrupted = tree_shas(out)
+    holder = hold_lock(out)
+    try:
+        with pytest.raises(HarvestError) as e:
+            harvest(tiny.path, source, out, HOOKS, **options(tokenizer_dir))
+        assert str(e.value) == refusal(holder.pid, out)
+        held = tree_shas(out)
+        assert held.pop(LOCK) and held == interrupted  # the holder's lock file stays, and nothing else changed
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+    assert (out / LOCK).is_file()  # stale: it names a dead process and holds no lock
+    assert harvest(tiny.path, source, out, HOOKS, **options(tokenizer_dir)).complete
+    assert tree_shas(out) == whole
+
+
+def test_a_stale_lock_file_alone_is_an_empty_folder(tiny, tokenizer_dir: Path, source: Path, tmp_path: Path) -> None:
+    """A folder holding only a killed job's lock file (killed before its manifest) takes a new job."""
+    out = tmp_path / "acts"
+    out.mkdir()
+    (out / LOCK).write_text("999999 elsewhere\n")
+    assert harvest(tiny.path, source, out, HOOKS, **options(tokenizer_dir)).complete
+    assert LOCK not in tree_shas(out)
+
+
+def test_the_refusal_is_one_line_from_the_command_line(
+    tiny, tokenizer_dir: Path, source: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gpt2_scripts import harvest as harvest_cli
+
+    out = tmp_path / "acts"
+    out.mkdir()
+    held = FolderLock.acquire(out)
+    assert held is not None
+    try:
+        argv = [str(source), "--out", str(out), "--model", str(tiny.path), "--tokenizer", str(tokenizer_dir)]
+        assert harvest_cli.main([*argv, "--device", "cpu", "--hooks", HOOKS[0]]) == 1
+    finally:
+        held.release()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"gpt2-harvest: error: {refusal(os.getpid(), out)}"]
+    assert list(out.iterdir()) == []
+
+
+def test_a_lock_file_removed_as_its_holder_finishes_is_not_held_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job that opened the lock file just before its holder removed it and finished must not take the
+    lock of that removed file (a third job would then lock a new file at the same path: two holders)."""
+    first = FolderLock.acquire(tmp_path)
+    assert first is not None
+    real_flock = fcntl.flock
+
+    def flock_after_the_holder_finishes(fd: int, operation: int) -> None:
+        monkeypatch.setattr(fcntl, "flock", real_flock)
+        first.release()  # between the second job's open and its flock
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock_after_the_holder_finishes)
+    second = FolderLock.acquire(tmp_path)
+    assert second is not None
+    try:
+        with pytest.raises(HarvestError, match=r"another harvest job \(pid \d+\) is writing to"):
+            FolderLock.acquire(tmp_path)
+    finally:
+        second.release()
+    assert list(tmp_path.iterdir()) == []

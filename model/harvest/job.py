@@ -337,7 +337,8 @@ def open_job(
     spec: HarvestSpec, out_dir: str | Path, loaded: LoadedModel | None = None, device: str | None = None
 ) -> tuple[Plan, Manifest, Tokenizer]:
     """Plan the job and open (or resume) its output folder. `device`: the kind of device the workers compute
-    on, where it is not this process's (None: `loaded`'s, or `spec.device` resolved here)."""
+    on, where it is not this process's (None: `loaded`'s, or `spec.device` resolved here). The manifest
+    holds the folder's lock: `close` it (or use it as a context manager) when the job ends."""
     weights: list[dict[str, Any]] | None = None  # a model given loaded has no files to identify
     tok_files: list[dict[str, Any]] | None = None
     if loaded is not None:
@@ -362,7 +363,15 @@ def run_harvest(
 ) -> Manifest:
     """Run (or resume) the job `spec` in this process, writing its shards to `out_dir`."""
     plan, manifest, tokenizer = open_job(spec, out_dir, loaded)
-    T = spec.context_size
+    with manifest:  # the folder stays locked against other jobs until this one ends
+        _run_here(plan, manifest, tokenizer, loaded, progress)
+    return manifest
+
+
+def _run_here(
+    plan: Plan, manifest: Manifest, tokenizer: Tokenizer, loaded: LoadedModel | None, progress: Progress | None
+) -> None:
+    spec, T = plan.spec, plan.spec.context_size
     if progress is not None:
         total = None if plan.max_contexts is None else plan.max_contexts * T
         progress.start(total, sum(r.rows for r in manifest.shards.values()) * T)
@@ -370,7 +379,7 @@ def run_harvest(
         log.info("%s: the harvest is complete already (%d shards)", manifest.out_dir, len(manifest.shards))
         if progress is not None:
             progress.close()
-        return manifest
+        return
     n_contexts = 0
     try:
         lm = loaded if loaded is not None else load_model(spec)
@@ -392,7 +401,6 @@ def run_harvest(
         if progress is not None:
             progress.close()
     manifest.finish(n_contexts)
-    return manifest
 
 
 def _prefetched(shards: Iterator[tuple[int, int, np.ndarray]]) -> Iterator[tuple[int, int, np.ndarray]]:

@@ -5,9 +5,10 @@ per missing shard (its number, first context and token ids); `map_batches` hands
 `ShardActor`s (`ActorPoolStrategy`), each of which loads the model once and computes, encodes and writes
 whole shards with the functions the in-process job uses, so every shard holds the bytes a single process
 writes. The driver records each finished shard in the manifest as it arrives, so an interrupted Ray job
-resumes like any other, on Ray or not. The output folder must be one every worker can write (one machine,
-or a filesystem the cluster shares); the model and tokenizer paths, likewise, must be there for every
-worker (or be hub names).
+resumes like any other, on Ray or not. The driver alone holds the output folder's lock (`lock.py`): the
+workers write their shards into it under that lock. The output folder must be one every worker can write
+(one machine, or a filesystem the cluster shares); the model and tokenizer paths, likewise, must be there
+for every worker (or be hub names).
 """
 
 from __future__ import annotations
@@ -99,18 +100,19 @@ def run_on_ray(
     device = ("cuda" if gpus_per_actor > 0 else "cpu") if spec.device == "auto" else None
     plan, manifest, tokenizer = open_job(spec, out_dir, device=device)
     T = spec.context_size
-    if progress is not None:
-        total = None if plan.max_contexts is None else plan.max_contexts * T
-        progress.start(total, sum(r.rows for r in manifest.shards.values()) * T)
-    try:
-        if not manifest.complete:
-            _run(plan, manifest, tokenizer, address, actors, cpus_per_actor, gpus_per_actor, progress)
-    except BaseException:
-        manifest.discard_if_empty()  # failed before its first shard: leave no folder to refuse a fix
-        raise
-    finally:
+    with manifest:  # this driver holds the folder's lock; the actors write their shards under it
         if progress is not None:
-            progress.close()
+            total = None if plan.max_contexts is None else plan.max_contexts * T
+            progress.start(total, sum(r.rows for r in manifest.shards.values()) * T)
+        try:
+            if not manifest.complete:
+                _run(plan, manifest, tokenizer, address, actors, cpus_per_actor, gpus_per_actor, progress)
+        except BaseException:
+            manifest.discard_if_empty()  # failed before its first shard: leave no folder to refuse a fix
+            raise
+        finally:
+            if progress is not None:
+                progress.close()
     return manifest
 
 

@@ -7,7 +7,8 @@ name, fsynced and renamed, and the manifest is rewritten the same way after each
 any instant leaves finished shards, a manifest that lists only finished shards, and at most a stray
 temporary file. Started again with the same arguments, the job checks them against the manifest, checks
 each listed shard against its sha256, and computes only the shards that are missing: packing is
-deterministic, so they get exactly the contexts an uninterrupted run gives them.
+deterministic, so they get exactly the contexts an uninterrupted run gives them. An open manifest holds
+the folder's lock (`lock.py`) until `close`, so that a second job cannot write there meanwhile.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import HarvestError
+from .lock import LOCK, FolderLock
 
 log = logging.getLogger(__name__)
 
@@ -137,12 +139,25 @@ class Manifest:
         self.n_contexts: int | None = None
         self.new = False  # this run wrote the manifest into a new or empty folder
         self.made: Path | None = None  # the outermost folder this run made (out_dir or one above it)
+        self.lock: FolderLock | None = None  # held from `open` to `close`
+
+    def __enter__(self) -> Manifest:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Let go of the folder's lock, for the next job (the manifest stays readable)."""
+        if self.lock is not None:
+            self.lock.release()
 
     @classmethod
     def open(cls, out_dir: str | Path, job: dict[str, Any], header: dict[str, Any]) -> Manifest:
         """The manifest of `out_dir` for this job: a new one for a new or empty folder, the folder's own
         when it holds this job's shards (its arguments must match `job`; shards whose bytes no longer match
-        their sha256 are dropped, to be computed again)."""
+        their sha256 are dropped, to be computed again). It holds the folder's lock until `close` (use it as
+        a context manager); another job holding it is a `HarvestError`, at once."""
         out = Path(out_dir)
         if out.exists() and not out.is_dir():
             raise HarvestError(f"output {out} is a file, not a folder")
@@ -150,21 +165,26 @@ class Manifest:
         out.mkdir(parents=True, exist_ok=True)
         manifest = cls(out, job, header)
         manifest.made = missing[-1] if missing else None
-        path = out / MANIFEST
-        if not path.is_file():
-            others = sorted(p.name for p in out.iterdir() if not _leftover(p))
-            if others:
-                raise HarvestError(
-                    f"output folder {out} is not empty and holds no {MANIFEST} ({', '.join(others[:5])}"
-                    f"{', ...' if len(others) > 5 else ''}): give an empty or new folder, or one a harvest wrote"
-                )
-            manifest.save()  # first, so that a folder with shards always says whose they are
-            manifest.new = True
-        else:
-            manifest._resume(path)
-        for stray in out.iterdir():
-            if _leftover(stray):
-                stray.unlink()
+        manifest.lock = FolderLock.acquire(out)  # before reading anything: another job may be writing there
+        try:
+            path = out / MANIFEST
+            if not path.is_file():
+                others = sorted(p.name for p in out.iterdir() if not _leftover(p) and p.name != LOCK)
+                if others:
+                    raise HarvestError(
+                        f"output folder {out} is not empty and holds no {MANIFEST} ({', '.join(others[:5])}"
+                        f"{', ...' if len(others) > 5 else ''}): give an empty or new folder, or one a harvest wrote"
+                    )
+                manifest.save()  # first, so that a folder with shards always says whose they are
+                manifest.new = True
+            else:
+                manifest._resume(path)
+            for stray in out.iterdir():
+                if _leftover(stray):
+                    stray.unlink()
+        except BaseException:
+            manifest.close()
+            raise
         return manifest
 
     def _resume(self, path: Path) -> None:
@@ -216,7 +236,7 @@ class Manifest:
         if not self.new or self.shards:
             return
         try:
-            names = [p.name for p in self.out_dir.iterdir() if not _leftover(p)]
+            names = [p.name for p in self.out_dir.iterdir() if not _leftover(p) and p.name != LOCK]
             if names != [MANIFEST]:  # a shard written but not yet recorded: keep the manifest naming its job
                 return
             for p in self.out_dir.iterdir():
