@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .gpt import GPT
-from .hooks import Capture, Hooks
+from .hooks import Hooks, run_until
 from .interventions import HookChain, NonFiniteActivations
 
 
@@ -80,48 +80,112 @@ class LayerStats:
 
 def analyze(model: GPT, ids: list[int], top_k: int = 5, edits: Hooks | None = None) -> list[LayerStats]:
     """One forward pass over `ids` (with `edits`, e.g. residual ablation, applied), measured after the
-    embeddings and after every block. Raises `NonFiniteActivations` when the edits drove a layer's
-    stream to inf or NaN, or too large for its measures (norms, the logit lens) to be finite."""
-    L = model.config.n_layer
-    names = ["blocks.0.hook_resid_pre"]
-    names += [f"blocks.{i}.{site}" for i in range(L) for site in ("attn.hook_pattern", "hook_resid_post")]
-    capture = Capture(names)
+    embeddings and after every block. Raises `NonFiniteActivations` at the first layer where the edits drove
+    the stream to inf or NaN, too large for its measures (norms, the logit lens) to be finite, or too large
+    for a LayerNorm's variance (`variance_overflows`). Each layer is measured as the pass reaches it, so the
+    memory taken beyond the pass's own is one layer's (its attention pattern, its stream, its logit lens)."""
+    measure = _Measure(model, top_k, edited=edits is not None)
+    last = f"blocks.{model.config.n_layer - 1}.hook_resid_post"  # the LM head is not needed: the pass ends here
     with torch.inference_mode():
-        hooks = HookChain(edits, capture) if edits is not None else capture
-        model(torch.tensor([ids], device=model.wte.weight.device), hooks=hooks)
-        acts = {k: v[0].float() for k, v in capture.tensors().items()}
-        streams = [acts["blocks.0.hook_resid_pre"]] + [acts[f"blocks.{i}.hook_resid_post"] for i in range(L)]
-        out = []
-        for i, x in enumerate(streams):
-            layer = i - 1
-            pattern = acts.get(f"blocks.{layer}.attn.hook_pattern")
-            stats = LayerStats(
-                layer,
-                residual_norms(x).tolist(),
-                effective_rank(x),
-                collapse(x),
-                mean_cosine(x),
-                attention_entropy(pattern).tolist() if pattern is not None else None,
-                logit_lens(model, x, top_k),
+        idx = torch.tensor([ids], device=model.wte.weight.device)
+        run_until(model, idx, HookChain(edits, measure) if edits is not None else measure, last)
+    return measure.stats
+
+
+class _Measure:
+    """Hooks that measure each layer's stream when the pass hands it over (the attention entropy is taken
+    from the layer's pattern just before) and keep only the numbers; they refuse the first layer that cannot
+    be measured, and the first LayerNorm whose variance overflows."""
+
+    def __init__(self, model: GPT, top_k: int, edited: bool) -> None:
+        L = model.config.n_layer
+        self.model, self.top_k, self.edited = model, top_k, edited
+        self._streams = {"blocks.0.hook_resid_pre": -1, **{f"blocks.{i}.hook_resid_post": i for i in range(L)}}
+        self._patterns = {f"blocks.{i}.attn.hook_pattern" for i in range(L)}
+        self._layer_norms = layer_norm_inputs(L)
+        self._entropy: list[float] | None = None  # the current layer's, until its stream comes
+        self.stats: list[LayerStats] = []
+
+    def active(self, name: str) -> bool:
+        return name in self._streams or name in self._patterns  # the patterns need the explicit attention
+
+    def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        if name in self._patterns:
+            self._entropy = attention_entropy(x[0].float()).tolist()
+        layer = self._streams.get(name)
+        if layer is not None:
+            self._measure(layer, x[0].float())
+        ln = self._layer_norms.get(name)
+        if ln is not None and bool(variance_overflows(x)):
+            raise NonFiniteActivations(layer_norm_overflow(ln, x.dtype, self.edited) + ": nothing real to measure")
+        return x
+
+    def _measure(self, layer: int, x: torch.Tensor) -> None:
+        stats = LayerStats(
+            layer,
+            residual_norms(x).tolist(),
+            effective_rank(x),
+            collapse(x),
+            mean_cosine(x),
+            self._entropy,
+            logit_lens(self.model, x, self.top_k),
+        )
+        self._entropy = None
+        if not stats.finite():
+            where = "after the embeddings" if layer == -1 else f"at layer {layer}"
+            cause = "the edits made the activations" if self.edited else "the activations became"
+            raise NonFiniteActivations(
+                f"{cause} non-finite (inf or NaN, or too large to measure) {where}"
+                + ("" if self.edited else ": the weights, or their dtype's range (float16's ends at 65504)")
             )
-            if not stats.finite():
-                where = "after the embeddings" if layer == -1 else f"at layer {layer}"
-                cause = "the edits made the activations" if edits is not None else "the activations became"
-                raise NonFiniteActivations(
-                    f"{cause} non-finite (inf or NaN, or too large to measure) {where}"
-                    + ("" if edits is not None else ": the weights, or their dtype's range (float16's ends at 65504)")
-                )
-            out.append(stats)
+        self.stats.append(stats)
+
+
+def layer_norm_inputs(n_layer: int) -> dict[str, str]:
+    """Each hook point whose value a LayerNorm normalises, and that LayerNorm (TransformerLens' name): ln1
+    reads hook_resid_pre (and, when asked for, each head's own copy, hook_q_input ...), ln2 hook_mlp_in,
+    ln_final the last block's hook_resid_post."""
+    out: dict[str, str] = {}
+    for i in range(n_layer):
+        for site in ("hook_resid_pre", "hook_q_input", "hook_k_input", "hook_v_input"):
+            out[f"blocks.{i}.{site}"] = f"blocks.{i}.ln1"
+        out[f"blocks.{i}.hook_mlp_in"] = f"blocks.{i}.ln2"
+    out[f"blocks.{n_layer - 1}.hook_resid_post"] = "ln_final"
     return out
 
 
-def logit_lens(model: GPT, x: torch.Tensor, top_k: int) -> list[list[tuple[int, float]]]:
+def variance_overflows(x: torch.Tensor) -> torch.Tensor:
+    """Whether LayerNorm's variance of some finite row of x [..., C] is out of the range of the dtype it is
+    computed in (x's, at least float32): the sum of (x - mean)² overflows (in float32, |x| from about 1e18 at
+    GPT-2's widths), so sqrt(var + eps) is inf and the row is normalised to 0 (or NaN) while x itself is
+    finite. A bool tensor (no sync)."""
+    x = x.detach().to(torch.promote_types(x.dtype, torch.float32))
+    var = (x - x.mean(dim=-1, keepdim=True)).square_().mean(dim=-1)  # as LayerNorm computes it
+    return (x.isfinite().all(dim=-1) & ~var.isfinite()).any()
+
+
+def layer_norm_overflow(ln: str, dtype: torch.dtype, edited: bool) -> str:
+    """The start of a one-line error for LayerNorm `ln` whose variance overflowed (`variance_overflows`) on
+    an input of `dtype`."""
+    stats = str(torch.promote_types(dtype, torch.float32)).removeprefix("torch.")
+    cause = "the edits pushed the residual stream" if edited else "the residual stream grew"
+    return (
+        f"LayerNorm {ln} overflowed: {cause} past {stats}'s range for its variance ((x - mean)² is inf), "
+        "so it normalised the stream to 0 instead of to unit variance"
+    )
+
+
+def logit_lens(model: GPT, x: torch.Tensor, top_k: int, chunk: int = 64) -> list[list[tuple[int, float]]]:
     """Decode a residual stream x [T, C] through the final LayerNorm and the unembedding: per position,
-    the `top_k` most likely next tokens with their probabilities."""
+    the `top_k` most likely next tokens with their probabilities (the softmax `chunk` positions at a time:
+    one [T, vocab] tensor alive, not two)."""
     w = model.wte.weight
-    probs = torch.softmax((model.ln_f(x.to(w.dtype)) @ w.T).float(), dim=-1)  # [T, vocab]
-    top = torch.topk(probs, top_k, dim=-1)
-    return [list(zip(i.tolist(), p.tolist(), strict=True)) for i, p in zip(top.indices, top.values, strict=True)]
+    logits = model.ln_f(x.to(w.dtype)) @ w.T  # [T, vocab]
+    out: list[list[tuple[int, float]]] = []
+    for rows in logits.split(chunk):
+        top = torch.topk(torch.softmax(rows.float(), dim=-1), top_k, dim=-1)  # each row on its own: exact
+        out += [list(zip(i.tolist(), p.tolist(), strict=True)) for i, p in zip(top.indices, top.values, strict=True)]
+    return out
 
 
 @dataclass(frozen=True)

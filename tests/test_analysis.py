@@ -5,6 +5,7 @@ gpt2-small-shaped checkpoint."""
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import torch
 from conftest import Checkpoint, load_ours
 
 from model.analysis import (
+    LayerStats,
     analyze,
     attention_entropy,
     collapse,
@@ -21,8 +23,8 @@ from model.analysis import (
     residual_norms,
 )
 from model.gpt import GPT
-from model.hooks import Capture
-from model.interventions import EditSpec
+from model.hooks import Capture, Hooks
+from model.interventions import Edit, EditSpec, HookChain
 
 RNG = np.random.default_rng(0)
 PROMPT = [464, 3797, 3332, 319, 262, 2603, 780, 340]  # "The cat sat on the mat because it"
@@ -173,6 +175,87 @@ def test_analyze_without_skip_connections_measures_the_stream_without_them(tiny_
     normal = analyze(tiny_model, PROMPT, 1)
     assert stats[0].norms == normal[0].norms  # the embeddings are the same
     assert stats[-1].norms != normal[-1].norms
+
+
+def analyze_all_at_once(model: GPT, ids: list[int], top_k: int, edits: Hooks | None = None) -> list[LayerStats]:
+    """`analyze` as it was before it measured layer by layer (the oracle for its numbers): every layer's
+    pattern and stream captured in one pass, then measured; the logit lens's softmax over all positions."""
+    L = model.config.n_layer
+    names = ["blocks.0.hook_resid_pre"]
+    names += [f"blocks.{i}.{site}" for i in range(L) for site in ("attn.hook_pattern", "hook_resid_post")]
+    capture = Capture(names)
+    with torch.inference_mode():
+        model(torch.tensor([ids]), hooks=HookChain(edits, capture) if edits is not None else capture)
+        acts = {k: v[0].float() for k, v in capture.tensors().items()}
+        streams = [acts["blocks.0.hook_resid_pre"]] + [acts[f"blocks.{i}.hook_resid_post"] for i in range(L)]
+        out = []
+        for i, x in enumerate(streams):
+            pattern = acts.get(f"blocks.{i - 1}.attn.hook_pattern")
+            w = model.wte.weight
+            probs = torch.softmax((model.ln_f(x.to(w.dtype)) @ w.T).float(), dim=-1)  # [T, vocab]
+            top = torch.topk(probs, top_k, dim=-1)
+            lens = [
+                list(zip(i.tolist(), p.tolist(), strict=True)) for i, p in zip(top.indices, top.values, strict=True)
+            ]
+            entropy = attention_entropy(pattern).tolist() if pattern is not None else None
+            out.append(
+                LayerStats(
+                    i - 1, residual_norms(x).tolist(), effective_rank(x), collapse(x), mean_cosine(x), entropy, lens
+                )
+            )
+    return out
+
+
+LONG = torch.randint(0, 50257, (100,), generator=torch.Generator().manual_seed(0)).tolist()  # past one lens chunk
+
+
+@pytest.mark.parametrize("ids", [PROMPT, LONG], ids=["8 tokens", "100 tokens"])
+@pytest.mark.parametrize("edits", ["none", "interventions", "no skips"])
+def test_analyze_layer_by_layer_gives_the_numbers_of_all_at_once(tiny_model: GPT, ids: list[int], edits: str) -> None:
+    every = tuple(range(tiny_model.config.n_layer))
+    spec = {
+        "none": None,
+        "interventions": EditSpec(
+            (Edit("blocks.0.hook_attn_out", "scale", factor=0.5), Edit("blocks.1.hook_mlp_out", "mean"))
+        ),
+        "no skips": EditSpec((), every, every),
+    }[edits]
+
+    def hooks() -> Hooks | None:
+        return spec.hooks(tiny_model.config, len(ids)) if spec is not None else None
+
+    assert analyze(tiny_model, ids, 3, hooks()) == analyze_all_at_once(tiny_model, ids, 3, hooks())
+
+
+def test_the_logit_lens_in_chunks_of_positions_equals_it_whole(tiny_model: GPT) -> None:
+    x = torch.randn(20, tiny_model.config.n_embd, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        assert logit_lens(tiny_model, x, 4, chunk=3) == logit_lens(tiny_model, x, 4, chunk=20)
+
+
+def test_analyze_holds_one_layer_s_attention_pattern_at_a_time(tiny_model: GPT) -> None:
+    """At each layer's pattern, how many earlier layers' patterns are still in memory (their storage, which
+    a capture's detached copy would keep): none. Capturing them all held L of them by the end."""
+    seen: list[weakref.ref[torch.UntypedStorage]] = []
+    alive: list[int] = []
+
+    class Count:
+        def active(self, name: str) -> bool:
+            return False
+
+        def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
+            if name.endswith("attn.hook_pattern"):
+                alive.append(sum(ref() is not None for ref in seen))
+                seen.append(weakref.ref(x.untyped_storage()))
+            return x
+
+    L = tiny_model.config.n_layer
+    analyze(tiny_model, PROMPT, 3, Count())
+    assert alive == [0] * L
+    alive.clear()
+    seen.clear()
+    analyze_all_at_once(tiny_model, PROMPT, 3, Count())  # the count can tell: the old way keeps them all
+    assert alive == list(range(L))
 
 
 # --- rank collapse on the gpt2-small shape -----------------------------------------------------------
