@@ -170,6 +170,23 @@ BAD = [
     ("no-hooks", "/v1/gradients", grad(hooks=[]), 400, "hooks"),
     ("format", "/v1/gradients", grad(format="npy"), 400, "format"),
     ("bad-edit", "/v1/gradients", grad(interventions=[{"hook": "nope", "op": "zero"}]), 400, "interventions"),
+    (  # LayerNorm's variance overflows at position 3 (its square is past float32): the gradients through it were 0
+        "layer-norm-overflow",
+        "/v1/gradients",
+        grad(
+            hooks=["hook_embed"],
+            interventions=[{"hook": "blocks.0.hook_resid_post", "op": "scale", "factor": 1e19, "positions": [3]}],
+        ),
+        400,
+        "interventions",
+    ),
+    (  # the MLP's own copy of the stream: every measure of the stream stayed finite
+        "analyze-layer-norm-overflow",
+        "/v1/analyze",
+        {"input_ids": CLEAN, "interventions": [{"hook": "blocks.0.hook_mlp_in", "op": "scale", "factor": 1e19}]},
+        400,
+        "interventions",
+    ),
     ("answer-too-large", "/v1/gradients", grad(input_ids=[464] * 60, hooks=["logits", "*"]), 413, "hooks"),
     ("graph-too-large", "/v1/gradients", grad(input_ids=[464] * 100, hooks=["hook_embed"]), 413, "input_ids"),
     (

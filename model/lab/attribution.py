@@ -16,8 +16,8 @@ import torch
 
 from ..gpt import GPT
 from ..hooks import run_with_cache
-from ..interventions import Edit, Interventions
-from .gradients import GradientHooks, Metric, MetricError, check_metric, metric_value
+from ..interventions import Edit, HookChain, Interventions
+from .gradients import GradientHooks, LayerNormWatch, Metric, MetricError, check_metric, metric_value
 
 SITES = ("hook_resid_pre", "attn.hook_z", "hook_attn_out", "hook_mlp_out")
 
@@ -108,8 +108,10 @@ def score_sites(model: GPT, clean: list[int], corrupted: list[int], metric: Metr
     names = [f"blocks.{i}.{site}" for i in range(L) for site in SITES]
     targets = clean  # what the loss predicts, in both runs
     idx = torch.tensor([clean], device=model.wte.weight.device)
+    watch = LayerNormWatch(L, edited=False)  # it reads each value before the capture, changing none
     with torch.inference_mode():
-        cache = {n: v[0] for n, v in run_with_cache(model, idx, [*names, "logits"]).items()}  # [T, ...]
+        cache = {n: v[0] for n, v in run_with_cache(model, idx, [*names, "logits"], watch).items()}  # [T, ...]
+    watch.check("clean", ", in the clean run: no attribution to compute")
     clean_metric = float(metric_value(metric, cache.pop("logits"), targets))
     corrupt = _corrupted_gradients(model, corrupted, targets, metric, names)
     for run, value in (("clean", clean_metric), ("corrupted", corrupt.metric)):
@@ -172,9 +174,10 @@ class _Run:
 def _corrupted_gradients(model: GPT, ids: list[int], targets: list[int], metric: Metric, names: list[str]) -> _Run:
     """The corrupted run: the values at `names` and the metric's gradient there (one forward, one backward)."""
     with torch.inference_mode(False), torch.enable_grad():
-        capture = GradientHooks(names)
-        logits = model(torch.tensor([ids], device=model.wte.weight.device), hooks=capture)[0]
+        capture, watch = GradientHooks(names), LayerNormWatch(model.config.n_layer, edited=False)
+        logits = model(torch.tensor([ids], device=model.wte.weight.device), hooks=HookChain(capture, watch))[0]
         value = metric_value(metric, logits, targets)
+        watch.check("corrupted", ", in the corrupted run: no attribution to compute")
         grads = capture.grads(value)
     values = {n: v.detach()[0] for n, v in capture.values.items()}
     return _Run(float(value.detach()), values, {n: g.detach() for n, g in grads.items()})

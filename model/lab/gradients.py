@@ -20,10 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..analysis import layer_norm_inputs, layer_norm_overflow, variance_overflows
 from ..config import GPTConfig
 from ..gpt import GPT
-from ..hooks import select_hooks
-from ..interventions import EditSpec, InterventionError, split_input_clashes
+from ..hooks import Hooks, select_hooks
+from ..interventions import EditSpec, HookChain, InterventionError, split_input_clashes
 
 
 class MetricError(InterventionError):
@@ -126,6 +127,45 @@ class GradientHooks:
         return {n: torch.zeros_like(v) if g is None else g for n, v, g in zip(names, values, grads, strict=True)}
 
 
+class LayerNormWatch:
+    """Hooks that note, for each LayerNorm the pass reaches, whether its variance overflows
+    (`variance_overflows`: then it normalises the stream to 0, and the gradient through it is 0 with a finite
+    metric). Reads only, and keeps the answers on the device: `check` looks at them once, after the pass."""
+
+    def __init__(self, n_layer: int, edited: bool) -> None:
+        self._inputs = layer_norm_inputs(n_layer)
+        self.edited = edited  # whether edits ran (they are what the message blames)
+        self._seen: list[tuple[str, torch.dtype, torch.Tensor]] = []  # (LayerNorm, input dtype, overflowed)
+
+    def active(self, name: str) -> bool:
+        return False  # watching takes no hook point off its fused path
+
+    def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        ln = self._inputs.get(name)
+        if ln is not None:
+            self._seen.append((ln, x.dtype, variance_overflows(x)))
+        return x
+
+    def check(self, param: str, then: str = "") -> None:
+        """Refuse (`MetricError`, naming `param`) a pass in which a LayerNorm overflowed, naming the first;
+        `then` ends the message."""
+        if not self._seen:
+            return
+        flags = torch.stack([f for _, _, f in self._seen]).tolist()  # one sync for the whole pass
+        for (ln, dtype, _), overflowed in zip(self._seen, flags, strict=True):
+            if overflowed:
+                raise MetricError(layer_norm_overflow(ln, dtype, self.edited) + then, param)
+
+
+def watched(hooks: Hooks, edits: EditSpec | None, config: GPTConfig, n_tokens: int) -> tuple[Hooks, LayerNormWatch]:
+    """The hooks of a run with `edits` whose hook points `hooks` (a gradient capture) see after the edits,
+    with a `LayerNormWatch` behind them."""
+    watch = LayerNormWatch(config.n_layer, edited=edits is not None)
+    chain = HookChain(hooks, watch)
+    edited = edits.hooks(config, n_tokens, then=chain) if edits is not None else None
+    return edited or chain, watch
+
+
 def check_split_inputs(names: list[str], edited: Collection[str]) -> None:
     """Refuse (`InterventionError`, naming `hooks`) a gradient at a per-head input (`hook_q_input`, ...) where
     an edit changes ln1's hooks in the same layer (`edited`: the hook points edits apply at), or at ln1's hooks
@@ -154,15 +194,17 @@ def gradients(model: GPT, ids: list[int], metric: Metric, names: list[str], edit
     the metric and its gradient at each hook point of `names` (exact names or globs, in model order; one
     that matches nothing is an `UnknownHookError`; `check_split_inputs` says what else is refused).
     Builds a graph even where the caller runs under `torch.inference_mode` (the engine's thread); the
-    parameters' `.grad` are left untouched."""
+    parameters' `.grad` are left untouched. A run in which a LayerNorm's variance overflows is refused
+    (`LayerNormWatch`): it would give 0 for every gradient through that LayerNorm, with a finite metric."""
     names = select_hooks(names, model.config.n_layer)
     check_metric(metric, len(ids), model.config.vocab_size)
     check_split_inputs(names, set(edits.sites(model.config.n_layer)) if edits is not None else set())
     with torch.inference_mode(False), torch.enable_grad():
         capture = GradientHooks(names)
-        hooks = edits.hooks(model.config, len(ids), then=capture) if edits is not None else capture
+        hooks, watch = watched(capture, edits, model.config, len(ids))
         idx = torch.tensor([ids], device=model.wte.weight.device)
         value = metric_value(metric, model(idx, hooks=hooks)[0], ids)
+        watch.check("interventions" if edits is not None else "metric", ": every gradient through it is 0")
         if not value.isfinite():
             raise MetricError(f"the metric is not finite ({value.detach().item()}): nothing to differentiate", "metric")
         if not value.requires_grad:  # none of the hooks lies on a path to the metric
@@ -218,9 +260,10 @@ def highway(
     post = [f"blocks.{i}.hook_resid_post" for i in range(L)]
     with torch.inference_mode(False), torch.enable_grad():
         capture = GradientHooks([n for pair in zip(pre, post, strict=True) for n in pair])
-        hooks = edits.hooks(model.config, len(ids), then=capture) if edits is not None else capture
+        hooks, watch = watched(capture, edits, model.config, len(ids))
         idx = torch.tensor([ids], device=model.wte.weight.device)
         loss = metric_value(Loss(), model(idx, hooks=hooks)[0], ids)
+        watch.check("interventions" if edits is not None else "gradients", ": no gradient to measure")
         if not loss.isfinite():
             raise MetricError(f"the loss is not finite ({loss.detach().item()}): no gradient to measure", "gradients")
         grads = capture.grads(loss, retain_graph=True)
