@@ -10,7 +10,6 @@ from the header, with a message, before any tensor is read.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +29,9 @@ DTYPES: dict[str, torch.dtype] = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+
+
+MAX_HEADER = 100_000_000  # bytes: the official library's limit (a hostile header would be read into memory)
 
 
 class SafetensorsError(ValueError):
@@ -55,6 +57,11 @@ class SafetensorsFile:
                 if len(prefix) < 8:
                     raise SafetensorsError(f"{self.path} is not a safetensors file: it is only {size} bytes long")
                 header_len = int.from_bytes(prefix, "little")
+                if header_len > MAX_HEADER:
+                    raise SafetensorsError(
+                        f"{self.path} is not a safetensors file: its header claims {header_len} bytes, more than "
+                        f"the {MAX_HEADER} the format allows"
+                    )
                 if header_len > size - 8:
                     raise SafetensorsError(
                         f"{self.path} is not a safetensors file (or is truncated): its header claims "
@@ -65,8 +72,8 @@ class SafetensorsFile:
             raise SafetensorsError(f"cannot read {self.path}: {e.strerror or e}") from None
         try:
             header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise SafetensorsError(f"{self.path} is not a safetensors file: its header is not JSON") from None
+        except ValueError as e:  # not UTF-8, not JSON, or a number of more than 4300 digits
+            raise SafetensorsError(f"{self.path} is not a safetensors file: its header is not JSON ({e})") from None
         except RecursionError:
             raise SafetensorsError(f"{self.path} is not a safetensors file: its header is nested too deeply") from None
         if not isinstance(header, dict):
@@ -100,18 +107,23 @@ class SafetensorsFile:
         if not (isinstance(shape, list) and all(_count(d) for d in shape)):
             raise SafetensorsError(
                 f"{self.path}: malformed header entry for tensor {clip(name)}: its shape must be a list of "
-                f"non-negative integers, got {clip(shape, json.dumps)}"
+                f"non-negative integers below 2**64, got {clip(shape, json.dumps)}"
             )
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(_count(o) for o in offsets)):
             raise SafetensorsError(
                 f"{self.path}: malformed header entry for tensor {clip(name)}: its data_offsets must be two "
-                f"non-negative integers, got {clip(offsets, json.dumps)}"
+                f"non-negative integers below 2**64, got {clip(offsets, json.dumps)}"
             )
         dtype, shape, (begin, end) = DTYPES[dtype_name], tuple(shape), offsets
-        nbytes = math.prod(shape) * dtype.itemsize
+        nbytes = _nbytes(shape, dtype)
+        if nbytes is None:
+            raise SafetensorsError(
+                f"{self.path}: tensor {clip(name)} of shape {clip(list(shape))} is too large: its size overflows "
+                "64 bits (as the official safetensors library counts it)"
+            )
         if end - begin != nbytes:
             raise SafetensorsError(
-                f"{self.path}: tensor {clip(name)} of shape {list(shape)} needs {nbytes} bytes "
+                f"{self.path}: tensor {clip(name)} of shape {clip(list(shape))} needs {nbytes} bytes "
                 f"but its header gives the range {begin}..{end}"
             )
         if data_start + end > size:
@@ -153,6 +165,20 @@ class SafetensorsFile:
         return torch.frombuffer(buf, dtype=entry.dtype).view(entry.shape)
 
 
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int | None:
+    """The bytes a tensor of `shape` and `dtype` takes, or None where the official library's count
+    overflows 64 bits (elements, dimension by dimension, then bits): it refuses such a shape, and
+    a product of a hostile one (a million dimensions of 2**62) would run for hours."""
+    elements = 1
+    for d in shape:
+        elements *= d
+        if elements >= 2**64:
+            return None
+    bits = elements * dtype.itemsize * 8
+    return bits // 8 if bits < 2**64 else None
+
+
 def _count(value: object) -> bool:
-    """Whether a header's shape entry or offset is a non-negative JSON integer (not a float, bool or string)."""
-    return type(value) is int and value >= 0
+    """Whether a header's shape entry or offset is a non-negative JSON integer below 2**64 (not a float, bool
+    or string), as the official library reads them (as 64-bit unsigned integers)."""
+    return type(value) is int and 0 <= value < 2**64
