@@ -31,6 +31,8 @@ class GPTConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {clip(value)}")
+            if value > _MAX_SIZE:  # no tensor of the model could have it; and a 4000-digit one fills a message
+                raise ConfigError(f"{name} must be at most {_MAX_SIZE}, got {clip(value)}")
         if self.n_embd % self.n_head:
             raise ConfigError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if not self.layer_norm_epsilon > 0:
@@ -99,6 +101,9 @@ class GPTConfig:
             "reorder_and_upcast_attn": False,
             "add_cross_attention": False,
         }
+
+
+_MAX_SIZE = 2**31 - 1  # any size of GPT2Config; gpt2-xl's largest is vocab_size, 50257
 
 
 def _number(value: Any) -> float:

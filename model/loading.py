@@ -133,7 +133,9 @@ def hub_repo(name: str) -> str | None:
 def locate(source: str | Path, *, revision: str | None = None, preset_name: str | None = None) -> CheckpointFiles:
     """Find config, weights and tokenizer for a hub name or repo id, a directory, or a .safetensors file.
     A `revision` names a commit of a hub repository: with a local source it is a LoadError (ignoring it
-    would hand back other weights than the ones asked for)."""
+    would hand back other weights than the ones asked for), and so is an empty one."""
+    if revision == "":  # names nothing: the hub would be asked for a file at an empty ref
+        raise LoadError("the revision is empty: name a branch, tag or commit of the hub repository, or leave it out")
     path = Path(source).expanduser()
     if revision is not None and (path.is_dir() or path.is_file()):
         raise LoadError(
@@ -488,6 +490,8 @@ def load(
     (`model/kernels/`); False keeps stock torch and lays the weights out for products of many rows, for a
     job that only prefills (a harvest).
     """
+    if tokenizer_dir == "":  # Path("") is the current directory
+        raise LoadError("the tokenizer directory is empty: give a directory, or leave it out")
     model, files, dev, dt = _load(source, revision, dtype, device, preset_name, decode_kernels)
     tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else files.tokenizer_dir
     if tok_dir is None:

@@ -100,8 +100,9 @@ class Settings:
             raise ValueError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
         if problem := dtype_problem(self.dtype):
             raise ValueError(problem)
-        # an empty host would bind every interface, an empty key lock every request out
-        for name in ("model", "host", "api_key"):
+        # an empty host would bind every interface, an empty key lock every request out, an empty tokenizer
+        # mean the current directory, an empty revision name nothing
+        for name in ("model", "host", "api_key", "tokenizer", "revision"):
             if getattr(self, name) == "":
                 raise ValueError(f"{name} must not be empty")
         if self.log_level.lower() not in LOG_LEVELS:

@@ -123,8 +123,10 @@ def test_refusals(change: dict, message: str) -> None:
         ({"n_inner": [[1] * 1_000_000]}, "unsupported setting n_inner=[[1, 1"),
         ({"n_layer": "x" * 1_000_000}, "n_layer must be a positive integer, got 'xxx"),
         ({"layer_norm_epsilon": ["x" * 1_000_000]}, "layer_norm_epsilon must be a number, got ['xxx"),
+        ({"n_embd": 8 * 10**4000}, "n_embd must be at most 2147483647, got 8000"),  # was printed whole
+        ({"vocab_size": 2**31}, "vocab_size must be at most 2147483647, got 2147483648"),
     ],
-    ids=["model_type", "n_inner", "n_layer", "layer_norm_epsilon"],
+    ids=["model_type", "n_inner", "n_layer", "layer_norm_epsilon", "huge n_embd", "vocab_size 2**31"],
 )
 def test_a_hostile_value_is_cut_short(change: dict, start: str) -> None:
     """A config.json value of a megabyte is shown by its first hundred characters (model.json_file.clip)."""

@@ -279,6 +279,11 @@ def test_job_errors(tiny, tokenizer_dir: Path, corpus, tmp_path: Path) -> None:
         with pytest.raises(HarvestError, match=rf"not empty and holds no manifest\.json \({name}\)"):
             harvest(tiny.path, source, folder, ["blocks.0.hook_resid_pre"], **tok)
         assert [p.name for p in folder.iterdir()] == [name]
+    with pytest.raises(HarvestError, match=r"^the tokenizer directory is empty"):  # not the current directory
+        harvest(tiny.path, source, tmp_path / "a", ["blocks.0.hook_resid_pre"], tokenizer="", device="cpu")
+    with pytest.raises(HarvestError, match=r"^the revision is empty"):
+        harvest(tiny.path, source, tmp_path / "a", ["blocks.0.hook_resid_pre"], revision="", **tok)
+    assert not (tmp_path / "a").exists()
     short = tmp_path / "short.txt"
     short.write_text("too short")
     with pytest.raises(HarvestError, match="fewer than 128 tokens"):

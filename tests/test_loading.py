@@ -480,6 +480,24 @@ def test_a_revision_of_a_local_checkpoint_is_refused(
     assert fake_hub[1] == []
 
 
+def test_an_empty_revision_is_refused(fake_hub: tuple[Path, list[tuple]]) -> None:
+    """An empty revision (GPT2_REVISION= in a compose file, say) names nothing: refused before the hub is asked."""
+    for call in (load_checkpoint, load_weights):
+        with pytest.raises(LoadError, match=r"^the revision is empty: name a branch, tag or commit"):
+            call("gpt2", revision="", **CPU)
+    assert fake_hub[1] == []
+
+
+def test_an_empty_tokenizer_directory_is_refused(
+    tiny: Checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Path("") is the current directory: a tokenizer there would be read instead of saying what was wrong."""
+    monkeypatch.chdir(tmp_path)
+    write_byte_tokenizer(tmp_path)  # a tokenizer in the current directory, which "" must not pick up
+    with pytest.raises(LoadError, match=r"^the tokenizer directory is empty: give a directory, or leave it out$"):
+        load_checkpoint(tiny.path, tokenizer_dir="", **CPU)
+
+
 # --- export ---------------------------------------------------------------------------------
 
 

@@ -32,6 +32,8 @@ def test_flags_override_the_environment_which_overrides_defaults() -> None:
         # empty: a host that would bind every interface, a key that no request can give
         ([], {"GPT2_HOST": ""}, "host must not be empty"),
         ([], {"GPT2_API_KEY": ""}, "api_key must not be empty"),
+        ([], {"GPT2_REVISION": ""}, "revision must not be empty"),
+        (["--tokenizer", ""], {}, "tokenizer must not be empty"),
     ],
 )
 def test_a_bad_value_is_a_usage_error_naming_it(

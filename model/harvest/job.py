@@ -305,9 +305,11 @@ class Located:
 def locate_model(spec: HarvestSpec, device: torch.device) -> Located:
     """The model as `Located` (activations' dtype on `device`), without reading its weights (for a driver
     that plans a job its workers run)."""
+    if spec.tokenizer == "":  # Path("") is the current directory
+        raise HarvestError("the tokenizer directory is empty: give a directory, or leave it out")
     try:
         files = locate(spec.model, revision=spec.revision, preset_name=spec.preset)
-        tok_dir = spec.tokenizer or files.tokenizer_dir
+        tok_dir = files.tokenizer_dir if spec.tokenizer is None else spec.tokenizer
         if tok_dir is None:
             raise HarvestError(f"{files.name} ships no tokenizer: give a tokenizer directory (--tokenizer DIR)")
         tokenizer = Tokenizer.from_dir(tok_dir)
