@@ -425,9 +425,10 @@ def test_layer_norm_epsilon_must_be_finite(value: str, shown: str, tmp_path: Pat
 
 
 def test_a_huge_n_layer_fails_fast(tmp_path: Path) -> None:
-    """The file holds 2 blocks: the missing ones are counted, not listed (10**12 names would never fit)."""
+    """The file holds 2 blocks: the missing ones are counted, not listed (2**31 - 1 blocks' names would never
+    fit); an n_layer past any size a config may give is refused by the config itself."""
     ckpt = write_checkpoint(tmp_path / "ckpt")
-    for n_layer in (10**6, 10**12):
+    for n_layer in (10**6, 2**31 - 1):
         config = json.loads((ckpt / "config.json").read_text()) | {"n_layer": n_layer}
         (ckpt / "config.json").write_text(json.dumps(config))
         start = time.perf_counter()
@@ -439,6 +440,9 @@ def test_a_huge_n_layer_fails_fast(tmp_path: Path) -> None:
             f"'h.2.attn.c_attn.bias', 'h.2.attn.c_proj.weight' and {12 * (n_layer - 2) - 5} more "
             f"(the files hold tensors of 2 of the {n_layer} blocks that n_layer asks for)"
         )
+    (ckpt / "config.json").write_text(json.dumps(config | {"n_layer": 10**12}))
+    with pytest.raises(LoadError, match=r"config\.json: n_layer must be at most 2147483647, got 1000000000000$"):
+        load_weights(ckpt, **CPU)
 
 
 def test_block_names_beyond_n_layer_are_unexpected(tmp_path: Path) -> None:
