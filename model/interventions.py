@@ -9,9 +9,10 @@ runs alone (not batched with others), like a capture.
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -116,7 +117,7 @@ def _where(i: int, edit: Edit) -> str:
     return f"edit {i} ({edit.hook!r})"
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class _Target:
     """An edit resolved to one hook point."""
 
@@ -124,33 +125,63 @@ class _Target:
     name: str
     per_head: bool
     square: bool
-    seen: int = 0  # positions this hook has seen so far
-    mean: torch.Tensor | None = field(default=None, repr=False)
+    rows: int | None = None  # a `set` of a whole sequence's values, [pos, ...]: the positions they cover
 
 
-class Interventions:
-    """Applies `edits` to one sequence of `n_tokens` positions at most (prompt plus new tokens)."""
+class EditPlan:
+    """`edits` resolved to the hook points of a model of shape `config`, and checked in all that does not
+    depend on a sequence's length. The same for every sequence of a request: made once, not once a sequence
+    (a thousand globbed edits over 256 prompts once took seconds of the server's event loop)."""
 
-    def __init__(self, edits: Sequence[Edit], config: GPTConfig, n_tokens: int) -> None:
+    def __init__(self, edits: Sequence[Edit], config: GPTConfig) -> None:
+        self.edits = tuple(edits)
         self.config = config
-        self.n_tokens = n_tokens
-        self._targets: dict[str, list[_Target]] = {}
-        for i, edit in enumerate(edits):
+        self.targets: dict[str, list[_Target]] = {}
+        self._by_edit: list[list[_Target]] = []  # each edit's targets, edit by edit
+        for i, edit in enumerate(self.edits):
             where = _where(i, edit)
             names = edit_sites(edit, config.n_layer, where)
             self._check_edit(edit, where)
-            for name in names:
-                target = _Target(edit, name, is_per_head(name), is_attention_square(name))
-                self._check(target, where)
-                self._targets.setdefault(name, []).append(target)
+            own = [self._resolved(_Target(edit, n, is_per_head(n), is_attention_square(n)), where) for n in names]
+            for target in own:
+                self.targets.setdefault(target.name, []).append(target)
+            self._by_edit.append(own)
         self._check_split_inputs()
+        # the sequence lengths every edit fits without a closer look: past each position named, and within
+        # each whole sequence's values (a bad position list, or one past those values, always looks closer)
+        self._shortest: float = 0
+        self._longest: float = math.inf
+        for edit, own in zip(self.edits, self._by_edit, strict=True):
+            if edit.positions is not None:
+                p = edit.positions
+                valid = all(type(q) is int and q >= 0 for q in p) and len(set(p)) == len(p)
+                self._shortest = max(self._shortest, 1 + max(p, default=-1) if valid else math.inf)
+            for t in own:
+                if t.rows is not None and edit.positions is None:
+                    self._longest = min(self._longest, t.rows)
+                elif t.rows is not None and t.rows < 1 + max(edit.positions or (), default=-1):
+                    self._shortest = math.inf
+
+    def check_length(self, n_tokens: int) -> None:
+        """Refuse edits that do not fit a sequence of `n_tokens` positions: a position out of range or named
+        twice, or a whole sequence's values that do not reach the last position they are set at."""
+        if self._shortest <= n_tokens <= self._longest:
+            return
+        for i, (edit, own) in enumerate(zip(self.edits, self._by_edit, strict=True)):
+            where = _where(i, edit)
+            if edit.positions is not None:
+                _check_range(edit.positions, n_tokens, f"{where}: position")
+            need = 1 + max(edit.positions, default=-1) if edit.positions is not None else n_tokens
+            for t in own:
+                if t.rows is not None and t.rows < need:
+                    raise InterventionError(f"{where}: value covers {t.rows} positions, position {need - 1} needed")
 
     def _check_split_inputs(self) -> None:
         """An edited per-head input (`hook_q_input`, ...) is normalised by ln_1 on its own path, so an edit
         of ln_1's own hooks in the same layer would have no single stream to act on: refused."""
-        for name in self._targets:
+        for name in self.targets:
             if name.endswith(_SPLIT_INPUTS):
-                clash = [n for n in split_input_clashes(name) if n in self._targets]
+                clash = [n for n in split_input_clashes(name) if n in self.targets]
                 if clash:
                     raise InterventionError(
                         f"edits of {name} and {clash[0]} cannot be combined: an edited per-head input is "
@@ -161,8 +192,6 @@ class Interventions:
         """What holds for an edit wherever it applies: checked once, however many hooks a glob matches."""
         if e.op not in OPS:
             raise InterventionError(f"{where}: unknown op {e.op!r}; use one of {', '.join(OPS)}")
-        if e.positions is not None:
-            _check_range(e.positions, self.n_tokens, f"{where}: position")
         if e.op == "scale" and e.factor is None:
             raise InterventionError(f"{where}: scale needs a factor")
         if e.factor is not None and not abs(e.factor) <= FLOAT32_MAX:  # also false for NaN
@@ -176,8 +205,9 @@ class Interventions:
             if e.op != "steer" and not float(d.to(torch.float32).abs().max()) > 0:
                 raise InterventionError(f"{where}: {e.op} needs a direction that is not zero")
 
-    def _check(self, t: _Target, where: str) -> None:
-        """What depends on the hook point an edit resolved to (after `_check_edit`)."""
+    def _resolved(self, t: _Target, where: str) -> _Target:
+        """`t` checked in what depends on its hook point (after `_check_edit`), with the rows of a whole
+        sequence's values if it sets them."""
         e = t.edit
         if e.heads is not None:
             if not (t.per_head or t.square):
@@ -188,7 +218,7 @@ class Interventions:
             _check_range(e.heads, self.config.n_head, f"{where}: head")
         if e.op in STEERING_OPS:
             self._check_steering(t, where)
-            return
+            return t
         if e.op == "mean" and t.square:  # each query sees its own set of keys: no common mean to take
             raise InterventionError(
                 f"{where}: mean is not supported on attention scores or patterns; use zero or scale"
@@ -198,21 +228,19 @@ class Interventions:
                 raise InterventionError(f"{where}: {e.op} needs a value")
             if t.square:
                 raise InterventionError(f"{where}: {e.op} is not supported on attention scores or patterns")
-            site = self._selected_site(t)
+            site = self.selected_site(t)
             v = e.value
             if _broadcasts(tuple(v.shape), site):
-                return
+                return t
             full = site_shape(t.name, self.config)
             if e.op == "set" and tuple(v.shape[1:]) == full:  # a whole sequence's values, [pos, ...]
-                need = 1 + max(e.positions) if e.positions is not None else self.n_tokens
-                if v.shape[0] < need:
-                    raise InterventionError(f"{where}: value covers {v.shape[0]} positions, position {need - 1} needed")
-                return
+                return replace(t, rows=v.shape[0])  # enough of them for a sequence: `check_length`
             raise InterventionError(
                 f"{where}: value of shape {list(v.shape)} does not fit {t.name}: give {list(site)} (one "
                 "position's selected values, broadcast to every selected position)"
                 + (f" or [pos, {', '.join(map(str, full))}] (a whole sequence's)" if e.op == "set" else "")
             )
+        return t
 
     def _check_steering(self, t: _Target, where: str) -> None:
         e = t.edit
@@ -240,32 +268,47 @@ class Interventions:
                 f"{where}: direction of shape {list(d.shape)} does not fit {t.name}: give {list(site)}"
             )
 
-    def _selected_site(self, t: _Target) -> tuple[int, ...]:
+    def selected_site(self, t: _Target) -> tuple[int, ...]:
         site = site_shape(t.name, self.config)
         if t.per_head and t.edit.heads is not None:
             return (len(t.edit.heads), site[1])
         return site
 
+
+class Interventions:
+    """Applies `edits` to one sequence of `n_tokens` positions at most (prompt plus new tokens). `plan`:
+    the edits resolved already (`EditPlan(edits, config)`), shared by the sequences of a request."""
+
+    def __init__(self, edits: Sequence[Edit], config: GPTConfig, n_tokens: int, plan: EditPlan | None = None) -> None:
+        self.plan = plan if plan is not None else EditPlan(edits, config)
+        self.plan.check_length(n_tokens)
+        self.n_tokens = n_tokens
+        self._seen: dict[str, int] = {}  # positions each hook has seen so far
+        self._means: dict[_Target, torch.Tensor] = {}  # a `mean` edit's mean over the prompt
+
     def active(self, name: str) -> bool:
-        return name in self._targets
+        return name in self.plan.targets
 
     def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        targets = self._targets.get(name)
+        targets = self.plan.targets.get(name)
         if not targets:
             return x
         x = x.clone()
+        start = self._seen.get(name, 0)
+        if not targets[0].square:  # [B, pos, ...]: this pass's positions follow those seen before
+            self._seen[name] = start + x.shape[1]
         for t in targets:
-            self._apply(t, x)
+            self._apply(t, x, start)
         return x
 
-    def _apply(self, t: _Target, x: torch.Tensor) -> None:
+    def _apply(self, t: _Target, x: torch.Tensor, seen: int) -> None:
+        """Edit `x` in place where `t` selects; `seen`: the positions its hook saw before this pass."""
         e = t.edit
         if t.square:  # [B, head, q, k]: the queries are the last q of the k positions
             start, n = x.shape[3] - x.shape[2], x.shape[2]
             pos_dim, head_dim = 2, 1
         else:  # [B, pos, ...]
-            start, n = t.seen, x.shape[1]
-            t.seen += n
+            start, n = seen, x.shape[1]
             pos_dim, head_dim = 1, 2
         wanted = e.positions if e.positions is not None else range(start, start + n)
         here = [p - start for p in wanted if start <= p < start + n]  # this pass's share, relative
@@ -293,13 +336,13 @@ class Interventions:
         elif e.op in STEERING_OPS:
             new = _steered(e, region)
         elif e.op == "mean":
-            if t.mean is None:  # the first pass is the prompt's: its mean over positions is kept
-                t.mean = x.mean(dim=pos_dim, keepdim=True)
-            new = t.mean.expand_as(x)[index]
+            if t not in self._means:  # the first pass is the prompt's: its mean over positions is kept
+                self._means[t] = x.mean(dim=pos_dim, keepdim=True)
+            new = self._means[t].expand_as(x)[index]
         else:
             assert e.value is not None
             value = e.value.to(device=x.device, dtype=x.dtype)
-            if _broadcasts(tuple(value.shape), self._selected_site(t)):
+            if _broadcasts(tuple(value.shape), self.plan.selected_site(t)):
                 value = value.expand_as(region)
             else:  # a whole sequence's values [pos, ...]: pick this pass's positions and the heads, as from x
                 value = value[None][select(pos + start)]
@@ -403,6 +446,7 @@ class EditSpec:
     edits: tuple[Edit, ...] = ()
     ablate_attn: tuple[int, ...] = ()  # layers whose attention runs without its residual add
     ablate_mlp: tuple[int, ...] = ()  # layers whose MLP runs without its residual add
+    _plans: dict[GPTConfig, EditPlan] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def sites(self, n_layer: int) -> list[str]:
         """The hook point of each (edit, hook point) pair, edit by edit (a glob gives one for each hook it
@@ -412,7 +456,10 @@ class EditSpec:
     def hooks(self, config: GPTConfig, n_tokens: int, then: Hooks | None = None) -> Hooks | None:
         """Fresh `Hooks` for one sequence. `then` (a gradient capture, say) sees each value after the
         interventions and inside the ablation, so that what it sees is the value the run carries on."""
-        interventions = Interventions(self.edits, config, n_tokens) if self.edits else None
+        interventions = None
+        if self.edits:  # resolved once, for the first sequence, and shared by the others
+            plan = self._plans.get(config) or self._plans.setdefault(config, EditPlan(self.edits, config))
+            interventions = Interventions(self.edits, config, n_tokens, plan)
         inner = HookChain(interventions, then) if interventions and then else interventions or then
         if self.ablate_attn or self.ablate_mlp:
             return ResidualAblation(self.ablate_attn, self.ablate_mlp, config.n_layer, inner)

@@ -1,0 +1,92 @@
+"""The lab's native routes under hostile input, in process on the `tiny` checkpoint with the real tokenizer
+and a random SAE: each request that once gave a 500, a silent misreading or seconds of blocked event loop
+is a clear answer now, and a good request is served after it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from contract import GEN, NEXT, assert_error
+from fastapi.testclient import TestClient
+from inprocess import assert_still_serving, post_ok, serve
+from sae_files import write_sae
+from safetensors.torch import load as load_safetensors
+
+import model.interventions
+from model.loading import LoadedModel
+
+ACTS, ANALYZE = "/v1/activations", "/v1/analyze"
+RES = "blocks.1.hook_resid_pre"  # d_model 64
+IDS = [464, 3797, 3332, 319, 262]  # "The cat sat on the"
+
+
+@pytest.fixture(scope="module")
+def client(loaded: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    sae = write_sae(tmp_path_factory.mktemp("sae") / "res1", hook=RES, d_in=64, d_sae=128, seed=1)
+    with serve(loaded, sae=(f"res1={sae}",)) as c:
+        yield c
+
+
+ROUTES: dict[str, dict[str, Any]] = {
+    NEXT: {},
+    GEN: {"max_new_tokens": 2, "temperature": 0},
+    ACTS: {"activations": {"hooks": ["logits"]}},
+    ANALYZE: {"compare_ablated": False},
+}
+
+
+# --- a whole sequence's values set at no position: nothing to do, not a 500 ----------------------------
+
+
+@pytest.mark.parametrize("path", ROUTES)
+def test_a_whole_sequence_set_at_no_positions_changes_nothing(client: TestClient, path: str) -> None:
+    """`positions: []` selects nowhere (as empty heads do); with a [pos, d] value it was max() of nothing."""
+    body = {"input_ids": IDS} | ROUTES[path]
+    edit = {"hook": RES, "op": "set", "value": [[0.5] * 64] * len(IDS), "positions": []}
+    plain = client.post(path, json=body)
+    edited = client.post(path, json=body | {"interventions": [edit]})
+    assert edited.status_code == 200, edited.text
+    if path == ACTS:  # the file's metadata holds a fresh id and time: compare the tensors
+        assert load_safetensors(edited.content)["logits"].equal(load_safetensors(plain.content)["logits"])
+    else:
+        assert _without_ids(edited.json()) == _without_ids(plain.json())
+    assert_still_serving(client)
+
+
+def _without_ids(body: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in body.items() if k not in ("id", "created")}
+
+
+# --- edits are resolved once a request, not once a sequence ------------------------------------------
+
+
+def test_a_batch_resolves_its_edits_once(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Resolving an edit's glob and checking it took milliseconds a thousand edits, again for every
+    sequence, on the event loop: 256 prompts with 1,024 globbed edits held it for seconds."""
+    resolved: list[str] = []
+    original = model.interventions.edit_sites
+
+    def counted(edit: Any, n_layer: int, where: str = "edit") -> list[str]:
+        resolved.append(edit.hook)
+        return original(edit, n_layer, where)
+
+    monkeypatch.setattr(model.interventions, "edit_sites", counted)
+    edits = [{"hook": f"blocks.*.hook_resid_p{'o' if i % 2 else 'r'}*", "op": "scale", "factor": 1.0} for i in range(8)]
+    body = post_ok(client, GEN, {"prompt": ["Hi"] * 32, "max_new_tokens": 1, "interventions": edits})
+    assert len(body["choices"]) == 32
+    assert len(resolved) <= 2 * len(edits)  # the request's check of its sites, and one plan for its sequences
+
+
+def test_positions_are_still_checked_for_each_sequence(client: TestClient) -> None:
+    """The plan is shared; a sequence's length is its own: a position past the shorter prompt is refused."""
+    edit = {"hook": RES, "op": "zero", "positions": [3]}
+    r = client.post(GEN, json={"input_ids": [IDS, IDS[:2]], "max_new_tokens": 0, "interventions": [edit]})
+    error = assert_error(r, 400, "interventions")
+    assert "position 3 is out of range 0..1" in error["message"], error
+    whole = {"hook": RES, "op": "set", "value": [[0.5] * 64] * 3}  # covers 3 positions: the 2-token prompt only
+    r = client.post(GEN, json={"input_ids": [IDS[:2], IDS], "max_new_tokens": 1, "interventions": [whole]})
+    error = assert_error(r, 400, "interventions")
+    assert "value covers 3 positions, position 5 needed" in error["message"], error
+    assert_still_serving(client)
