@@ -4,7 +4,8 @@ is a clear answer now, and a good request is served after it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -90,3 +91,52 @@ def test_positions_are_still_checked_for_each_sequence(client: TestClient) -> No
     error = assert_error(r, 400, "interventions")
     assert "value covers 3 positions, position 5 needed" in error["message"], error
     assert_still_serving(client)
+
+
+# --- large answers are written off the event loop ----------------------------------------------------
+
+
+def test_the_whole_next_token_distribution_is_written_off_the_event_loop(
+    client: TestClient, loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """top_k = the vocabulary: 50,257 entries, each a token's text (half a second of event loop, every
+    stream stalled, on a 2-core machine)."""
+    on_loop: list[bool] = []
+    original = loaded.tokenizer.token_text
+
+    def watched(token: int) -> str:
+        on_loop.append(_on_event_loop())
+        return original(token)
+
+    monkeypatch.setattr(loaded.tokenizer, "token_text", watched)
+    body = post_ok(client, NEXT, {"input_ids": IDS, "top_k": 50257})
+    assert len(body["top"]) == 50257 and body["tokens"][0] == "The"
+    assert len(on_loop) == 50257 + len(IDS) and not any(on_loop)
+
+
+def _on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # a worker thread
+        return False
+    return True
+
+
+def test_each_analysed_run_is_a_job_of_its_own(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With compare_ablated, the run and the run without residual connections were one job: every stream
+    waited for both (126 s on gpt2-small's shape at 1,000 tokens on a CPU); now decode steps go between."""
+    engine = client.app.state.engine  # type: ignore[attr-defined]
+    jobs: list[Callable[..., Any]] = []
+    original = engine.call
+
+    async def counted(fn: Callable[..., Any]) -> Any:
+        jobs.append(fn)
+        return await original(fn)
+
+    monkeypatch.setattr(engine, "call", counted)
+    body = post_ok(client, ANALYZE, {"input_ids": IDS, "top_k": 1})
+    assert len(body["layers"]) == len(body["ablated"]) == 3
+    assert len(jobs) == 2
+    jobs.clear()
+    post_ok(client, ANALYZE, {"input_ids": IDS, "top_k": 1, "compare_ablated": False})
+    assert len(jobs) == 1

@@ -69,20 +69,25 @@ async def analyze_prompt(
         check_graph(engine, settings, len(ids), "gradients")
     Run = tuple[list[LayerStats], list[LayerGradient] | None]
 
-    def run(model: GPT) -> tuple[list[LayerStats], list[LayerStats] | None]:
-        main = analyze(model, ids, req.top_k, edits.hooks(config, len(ids)) if edits else None)
-        if not req.compare_ablated:
-            return main, None
-        try:
-            return main, analyze(model, ids, req.top_k, no_residual.hooks(config, len(ids)))
-        except NonFiniteActivations as e:  # say which run: the edits also apply to the one without skips
-            raise NonFiniteActivations(f"{e}, in the run without residual connections (compare_ablated)") from None
+    async def analysis(spec: EditSpec | None) -> list[LayerStats]:
+        """One run's measures, as a job of its own: the decode steps go on between the jobs (a run over a long
+        prompt takes seconds on a CPU, and every stream waits for it)."""
+
+        def run(model: GPT) -> list[LayerStats]:
+            return analyze(model, ids, req.top_k, spec.hooks(config, len(ids)) if spec else None)
+
+        return await unless_disconnected(request, engine.call(run))
 
     async def gradients(spec: EditSpec | None) -> list[LayerGradient]:
-        """One run's gradient highway, as a job of its own: the decode steps go on between the jobs."""
+        """One run's gradient highway, as a job of its own."""
         return await unless_disconnected(request, engine.call(lambda model: highway(model, ids, spec)))
 
-    stats, ablated_stats = await unless_disconnected(request, engine.call(run))
+    stats, ablated_stats = await analysis(edits), None
+    if req.compare_ablated:
+        try:
+            ablated_stats = await analysis(no_residual)
+        except NonFiniteActivations as e:  # say which run: the edits also apply to the one without skips
+            raise NonFiniteActivations(f"{e}, in the run without residual connections (compare_ablated)") from None
     main: Run = (stats, await gradients(edits) if req.gradients else None)
     ablated: Run | None = None
     if ablated_stats is not None:

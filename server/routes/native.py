@@ -133,9 +133,7 @@ def _check_stackable(prompts: list[list[int]], max_new_tokens: int, param: str) 
 
 
 @router.post("/v1/next-token")
-async def next_token(
-    req: NextTokenRequest, engine: EngineDep, request: Request, directions: DirectionsDep
-) -> dict[str, Any]:
+async def next_token(req: NextTokenRequest, engine: EngineDep, request: Request, directions: DirectionsDep) -> Response:
     (ids,) = await token_ids(engine, req.prompt, req.input_ids)
     vocab = engine.model.config.vocab_size
     if not 1 <= req.top_k <= vocab:
@@ -149,16 +147,20 @@ async def next_token(
 
     dist = await unless_disconnected(request, engine.call(distribution))
     tok = engine.tokenizer
-    return {
-        "model": engine.loaded.name,
-        "input_ids": ids,
-        "tokens": [tok.token_text(t) for t in ids],
-        "top": [
-            {"id": i, "token": tok.token_text(i), "prob": math.exp(v), "logprob": v}
-            for v, i in zip(dist.logprobs, dist.ids, strict=True)
-        ],
-        "entropy": dist.entropy,
-    }
+
+    def body() -> dict[str, Any]:  # top_k may be the whole vocabulary: 50,257 entries, written off the event loop
+        return {
+            "model": engine.loaded.name,
+            "input_ids": ids,
+            "tokens": [tok.token_text(t) for t in ids],
+            "top": [
+                {"id": i, "token": tok.token_text(i), "prob": math.exp(v), "logprob": v}
+                for v, i in zip(dist.logprobs, dist.ids, strict=True)
+            ],
+            "entropy": dist.entropy,
+        }
+
+    return await json_response(body)
 
 
 def _checked_hooks(
