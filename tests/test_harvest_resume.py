@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -245,6 +246,24 @@ def test_a_lock_file_removed_as_its_holder_finishes_is_not_held_twice(
     assert second is not None
     try:
         with pytest.raises(HarvestError, match=r"another harvest job \(pid \d+\) is writing to"):
+            FolderLock.acquire(tmp_path)
+    finally:
+        second.release()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_lock_whose_file_was_removed_leaves_the_next_holder_s_file(tmp_path: Path) -> None:
+    """A job that fails before its first shard removes its folder's files, the lock file included, before it
+    lets go of the lock: a job locking a new file there meanwhile keeps it, and a third job is refused."""
+    first = FolderLock.acquire(tmp_path)
+    assert first is not None
+    (tmp_path / LOCK).unlink()  # as `Manifest.discard_if_empty` removes the folder's files
+    second = FolderLock.acquire(tmp_path)
+    assert second is not None
+    first.release()
+    try:
+        assert (tmp_path / LOCK).is_file()
+        with pytest.raises(HarvestError, match=f"^{re.escape(refusal(os.getpid(), tmp_path))}$"):
             FolderLock.acquire(tmp_path)
     finally:
         second.release()

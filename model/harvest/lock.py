@@ -66,11 +66,14 @@ class FolderLock:
 
     def release(self) -> None:
         """Remove the lock file, then let go of the lock (the other way round, a job locking the file in
-        between would hold a file no longer there, beside a third job's new one); a second call does nothing."""
+        between would hold a file no longer there, beside a third job's new one); a second call does nothing.
+        A file at the path that is not this lock's (a job that removed its empty folder's files let the next
+        job lock a new one) is left to its holder."""
         if self._fd < 0:
             return
         try:
-            self.path.unlink(missing_ok=True)
+            if _same_file(self._fd, self.path):
+                self.path.unlink(missing_ok=True)
         except OSError as e:
             log.warning("could not remove %s: %s (it blocks nothing)", self.path, e)
         os.close(self._fd)
