@@ -125,6 +125,8 @@ class InterventionSpec(Strict):
                 raise InterventionError(f"value for {self.hook!r} holds a number not finite in float32") from None
             except (TypeError, ValueError) as e:
                 raise InterventionError(f"value for {self.hook!r} is not a rectangular array of numbers: {e}") from None
+            if isinstance(self.value, list) and _holds_bool(self.value):  # torch reads true as 1.0
+                raise InterventionError(f"value for {self.hook!r} holds true or false: give numbers")
         return Edit(
             self.hook,
             self.op,
@@ -220,6 +222,12 @@ def edit_spec(
     return spec
 
 
+def _holds_bool(values: list[Any]) -> bool:
+    """Whether a nested list of numbers (one torch could read: a few dimensions deep) holds a boolean."""
+    types = set(map(type, values))
+    return bool in types or (list in types and any(_holds_bool(v) for v in values if type(v) is list))
+
+
 def _tuple(values: list[int] | None) -> tuple[int, ...] | None:
     return tuple(values) if values is not None else None
 
@@ -259,11 +267,15 @@ class FeatureCapture(Strict):
                 raise GenerationError(
                     f"{where}features must list 1..1024 ids, got {len(self.features)}", f"{where}features"
                 )
+            seen: set[int] = set()
             for f in self.features:
                 if not 0 <= f < d_sae:
                     raise GenerationError(
                         f"{where}features: {f} is out of range 0..{d_sae - 1} (SAE {self.sae!r})", f"{where}features"
                     )
+                if f in seen:  # each id is read once: a repeat would only repeat its value in every token's list
+                    raise GenerationError(f"{where}features: {f} is named twice", f"{where}features")
+                seen.add(f)
             return None, list(self.features)
         top_k = self.top_k if "top_k" in self.model_fields_set else min(self.top_k, d_sae)  # default: 10 at most
         if not 1 <= top_k <= min(d_sae, 1024):

@@ -18,7 +18,7 @@ from safetensors.torch import load as load_safetensors
 import model.interventions
 from model.loading import LoadedModel
 
-ACTS, ANALYZE = "/v1/activations", "/v1/analyze"
+ACTS, ANALYZE, FEATURES = "/v1/activations", "/v1/analyze", "/v1/features"
 RES = "blocks.1.hook_resid_pre"  # d_model 64
 IDS = [464, 3797, 3332, 319, 262]  # "The cat sat on the"
 
@@ -140,3 +140,35 @@ def test_each_analysed_run_is_a_job_of_its_own(client: TestClient, monkeypatch: 
     jobs.clear()
     post_ok(client, ANALYZE, {"input_ids": IDS, "top_k": 1, "compare_ablated": False})
     assert len(jobs) == 1
+
+
+# --- values that are not what they seem ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [[True] * 64, [[1.0] * 63 + [False]], [[0.5] * 64, [True] * 64]])
+def test_booleans_in_an_edit_value_are_refused(client: TestClient, value: list[Any]) -> None:
+    """A scalar true is refused as a number (strict types); inside a list torch read it as 1.0."""
+    edit = {"hook": RES, "op": "add" if len(value) != 2 else "set", "value": value}
+    error = assert_error(client.post(NEXT, json={"input_ids": IDS, "interventions": [edit]}), 400, "interventions")
+    assert f"value for {RES!r} holds true or false: give numbers" in error["message"], error
+    assert_still_serving(client)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (FEATURES, {"input_ids": IDS, "sae": "res1", "features": [7, 3, 7]}, "features"),
+        (GEN, {"input_ids": IDS, "max_new_tokens": 1, "features": {"sae": "res1", "features": [5] * 1000}}, None),
+    ],
+)
+def test_a_feature_id_named_twice_is_refused(client: TestClient, path: str, body: dict[str, Any], param: Any) -> None:
+    """As a position or a head named twice is: the repeat would only repeat the value in every token's list."""
+    param = param or "features.features"
+    error = assert_error(client.post(path, json=body), 400, param)
+    assert "features: " in error["message"] and "is named twice" in error["message"], error
+    assert_still_serving(client)
+
+
+def test_distinct_feature_ids_are_read(client: TestClient) -> None:
+    body = post_ok(client, FEATURES, {"input_ids": IDS, "sae": "res1", "features": [7, 3]})
+    assert [f["id"] for f in body["features"][0]["features"]] == [7, 3]
