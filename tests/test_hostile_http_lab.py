@@ -172,3 +172,36 @@ def test_a_feature_id_named_twice_is_refused(client: TestClient, path: str, body
 def test_distinct_feature_ids_are_read(client: TestClient) -> None:
     body = post_ok(client, FEATURES, {"input_ids": IDS, "sae": "res1", "features": [7, 3]})
     assert [f["id"] for f in body["features"][0]["features"]] == [7, 3]
+
+
+def test_a_one_prompt_dump_is_written_from_the_captured_tensors(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file of one prompt was a copy of everything captured before it was encoded: hundreds of megabytes more
+    at a time, for nothing (a batch's are stacked, which copies them)."""
+    import server.encoding
+    import server.routes.native
+
+    captured: list[dict[str, Any]] = []
+    written: list[dict[str, Any]] = []
+    results, to_safetensors = server.routes.native.results, server.encoding.to_safetensors
+
+    async def kept(*args: Any) -> Any:
+        completions = await results(*args)
+        captured.extend(c.activations for c in completions)
+        return completions
+
+    def watched(tensors: dict[str, Any], *args: Any) -> bytes:
+        written.append(tensors)
+        return to_safetensors(tensors, *args)
+
+    monkeypatch.setattr(server.routes.native, "results", kept)
+    monkeypatch.setattr(server.encoding, "to_safetensors", watched)
+    hooks = ["blocks.0.hook_resid_post", "blocks.1.mlp.hook_post"]
+    r = client.post(ACTS, json={"input_ids": IDS, "activations": {"hooks": hooks}})
+    assert r.status_code == 200, r.text
+    ((tensors,),) = [written]
+    assert all(tensors[name] is captured[0][name] for name in hooks)
+    assert load_safetensors(r.content)[hooks[1]].shape == (1, len(IDS), 256)
+    batch = client.post(ACTS, json={"input_ids": [IDS, IDS], "activations": {"hooks": hooks}})
+    assert load_safetensors(batch.content)[hooks[0]].shape == (2, len(IDS), 64)

@@ -252,7 +252,9 @@ class _Reply:
             "text": json.dumps(texts) if batch else texts[0],
             "result": json.dumps(self.body(completions)),
         }
-        tensors = {name: torch.cat([a[name] for a in acts if a is not None]) for name in acts[0] or {}}
+        tensors = acts[0] or {}  # one prompt's as captured: a copy of a dump of hundreds of megabytes is not free
+        if batch:
+            tensors = {name: torch.cat([a[name] for a in acts if a is not None]) for name in tensors}
         return encoding.to_safetensors(tensors, dtype, meta)
 
     def body(self, completions: list[Completion]) -> dict[str, Any]:
