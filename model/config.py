@@ -17,6 +17,9 @@ class ConfigError(ValueError):
     """A `config.json` that is missing, malformed, or asks for something this model does not implement."""
 
 
+_MAX_SIZE = 2**31 - 1  # the largest n_layer, n_head, ...: far above any GPT-2's (gpt2-xl's largest is 50257)
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     n_layer: int = 12
@@ -31,7 +34,7 @@ class GPTConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {clip(value)}")
-            if value > _MAX_SIZE:  # no tensor of the model could have it; and a 4000-digit one fills a message
+            if value > _MAX_SIZE:  # a 4000-digit one would fill the message that names it, and any later one
                 raise ConfigError(f"{name} must be at most {_MAX_SIZE}, got {clip(value)}")
         if self.n_embd % self.n_head:
             raise ConfigError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
@@ -101,9 +104,6 @@ class GPTConfig:
             "reorder_and_upcast_attn": False,
             "add_cross_attention": False,
         }
-
-
-_MAX_SIZE = 2**31 - 1  # any size of GPT2Config; gpt2-xl's largest is vocab_size, 50257
 
 
 def _number(value: Any) -> float:
