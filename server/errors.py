@@ -4,6 +4,7 @@ never carries a traceback (it is logged with the request id instead)."""
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -168,4 +169,6 @@ def _unparsable(cause: BaseException | None) -> str:
         return "the body is nested too deeply to parse"
     if isinstance(cause, UnicodeDecodeError):
         return f"the body is not UTF-8: {cause.reason} at byte {cause.start}; send JSON encoded as UTF-8"
+    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):  # Python's guard on int()
+        return f"the body holds an integer of more than {sys.get_int_max_str_digits()} digits, too long to read"
     return "the body could not be parsed: send JSON encoded as UTF-8"

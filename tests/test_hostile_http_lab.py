@@ -205,3 +205,13 @@ def test_a_one_prompt_dump_is_written_from_the_captured_tensors(
     assert load_safetensors(r.content)[hooks[1]].shape == (1, len(IDS), 256)
     batch = client.post(ACTS, json={"input_ids": [IDS, IDS], "activations": {"hooks": hooks}})
     assert load_safetensors(batch.content)[hooks[0]].shape == (2, len(IDS), 64)
+
+
+def test_an_integer_too_long_to_read_is_named(client: TestClient) -> None:
+    """Python reads at most 4,300 digits of an integer: the body is valid JSON in UTF-8, so the answer must not
+    say it is not."""
+    body = b'{"input_ids": [464], "max_new_tokens": ' + b"9" * 5000 + b"}"
+    r = client.post(GEN, content=body, headers={"content-type": "application/json"})
+    error = assert_error(r, 400)
+    assert error["message"] == "the body holds an integer of more than 4300 digits, too long to read", error
+    assert_still_serving(client)
