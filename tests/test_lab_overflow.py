@@ -12,12 +12,13 @@ import pytest
 import torch
 from conftest import Checkpoint, load_ours
 
-from model.analysis import analyze, variance_overflows
+from model.analysis import analyze
 from model.gpt import GPT
 from model.hooks import Capture
 from model.interventions import Edit, EditSpec, NonFiniteActivations
 from model.lab.attribution import attribution
 from model.lab.gradients import Loss, MetricError, gradients, highway
+from model.overflow import variance_overflows
 
 PROMPT = [464, 3797, 3332, 319, 262, 2603, 780, 340]  # "The cat sat on the mat because it"
 HUGE = 1e19  # O(1) values times this: finite in float32, the sum of their squares is not (nor NaN, as 1e20 can give)

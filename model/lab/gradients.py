@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..analysis import layer_norm_inputs, layer_norm_overflow, variance_overflows
 from ..config import GPTConfig
 from ..gpt import GPT
 from ..hooks import Hooks, select_hooks
 from ..interventions import EditSpec, HookChain, InterventionError, split_input_clashes
+from ..overflow import layer_norm_inputs, layer_norm_overflow, variance_overflows
 
 
 class MetricError(InterventionError):
