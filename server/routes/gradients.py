@@ -25,7 +25,16 @@ from ..errors import APIError
 from ..schemas import AttributionRequest, GradientsRequest
 from ..settings import Settings
 from ..threads import run_in_threadpool
-from .deps import EngineDep, SettingsDep, encode, json_response, prompt_field, token_ids, unless_disconnected
+from .deps import (
+    EngineDep,
+    SettingsDep,
+    encode,
+    json_response,
+    prompt_field,
+    resolved_edits,
+    token_ids,
+    unless_disconnected,
+)
 from .sae import DirectionsDep
 
 router = APIRouter(tags=["lab"])
@@ -51,11 +60,8 @@ async def gradients_at_hooks(
     param = prompt_field(req.input_ids)
     validate_prompt(engine.model, ids, 0, param)
     config = engine.model.config
-    names, metric, edits = (
-        req.hook_names(config.n_layer),
-        req.metric.metric(engine.tokenizer),
-        req.edit_spec(config.n_layer, directions),
-    )
+    names = await run_in_threadpool(req.hook_names, config.n_layer)  # globs: matched off the event loop
+    metric, edits = req.metric.metric(engine.tokenizer), await resolved_edits(req, engine, directions)
     check_metric(metric, len(ids), config.vocab_size)
     if edits is not None:
         edits.hooks(config, len(ids))  # a bad edit is refused here, before it takes the engine's time

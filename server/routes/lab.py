@@ -19,7 +19,7 @@ from .. import encoding
 from ..errors import APIError
 from ..schemas import AnalyzeRequest
 from ..threads import run_in_threadpool
-from .deps import EngineDep, SettingsDep, prompt_field, token_ids, unless_disconnected
+from .deps import EngineDep, SettingsDep, prompt_field, resolved_edits, token_ids, unless_disconnected
 from .gradients import check_graph
 from .sae import DirectionsDep
 
@@ -59,7 +59,7 @@ async def analyze_prompt(
     least = encoding.analysis_min_bytes(config, len(ids), req.top_k, 2 if req.compare_ablated else 1)
     if least > settings.max_activation_bytes:  # certainly over: refused before any model work
         raise too_big(least, at_least=True)
-    edits = req.edit_spec(config.n_layer, directions)
+    edits = await resolved_edits(req, engine, directions)
     everything = tuple(range(config.n_layer))
     no_residual = EditSpec(edits.edits if edits else (), everything, everything)
 

@@ -33,6 +33,7 @@ from .deps import (
     json_response,
     merged,
     prompt_field,
+    resolved_edits,
     results,
     sse,
     token_ids,
@@ -81,12 +82,12 @@ async def generate(
 ) -> Response:
     prompts = await token_ids(engine, req.prompt, req.input_ids)
     params = req.sampling_params(settings.max_new_tokens)
-    hooks = _checked_hooks(engine, settings, req.activations, prompts, params.max_new_tokens)
+    hooks = await _checked_hooks(engine, settings, req.activations, prompts, params.max_new_tokens)
     reader = feature_reader(directions, req.features, "features.")  # SAE features: a capture of its hook
     if reader is not None:  # in JSON, for each choice
         n_tokens = sum(len(p) + params.max_new_tokens for p in prompts)
         reader.check_size(n_tokens, "json", settings.max_activation_bytes, "features.")
-    edits = req.edit_spec(engine.model.config.n_layer, directions)
+    edits = await resolved_edits(req, engine, directions)
     captured = hooks if reader is None else [*(hooks or []), reader.hook]
     streams = engine.submit(prompts, [params] * len(prompts), captured, edits, prompt_field(req.input_ids))
     reply = _Reply(engine, req.activations, reader, hooks)
@@ -106,8 +107,8 @@ async def activations(
     params = req.sampling_params(settings.max_new_tokens)
     if len(prompts) > 1:
         _check_stackable(prompts, params.max_new_tokens, prompt_field(req.input_ids))
-    hooks = _checked_hooks(engine, settings, req.activations, prompts, params.max_new_tokens, file=True)
-    edits = req.edit_spec(engine.model.config.n_layer, directions)
+    hooks = await _checked_hooks(engine, settings, req.activations, prompts, params.max_new_tokens, file=True)
+    edits = await resolved_edits(req, engine, directions)
     completions = await results(
         engine.submit(prompts, [params] * len(prompts), hooks, edits, prompt_field(req.input_ids)), request
     )
@@ -139,7 +140,7 @@ async def next_token(req: NextTokenRequest, engine: EngineDep, request: Request,
     if not 1 <= req.top_k <= vocab:
         raise GenerationError(f"top_k must be in 1..{vocab}, got {req.top_k}", "top_k")
     validate_prompt(engine.model, ids, 0, prompt_field(req.input_ids))
-    edits = req.edit_spec(engine.model.config.n_layer, directions)
+    edits = await resolved_edits(req, engine, directions)
     hooks = edits.hooks(engine.model.config, len(ids)) if edits is not None else None
 
     def distribution(model: GPT) -> NextToken:
@@ -163,7 +164,7 @@ async def next_token(req: NextTokenRequest, engine: EngineDep, request: Request,
     return await json_response(body)
 
 
-def _checked_hooks(
+async def _checked_hooks(
     engine: Engine,
     settings: Settings,
     spec: ActivationSpec | None,
@@ -172,10 +173,11 @@ def _checked_hooks(
     file: bool = False,
 ) -> list[str] | None:
     """The hook names a request asks for, refused (413) when the dump, as sent (`spec.format`, or a
-    safetensors file when `file`), would exceed the server's limit."""
+    safetensors file when `file`), would exceed the server's limit. Globs are matched on a worker thread (two
+    thousand take a second on gpt2-xl's hook points)."""
     if spec is None:
         return None
-    names = select_hooks(spec.hooks, engine.model.config.n_layer)
+    names = await run_in_threadpool(select_hooks, spec.hooks, engine.model.config.n_layer)
     wire: encoding.Wire = "safetensors" if file else spec.format
     size = sum(
         encoding.dump_bytes_on_wire(engine.model.config, names, len(p) + max_new_tokens, spec.dtype, wire)

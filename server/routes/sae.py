@@ -27,7 +27,16 @@ from ..errors import APIError
 from ..schemas import FeatureCapture, FeaturesRequest, SteeringVectorRequest
 from ..settings import Settings
 from ..threads import run_in_threadpool
-from .deps import EngineDep, SettingsDep, encode, json_response, results, token_ids, unless_disconnected
+from .deps import (
+    EngineDep,
+    SettingsDep,
+    encode,
+    json_response,
+    resolved_edits,
+    results,
+    token_ids,
+    unless_disconnected,
+)
 
 router = APIRouter(tags=["sae"])
 
@@ -131,7 +140,7 @@ async def features(
     prompts = await token_ids(engine, req.prompt, req.input_ids)
     params = req.sampling_params(settings.max_new_tokens)
     reader.check_size(len(prompts[0]) + params.max_new_tokens, req.format, settings.max_activation_bytes)
-    edits = req.edit_spec(engine.model.config.n_layer, directions)
+    edits = await resolved_edits(req, engine, directions)
     (completion,) = await results(engine.submit(prompts, [params], [sae.cfg.hook_name], edits), request)
     assert completion.activations is not None
     x = completion.activations[sae.cfg.hook_name][0]  # [T, d_in]
