@@ -9,6 +9,8 @@ vector. Effective rank: Roy & Vetterli 2007. Logit lens: nostalgebraist 2020.
 from __future__ import annotations
 
 import math
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -83,29 +85,67 @@ def analyze(model: GPT, ids: list[int], top_k: int = 5, edits: Hooks | None = No
     """One forward pass over `ids` (with `edits`, e.g. residual ablation, applied), measured after the
     embeddings and after every block. Raises `NonFiniteActivations` at the first layer where the edits drove
     the stream to inf or NaN, too large for its measures (norms, the logit lens) to be finite, or too large
-    for a LayerNorm's variance (`variance_overflows`). Each layer is measured as the pass reaches it, so the
-    memory taken beyond the pass's own is one layer's (its attention pattern, its stream, its logit lens)."""
-    measure = _Measure(model, top_k, edited=edits is not None)
-    last = f"blocks.{model.config.n_layer - 1}.hook_resid_post"  # the LM head is not needed: the pass ends here
-    with torch.inference_mode():
-        idx = torch.tensor([ids], device=model.wte.weight.device)
-        run_until(model, idx, HookChain(edits, measure) if edits is not None else measure, last)
-    return measure.stats
+    for a LayerNorm's variance (`variance_overflows`). The work is the pass (`residual_streams`), then one
+    `measure` a layer: the server runs each as an engine job of its own, so that decode steps go on between
+    them. The memory taken beyond the pass's own is every layer's stream [T, C] and one layer's attention
+    pattern, then one layer's logit lens."""
+    streams = residual_streams(model, ids, edits)
+    return [measure(model, stream, top_k, streams.edited) for stream in streams.take()]
 
 
-class _Measure:
-    """Hooks that measure each layer's stream when the pass hands it over (the attention entropy is taken
-    from the layer's pattern just before) and keep only the numbers; they refuse the first layer that cannot
-    be measured, and the first LayerNorm whose variance overflows."""
+@dataclass
+class Stream:
+    """One layer's residual stream as the pass left it, for `measure`."""
 
-    def __init__(self, model: GPT, top_k: int, edited: bool) -> None:
-        L = model.config.n_layer
-        self.model, self.top_k, self.edited = model, top_k, edited
+    layer: int  # -1: the stream entering block 0 (embeddings); L: after block L
+    x: torch.Tensor  # [T, C], in the model's dtype
+    attention_entropy: list[float] | None  # per head, of the block that made it; None for the embeddings
+
+
+@dataclass
+class Streams:
+    """What one pass leaves to measure: its layers' streams in order and, if something ended the pass early
+    (a LayerNorm that overflowed), that error. `take` raises it only after the streams before it: the first
+    of them that cannot be measured is refused first, as the pass reached it first."""
+
+    streams: deque[Stream]
+    edited: bool  # whether the pass had edits (the errors say so)
+    error: Exception | None = None
+
+    def take(self) -> Iterator[Stream]:
+        """The streams in order, each let go of here once given; then the error that ended the pass, if any."""
+        while self.streams:
+            yield self.streams.popleft()
+        if self.error is not None:
+            raise self.error
+
+
+@torch.inference_mode()
+def residual_streams(model: GPT, ids: list[int], edits: Hooks | None = None) -> Streams:
+    """A forward pass over `ids` (with `edits` applied) that keeps what `measure` needs: the stream after the
+    embeddings and after each block, and each block's attention entropy (its pattern [H, T, T] reduced as it
+    comes: one is alive at a time). It ends after the last block (the LM head is not needed), or at the first
+    LayerNorm whose variance overflows, or at any error, which the result keeps for `Streams.take`."""
+    keep = _Keep(model.config.n_layer, edited=edits is not None)
+    last = f"blocks.{model.config.n_layer - 1}.hook_resid_post"
+    idx = torch.tensor([ids], device=model.wte.weight.device)
+    try:
+        run_until(model, idx, HookChain(edits, keep) if edits is not None else keep, last)
+    except Exception as e:  # raised once the streams before it are measured, as the one pass did
+        keep.streams.error = e
+    return keep.streams
+
+
+class _Keep:
+    """Hooks that keep each layer's stream when the pass hands it over (with the attention entropy taken from
+    the layer's pattern just before) and stop the pass at the first LayerNorm whose variance overflows."""
+
+    def __init__(self, L: int, edited: bool) -> None:
         self._streams = {"blocks.0.hook_resid_pre": -1, **{f"blocks.{i}.hook_resid_post": i for i in range(L)}}
         self._patterns = {f"blocks.{i}.attn.hook_pattern" for i in range(L)}
         self._layer_norms = layer_norm_inputs(L)
         self._entropy: list[float] | None = None  # the current layer's, until its stream comes
-        self.stats: list[LayerStats] = []
+        self.streams = Streams(deque(), edited)
 
     def active(self, name: str) -> bool:
         return name in self._streams or name in self._patterns  # the patterns need the explicit attention
@@ -114,32 +154,38 @@ class _Measure:
         if name in self._patterns:
             self._entropy = attention_entropy(x[0].float()).tolist()
         layer = self._streams.get(name)
-        if layer is not None:
-            self._measure(layer, x[0].float())
+        if layer is not None:  # a copy: no later hook can change what is measured
+            self.streams.streams.append(Stream(layer, x[0].clone(), self._entropy))
+            self._entropy = None
         ln = self._layer_norms.get(name)
         if ln is not None and bool(variance_overflows(x)):
-            raise NonFiniteActivations(layer_norm_overflow(ln, x.dtype, self.edited) + ": nothing real to measure")
+            edited = self.streams.edited
+            raise NonFiniteActivations(layer_norm_overflow(ln, x.dtype, edited) + ": nothing real to measure")
         return x
 
-    def _measure(self, layer: int, x: torch.Tensor) -> None:
-        stats = LayerStats(
-            layer,
-            residual_norms(x).tolist(),
-            effective_rank(x),
-            collapse(x),
-            mean_cosine(x),
-            self._entropy,
-            logit_lens(self.model, x, self.top_k),
+
+@torch.inference_mode()
+def measure(model: GPT, stream: Stream, top_k: int, edited: bool) -> LayerStats:
+    """One layer's measures (`edited`: whether its pass had edits). Raises `NonFiniteActivations` when they are
+    not all finite."""
+    x = stream.x.float()
+    stats = LayerStats(
+        stream.layer,
+        residual_norms(x).tolist(),
+        effective_rank(x),
+        collapse(x),
+        mean_cosine(x),
+        stream.attention_entropy,
+        logit_lens(model, x, top_k),
+    )
+    if not stats.finite():
+        where = "after the embeddings" if stream.layer == -1 else f"at layer {stream.layer}"
+        cause = "the edits made the activations" if edited else "the activations became"
+        raise NonFiniteActivations(
+            f"{cause} non-finite (inf or NaN, or too large to measure) {where}"
+            + ("" if edited else ": the weights, or their dtype's range (float16's ends at 65504)")
         )
-        self._entropy = None
-        if not stats.finite():
-            where = "after the embeddings" if layer == -1 else f"at layer {layer}"
-            cause = "the edits made the activations" if self.edited else "the activations became"
-            raise NonFiniteActivations(
-                f"{cause} non-finite (inf or NaN, or too large to measure) {where}"
-                + ("" if self.edited else ": the weights, or their dtype's range (float16's ends at 65504)")
-            )
-        self.stats.append(stats)
+    return stats
 
 
 def logit_lens(model: GPT, x: torch.Tensor, top_k: int, chunk: int = 64) -> list[list[tuple[int, float]]]:

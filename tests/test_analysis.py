@@ -258,6 +258,22 @@ def test_analyze_holds_one_layer_s_attention_pattern_at_a_time(tiny_model: GPT) 
     assert alive == list(range(L))
 
 
+def test_a_stream_is_measured_as_the_pass_handed_it_over(tiny_model: GPT) -> None:
+    """The pass keeps each layer's stream for a later job to measure: a copy, so a hook further on that
+    changes its tensor in place (block 1's resid_pre is block 0's resid_post) changes nothing measured."""
+
+    class ZeroInPlace:
+        def active(self, name: str) -> bool:
+            return name == "blocks.1.hook_resid_pre"
+
+        def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
+            return x.zero_() if name == "blocks.1.hook_resid_pre" else x
+
+    stats, plain = analyze(tiny_model, PROMPT, 3, ZeroInPlace()), analyze(tiny_model, PROMPT, 3)
+    assert stats[:2] == plain[:2]  # the embeddings and layer 0: as without the hook
+    assert stats[2].norms != plain[2].norms  # layer 1: after a zero stream
+
+
 # --- rank collapse on the gpt2-small shape -----------------------------------------------------------
 
 
