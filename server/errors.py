@@ -18,6 +18,7 @@ from model.hooks import UnknownHookError
 from model.interventions import InterventionError
 
 from .engine import EngineStopped, QueueFull
+from .json_body import DuplicateKeyError
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        if e.status_code == 400 and isinstance(e.__cause__, DuplicateKeyError):  # raised in FastAPI's parse
+            return error_response(400, str(e.__cause__), e.__cause__.param)
         messages = {
             400: _unparsable(e.__cause__),  # FastAPI's "error parsing the body", raised from the real cause
             404: "no such route",

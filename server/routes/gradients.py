@@ -22,6 +22,7 @@ from model.lab.gradients import Gradients, Metric, check_metric, grad_name, grad
 from .. import encoding
 from ..engine import Engine
 from ..errors import APIError
+from ..json_body import JSONBodyRoute
 from ..schemas import AttributionRequest, GradientsRequest
 from ..settings import Settings
 from ..threads import run_in_threadpool
@@ -37,7 +38,7 @@ from .deps import (
 )
 from .sae import DirectionsDep
 
-router = APIRouter(tags=["lab"])
+router = APIRouter(tags=["lab"], route_class=JSONBodyRoute)
 
 
 def check_graph(engine: Engine, settings: Settings, n_tokens: int, param: str) -> None:

@@ -18,11 +18,12 @@ from model.loading import hub_repo
 
 from ..engine import Engine, RequestStream
 from ..errors import APIError
+from ..json_body import JSONBodyRoute
 from ..schemas import CompletionRequest
 from ..threads import run_in_threadpool
 from .deps import EngineDep, SettingsDep, json_response, merged, openai_prompt_ids, results, sse
 
-router = APIRouter(tags=["openai"])
+router = APIRouter(tags=["openai"], route_class=JSONBodyRoute)
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 OPENAI_NAMES = {"max_new_tokens": "max_tokens"}  # the engine's name -> this API's

@@ -24,6 +24,7 @@ from model.loading import LoadedModel
 
 from .. import encoding
 from ..errors import APIError
+from ..json_body import JSONBodyRoute
 from ..schemas import FeatureCapture, FeaturesRequest, SteeringVectorRequest
 from ..settings import Settings
 from ..threads import run_in_threadpool
@@ -38,7 +39,7 @@ from .deps import (
     unless_disconnected,
 )
 
-router = APIRouter(tags=["sae"])
+router = APIRouter(tags=["sae"], route_class=JSONBodyRoute)
 
 
 def load_directions(settings: Settings, loaded: LoadedModel) -> Directions:

@@ -9,11 +9,12 @@ from fastapi import APIRouter
 from model.generate import GenerationError
 from model.tokenizer import EOT
 
+from ..json_body import JSONBodyRoute
 from ..schemas import DetokenizeRequest, TokenizeRequest
 from ..threads import run_in_threadpool
 from .deps import EngineDep, encode
 
-router = APIRouter(tags=["tokenizer"])
+router = APIRouter(tags=["tokenizer"], route_class=JSONBodyRoute)
 
 
 @router.post("/tokenize")

@@ -1,0 +1,105 @@
+"""Request bodies are read as JSON in which each object names a key once.
+
+Python's `json`, like most parsers, keeps the last of two equal keys: `{"attn": [0], "attn": []}` would
+quietly mean `{"attn": []}`, and the client would get the answer to a question it did not ask. RFC 8259
+leaves such objects to the parser ("the names within an object SHOULD be unique"); this API refuses them
+with a 400 naming the key's path (`residual.attn`, `interventions.0.hook`). Everything else reads as
+`json.loads` reads it (NaN and Infinity, integers up to Python's 4,300 digits, the same errors), in the same
+single pass.
+
+FastAPI parses a body with `await request.json()` on the request its route handler is given: a router made
+with `APIRouter(route_class=JSONBodyRoute)` hands its handlers a `JSONBodyRequest`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any
+
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
+
+
+class DuplicateKeyError(ValueError):
+    """An object in the body names a key twice; `param` is the key's path, its parts joined by dots."""
+
+    def __init__(self, path: list[str]) -> None:
+        self.param = ".".join(path)
+        super().__init__(f"the body names the key {self.param!r} more than once: send each key once")
+
+
+def loads(body: bytes) -> Any:
+    """`json.loads(body)`, raising DuplicateKeyError for an object that names a key twice."""
+    keys = _UniqueKeys()
+    value = json.loads(body, object_pairs_hook=keys.object)
+    if keys.path is not None:
+        above = _path_to(keys.holder, value)
+        assert above is not None, "the object holding the duplicate is in the body"
+        raise DuplicateKeyError([*above, *keys.path])
+    return value
+
+
+class _UniqueKeys:
+    """An `object_pairs_hook` that builds each object as `json` does, and remembers the first that names a
+    key twice. Objects are built inside out, so the path to that key is found on the way out: once there is
+    one, each object built after it looks for it among its values, and if it is there, holds it in turn."""
+
+    def __init__(self) -> None:
+        self.path: list[str] | None = None  # from `holder` down to the key named twice
+        self.holder: Any = None  # the outermost object built so far that holds that key
+
+    def object(self, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        built = dict(pairs)
+        if self.path is not None:
+            for key, value in pairs:  # the pairs, not `built`: the holder may be a duplicate's lost value
+                below = _path_to(self.holder, value)
+                if below is not None:
+                    self.path, self.holder = [key, *below, *self.path], built
+                    break
+        elif len(built) < len(pairs):
+            self.path, self.holder = [_first_repeated(key for key, _ in pairs)], built
+        return built
+
+
+def _path_to(target: Any, value: Any) -> list[str] | None:
+    """The list indices from `value` down to the object `target`, or None where it is not there. Only lists
+    are searched: an object that held `target` would have become the holder as it was built."""
+    if value is target:
+        return []
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            below = _path_to(target, item)
+            if below is not None:
+                return [str(i), *below]
+    return None
+
+
+def _first_repeated(keys: Iterable[str]) -> str:
+    seen: set[str] = set()
+    for key in keys:
+        if key in seen:
+            return key
+        seen.add(key)
+    raise ValueError("no key is repeated")
+
+
+class JSONBodyRequest(Request):
+    """A request whose JSON body refuses duplicate keys (`loads`)."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = loads(await self.body())
+        return self._json
+
+
+class JSONBodyRoute(APIRoute):
+    """A route whose handler (FastAPI's own) is given a `JSONBodyRequest`: its body refuses duplicate keys."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def unique_keys(request: Request) -> Response:
+            return await handler(JSONBodyRequest(request.scope, request.receive))
+
+        return unique_keys
