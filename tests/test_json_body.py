@@ -142,7 +142,6 @@ def test_without_the_duplicate_the_same_bodies_are_answered(client: TestClient) 
     assert post(client, "/tokenize", '{"prompt": "a"}').json()["count"] == 1
 
 
-@pytest.mark.xfail(strict=True, reason="needs the route_class line in server/routes/lab.py")
 def test_analyze_refuses_a_key_named_twice(client: TestClient) -> None:
     body = '{"prompt": "hi", "residual": {"attn": [0], "attn": []}}'
     assert_error(post(client, "/v1/analyze", body), 400, "residual.attn")

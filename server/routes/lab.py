@@ -19,13 +19,14 @@ from model.lab.gradients import LayerGradient, highway
 
 from .. import encoding
 from ..errors import APIError
+from ..json_body import JSONBodyRoute
 from ..schemas import AnalyzeRequest
 from ..threads import run_in_threadpool
 from .deps import EngineDep, SettingsDep, prompt_field, resolved_edits, token_ids, unless_disconnected
 from .gradients import check_graph
 from .sae import DirectionsDep
 
-router = APIRouter(tags=["lab"])
+router = APIRouter(tags=["lab"], route_class=JSONBodyRoute)
 STATIC = Path(__file__).resolve().parents[1] / "static"
 R = TypeVar("R")
 
