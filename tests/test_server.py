@@ -69,6 +69,20 @@ def test_health(client: TestClient) -> None:
     assert r.json() == {"status": "ok"}
 
 
+def test_health_answers_head_and_the_schema_names_each_operation_once(client: TestClient) -> None:
+    """Health checkers often send HEAD; one route for GET and HEAD gave both methods one operation id, which
+    FastAPI warned about each time the schema was built (and which a client generator would trip on)."""
+    r = client.head("/health")
+    assert r.status_code == 200 and r.content == b""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        schema = client.app.openapi()  # type: ignore[attr-defined]
+    ids = [op["operationId"] for ops in schema["paths"].values() for op in ops.values()]
+    assert len(ids) == len(set(ids)) and "head" not in schema["paths"]["/health"]
+
+
 def test_model_info(client: TestClient, loaded: LoadedModel) -> None:
     info = client.get("/v1/model").json()
     assert info["name"] == loaded.name

@@ -9,7 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 router = APIRouter(tags=["operations"])
 
 
-@router.api_route("/health", methods=["GET", "HEAD"])  # health checkers often send HEAD
+@router.get("/health")
 async def health(request: Request) -> JSONResponse:
     engine = request.app.state.engine
     if engine is None:
@@ -17,6 +17,11 @@ async def health(request: Request) -> JSONResponse:
     if not engine.running:  # its thread ended (a stop, or a bug): every request would get a 503
         return JSONResponse({"status": "stopped"}, status_code=503)
     return JSONResponse({"status": "ok"})
+
+
+# health checkers often send HEAD: the same answer, without a second operation in the OpenAPI schema (one
+# route for both methods gave both the same operation id)
+router.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
 
 
 @router.get("/metrics")
