@@ -6,13 +6,15 @@ for every active sequence and the next prompt chunks, in one forward pass), and 
 hands its tokens to their requests' asyncio queues, in one call into the event loop (not one a token). A
 request that arrives while others decode joins at the next step. Requests with hooks (activations to
 capture, interventions) share the batch too, each seeing only its own values. Those that only want a
-prompt's activations (nothing to generate, no logits) skip the KV cache: the ones waiting run together in
-one forward pass that ends after the last hook they capture (`model.generate.prefill_prompts`), before
-the next decode step. A cancelled request (client gone) leaves the batch at the next step and frees its
-row; a sequence that fails on its own (non-finite logits, say) ends with its error, and its batch goes
-on. Jobs (`call`: one forward pass for an analysis) wait in a queue bounded like the requests' and run
-one between two steps, so that a burst of them does not stall the sequences decoding; a job whose caller
-is gone leaves the queue, or, once running, stops at the next block its forward passes enter."""
+prompt's activations (nothing to generate, no logits) skip the KV cache: each prompt runs in a forward pass
+of its own that ends after the last hook it captures (`model.generate.prefill_prompt`), as many of them
+before a decode step as fit in a prompt chunk (`prefill_chunk` tokens, at least one prompt), so that a
+batch of long prompts to dump stalls the decoding sequences for one prompt at a time. A cancelled request
+(client gone) leaves the batch at the next step and frees its row; a sequence that fails on its own
+(non-finite logits, say) ends with its error, and its batch goes on. Jobs (`call`: one forward pass for
+an analysis) wait in a queue bounded like the requests' and run one between two steps, so that a burst of
+them does not stall the sequences decoding; a job whose caller is gone leaves the queue, or, once running,
+stops at the next block its forward passes enter."""
 
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from model.generate import (
     TokenEvent,
     TokenLogprob,
     new_sequence,
-    prefill_prompts,
+    prefill_prompt,
 )
 from model.gpt import GPT
 from model.hooks import select_hooks
@@ -158,7 +160,7 @@ class Engine:
         # The cache was zeroed and the batch warmed on this thread: its OpenMP threads go, so that the engine's
         # thread keeps the only pool and its threads spin between parallel regions (server/threads.py).
         release_openmp_pool()
-        self._prompt_only: list[_Request] = []  # admitted, for the next `prefill_prompts` pass
+        self._prompt_only: deque[_Request] = deque()  # admitted, for `prefill_prompt` passes in turn
         self._requests: dict[int, _Request] = {}  # id(seq) -> request, for every admitted sequence
         self._waiting: deque[_Request] = deque()
         self._jobs: deque[_Job] = deque()
@@ -352,14 +354,21 @@ class Engine:
                 self._finish(request)
 
     def _prefill_prompts(self) -> None:
-        requests, self._prompt_only = self._prompt_only, []
-        prefill_prompts(self.model, [r.seq for r in requests])
-        for request in requests:
+        """The next prompt-only sequences, each in a pass of its own, up to `prefill_chunk` prompt tokens in all
+        (at least one prompt): no more before the next decode step than a prompt chunk of generation's."""
+        tokens = 0
+        while self._prompt_only:
+            request = self._prompt_only[0]
+            if tokens and tokens + len(request.seq.prompt) > self.prefill_chunk:
+                return  # the decode step first
+            self._prompt_only.popleft()
+            prefill_prompt(self.model, request.seq)
+            tokens += len(request.seq.prompt)
             if request.seq.error is not None:
                 self._end_with(request, request.seq.error)
             else:
                 self._finish(request)
-        self._send()  # their results now, not after the decode pass that follows
+            self._send()  # its result now, not after the passes and the decode step that follow
 
     def _post(self, request: _Request, item: TokenEvent | Completion | BaseException) -> None:
         """`item` for `request`'s queue, sent with the rest of this step's at its end (`_send`)."""

@@ -15,6 +15,7 @@ import torch
 from contract import greedy
 
 from model.generate import Completion, SamplingParams, TokenEvent
+from model.hooks import run_with_cache
 from model.loading import LoadedModel
 from server.engine import Engine, EngineStopped, QueueFull, RequestStream, default_prefill_chunk
 
@@ -265,6 +266,64 @@ def test_the_batch_prefills_in_the_engines_chunks(loaded: LoadedModel, chunk: in
 
         assert len(run(main()).token_ids) == 1
     assert [n for n in steps if n] == [want, 5]
+
+
+@pytest.mark.parametrize(("length", "n", "per_step"), [(40, 3, [1, 1, 1]), (5, 6, [3, 3])])
+def test_prompts_to_dump_run_one_a_pass_a_chunk_a_step(
+    loaded: LoadedModel, length: int, n: int, per_step: list[int]
+) -> None:
+    """Prompts that only dump activations run one a forward pass, each [1, its length], and no more of them
+    before the stream's next decode step than fit in a prompt chunk (16 tokens; a longer prompt alone): a
+    batch of long prompts stalls a running stream for one prompt at a time, not for all of them (six of
+    1,000 tokens once stalled every stream 16.6 s on gpt2-small, in one pass). Each dump is the one its
+    prompt gives alone, bit for bit."""
+    prompts = [[(7 * i + t) % 50000 for t in range(length)] for i in range(n)]
+    names = ["blocks.0.hook_resid_post", "blocks.1.attn.hook_pattern"]
+    log: list[tuple[str, int]] = []  # ("decode", rows) or ("pass", prompts in it), in the engine's order
+
+    async def main() -> list[Completion]:
+        with running(loaded, max_batch_size=8, prefill_chunk=16) as engine:
+            step = engine._batch.step
+
+            def decode() -> list[Any]:
+                log.append(("decode", len(engine._batch)))
+                return step()
+
+            def on_pass(_: Any, args: tuple[torch.Tensor, ...]) -> None:
+                if args[0].shape[1] == length:  # x [B, T, C]: a pass over the prompts, not a decode token
+                    log.append(("pass", args[0].shape[0]))
+
+            engine._batch.step = decode  # type: ignore[method-assign]
+            entered = engine.model.h[0].register_forward_pre_hook(on_pass)
+            try:
+                (stream,) = engine.submit([[464]], [greedy_params(LONG, ignore_eos=True)])
+                await first_event(stream)
+                dumps = engine.submit(prompts, [SamplingParams(max_new_tokens=0)] * n, names)
+                results = [await d.result() for d in dumps]
+                stream.cancel()
+            finally:
+                entered.remove()
+            return results
+
+    results = run(main())
+    groups: list[int] = []  # the prompts run between two decode steps of the stream
+    previous = "decode"
+    for kind, count in log:
+        if kind == "pass":
+            assert count == 1, f"a pass over {count} prompts at once"
+            if previous == "pass":
+                groups[-1] += 1
+            else:
+                groups.append(1)
+        else:
+            assert count == 1  # the stream, decoding throughout
+        previous = kind
+    assert groups == per_step
+    for prompt, result in zip(prompts, results, strict=True):
+        alone = run_with_cache(loaded.model, prompt, names)
+        assert result.activations is not None and result.activations.keys() == alone.keys()
+        for name, want in alone.items():
+            assert torch.equal(result.activations[name], want), name
 
 
 def test_a_steps_tokens_reach_the_loop_in_one_call(loaded: LoadedModel) -> None:
