@@ -14,6 +14,16 @@ class Metrics:
         self.requests = Counter("gpt2_requests", "HTTP requests by route and status", ["route", "status"], registry=r)
         self.tokens_generated = Counter("gpt2_tokens_generated", "Tokens generated", registry=r)
         self.queue_depth = Gauge("gpt2_queue_depth", "Sequences waiting for a batch slot", registry=r)
+        self.dump_bytes_in_flight = Gauge(
+            "gpt2_dump_bytes_in_flight",
+            "Bytes of activation dumps being captured, encoded or sent (as estimated; --max-dump-bytes-in-flight)",
+            registry=r,
+        )
+        self.dumps_waiting = Gauge(
+            "gpt2_dumps_waiting",
+            "Requests whose activation dump waits for room under --max-dump-bytes-in-flight",
+            registry=r,
+        )
         self.batch_size = Histogram(
             "gpt2_batch_size", "Sequences per decode step", buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r
         )

@@ -41,6 +41,13 @@ class Settings:
     )
     max_new_tokens: int = field(default=1024, metadata={"help": "server-wide cap on tokens per completion"})
     max_activation_bytes: int = field(default=256 * 2**20, metadata={"help": "largest activation dump (bytes)"})
+    max_dump_bytes_in_flight: int | None = field(
+        default=None,
+        metadata={
+            "help": "activation dump bytes being captured, encoded and sent at once, server-wide; a dump beyond "
+            "them waits its turn (default: 4x --max-activation-bytes)"
+        },
+    )
     max_body_bytes: int = field(default=4 * 2**20, metadata={"help": "largest request body (bytes)"})
     max_gradient_bytes: int = field(
         default=4 * 2**30,
@@ -87,8 +94,9 @@ class Settings:
         for name in ("header_timeout", "body_timeout", "keep_alive_timeout"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a number of seconds above 0, got {getattr(self, name)}")
-        if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be at least 1, got {self.prefill_chunk}")
+        for name in ("prefill_chunk", "max_dump_bytes_in_flight"):  # None: by the device, 4x max_activation_bytes
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         from model.config import PRESETS  # here: torch comes with the model package
@@ -107,6 +115,13 @@ class Settings:
                 raise ValueError(f"{name} must not be empty")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+
+    @property
+    def dump_bytes_in_flight(self) -> int:
+        """The bytes of activation dumps served at once: `max_dump_bytes_in_flight`, or 4 of the largest dump."""
+        if self.max_dump_bytes_in_flight is not None:
+            return self.max_dump_bytes_in_flight
+        return 4 * self.max_activation_bytes
 
 
 def _env_name(name: str) -> str:

@@ -21,6 +21,9 @@ def test_flags_override_the_environment_which_overrides_defaults() -> None:
         (["--max-batch-size", "abc"], {}, "argument --max-batch-size: invalid int value: 'abc'"),
         ([], {"GPT2_MAX_QUEUE": "0"}, "max_queue must be at least 1, got 0"),
         ([], {"GPT2_LOG_LEVEL": "trace"}, "log_level must be one of"),
+        ([], {"GPT2_MAX_DUMP_BYTES_IN_FLIGHT": "0"}, "max_dump_bytes_in_flight must be at least 1, got 0"),
+        ([], {"GPT2_MAX_DUMP_BYTES_IN_FLIGHT": "1GB"}, "GPT2_MAX_DUMP_BYTES_IN_FLIGHT must be an integer, got '1GB'"),
+        (["--max-dump-bytes-in-flight", "-5"], {}, "max_dump_bytes_in_flight must be at least 1, got -5"),
         # a flag's bad value names the flag, not the variable
         (["--sae", "res8"], {}, "--sae must be ID=PATH"),
         (["--cors-origins", "x"], {"GPT2_MAX_QUEUE": "q"}, "GPT2_MAX_QUEUE must be an integer"),
@@ -52,3 +55,11 @@ def test_a_valid_flag_overrides_a_bad_variable() -> None:
 def test_the_devices_this_project_runs_on_are_accepted() -> None:
     for device in ("auto", "cpu", "cuda", "cuda:1", "mps"):
         assert parse_settings(["--device", device], environ={}).device == device
+
+
+def test_the_dump_budget_defaults_to_four_of_the_largest_dump() -> None:
+    """Four dumps of --max-activation-bytes at once, unless --max-dump-bytes-in-flight says otherwise."""
+    env = {"GPT2_MAX_ACTIVATION_BYTES": "1000"}
+    assert parse_settings([], environ=env).dump_bytes_in_flight == 4000
+    assert parse_settings(["--max-dump-bytes-in-flight", "1500"], environ=env).dump_bytes_in_flight == 1500
+    assert parse_settings([], environ={}).dump_bytes_in_flight == 4 * 256 * 2**20

@@ -28,6 +28,7 @@ from ..schemas import ActivationSpec, ActivationsRequest, GenerateRequest, NextT
 from ..settings import Settings
 from ..threads import run_in_threadpool
 from .deps import (
+    DumpHoldDep,
     EngineDep,
     SettingsDep,
     json_response,
@@ -78,16 +79,22 @@ async def model_info(engine: EngineDep, directions: DirectionsDep) -> dict[str, 
 
 @router.post("/v1/generate")
 async def generate(
-    req: GenerateRequest, request: Request, engine: EngineDep, settings: SettingsDep, directions: DirectionsDep
+    req: GenerateRequest,
+    request: Request,
+    engine: EngineDep,
+    settings: SettingsDep,
+    directions: DirectionsDep,
+    hold: DumpHoldDep,
 ) -> Response:
     prompts = await token_ids(engine, req.prompt, req.input_ids)
     params = req.sampling_params(settings.max_new_tokens)
-    hooks = await _checked_hooks(engine, settings, req.activations, prompts, params.max_new_tokens)
+    hooks, dump_bytes = await _checked_hooks(engine, settings, req.activations, prompts, params.max_new_tokens)
     reader = feature_reader(directions, req.features, "features.")  # SAE features: a capture of its hook
     if reader is not None:  # in JSON, for each choice
         n_tokens = sum(len(p) + params.max_new_tokens for p in prompts)
         reader.check_size(n_tokens, "json", settings.max_activation_bytes, "features.")
     edits = await resolved_edits(req, engine, directions)
+    await hold.reserve(dump_bytes, request)  # held until the answer is sent
     captured = hooks if reader is None else [*(hooks or []), reader.hook]
     streams = engine.submit(prompts, [params] * len(prompts), captured, edits, prompt_field(req.input_ids))
     reply = _Reply(engine, req.activations, reader, hooks)
@@ -99,7 +106,12 @@ async def generate(
 
 @router.post("/v1/activations", response_class=Response, responses={200: {"content": {"application/octet-stream": {}}}})
 async def activations(
-    req: ActivationsRequest, request: Request, engine: EngineDep, settings: SettingsDep, directions: DirectionsDep
+    req: ActivationsRequest,
+    request: Request,
+    engine: EngineDep,
+    settings: SettingsDep,
+    directions: DirectionsDep,
+    hold: DumpHoldDep,
 ) -> Response:
     if req.stream:
         raise GenerationError("/v1/activations answers with one file: stream is not supported", "stream")
@@ -107,12 +119,14 @@ async def activations(
     params = req.sampling_params(settings.max_new_tokens)
     if len(prompts) > 1:
         _check_stackable(prompts, params.max_new_tokens, prompt_field(req.input_ids))
-    hooks = await _checked_hooks(engine, settings, req.activations, prompts, params.max_new_tokens, file=True)
+    spec = req.activations
+    hooks, dump_bytes = await _checked_hooks(engine, settings, spec, prompts, params.max_new_tokens, file=True)
     edits = await resolved_edits(req, engine, directions)
+    await hold.reserve(dump_bytes, request)  # held until the file is sent
     completions = await results(
         engine.submit(prompts, [params] * len(prompts), hooks, edits, prompt_field(req.input_ids)), request
     )
-    blob = await run_in_threadpool(_Reply(engine, None).file, completions, req.activations.dtype, len(prompts) > 1)
+    blob = await run_in_threadpool(_Reply(engine, None).file, completions, spec.dtype, len(prompts) > 1)
     return Response(blob, media_type="application/octet-stream")
 
 
@@ -171,12 +185,12 @@ async def _checked_hooks(
     prompts: list[list[int]],
     max_new_tokens: int,
     file: bool = False,
-) -> list[str] | None:
-    """The hook names a request asks for, refused (413) when the dump, as sent (`spec.format`, or a
-    safetensors file when `file`), would exceed the server's limit. Globs are matched on a worker thread (two
-    thousand take a second on gpt2-xl's hook points)."""
+) -> tuple[list[str] | None, int]:
+    """The hook names a request asks for and the size of its dump as sent (`spec.format`, or a safetensors
+    file when `file`), refused (413) when that exceeds the server's limit. Globs are matched on a worker thread
+    (two thousand take a second on gpt2-xl's hook points)."""
     if spec is None:
-        return None
+        return None, 0
     names = await run_in_threadpool(select_hooks, spec.hooks, engine.model.config.n_layer)
     wire: encoding.Wire = "safetensors" if file else spec.format
     size = sum(
@@ -191,7 +205,7 @@ async def _checked_hooks(
             f"{settings.max_activation_bytes}: ask for fewer hooks, fewer tokens or {smaller}",
             "activations",
         )
-    return names
+    return names, size
 
 
 class _Reply:

@@ -1,0 +1,236 @@
+"""The server-wide budget of activation dump bytes (`--max-dump-bytes-in-flight`): a dump request reserves
+its dump's estimated size before any model work and holds it until its answer is sent; beyond the budget it
+waits its turn (at most `--max-queue` wait, then 429), a dump larger than the whole budget is a 413 at once,
+and the bytes come back however a request ends (answered, failed, its client gone, the engine stopped),
+after which the server serves as before. The heap is trimmed once no dump is in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+from contract import ACTS, GEN, assert_error, full_capture
+from fastapi.testclient import TestClient
+from inprocess import assert_still_serving, engine_held, serve, wait_until
+
+from model.hooks import select_hooks
+from model.loading import LoadedModel
+from server import encoding
+from server.routes import deps
+
+IDS = [464, 3797, 3332, 319, 262, 2603, 13, 198, 464, 3797]
+HOOKS = ["blocks.*.hook_resid_post"]
+DUMP = {"input_ids": [IDS], "activations": {"hooks": HOOKS}}
+IN_FLIGHT, WAITING = "gpt2_dump_bytes_in_flight", "gpt2_dumps_waiting"
+
+
+def dump_size(loaded: LoadedModel, n_tokens: int = len(IDS), wire: encoding.Wire = "safetensors") -> int:
+    """The size the server reserves for a dump of HOOKS over `n_tokens` (its 413's estimate)."""
+    names = select_hooks(HOOKS, loaded.model.config.n_layer)
+    return encoding.dump_bytes_on_wire(loaded.model.config, names, n_tokens, "float32", wire)
+
+
+def gauge(client: TestClient, name: str) -> float | None:
+    value: float | None = client.app.state.metrics.registry.get_sample_value(name)  # type: ignore[attr-defined]
+    return value
+
+
+def assert_dump(loaded: LoadedModel, blob: bytes) -> None:
+    """`blob` is the /v1/activations file of DUMP: the activations of IDS."""
+    got = safetensors.torch.load(blob)
+    names = select_hooks(HOOKS, loaded.model.config.n_layer)
+    for name, want in full_capture(loaded, IDS, names).items():
+        torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-5)
+
+
+def post_ok_bytes(client: TestClient, body: dict[str, Any] = DUMP) -> bytes:
+    """The /v1/activations file of `body`, answered with a 200."""
+    r = client.post(ACTS, json=body)
+    assert r.status_code == 200, r.text
+    return r.content
+
+
+class RawRequest:
+    """A request sent to the app as raw ASGI, so that its client leaves exactly when told (`leave`)."""
+
+    def __init__(self, client: TestClient, path: str, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.client, self.gone = client, asyncio.Event()
+        self.sent: list[dict[str, Any]] = []
+        messages = iter([{"type": "http.request", "body": data, "more_body": False}])
+
+        async def receive() -> dict[str, Any]:
+            message = next(messages, None)
+            if message is None:
+                await self.gone.wait()
+                return {"type": "http.disconnect"}
+            return message
+
+        async def send(message: dict[str, Any]) -> None:
+            self.sent.append(message)
+
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": b"",
+            "root_path": "",
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 80),
+        }
+        assert client.portal is not None
+        self.task = client.portal.start_task_soon(client.app, scope, receive, send)
+
+    def leave(self) -> int:
+        """The client disconnects; returns the status the server answered with."""
+        assert self.client.portal is not None
+        self.client.portal.call(self.gone.set)
+        self.task.result(10)
+        status: int = self.sent[0]["status"]
+        return status
+
+
+def test_dumps_over_the_budget_wait_their_turn(loaded: LoadedModel) -> None:
+    """With room for one dump, a second waits for the first's bytes before it reaches the engine; both are
+    answered, and the budget is empty afterwards."""
+    size = dump_size(loaded)
+    with serve(loaded, max_dump_bytes_in_flight=size) as c, ThreadPoolExecutor(2) as pool:
+        with engine_held(c) as engine:
+            first = pool.submit(c.post, ACTS, json=DUMP)
+            wait_until(lambda: len(engine._waiting) == 1)  # its bytes reserved, its prompt in the engine's queue
+            second = pool.submit(c.post, ACTS, json=DUMP)
+            wait_until(lambda: gauge(c, WAITING) == 1)
+            assert len(engine._waiting) == 1  # the second is not in the engine's queue
+            assert gauge(c, IN_FLIGHT) == size
+        for r in (first.result(30), second.result(30)):
+            assert r.status_code == 200, r.text
+            assert_dump(loaded, r.content)
+        wait_until(lambda: gauge(c, IN_FLIGHT) == 0)
+        assert gauge(c, WAITING) == 0
+        metrics = c.get("/metrics").text
+        assert f"{IN_FLIGHT} 0.0" in metrics and f"{WAITING} 0.0" in metrics
+
+
+def test_a_dump_larger_than_the_whole_budget_is_refused_at_once(loaded: LoadedModel) -> None:
+    size = dump_size(loaded)
+    with serve(loaded, max_dump_bytes_in_flight=size - 1) as c:
+        error = assert_error(c.post(ACTS, json=DUMP), 413, "activations")
+        assert error["message"] == (
+            f"the activation dump would take up to {size} bytes, more than the server holds for all dumps at once "
+            f"({size - 1}, its --max-dump-bytes-in-flight): ask for fewer hooks or fewer tokens"
+        )
+        assert gauge(c, IN_FLIGHT) == 0 and gauge(c, WAITING) == 0
+        post_ok_bytes(c, {"input_ids": [IDS[:9]], "activations": {"hooks": HOOKS}})  # a smaller one fits
+        assert_still_serving(c)
+
+
+def test_more_dumps_waiting_than_the_queue_takes_are_a_429(loaded: LoadedModel) -> None:
+    """`--max-queue` bounds the requests waiting for room too: one more is told to retry."""
+    size = dump_size(loaded)
+    with serve(loaded, max_dump_bytes_in_flight=size, max_queue=2) as c, ThreadPoolExecutor(3) as pool:
+        with engine_held(c) as engine:
+            first = pool.submit(c.post, ACTS, json=DUMP)
+            wait_until(lambda: len(engine._waiting) == 1)
+            waiting = [pool.submit(c.post, ACTS, json=DUMP) for _ in range(2)]
+            wait_until(lambda: gauge(c, WAITING) == 2)
+            refused = c.post(ACTS, json=DUMP)
+            error = assert_error(refused, 429)
+            assert "2 activation dumps are waiting for room (the limit is 2)" in error["message"]
+            assert refused.headers["retry-after"] == "1"
+        for r in (first.result(30), *(w.result(30) for w in waiting)):
+            assert r.status_code == 200, r.text
+        wait_until(lambda: gauge(c, IN_FLIGHT) == 0)
+
+
+def test_the_bytes_come_back_when_the_request_fails(loaded: LoadedModel) -> None:
+    """A dump that has its bytes and then fails (the engine's queue is full: 429) gives them back."""
+    size = dump_size(loaded)
+    with serve(loaded, max_dump_bytes_in_flight=size, max_queue=1) as c, ThreadPoolExecutor(1) as pool:
+        with engine_held(c) as engine:
+            plain = pool.submit(c.post, GEN, json={"input_ids": IDS, "max_new_tokens": 2})
+            wait_until(lambda: len(engine._waiting) == 1)
+            assert_error(c.post(ACTS, json=DUMP), 429)
+            wait_until(lambda: gauge(c, IN_FLIGHT) == 0)
+        assert plain.result(30).status_code == 200
+        assert_dump(loaded, post_ok_bytes(c))
+        assert_still_serving(c)
+
+
+def test_the_bytes_come_back_when_clients_leave(loaded: LoadedModel) -> None:
+    """Raw ASGI, so that each disconnect is exact. With room for one dump: the first has it and waits in the
+    engine's queue, two more wait for room. The last leaves while it waits (its turn is given up), the first
+    leaves (its bytes go to the second, which reaches the engine), then the second leaves: all 499s, nothing in
+    flight, and a dump of the whole budget is served afterwards."""
+    size = dump_size(loaded)
+    with serve(loaded, max_dump_bytes_in_flight=size) as c:
+        with engine_held(c) as engine:
+            first = RawRequest(c, ACTS, DUMP)
+            wait_until(lambda: len(engine._waiting) == 1)
+            second = RawRequest(c, ACTS, DUMP)
+            wait_until(lambda: gauge(c, WAITING) == 1)
+            third = RawRequest(c, ACTS, DUMP)
+            wait_until(lambda: gauge(c, WAITING) == 2)
+            assert third.leave() == 499
+            wait_until(lambda: gauge(c, WAITING) == 1)
+            assert first.leave() == 499
+            wait_until(lambda: gauge(c, WAITING) == 0 and len(engine._waiting) == 1)  # the second's prompt
+            assert gauge(c, IN_FLIGHT) == size
+            assert second.leave() == 499
+            wait_until(lambda: gauge(c, IN_FLIGHT) == 0 and not engine._waiting)
+        assert_dump(loaded, post_ok_bytes(c))
+        assert_still_serving(c)
+
+
+def test_the_bytes_come_back_when_the_engine_stops(loaded: LoadedModel) -> None:
+    """The engine stops while one dump waits in its queue and another for room: both end with a 503, and
+    nothing is left in flight or waiting."""
+    size = dump_size(loaded)
+    with serve(loaded, max_dump_bytes_in_flight=size) as c, ThreadPoolExecutor(3) as pool:
+        with engine_held(c) as engine:
+            queued = pool.submit(c.post, ACTS, json=DUMP)
+            wait_until(lambda: len(engine._waiting) == 1)
+            waiting = pool.submit(c.post, ACTS, json=DUMP)
+            wait_until(lambda: gauge(c, WAITING) == 1)
+            stopping = pool.submit(engine.stop)  # the engine's thread ends once the held job returns
+            wait_until(lambda: engine._stopping)
+        stopping.result(30)
+        for r in (queued.result(30), waiting.result(30)):
+            assert_error(r, 503)
+        wait_until(lambda: gauge(c, IN_FLIGHT) == 0)
+        assert gauge(c, WAITING) == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_generation_holds_its_dump_until_its_answer_is_sent(loaded: LoadedModel, stream: bool) -> None:
+    """/v1/generate reserves its dump's size in its format (JSON here), streamed or not, and gives it back
+    once the answer is sent."""
+    body = {"input_ids": IDS, "max_new_tokens": 3, "activations": {"hooks": HOOKS}, "stream": stream}
+    size = dump_size(loaded, len(IDS) + 3, "json")
+    with serve(loaded) as c, ThreadPoolExecutor(1) as pool:
+        with engine_held(c):
+            answer = pool.submit(c.post, GEN, json=body)
+            wait_until(lambda: gauge(c, IN_FLIGHT) == size)
+        assert answer.result(30).status_code == 200
+        wait_until(lambda: gauge(c, IN_FLIGHT) == 0)
+
+
+def test_the_heap_is_trimmed_once_no_dump_is_in_flight(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """glibc keeps a freed dump's arenas: after the last dump in flight is given back the heap is trimmed
+    (malloc_trim), and not after a request without a dump."""
+    trims: list[None] = []
+    monkeypatch.setattr(deps, "_trim_heap", lambda: trims.append(None))
+    with serve(loaded) as c:
+        assert_still_serving(c)
+        assert trims == []
+        post_ok_bytes(c)
+        wait_until(lambda: len(trims) == 1)
