@@ -266,32 +266,42 @@ def _wants_head(hooks: Hooks | None) -> bool:
 
 
 def prefill_prompts(model: GPT, seqs: Sequence[SequenceState]) -> None:
-    """Run the prompts of `prompt_only` sequences, each in a forward pass of its own (`prefill_prompt`)."""
-    for seq in seqs:
-        prefill_prompt(model, seq)
-
-
-def prefill_prompt(model: GPT, seq: SequenceState) -> None:
-    """Run the prompt of a `prompt_only` sequence in a forward pass of its own, [1, T], that ends after the last
-    hook it captures (`StopAfter`): the blocks after it and the LM head never run. A pass of its own, not a
-    padded batch of several prompts: its values are those of its prompt alone, bit for bit, whatever runs
-    before or after (a product over a batch's rows may sum in another order), a failing edit fails it alone,
-    and a caller can run other work between two prompts (the engine, its decode steps). The sequence is
-    finished ("length") or failed (`error`)."""
-    captured = set(seq.capture.names) if seq.capture is not None else set()
-    last = [n for n in hook_names(model.config.n_layer) if n in captured][-1:]
-    if last and seq.hooks is not None:
-        idx = torch.tensor([seq.prompt], device=model.wte.weight.device)  # [1, T]
-        # through RowHooks, as a prompt in a batch of one has always run: the same values, bit for bit
-        t = slice(0, len(seq.prompt))
-        rows = RowHooks([(seq.hooks, (slice(0, 1), t))], [(seq.hooks, (slice(0, 1), slice(None), t, t))])
+    """Run the prompts of `prompt_only` sequences in one forward pass, [B, longest] (shorter ones padded at
+    the end, which causal attention keeps from every real position), each sequence's hooks seeing only its
+    own positions (`RowHooks`). The pass ends after the last hook any of them captures (`StopAfter`): the
+    blocks after it and the LM head never run. Each sequence is finished ("length") or failed (`error`):
+    where the pass fails (an edit that cannot be applied to these values, say) every sequence in it fails,
+    so a caller that must not let one request's edits fail another's runs an edited prompt alone
+    (`has_edits`). One prompt alone gives its own values bit for bit; beside others, to float rounding (a
+    product over more rows may sum in another order)."""
+    n_layer = model.config.n_layer
+    captured = {n for s in seqs if s.capture is not None for n in s.capture.names}
+    last = [n for n in hook_names(n_layer) if n in captured][-1:]
+    if last:
+        longest = max(len(s.prompt) for s in seqs)
+        idx = torch.tensor([s.prompt + [0] * (longest - len(s.prompt)) for s in seqs], device=model.wte.weight.device)
+        parts: list[tuple[Hooks, Index]] = []
+        squares: list[tuple[Hooks, Index]] = []
+        every = slice(None)
+        for b, s in enumerate(seqs):
+            if s.hooks is not None:
+                t = slice(0, len(s.prompt))
+                parts.append((s.hooks, (slice(b, b + 1), t)))
+                squares.append((s.hooks, (slice(b, b + 1), every, t, t)))
         try:
-            run_until(model, idx, rows, last[0])
-        except Exception as e:  # an edit that cannot be applied to these values, say
-            seq.finish_reason, seq.error = "error", e
+            run_until(model, idx, RowHooks(parts, squares), last[0])
+        except Exception as e:  # an edit that cannot be applied to these values, say: every row fails with it
+            for s in seqs:
+                s.finish_reason, s.error = "error", e
             return
-    seq.prefilled = len(seq.prompt)
-    seq.finish_reason = "length"
+    for s in seqs:
+        s.prefilled = len(s.prompt)
+        s.finish_reason = "length"
+
+
+def has_edits(seq: SequenceState) -> bool:
+    """Whether `seq`'s forward passes apply edits (its hooks are more than its capture)."""
+    return seq.hooks is not None and seq.hooks is not seq.capture
 
 
 def validate_prompt(model: GPT, prompt: Sequence[int], max_new_tokens: int, param: str = "prompt") -> list[int]:
@@ -665,8 +675,7 @@ class Generation:
     With `hooks` (names or glob patterns), each `Completion.activations` holds the hook values ([1, ...],
     as TransformerLens shapes them) over every position of prompt and continuation: what one forward pass
     over the final sequence gives. With `edits`, each prompt runs with those interventions and residual
-    ablations applied. The prompts to continue run as one batch, each seeing only its own values; those with
-    nothing to generate and only activations to capture run one forward pass each (`prefill_prompt`).
+    ablations applied. The prompts run as one batch either way, each seeing only its own values.
     """
 
     def __init__(

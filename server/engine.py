@@ -6,10 +6,11 @@ for every active sequence and the next prompt chunks, in one forward pass), and 
 hands its tokens to their requests' asyncio queues, in one call into the event loop (not one a token). A
 request that arrives while others decode joins at the next step. Requests with hooks (activations to
 capture, interventions) share the batch too, each seeing only its own values. Those that only want a
-prompt's activations (nothing to generate, no logits) skip the KV cache: each prompt runs in a forward pass
-of its own that ends after the last hook it captures (`model.generate.prefill_prompt`), as many of them
-before a decode step as fit in a prompt chunk (`prefill_chunk` tokens, at least one prompt), so that a
-batch of long prompts to dump stalls the decoding sequences for one prompt at a time. A cancelled request
+prompt's activations (nothing to generate, no logits) skip the KV cache: those waiting run together in
+padded forward passes that end after the last hook they capture (`model.generate.prefill_prompts`), one
+pass of at most a prompt chunk's tokens (`prefill_chunk`, B x the longest; at least one prompt) before
+each decode step, so that a batch of long prompts to dump stalls the decoding sequences for one prompt at
+a time, and short ones share a pass. A prompt with edits runs in a pass of its own. A cancelled request
 (client gone) leaves the batch at the next step and frees its row; a sequence that fails on its own
 (non-finite logits, say) ends with its error, and its batch goes on. Jobs (`call`: one forward pass for
 an analysis) wait in a queue bounded like the requests' and run one between two steps, so that a burst of
@@ -37,8 +38,9 @@ from model.generate import (
     SequenceState,
     TokenEvent,
     TokenLogprob,
+    has_edits,
     new_sequence,
-    prefill_prompt,
+    prefill_prompts,
 )
 from model.gpt import GPT
 from model.hooks import select_hooks
@@ -160,7 +162,7 @@ class Engine:
         # The cache was zeroed and the batch warmed on this thread: its OpenMP threads go, so that the engine's
         # thread keeps the only pool and its threads spin between parallel regions (server/threads.py).
         release_openmp_pool()
-        self._prompt_only: deque[_Request] = deque()  # admitted, for `prefill_prompt` passes in turn
+        self._prompt_only: deque[_Request] = deque()  # admitted, for `prefill_prompts` passes in turn
         self._requests: dict[int, _Request] = {}  # id(seq) -> request, for every admitted sequence
         self._waiting: deque[_Request] = deque()
         self._jobs: deque[_Job] = deque()
@@ -354,21 +356,26 @@ class Engine:
                 self._finish(request)
 
     def _prefill_prompts(self) -> None:
-        """The next prompt-only sequences, each in a pass of its own, up to `prefill_chunk` prompt tokens in all
-        (at least one prompt): no more before the next decode step than a prompt chunk of generation's."""
-        tokens = 0
+        """The next prompt-only sequences in one padded pass (`prefill_prompts`) of at most `prefill_chunk`
+        tokens, B x the longest (at least one prompt): no more before the next decode step than a prompt chunk
+        of generation's. A prompt with edits runs in a pass of its own, so that an edit that fails fails only
+        its own request."""
+        group: list[_Request] = []
         while self._prompt_only:
             request = self._prompt_only[0]
-            if tokens and tokens + len(request.seq.prompt) > self.prefill_chunk:
-                return  # the decode step first
-            self._prompt_only.popleft()
-            prefill_prompt(self.model, request.seq)
-            tokens += len(request.seq.prompt)
+            if group:
+                alone = has_edits(request.seq) or has_edits(group[0].seq)
+                longest = max(len(r.seq.prompt) for r in (*group, request))
+                if alone or longest * (len(group) + 1) > self.prefill_chunk:
+                    break  # the next pass, after the decode step
+            group.append(self._prompt_only.popleft())
+        prefill_prompts(self.model, [r.seq for r in group])
+        for request in group:
             if request.seq.error is not None:
                 self._end_with(request, request.seq.error)
             else:
                 self._finish(request)
-            self._send()  # its result now, not after the passes and the decode step that follow
+        self._send()  # their results now, not after the decode pass that follows
 
     def _post(self, request: _Request, item: TokenEvent | Completion | BaseException) -> None:
         """`item` for `request`'s queue, sent with the rest of this step's at its end (`_send`)."""

@@ -4,7 +4,8 @@ it would get alone: the same tokens, and activations equal to float64 rounding (
 or float32's (1e-4). Not bit for bit: MKL's matrix product sums in an order that depends on the number of
 rows (a [1, 64] x [64, 192] product and row 0 of a [9, 64] one differ by 5e-15 in float64), so a row
 computed beside others can differ in its last bits from the same row alone. Prompt-only captures run in one
-pass that stops after the last hook wanted, also batched over HTTP."""
+pass that stops after the last hook wanted; over HTTP, the engine's passes share up to a prompt chunk's
+tokens (tests/test_engine.py)."""
 
 from __future__ import annotations
 
