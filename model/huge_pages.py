@@ -133,11 +133,11 @@ def move_into(module: nn.Module) -> bool:
                 )
         offset += sizes[address]
         del storage, moved, group[:]  # the old storage goes once nothing else holds it,
-        _trim_heap()  # and its pages back to the system now, not at the end: the peak stays near one copy
+        trim_heap()  # and its pages back to the system now, not at the end: the peak stays near one copy
     return True
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
     """Hand the C heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing): a checkpoint
     read in pieces of a few MB lands on the heap, and freed there it would stay in the process."""
     trim = _malloc_trim()

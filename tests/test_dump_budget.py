@@ -228,7 +228,7 @@ def test_the_heap_is_trimmed_once_no_dump_is_in_flight(loaded: LoadedModel, monk
     """glibc keeps a freed dump's arenas: after the last dump in flight is given back the heap is trimmed
     (malloc_trim), and not after a request without a dump."""
     trims: list[None] = []
-    monkeypatch.setattr(deps, "_trim_heap", lambda: trims.append(None))
+    monkeypatch.setattr(deps, "trim_heap", lambda: trims.append(None))
     with serve(loaded) as c:
         assert_still_serving(c)
         assert trims == []

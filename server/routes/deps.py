@@ -18,7 +18,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from model.generate import Completion, GenerationError, TokenEvent, validate_prompt
-from model.huge_pages import _trim_heap
+from model.huge_pages import trim_heap
 from model.interventions import EditSpec
 from model.lab.steering import Directions
 from model.tokenizer import InvalidTextError
@@ -150,7 +150,7 @@ async def dump_hold(request: Request) -> AsyncIterator[DumpHold]:
         yield hold
     finally:
         if hold.release():
-            await run_in_threadpool(_trim_heap)
+            await run_in_threadpool(trim_heap)
 
 
 EngineDep = Annotated[Engine, Depends(get_engine)]
