@@ -147,7 +147,6 @@ def test_analyze_refuses_a_key_named_twice(client: TestClient) -> None:
     assert_error(post(client, "/v1/analyze", body), 400, "residual.attn")
 
 
-@pytest.mark.xfail(strict=True, reason="needs the route_class lines in server/routes/lab.py and native.py")
 def test_every_route_that_reads_a_body_refuses_duplicates(client: TestClient) -> None:
     """Each operation with a request body in the OpenAPI schema, so that a route added later is covered."""
     operations = [

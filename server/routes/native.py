@@ -24,6 +24,7 @@ from model.hooks import is_optional, select_hooks
 from .. import encoding
 from ..engine import Engine
 from ..errors import APIError
+from ..json_body import JSONBodyRoute
 from ..schemas import ActivationSpec, ActivationsRequest, GenerateRequest, NextTokenRequest
 from ..settings import Settings
 from ..threads import run_in_threadpool
@@ -42,7 +43,7 @@ from .deps import (
 )
 from .sae import DirectionsDep, FeatureReader, describe_saes, feature_reader
 
-router = APIRouter(tags=["native"])
+router = APIRouter(tags=["native"], route_class=JSONBodyRoute)
 
 QUANTIZATION_NOTES = {
     "int8": "weight-only int8: every projection and the LM head hold int8 weights with a float32 scale per output "
