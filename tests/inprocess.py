@@ -1,9 +1,12 @@
 """The in-process server the HTTP tests share: an app around the already-loaded `tiny` model with the
 contract's limits, and the small helpers every such test uses (a good request that must succeed, waiting
-for a condition, holding the engine's thread so that requests queue up)."""
+for a condition, holding the engine's thread so that requests queue up, a request whose client leaves when
+told)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -77,3 +80,48 @@ def wrap_forward_passes(monkeypatch: Any, model: Any, wrap: Callable[[Callable[.
     monkeypatch.setattr(model, "forward", wrap(model.forward))
     fused = wrap(FusedDecode.forward)  # called with the FusedDecode as its first argument
     monkeypatch.setattr(FusedDecode, "forward", lambda self, *args, **kwargs: fused(self, *args, **kwargs))
+
+
+class RawRequest:
+    """A request sent to the app as raw ASGI, so that its client leaves exactly when told (`leave`)."""
+
+    def __init__(self, client: TestClient, path: str, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.client, self.gone = client, asyncio.Event()
+        self.sent: list[dict[str, Any]] = []
+        messages = iter([{"type": "http.request", "body": data, "more_body": False}])
+
+        async def receive() -> dict[str, Any]:
+            message = next(messages, None)
+            if message is None:
+                await self.gone.wait()
+                return {"type": "http.disconnect"}
+            return message
+
+        async def send(message: dict[str, Any]) -> None:
+            self.sent.append(message)
+
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": b"",
+            "root_path": "",
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 80),
+        }
+        assert client.portal is not None
+        self.task = client.portal.start_task_soon(client.app, scope, receive, send)
+
+    def leave(self) -> int:
+        """The client disconnects; returns the status the server answered with."""
+        assert self.client.portal is not None
+        self.client.portal.call(self.gone.set)
+        self.task.result(10)
+        status: int = self.sent[0]["status"]
+        return status

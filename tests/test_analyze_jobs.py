@@ -6,7 +6,6 @@ checkpoint with the real tokenizer."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import threading
@@ -20,7 +19,7 @@ import pytest
 from conftest import make_checkpoint
 from contract import GEN
 from fastapi.testclient import TestClient
-from inprocess import assert_still_serving, engine_held, post_ok, serve, wait_until
+from inprocess import RawRequest, assert_still_serving, engine_held, post_ok, serve, wait_until
 
 from model.analysis import LayerStats, analyze
 from model.interventions import Edit, EditSpec, NonFiniteActivations
@@ -194,44 +193,13 @@ def test_a_client_that_leaves_stops_the_jobs(client: TestClient, monkeypatch: py
         run_job(job)
 
     monkeypatch.setattr(engine, "_run_job", held_third)
-    body = json.dumps({"input_ids": IDS, "top_k": 2}).encode()
-    gone = asyncio.Event()
-    sent: list[dict[str, Any]] = []
-    messages = iter([{"type": "http.request", "body": body, "more_body": False}])
-
-    async def receive() -> dict[str, Any]:
-        message = next(messages, None)
-        if message is None:
-            await gone.wait()
-            return {"type": "http.disconnect"}
-        return message
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": ANALYZE,
-        "raw_path": ANALYZE.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-    }
-    assert client.portal is not None
-    request = client.portal.start_task_soon(client.app, scope, receive, send)
+    request = RawRequest(client, ANALYZE, {"input_ids": IDS, "top_k": 2})
     try:
         assert running.wait(20), f"the analysis ran {len(jobs)} jobs, not 3 or more"
-        client.portal.call(gone.set)
-        request.result(10)  # the handler returned without waiting for the job
+        status = request.leave()  # the handler returned without waiting for the job
     finally:
         release.set()
-    assert sent[0]["status"] == 499
+    assert status == 499
     assert_still_serving(client)  # engine steps: a job queued would have run before them
     assert len(jobs) == 3 and not engine._jobs
     post_ok(client, ANALYZE, {"input_ids": IDS[:3], "compare_ablated": False})  # still analyses

@@ -6,8 +6,6 @@ after which the server serves as before. The heap is trimmed once no dump is in 
 
 from __future__ import annotations
 
-import asyncio
-import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -16,7 +14,7 @@ import safetensors.torch
 import torch
 from contract import ACTS, GEN, assert_error, full_capture
 from fastapi.testclient import TestClient
-from inprocess import assert_still_serving, engine_held, serve, wait_until
+from inprocess import RawRequest, assert_still_serving, engine_held, serve, wait_until
 
 from model.hooks import select_hooks
 from model.loading import LoadedModel
@@ -53,51 +51,6 @@ def post_ok_bytes(client: TestClient, body: dict[str, Any] = DUMP) -> bytes:
     r = client.post(ACTS, json=body)
     assert r.status_code == 200, r.text
     return r.content
-
-
-class RawRequest:
-    """A request sent to the app as raw ASGI, so that its client leaves exactly when told (`leave`)."""
-
-    def __init__(self, client: TestClient, path: str, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        self.client, self.gone = client, asyncio.Event()
-        self.sent: list[dict[str, Any]] = []
-        messages = iter([{"type": "http.request", "body": data, "more_body": False}])
-
-        async def receive() -> dict[str, Any]:
-            message = next(messages, None)
-            if message is None:
-                await self.gone.wait()
-                return {"type": "http.disconnect"}
-            return message
-
-        async def send(message: dict[str, Any]) -> None:
-            self.sent.append(message)
-
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": path,
-            "raw_path": path.encode(),
-            "query_string": b"",
-            "root_path": "",
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
-            "client": ("127.0.0.1", 1),
-            "server": ("127.0.0.1", 80),
-        }
-        assert client.portal is not None
-        self.task = client.portal.start_task_soon(client.app, scope, receive, send)
-
-    def leave(self) -> int:
-        """The client disconnects; returns the status the server answered with."""
-        assert self.client.portal is not None
-        self.client.portal.call(self.gone.set)
-        self.task.result(10)
-        status: int = self.sent[0]["status"]
-        return status
 
 
 def test_dumps_over_the_budget_wait_their_turn(loaded: LoadedModel) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from contract import ACTS, CMPL, GEN, NEXT, Bad, assert_error
 from fastapi.testclient import TestClient
-from inprocess import assert_still_serving, post_ok, serve, wrap_forward_passes
+from inprocess import RawRequest, assert_still_serving, post_ok, serve, wrap_forward_passes
 
 from model.hooks import hook_names, match_hooks
 from model.loading import LoadedModel
@@ -385,47 +385,18 @@ def test_a_disconnected_client_frees_its_rows(
             return gate
 
         wrap_forward_passes(monkeypatch, loaded.model, gated)
-        body = json.dumps({"input_ids": [[464] * 8] * 4, "max_new_tokens": 60, "temperature": 0, "ignore_eos": True})
-        gone = asyncio.Event()
-        sent: list[dict[str, Any]] = []
-        messages = iter([{"type": "http.request", "body": body.encode(), "more_body": False}])
-
-        async def receive() -> dict[str, Any]:
-            message = next(messages, None)
-            if message is None:
-                await gone.wait()
-                return {"type": "http.disconnect"}
-            return message
-
-        async def send(message: dict[str, Any]) -> None:
-            sent.append(message)
-
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": GEN,
-            "raw_path": GEN.encode(),
-            "query_string": b"",
-            "root_path": "",
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-            "client": ("127.0.0.1", 1),
-            "server": ("127.0.0.1", 80),
-        }
-        assert c.portal is not None
         tokens = c.app.state.metrics.registry.get_sample_value
         before = tokens("gpt2_tokens_generated_total") or 0.0
-        request = c.portal.start_task_soon(c.app, scope, receive, send)
+        request = RawRequest(
+            c, GEN, {"input_ids": [[464] * 8] * 4, "max_new_tokens": 60, "temperature": 0, "ignore_eos": True}
+        )
         try:
             assert paused.wait(20), "the engine did not start decoding"
             assert tokens("gpt2_tokens_generated_total") == before + 4  # one token each, from the prefill
-            c.portal.call(gone.set)
-            request.result(10)  # the handler returned without waiting for the engine
+            status = request.leave()  # the handler returned without waiting for the engine
         finally:
             resume.set()
-        assert sent[0]["status"] == 499
+        assert status == 499
         for _ in range(5):  # the cancelled waits settle
             c.portal.call(asyncio.sleep, 0)
         gc.collect()
