@@ -453,13 +453,18 @@ class EditSpec:
         matches). Each pair costs work on every forward pass, so a server bounds how many."""
         return [n for i, e in enumerate(self.edits) for n in edit_sites(e, n_layer, _where(i, e))]
 
+    def plan(self, config: GPTConfig) -> EditPlan:
+        """The edits resolved to the hook points of a model of shape `config` and checked: made on the first
+        call, kept for the sequences after it (a server makes it on a worker thread, before any sequence)."""
+        plan = self._plans.get(config)
+        if plan is None:
+            plan = self._plans.setdefault(config, EditPlan(self.edits, config))
+        return plan
+
     def hooks(self, config: GPTConfig, n_tokens: int, then: Hooks | None = None) -> Hooks | None:
         """Fresh `Hooks` for one sequence. `then` (a gradient capture, say) sees each value after the
         interventions and inside the ablation, so that what it sees is the value the run carries on."""
-        interventions = None
-        if self.edits:  # resolved once, for the first sequence, and shared by the others
-            plan = self._plans.get(config) or self._plans.setdefault(config, EditPlan(self.edits, config))
-            interventions = Interventions(self.edits, config, n_tokens, plan)
+        interventions = Interventions(self.edits, config, n_tokens, self.plan(config)) if self.edits else None
         inner = HookChain(interventions, then) if interventions and then else interventions or then
         if self.ablate_attn or self.ablate_mlp:
             return ResidualAblation(self.ablate_attn, self.ablate_mlp, config.n_layer, inner)

@@ -244,3 +244,27 @@ def test_globs_are_matched_off_the_event_loop(client: TestClient, monkeypatch: p
     post_ok(client, "/v1/gradients", {"input_ids": IDS} | edits | gradients)
     assert len(on_loop["select_hooks"]) >= 3 and len(on_loop["edit_spec"]) == 6, on_loop
     assert not any(on_loop["select_hooks"] + on_loop["edit_spec"]), on_loop
+
+
+def test_edits_are_resolved_to_hook_points_off_the_event_loop(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Resolving and checking a request's edits at each hook point they reach (its `EditPlan`: 4,096 sites at
+    most) took up to a tenth of a second on gpt2-xl's shape; it was made for the first sequence, inside
+    `engine.submit`, on the event loop."""
+    import model.interventions
+
+    on_loop: list[bool] = []
+    original = model.interventions.EditPlan
+
+    class Watched(original):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any) -> None:
+            on_loop.append(_on_event_loop())
+            super().__init__(*args)
+
+    monkeypatch.setattr(model.interventions, "EditPlan", Watched)
+    edits = {"interventions": [{"hook": "blocks.*.hook_resid_p*", "op": "scale", "factor": 1.0}]}
+    post_ok(client, GEN, {"input_ids": [IDS, IDS], "max_new_tokens": 1} | edits)
+    post_ok(client, GEN, {"input_ids": IDS, "max_new_tokens": 0, "activations": {"hooks": ["blocks.0.*"]}} | edits)
+    post_ok(client, NEXT, {"input_ids": IDS} | edits)
+    assert on_loop and not any(on_loop), on_loop
