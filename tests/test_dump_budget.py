@@ -187,3 +187,29 @@ def test_the_heap_is_trimmed_once_no_dump_is_in_flight(loaded: LoadedModel, monk
         assert trims == []
         post_ok_bytes(c)
         wait_until(lambda: len(trims) == 1)
+
+
+def test_an_analysis_holds_its_streams_against_the_budget(loaded: LoadedModel) -> None:
+    """/v1/analyze keeps a run's residual streams ([n_layer + 1, T, d_model]) between its pass and its layers'
+    jobs, and the engine runs jobs first come first served: concurrent analyses would all hold theirs at
+    once. They reserve them like a dump: a second waits its turn, and one over the whole budget is a 413."""
+    config = loaded.model.config
+    size = (config.n_layer + 1) * len(IDS) * config.n_embd * 4  # float32
+    body = {"input_ids": IDS, "top_k": 1}
+    with serve(loaded, max_dump_bytes_in_flight=size) as c, ThreadPoolExecutor(2) as pool:
+        with engine_held(c) as engine:
+            first = pool.submit(c.post, "/v1/analyze", json=body)
+            wait_until(lambda: len(engine._jobs) == 1)  # its bytes reserved, its pass in the engine's queue
+            second = pool.submit(c.post, "/v1/analyze", json=body)
+            wait_until(lambda: gauge(c, WAITING) == 1)
+            assert len(engine._jobs) == 1 and gauge(c, IN_FLIGHT) == size
+        answers = [r.result(30) for r in (first, second)]
+        assert [r.status_code for r in answers] == [200, 200] and answers[0].json() == answers[1].json()
+        wait_until(lambda: gauge(c, IN_FLIGHT) == 0)
+    with serve(loaded, max_dump_bytes_in_flight=size - 1) as c:
+        error = assert_error(c.post("/v1/analyze", json=body), 413, "input_ids")
+        assert error["message"] == (
+            f"the analysis's residual streams would take up to {size} bytes, more than the server holds for all "
+            f"dumps at once ({size - 1}, its --max-dump-bytes-in-flight): ask for a shorter prompt"
+        )
+        assert_still_serving(c)

@@ -12,6 +12,7 @@ import json
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
@@ -47,8 +48,22 @@ def get_settings(request: Request) -> Settings:
     return settings
 
 
+@dataclass(frozen=True)
+class Held:
+    """What a request holds budget bytes for, as its 413 names it: `name`, the field `param`, and what to ask
+    for instead (`smaller`)."""
+
+    name: str
+    param: str
+    smaller: str
+
+
+DUMP = Held("the activation dump", "activations", "fewer hooks or fewer tokens")
+
+
 class DumpBudget:
-    """The bytes of activation dumps in flight at once, server-wide, at most `limit`.
+    """The bytes of activation dumps in flight at once, server-wide, at most `limit` (and of the residual
+    streams an analysis keeps between its jobs, `Held` says which).
 
     A dump takes several times its size at its peak, captured, converted and encoded (about 5x), and its answer
     is held until sent; `--max-activation-bytes` bounds each, this bounds them all together. A request reserves
@@ -63,15 +78,16 @@ class DumpBudget:
         self.in_flight = 0
         self._waiting: deque[tuple[DumpHold, int, asyncio.Future[None]]] = deque()
 
-    async def reserve(self, hold: DumpHold, nbytes: int) -> None:
-        """Add `nbytes` to `hold` once they fit, in turn (cancel the wait to give up). Raises APIError (413) for
-        more than the whole budget, `QueueFull` (429) when `max_waiting` requests wait already."""
+    async def reserve(self, hold: DumpHold, nbytes: int, what: Held = DUMP) -> None:
+        """Add `nbytes` to `hold` once they fit, in turn (cancel the wait to give up). Raises APIError (413,
+        worded by `what`) for more than the whole budget, `QueueFull` (429) when `max_waiting` requests wait
+        already."""
         if nbytes > self.limit:
             raise APIError(
                 413,
-                f"the activation dump would take up to {nbytes} bytes, more than the server holds for all dumps "
-                f"at once ({self.limit}, its --max-dump-bytes-in-flight): ask for fewer hooks or fewer tokens",
-                "activations",
+                f"{what.name} would take up to {nbytes} bytes, more than the server holds for all dumps "
+                f"at once ({self.limit}, its --max-dump-bytes-in-flight): ask for {what.smaller}",
+                what.param,
             )
         if not self._waiting and self.in_flight + nbytes <= self.limit:
             self._grant(hold, nbytes)
@@ -117,10 +133,10 @@ class DumpHold:
         self.budget = budget
         self.nbytes = 0
 
-    async def reserve(self, nbytes: int, request: Request) -> None:
+    async def reserve(self, nbytes: int, request: Request, what: Held = DUMP) -> None:
         """Wait for `nbytes` of the budget (a 499 if the client leaves meanwhile)."""
         if nbytes:
-            await unless_disconnected(request, self.budget.reserve(self, nbytes))
+            await unless_disconnected(request, self.budget.reserve(self, nbytes, what))
 
     def release(self) -> bool:
         """Give the bytes back; returns whether they were the last in flight."""

@@ -22,7 +22,16 @@ from ..errors import APIError
 from ..json_body import JSONBodyRoute
 from ..schemas import AnalyzeRequest
 from ..threads import run_in_threadpool
-from .deps import EngineDep, SettingsDep, prompt_field, resolved_edits, token_ids, unless_disconnected
+from .deps import (
+    DumpHoldDep,
+    EngineDep,
+    Held,
+    SettingsDep,
+    prompt_field,
+    resolved_edits,
+    token_ids,
+    unless_disconnected,
+)
 from .gradients import check_graph
 from .sae import DirectionsDep
 
@@ -38,7 +47,12 @@ async def viewer() -> FileResponse:
 
 @router.post("/v1/analyze", response_model=None)
 async def analyze_prompt(
-    req: AnalyzeRequest, engine: EngineDep, request: Request, settings: SettingsDep, directions: DirectionsDep
+    req: AnalyzeRequest,
+    engine: EngineDep,
+    request: Request,
+    settings: SettingsDep,
+    directions: DirectionsDep,
+    hold: DumpHoldDep,
 ) -> Response:
     (ids,) = await token_ids(engine, req.prompt, req.input_ids)
     config = engine.model.config
@@ -72,6 +86,10 @@ async def analyze_prompt(
             raise GenerationError("gradients need a prompt of at least 2 tokens (the loss predicts one)", "gradients")
         check_graph(engine, settings, len(ids), "gradients")
     Run = tuple[list[LayerStats], list[LayerGradient] | None]
+    # a run's streams, kept between its pass and its layers' jobs, count against the dump budget: concurrent
+    # analyses would otherwise all hold theirs at once, the engine's jobs running first come first served
+    streams_bytes = (config.n_layer + 1) * len(ids) * config.n_embd * engine.model.wte.weight.element_size()
+    await hold.reserve(streams_bytes, request, Held("the analysis's residual streams", field, "a shorter prompt"))
 
     async def job(fn: Callable[[GPT], R]) -> R:
         """`fn` as an engine job of its own: decode steps go on before the next. A client gone ends the request:
