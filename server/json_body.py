@@ -20,13 +20,17 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
+from model.json_file import CLIP, clip
+
 
 class DuplicateKeyError(ValueError):
-    """An object in the body names a key twice; `param` is the key's path, its parts joined by dots."""
+    """An object in the body names a key twice; `param` is the key's path, its parts joined by dots (cut
+    short, as the message's copy is: a key can be megabytes long)."""
 
     def __init__(self, path: list[str]) -> None:
-        self.param = ".".join(path)
-        super().__init__(f"the body names the key {self.param!r} more than once: send each key once")
+        dotted = ".".join(path)
+        self.param = dotted if len(dotted) <= CLIP else dotted[:CLIP] + "..."
+        super().__init__(f"the body names the key {clip(dotted)} more than once: send each key once")
 
 
 def loads(body: bytes) -> Any:

@@ -142,6 +142,17 @@ def test_without_the_duplicate_the_same_bodies_are_answered(client: TestClient) 
     assert post(client, "/tokenize", '{"prompt": "a"}').json()["count"] == 1
 
 
+def test_a_megabyte_key_named_twice_is_not_echoed_whole(client: TestClient) -> None:
+    """The key's path goes back in the message and in `param`: both cut short, as a hostile file's names are
+    (a key of megabytes named twice came back twice in full)."""
+    key = "k" * 20_000  # the tests' body cap is 64 KiB
+    r = post(client, "/tokenize", f'{{"prompt": "a", "{key}": 1, "{key}": 2}}')
+    assert r.status_code == 400 and len(r.content) < 1000
+    error = r.json()["error"]
+    assert error["param"] == "k" * 100 + "..." and error["message"].startswith("the body names the key 'kkk")
+    assert_still_serving(client)
+
+
 def test_analyze_refuses_a_key_named_twice(client: TestClient) -> None:
     body = '{"prompt": "hi", "residual": {"attn": [0], "attn": []}}'
     assert_error(post(client, "/v1/analyze", body), 400, "residual.attn")
