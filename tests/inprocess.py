@@ -82,6 +82,15 @@ def wrap_forward_passes(monkeypatch: Any, model: Any, wrap: Callable[[Callable[.
     monkeypatch.setattr(FusedDecode, "forward", lambda self, *args, **kwargs: fused(self, *args, **kwargs))
 
 
+def on_event_loop() -> bool:
+    """Whether the caller runs on an event loop's thread (not on a worker thread)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # a worker thread
+        return False
+    return True
+
+
 class RawRequest:
     """A request sent to the app as raw ASGI, so that its client leaves exactly when told (`leave`)."""
 

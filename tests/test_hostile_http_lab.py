@@ -4,14 +4,13 @@ is a clear answer now, and a good request is served after it."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from contract import GEN, NEXT, assert_error
 from fastapi.testclient import TestClient
-from inprocess import assert_still_serving, post_ok, serve
+from inprocess import assert_still_serving, on_event_loop, post_ok, serve
 from sae_files import write_sae
 from safetensors.torch import load as load_safetensors
 
@@ -105,21 +104,13 @@ def test_the_whole_next_token_distribution_is_written_off_the_event_loop(
     original = loaded.tokenizer.token_text
 
     def watched(token: int) -> str:
-        on_loop.append(_on_event_loop())
+        on_loop.append(on_event_loop())
         return original(token)
 
     monkeypatch.setattr(loaded.tokenizer, "token_text", watched)
     body = post_ok(client, NEXT, {"input_ids": IDS, "top_k": 50257})
     assert len(body["top"]) == 50257 and body["tokens"][0] == "The"
     assert len(on_loop) == 50257 + len(IDS) and not any(on_loop)
-
-
-def _on_event_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:  # a worker thread
-        return False
-    return True
 
 
 def test_each_analysed_run_is_a_job_of_its_own(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -230,7 +221,7 @@ def test_globs_are_matched_off_the_event_loop(client: TestClient, monkeypatch: p
         original = getattr(owner, name)
 
         def watched(*args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
-            on_loop[_name].append(_on_event_loop())
+            on_loop[_name].append(on_event_loop())
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(owner, name, watched)
@@ -259,7 +250,7 @@ def test_edits_are_resolved_to_hook_points_off_the_event_loop(
 
     class Watched(original):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any) -> None:
-            on_loop.append(_on_event_loop())
+            on_loop.append(on_event_loop())
             super().__init__(*args)
 
     monkeypatch.setattr(model.interventions, "EditPlan", Watched)

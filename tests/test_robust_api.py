@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from contract import ACTS, CMPL, GEN, NEXT, Bad, assert_error
 from fastapi.testclient import TestClient
-from inprocess import RawRequest, assert_still_serving, post_ok, serve, wrap_forward_passes
+from inprocess import RawRequest, assert_still_serving, on_event_loop, post_ok, serve, wrap_forward_passes
 
 from model.hooks import hook_names, match_hooks
 from model.loading import LoadedModel
@@ -37,14 +37,6 @@ def as_json(body: dict[str, Any]) -> bytes:
     """JSON text with non-ASCII escaped: how a client sends a lone surrogate (`\\udc80`), which a JSON
     library would refuse to encode as UTF-8."""
     return json.dumps(body).encode()
-
-
-def on_event_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:  # a worker thread
-        return False
-    return True
 
 
 def z_edit(**fields: Any) -> dict[str, Any]:
