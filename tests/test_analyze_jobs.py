@@ -25,6 +25,7 @@ from model.analysis import LayerStats, analyze
 from model.interventions import Edit, EditSpec, NonFiniteActivations
 from model.loading import LoadedModel, load
 from server.engine import Engine
+from server.routes.lab import layer_json
 
 ANALYZE = "/v1/analyze"
 L = 8
@@ -66,18 +67,7 @@ def count_jobs(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[object]:
 
 def as_json(stats: list[LayerStats], text: Any) -> list[dict[str, Any]]:
     """`analyze`'s layers as the route writes them."""
-    return [
-        {
-            "layer": s.layer,
-            "norms": s.norms,
-            "effective_rank": s.effective_rank,
-            "collapse": s.collapse,
-            "mean_cosine": s.mean_cosine,
-            "attention_entropy": s.attention_entropy,
-            "logit_lens": [[{"id": i, "token": text(i), "prob": p} for i, p in top] for top in s.logit_lens],
-        }
-        for s in stats
-    ]
+    return [layer_json(s, text) for s in stats]
 
 
 # --- the same numbers, from one job a layer -----------------------------------------------------------

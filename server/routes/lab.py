@@ -125,15 +125,7 @@ async def analyze_prompt(
         stats, grads = measured
         pieces = [b"["]
         for n, s in enumerate(stats):
-            layer: dict[str, Any] = {
-                "layer": s.layer,
-                "norms": s.norms,
-                "effective_rank": s.effective_rank,
-                "collapse": s.collapse,
-                "mean_cosine": s.mean_cosine,
-                "attention_entropy": s.attention_entropy,
-                "logit_lens": [[{"id": i, "token": text(i), "prob": p} for i, p in top] for top in s.logit_lens],
-            }
+            layer = layer_json(s, text)
             if grads is not None:  # the same layers, in the same order
                 g = grads[n]
                 layer |= {
@@ -165,3 +157,16 @@ async def analyze_prompt(
 
     body = await run_in_threadpool(answer)  # every token's text and the encoding off the event loop
     return Response(body, media_type="application/json")
+
+
+def layer_json(s: LayerStats, text: Callable[[int], str]) -> dict[str, Any]:
+    """One layer's measures as `/v1/analyze` answers them (`text`: a token id's text, for the logit lens)."""
+    return {
+        "layer": s.layer,
+        "norms": s.norms,
+        "effective_rank": s.effective_rank,
+        "collapse": s.collapse,
+        "mean_cosine": s.mean_cosine,
+        "attention_entropy": s.attention_entropy,
+        "logit_lens": [[{"id": i, "token": text(i), "prob": p} for i, p in top] for top in s.logit_lens],
+    }
