@@ -25,6 +25,7 @@ from .metrics import Metrics
 from .middleware import CORS, RequestGuard
 from .routes import gradients, lab, native, openai, ops, tokenizer
 from .routes import sae as sae_routes
+from .routes.deps import DumpBudget
 from .settings import Settings
 from .threads import ReleaseOpenMP
 
@@ -70,6 +71,7 @@ def create_app(
     app.state.metrics = metrics
     app.state.engine = None
     app.state.directions = Directions(max_vectors=settings.max_steering_vectors)
+    app.state.dump_budget = DumpBudget(settings.dump_bytes_in_flight, settings.max_queue, metrics)
     install_error_handlers(app)
     for router in (ops.router, native.router, openai.router, tokenizer.router, lab.router, gradients.router):
         app.include_router(router)

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
 from model.generate import Completion, GenerationError, TokenEvent, validate_prompt
@@ -147,21 +147,10 @@ class DumpHold:
         return self.budget.in_flight == 0
 
 
-def dump_budget(app: FastAPI) -> DumpBudget:
-    """The app's `DumpBudget`, made on first use from its settings (`--max-dump-bytes-in-flight`; `--max-queue`
-    requests may wait)."""
-    budget: DumpBudget | None = getattr(app.state, "dump_budget", None)
-    if budget is None:
-        settings: Settings = app.state.settings
-        budget = DumpBudget(settings.dump_bytes_in_flight, settings.max_queue, app.state.metrics)
-        app.state.dump_budget = budget
-    return budget
-
-
 async def dump_hold(request: Request) -> AsyncIterator[DumpHold]:
     """A request's `DumpHold`, given back after its answer is sent, however the request ends (an error, the
     client gone, the server stopping); the heap is trimmed, off the event loop, once no dump is in flight."""
-    hold = DumpHold(dump_budget(request.app))
+    hold = DumpHold(request.app.state.dump_budget)
     try:
         yield hold
     finally:
