@@ -44,8 +44,8 @@ class Settings:
     max_dump_bytes_in_flight: int | None = field(
         default=None,
         metadata={
-            "help": "activation dump bytes being captured, encoded and sent at once, server-wide; a dump beyond "
-            "them waits its turn (default: 4x --max-activation-bytes)"
+            "help": "bytes of activation dumps, SAE feature readings and gradients being captured, encoded and sent "
+            "at once, server-wide; one beyond them waits its turn (default: 4x --max-activation-bytes)"
         },
     )
     max_body_bytes: int = field(default=4 * 2**20, metadata={"help": "largest request body (bytes)"})
@@ -118,7 +118,8 @@ class Settings:
 
     @property
     def dump_bytes_in_flight(self) -> int:
-        """The bytes of activation dumps served at once: `max_dump_bytes_in_flight`, or 4 of the largest dump."""
+        """The bytes of dumps (activations, SAE features, gradients) served at once: `max_dump_bytes_in_flight`,
+        or 4 of the largest dump."""
         if self.max_dump_bytes_in_flight is not None:
             return self.max_dump_bytes_in_flight
         return 4 * self.max_activation_bytes

@@ -2,11 +2,13 @@
 its dump's estimated size before any model work and holds it until its answer is sent; beyond the budget it
 waits its turn (at most `--max-queue` wait, then 429), a dump larger than the whole budget is a 413 at once,
 and the bytes come back however a request ends (answered, failed, its client gone, the engine stopped),
-after which the server serves as before. The heap is trimmed once no dump is in flight."""
+after which the server serves as before. The heap is trimmed once no dump is in flight. SAE feature
+readings, gradients at hook points and an analysis's residual streams hold bytes of the same budget."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +17,7 @@ import torch
 from contract import ACTS, GEN, assert_error, full_capture
 from fastapi.testclient import TestClient
 from inprocess import RawRequest, assert_still_serving, engine_held, serve, wait_until
+from sae_files import write_sae
 
 from model.hooks import select_hooks
 from model.loading import LoadedModel
@@ -98,7 +101,7 @@ def test_more_dumps_waiting_than_the_queue_takes_are_a_429(loaded: LoadedModel) 
             wait_until(lambda: gauge(c, WAITING) == 2)
             refused = c.post(ACTS, json=DUMP)
             error = assert_error(refused, 429)
-            assert "2 activation dumps are waiting for room (the limit is 2)" in error["message"]
+            assert "2 requests are waiting for room in the server's dump budget (the limit is 2)" in error["message"]
             assert refused.headers["retry-after"] == "1"
         for r in (first.result(30), *(w.result(30) for w in waiting)):
             assert r.status_code == 200, r.text
@@ -212,4 +215,95 @@ def test_an_analysis_holds_its_streams_against_the_budget(loaded: LoadedModel) -
             f"the analysis's residual streams would take up to {size} bytes, more than the server holds for all "
             f"dumps at once ({size - 1}, its --max-dump-bytes-in-flight): ask for a shorter prompt"
         )
+        assert_still_serving(c)
+
+
+GRADIENTS = {"input_ids": IDS, "metric": {"type": "loss"}, "hooks": HOOKS, "format": "safetensors"}
+
+
+def test_gradients_hold_their_answer_against_the_budget(loaded: LoadedModel) -> None:
+    """/v1/gradients' answer holds activation-shaped values, as a dump does: it reserves its size (the same
+    estimate as its 413's) before its job reaches the engine, a second waits its turn, and one over the whole
+    budget is a 413 naming `hooks`."""
+    size = dump_size(loaded)  # the same tensors' shapes and format as DUMP's
+    with serve(loaded, max_dump_bytes_in_flight=size) as c, ThreadPoolExecutor(2) as pool:
+        with engine_held(c) as engine:
+            first = pool.submit(c.post, "/v1/gradients", json=GRADIENTS)
+            wait_until(lambda: len(engine._jobs) == 1)  # its bytes reserved, its job in the engine's queue
+            assert gauge(c, IN_FLIGHT) == size
+            second = pool.submit(c.post, "/v1/gradients", json=GRADIENTS)
+            wait_until(lambda: gauge(c, WAITING) == 1)
+            assert len(engine._jobs) == 1
+        answers = [r.result(30) for r in (first, second)]
+        assert [r.status_code for r in answers] == [200, 200]
+        got = [safetensors.torch.load(r.content) for r in answers]
+        assert got[0].keys() == got[1].keys() and all(torch.equal(got[0][k], got[1][k]) for k in got[0])
+        wait_until(lambda: gauge(c, IN_FLIGHT) == 0)
+    with serve(loaded, max_dump_bytes_in_flight=size - 1) as c:
+        error = assert_error(c.post("/v1/gradients", json=GRADIENTS), 413, "hooks")
+        assert error["message"] == (
+            f"the gradients would take up to {size} bytes, more than the server holds for all dumps at once "
+            f"({size - 1}, its --max-dump-bytes-in-flight): ask for fewer hooks or fewer tokens"
+        )
+        assert gauge(c, IN_FLIGHT) == 0
+        assert_still_serving(c)
+
+
+@pytest.fixture(scope="module")
+def sae_dir(tmp_path_factory: pytest.TempPathFactory, loaded: LoadedModel) -> Path:
+    hook = "blocks.1.hook_resid_pre"
+    return write_sae(tmp_path_factory.mktemp("sae"), hook=hook, d_in=loaded.model.config.n_embd, d_sae=128, seed=3)
+
+
+def test_sae_features_hold_their_answer_against_the_budget(loaded: LoadedModel, sae_dir: Path) -> None:
+    """/v1/features reserves its reading's size as sent (its 413's estimate) before the model runs, a second
+    reading waits its turn, and one over the whole budget is a 413 naming the field that chose the features."""
+    body = {"input_ids": IDS, "sae": "s", "top_k": 5}
+    size = encoding.features_bytes_on_wire(len(IDS), 5, "json")
+    with serve(loaded, sae=(f"s={sae_dir}",), max_dump_bytes_in_flight=size) as c, ThreadPoolExecutor(2) as pool:
+        with engine_held(c) as engine:
+            first = pool.submit(c.post, "/v1/features", json=body)
+            wait_until(lambda: len(engine._waiting) == 1)  # its bytes reserved, its prompt in the engine's queue
+            assert gauge(c, IN_FLIGHT) == size
+            second = pool.submit(c.post, "/v1/features", json=body)
+            wait_until(lambda: gauge(c, WAITING) == 1)
+            assert len(engine._waiting) == 1
+        answers = [r.result(30) for r in (first, second)]
+        assert [r.status_code for r in answers] == [200, 200] and answers[0].json() == answers[1].json()
+        wait_until(lambda: gauge(c, IN_FLIGHT) == 0)
+    with serve(loaded, sae=(f"s={sae_dir}",), max_dump_bytes_in_flight=size - 1) as c:
+        error = assert_error(c.post("/v1/features", json=body), 413, "top_k")
+        assert error["message"] == (
+            f"the SAE features would take up to {size} bytes, more than the server holds for all dumps at once "
+            f"({size - 1}, its --max-dump-bytes-in-flight): ask for fewer features or fewer tokens"
+        )
+        assert_still_serving(c)
+
+
+def test_a_generation_holds_its_dump_and_its_features_together(loaded: LoadedModel, sae_dir: Path) -> None:
+    """/v1/generate with both a dump and SAE features reserves the two sizes at once (two reservations could
+    each fit and their sum not, and wait forever): the sum is held while it runs, and a sum over the whole
+    budget is a 413 naming `activations`, though each part alone would fit; features alone name their field."""
+    n_tokens = len(IDS) + 3
+    dump, features = dump_size(loaded, n_tokens, "json"), encoding.features_bytes_on_wire(n_tokens, 4, "json")
+    base = {"input_ids": IDS, "max_new_tokens": 3, "features": {"sae": "s", "top_k": 4}}
+    both = base | {"activations": {"hooks": HOOKS}}
+    with serve(loaded, sae=(f"s={sae_dir}",), max_dump_bytes_in_flight=dump + features) as c:
+        with ThreadPoolExecutor(1) as pool, engine_held(c):
+            answer = pool.submit(c.post, GEN, json=both)
+            wait_until(lambda: gauge(c, IN_FLIGHT) == dump + features)
+        assert answer.result(30).status_code == 200
+        wait_until(lambda: gauge(c, IN_FLIGHT) == 0)
+    limit = max(dump, features)
+    with serve(loaded, sae=(f"s={sae_dir}",), max_dump_bytes_in_flight=limit) as c:
+        error = assert_error(c.post(GEN, json=both), 413, "activations")
+        assert error["message"] == (
+            f"the activation dump and the SAE features would take up to {dump + features} bytes, more than the "
+            f"server holds for all dumps at once ({limit}, its --max-dump-bytes-in-flight): ask for fewer hooks, "
+            "features or tokens"
+        )
+        assert c.post(GEN, json=base).status_code == 200  # features alone fit
+        assert gauge(c, IN_FLIGHT) == 0
+    with serve(loaded, sae=(f"s={sae_dir}",), max_dump_bytes_in_flight=features - 1) as c:
+        assert_error(c.post(GEN, json=base), 413, "features.top_k")
         assert_still_serving(c)

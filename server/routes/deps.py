@@ -59,11 +59,14 @@ class Held:
 
 
 DUMP = Held("the activation dump", "activations", "fewer hooks or fewer tokens")
+DUMP_AND_FEATURES = Held("the activation dump and the SAE features", "activations", "fewer hooks, features or tokens")
+GRADIENTS = Held("the gradients", "hooks", "fewer hooks or fewer tokens")
 
 
 class DumpBudget:
-    """The bytes of activation dumps in flight at once, server-wide, at most `limit` (and of the residual
-    streams an analysis keeps between its jobs, `Held` says which).
+    """The bytes of activation dumps in flight at once, server-wide, at most `limit`: the answers that hold
+    activations (dumps, SAE feature readings, gradients at hook points) and the residual streams an analysis
+    keeps between its jobs (`Held` says which a request holds).
 
     A dump takes several times its size at its peak, captured, converted and encoded (about 5x), and its answer
     is held until sent; `--max-activation-bytes` bounds each, this bounds them all together. A request reserves
@@ -94,7 +97,9 @@ class DumpBudget:
             return
         if len(self._waiting) >= self.max_waiting:
             waiting = len(self._waiting)
-            raise QueueFull(f"{waiting} activation dumps are waiting for room (the limit is {self.max_waiting})")
+            raise QueueFull(
+                f"{waiting} requests are waiting for room in the server's dump budget (the limit is {self.max_waiting})"
+            )
         waiter = (hold, nbytes, asyncio.get_running_loop().create_future())
         self._waiting.append(waiter)
         self.metrics.dumps_waiting.set(len(self._waiting))

@@ -4,7 +4,8 @@ attribution scores for every site with optional real patching (`/v1/attribution`
 A gradient request is one job on the engine's thread (`Engine.call`, between two decode steps), which builds
 the only autograd graph alive at a time; an attribution is one job for its two runs and one more for each
 site it verifies (each can meet a full queue, 429, as any call). A graph estimated over the server's
-`--max-gradient-bytes` is refused with 413 before anything runs."""
+`--max-gradient-bytes` is refused with 413 before anything runs; the gradients' answer, like a dump, holds its
+size of the server's dump budget (`--max-dump-bytes-in-flight`) until it is sent."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from ..schemas import AttributionRequest, GradientsRequest
 from ..settings import Settings
 from ..threads import run_in_threadpool
 from .deps import (
+    GRADIENTS,
+    DumpHoldDep,
     EngineDep,
     SettingsDep,
     encode,
@@ -55,7 +58,12 @@ def check_graph(engine: Engine, settings: Settings, n_tokens: int, param: str) -
 
 @router.post("/v1/gradients", responses={200: {"content": {"application/octet-stream": {}}}})
 async def gradients_at_hooks(
-    req: GradientsRequest, request: Request, engine: EngineDep, settings: SettingsDep, directions: DirectionsDep
+    req: GradientsRequest,
+    request: Request,
+    engine: EngineDep,
+    settings: SettingsDep,
+    directions: DirectionsDep,
+    hold: DumpHoldDep,
 ) -> Response:
     (ids,) = await token_ids(engine, req.prompt, req.input_ids)
     param = prompt_field(req.input_ids)
@@ -77,6 +85,7 @@ async def gradients_at_hooks(
             "hooks",
         )
     check_graph(engine, settings, len(ids), param)
+    await hold.reserve(size, request, GRADIENTS)  # held until the answer is sent
 
     def run(model: GPT) -> Gradients:
         return gradients(model, ids, metric, names, edits)

@@ -29,6 +29,8 @@ from ..schemas import ActivationSpec, ActivationsRequest, GenerateRequest, NextT
 from ..settings import Settings
 from ..threads import run_in_threadpool
 from .deps import (
+    DUMP,
+    DUMP_AND_FEATURES,
     DumpHoldDep,
     EngineDep,
     SettingsDep,
@@ -91,11 +93,13 @@ async def generate(
     params = req.sampling_params(settings.max_new_tokens)
     hooks, dump_bytes = await _checked_hooks(engine, settings, req.activations, prompts, params.max_new_tokens)
     reader = feature_reader(directions, req.features, "features.")  # SAE features: a capture of its hook
+    what, feature_bytes = DUMP, 0
     if reader is not None:  # in JSON, for each choice
         n_tokens = sum(len(p) + params.max_new_tokens for p in prompts)
-        reader.check_size(n_tokens, "json", settings.max_activation_bytes, "features.")
+        feature_bytes = reader.check_size(n_tokens, "json", settings.max_activation_bytes, "features.")
+        what = DUMP_AND_FEATURES if dump_bytes else reader.held("features.")
     edits = await resolved_edits(req, engine, directions)
-    await hold.reserve(dump_bytes, request)  # held until the answer is sent
+    await hold.reserve(dump_bytes + feature_bytes, request, what)  # held until the answer is sent
     captured = hooks if reader is None else [*(hooks or []), reader.hook]
     streams = engine.submit(prompts, [params] * len(prompts), captured, edits, prompt_field(req.input_ids))
     reply = _Reply(engine, req.activations, reader, hooks)

@@ -29,7 +29,9 @@ from ..schemas import FeatureCapture, FeaturesRequest, SteeringVectorRequest
 from ..settings import Settings
 from ..threads import run_in_threadpool
 from .deps import (
+    DumpHoldDep,
     EngineDep,
+    Held,
     SettingsDep,
     encode,
     json_response,
@@ -93,10 +95,14 @@ class FeatureReader:
     def json(self, x: torch.Tensor) -> list[dict[str, Any]]:
         return [_row(r) for r in self.read(x)]
 
-    def check_size(self, n_tokens: int, wire: Literal["json", "safetensors"], limit: int, where: str = "") -> None:
-        """413 when the reading of `n_tokens` positions, as sent, could exceed the server's limit on a dump
-        (`--max-activation-bytes`): checked before the model runs."""
-        k, field = (len(self.ids), "features") if self.ids is not None else (self.top_k or 0, "top_k")
+    def _k_and_field(self) -> tuple[int, str]:
+        """Features a position holds at most, and the field that chose them."""
+        return (len(self.ids), "features") if self.ids is not None else (self.top_k or 0, "top_k")
+
+    def check_size(self, n_tokens: int, wire: Literal["json", "safetensors"], limit: int, where: str = "") -> int:
+        """The bytes the reading of `n_tokens` positions takes as sent, at most; 413 when that could exceed the
+        server's limit on a dump (`--max-activation-bytes`): checked before the model runs."""
+        k, field = self._k_and_field()
         size = encoding.features_bytes_on_wire(n_tokens, k, wire)
         if size > limit:
             raise APIError(
@@ -106,6 +112,11 @@ class FeatureReader:
                 + (" or format safetensors" if wire == "json" and not where else ""),
                 where + field,
             )
+        return size
+
+    def held(self, where: str = "") -> Held:
+        """What a request holds dump budget bytes for while its reading is served, as its 413 names it."""
+        return Held("the SAE features", where + self._k_and_field()[1], "fewer features or fewer tokens")
 
 
 def feature_reader(directions: Directions, spec: FeatureCapture | None, where: str = "") -> FeatureReader | None:
@@ -133,15 +144,21 @@ def _row(r: TokenFeatures) -> dict[str, Any]:
 
 @router.post("/v1/features", response_model=None)
 async def features(
-    req: FeaturesRequest, request: Request, engine: EngineDep, settings: SettingsDep, directions: DirectionsDep
+    req: FeaturesRequest,
+    request: Request,
+    engine: EngineDep,
+    settings: SettingsDep,
+    directions: DirectionsDep,
+    hold: DumpHoldDep,
 ) -> Response:
     reader = feature_reader(directions, req)
     assert reader is not None
     sae = reader.sae
     prompts = await token_ids(engine, req.prompt, req.input_ids)
     params = req.sampling_params(settings.max_new_tokens)
-    reader.check_size(len(prompts[0]) + params.max_new_tokens, req.format, settings.max_activation_bytes)
+    size = reader.check_size(len(prompts[0]) + params.max_new_tokens, req.format, settings.max_activation_bytes)
     edits = await resolved_edits(req, engine, directions)
+    await hold.reserve(size, request, reader.held())  # held until the answer is sent
     (completion,) = await results(engine.submit(prompts, [params], [sae.cfg.hook_name], edits), request)
     assert completion.activations is not None
     x = completion.activations[sae.cfg.hook_name][0]  # [T, d_in]
