@@ -9,14 +9,13 @@ vector. Effective rank: Roy & Vetterli 2007. Logit lens: nostalgebraist 2020.
 from __future__ import annotations
 
 import math
-from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
+from .config import GPTConfig
 from .gpt import GPT
-from .hooks import Hooks, run_until
+from .hooks import Hooks
 from .interventions import HookChain, NonFiniteActivations
 from .overflow import layer_norm_inputs, layer_norm_overflow, variance_overflows
 
@@ -85,12 +84,17 @@ def analyze(model: GPT, ids: list[int], top_k: int = 5, edits: Hooks | None = No
     """One forward pass over `ids` (with `edits`, e.g. residual ablation, applied), measured after the
     embeddings and after every block. Raises `NonFiniteActivations` at the first layer where the edits drove
     the stream to inf or NaN, too large for its measures (norms, the logit lens) to be finite, or too large
-    for a LayerNorm's variance (`variance_overflows`). The work is the pass (`residual_streams`), then one
-    `measure` a layer: the server runs each as an engine job of its own, so that decode steps go on between
-    them. The memory taken beyond the pass's own is every layer's stream [T, C] and one layer's attention
-    pattern, then one layer's logit lens."""
-    streams = residual_streams(model, ids, edits)
-    return [measure(model, stream, top_k, streams.edited) for stream in streams.take()]
+    for a LayerNorm's variance (`variance_overflows`). The work is the pass a block at a time
+    (`ResidualPass.step`), each stream it hands over measured before the next block runs (`measure`): the
+    server runs each step and each measure as an engine job of its own, so that decode steps go on between
+    them. The memory taken beyond a block's own is two streams [T, C] and one layer's attention pattern,
+    then one layer's logit lens."""
+    run = ResidualPass(model.config, ids, edits)
+    stats = []
+    while not run.done:
+        stats += [measure(model, stream, top_k, run.edited) for stream in run.step(model)]
+    run.raise_error()
+    return stats
 
 
 @dataclass
@@ -102,38 +106,45 @@ class Stream:
     attention_entropy: list[float] | None  # per head, of the block that made it; None for the embeddings
 
 
-@dataclass
-class Streams:
-    """What one pass leaves to measure: its layers' streams in order and, if something ended the pass early
-    (a LayerNorm that overflowed), that error. `take` raises it only after the streams before it: the first
-    of them that cannot be measured is refused first, as the pass reached it first."""
+class ResidualPass:
+    """A forward pass over `ids` (with `edits` applied) a block at a time, keeping what `measure` needs: the
+    stream after the embeddings and after each block, and each block's attention entropy (its pattern
+    [H, T, T] reduced as it comes: one is alive at a time). It ends after the last block (the LM head is not
+    needed), or at the first LayerNorm whose variance overflows, or at any error, which it keeps
+    (`raise_error`): the streams before it are measured first, as the pass reached them first."""
 
-    streams: deque[Stream]
-    edited: bool  # whether the pass had edits (the errors say so)
-    error: Exception | None = None
+    def __init__(self, config: GPTConfig, ids: list[int], edits: Hooks | None = None) -> None:
+        self.ids, self.edited = ids, edits is not None
+        self.error: Exception | None = None
+        self._keep = _Keep(config.n_layer, self.edited)
+        self._hooks: Hooks = HookChain(edits, self._keep) if edits is not None else self._keep
+        self._x: torch.Tensor | None = None  # [1, T, C]: the stream entering the next block
+        self._next, self._n_layer = 0, config.n_layer
 
-    def take(self) -> Iterator[Stream]:
-        """The streams in order, each let go of here once given; then the error that ended the pass, if any."""
-        while self.streams:
-            yield self.streams.popleft()
+    @property
+    def done(self) -> bool:
+        return self.error is not None or self._next == self._n_layer
+
+    @torch.inference_mode()
+    def step(self, model: GPT) -> list[Stream]:
+        """Run the next block (the first after the embeddings) and hand over the streams it made, in order.
+        An error ends the pass; it is kept, for `raise_error` once those streams are measured."""
+        assert not self.done, "the pass is over"
+        try:
+            if self._x is None:
+                self._x = model.embed(torch.tensor([self.ids], device=model.wte.weight.device), hooks=self._hooks)
+            self._x = model.h[self._next](self._x, None, self._hooks)
+            self._next += 1
+        except Exception as e:  # raised once the streams before it are measured
+            self.error, self._x = e, None
+        if self._next == self._n_layer:
+            self._x = None
+        return self._keep.take()
+
+    def raise_error(self) -> None:
+        """Raise the error that ended the pass, if one did."""
         if self.error is not None:
             raise self.error
-
-
-@torch.inference_mode()
-def residual_streams(model: GPT, ids: list[int], edits: Hooks | None = None) -> Streams:
-    """A forward pass over `ids` (with `edits` applied) that keeps what `measure` needs: the stream after the
-    embeddings and after each block, and each block's attention entropy (its pattern [H, T, T] reduced as it
-    comes: one is alive at a time). It ends after the last block (the LM head is not needed), or at the first
-    LayerNorm whose variance overflows, or at any error, which the result keeps for `Streams.take`."""
-    keep = _Keep(model.config.n_layer, edited=edits is not None)
-    last = f"blocks.{model.config.n_layer - 1}.hook_resid_post"
-    idx = torch.tensor([ids], device=model.wte.weight.device)
-    try:
-        run_until(model, idx, HookChain(edits, keep) if edits is not None else keep, last)
-    except Exception as e:  # raised once the streams before it are measured, as the one pass did
-        keep.streams.error = e
-    return keep.streams
 
 
 class _Keep:
@@ -145,7 +156,13 @@ class _Keep:
         self._patterns = {f"blocks.{i}.attn.hook_pattern" for i in range(L)}
         self._layer_norms = layer_norm_inputs(L)
         self._entropy: list[float] | None = None  # the current layer's, until its stream comes
-        self.streams = Streams(deque(), edited)
+        self._kept: list[Stream] = []
+        self.edited = edited
+
+    def take(self) -> list[Stream]:
+        """The streams kept since the last call, in order (let go of here)."""
+        kept, self._kept = self._kept, []
+        return kept
 
     def active(self, name: str) -> bool:
         return name in self._streams or name in self._patterns  # the patterns need the explicit attention
@@ -155,12 +172,11 @@ class _Keep:
             self._entropy = attention_entropy(x[0].float()).tolist()
         layer = self._streams.get(name)
         if layer is not None:  # a copy: no later hook can change what is measured
-            self.streams.streams.append(Stream(layer, x[0].clone(), self._entropy))
+            self._kept.append(Stream(layer, x[0].clone(), self._entropy))
             self._entropy = None
         ln = self._layer_norms.get(name)
         if ln is not None and bool(variance_overflows(x)):
-            edited = self.streams.edited
-            raise NonFiniteActivations(layer_norm_overflow(ln, x.dtype, edited) + ": nothing real to measure")
+            raise NonFiniteActivations(layer_norm_overflow(ln, x.dtype, self.edited) + ": nothing real to measure")
         return x
 
 

@@ -235,6 +235,18 @@ class GPT(nn.Module):
     def hook_names(self) -> list[str]:
         return hook_names(self.config.n_layer)
 
+    def embed(self, idx: torch.Tensor, pos: torch.Tensor | None = None, hooks: Hooks | None = None) -> torch.Tensor:
+        """The residual stream entering block 0 [B, T, C]: the embeddings of tokens `idx` [B, T] at positions
+        `pos` [B, T] (by default 0 .. T - 1, checked against the context)."""
+        B, T = idx.shape
+        if pos is None:
+            if T > self.config.n_positions:
+                raise ValueError(f"sequence of {T} tokens exceeds the context of {self.config.n_positions}")
+            pos = torch.arange(T, device=idx.device).expand(B, T)
+        tok_emb = self.hook_embed(self.wte(idx), hooks)  # [B, T, C]
+        pos_emb = self.hook_pos_embed(self.wpe(pos), hooks)  # [B, T, C]
+        return tok_emb + pos_emb
+
     def forward(
         self,
         idx: torch.Tensor,
@@ -248,21 +260,16 @@ class GPT(nn.Module):
         `positions` [B, 1] (a device tensor) makes that a fixed-shape decode step, as CUDA graphs need. With a
         `PackedBatch`, `idx` [1, N] is its tokens side by side and the logits [1, len(outputs), vocab] are
         those at its `outputs` (its `hooks` are then a `RowHooks`: each sequence sees its own tokens)."""
-        B, T = idx.shape
+        T = idx.shape[1]
         if isinstance(cache, PackedBatch):
             assert not last_only, "a packed pass picks its own outputs"
-        if cache is None:
-            if T > self.config.n_positions:
-                raise ValueError(f"sequence of {T} tokens exceeds the context of {self.config.n_positions}")
-            pos = torch.arange(T, device=idx.device).expand(B, T)
-        elif positions is not None:
+        pos = None  # without a cache: 0 .. T - 1
+        if cache is not None and positions is not None:
             assert isinstance(cache, KVCache)
             pos = cache.begin_static(positions)  # [B, 1]
-        else:
+        elif cache is not None:
             pos = cache.begin(T)  # [B, T]: each row goes on from its own length
-        tok_emb = self.hook_embed(self.wte(idx), hooks)  # [B, T, C]
-        pos_emb = self.hook_pos_embed(self.wpe(pos), hooks)  # [B, T, C]
-        x = tok_emb + pos_emb
+        x = self.embed(idx, pos, hooks)
         for block in self.h:
             x = block(x, cache, hooks)
         if isinstance(cache, PackedBatch):

@@ -12,8 +12,11 @@ import pytest
 import torch
 from conftest import Checkpoint, load_ours
 
+from model import analysis
 from model.analysis import (
     LayerStats,
+    ResidualPass,
+    Stream,
     analyze,
     attention_entropy,
     collapse,
@@ -24,7 +27,7 @@ from model.analysis import (
 )
 from model.gpt import GPT
 from model.hooks import Capture, Hooks
-from model.interventions import Edit, EditSpec, HookChain
+from model.interventions import Edit, EditSpec, HookChain, NonFiniteActivations
 
 RNG = np.random.default_rng(0)
 PROMPT = [464, 3797, 3332, 319, 262, 2603, 780, 340]  # "The cat sat on the mat because it"
@@ -272,6 +275,44 @@ def test_a_stream_is_measured_as_the_pass_handed_it_over(tiny_model: GPT) -> Non
     stats, plain = analyze(tiny_model, PROMPT, 3, ZeroInPlace()), analyze(tiny_model, PROMPT, 3)
     assert stats[:2] == plain[:2]  # the embeddings and layer 0: as without the hook
     assert stats[2].norms != plain[2].norms  # layer 1: after a zero stream
+
+
+def test_analyze_holds_at_most_two_streams_handed_over(tiny_model: GPT, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each stream is measured as soon as the pass hands it over, before the next block runs: when a layer is
+    measured, no stream handed over before it is still in memory, except the embeddings' while layer 0's is
+    measured (the first block hands both over). All kept until the pass ended would be L + 1 at the end."""
+    seen: list[weakref.ref[torch.UntypedStorage]] = []
+    alive: list[int] = []
+    real = analysis.measure
+
+    def counted(model: GPT, stream: Stream, top_k: int, edited: bool) -> LayerStats:
+        alive.append(sum(ref() is not None for ref in seen))
+        seen.append(weakref.ref(stream.x.untyped_storage()))
+        return real(model, stream, top_k, edited)
+
+    monkeypatch.setattr(analysis, "measure", counted)
+    analyze(tiny_model, PROMPT, 3)
+    assert alive == [0, 1] + [0] * (tiny_model.config.n_layer - 1)
+
+
+def test_the_pass_runs_a_block_a_step_and_keeps_its_error_for_after_the_streams_before_it(tiny_model: GPT) -> None:
+    """`ResidualPass.step`: the embeddings' and block 0's streams first, then one a block; an error (a
+    LayerNorm's variance overflowing in block 1's MLP input) ends the pass, kept until `raise_error`, after
+    the streams before it were handed over; a prompt past the context is such an error too."""
+    huge = EditSpec((Edit("blocks.1.hook_mlp_in", "scale", factor=1e19, positions=(2,)),))
+    run = ResidualPass(tiny_model.config, PROMPT, huge.hooks(tiny_model.config, len(PROMPT)))
+    assert [s.layer for s in run.step(tiny_model)] == [-1, 0] and not run.done
+    assert run.step(tiny_model) == [] and run.done  # block 1 ends in the error, before its stream
+    with pytest.raises(NonFiniteActivations, match=r"blocks\.1\.ln2"):
+        run.raise_error()
+    plain = ResidualPass(tiny_model.config, PROMPT)
+    layers = [[s.layer for s in plain.step(tiny_model)] for _ in range(tiny_model.config.n_layer)]
+    assert layers == [[-1, 0]] + [[i] for i in range(1, tiny_model.config.n_layer)] and plain.done
+    plain.raise_error()  # none
+    too_long = ResidualPass(tiny_model.config, [0] * (tiny_model.config.n_positions + 1))
+    assert too_long.step(tiny_model) == [] and too_long.done
+    with pytest.raises(ValueError, match="exceeds the context"):
+        too_long.raise_error()
 
 
 # --- rank collapse on the gpt2-small shape -----------------------------------------------------------

@@ -1,8 +1,9 @@
-"""/v1/analyze as many engine jobs: a run's forward pass, then one job a layer (its norms, effective rank,
-collapse, cosine and logit lens), with decode steps between them. One job once held every stream for a whole
-run (24 s at 1,000 tokens on gpt2-small's shape on a CPU). The answers are `analyze`'s, to the bit; an error
-is its error, and no job follows it; a client that leaves stops the jobs. In process, on an 8-layer random
-checkpoint with the real tokenizer."""
+"""/v1/analyze as many engine jobs: one for each block of a run's forward pass, and one for each layer's
+measures (its norms, effective rank, collapse, cosine and logit lens) as soon as the pass hands its stream
+over, with decode steps between them. One job once held every stream for a whole run (24 s at 1,000 tokens
+on gpt2-small's shape on a CPU), and later one job held them for the whole pass (on gpt2-xl, tens of seconds).
+The answers are `analyze`'s, to the bit; an error is its error, and no job follows it; a client that leaves
+stops the jobs. In process, on an 8-layer random checkpoint with the real tokenizer."""
 
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def test_the_jobs_give_analyze_s_numbers_to_the_bit(
     jobs = count_jobs(engine_of(client), monkeypatch)
     edit = {"hook": "blocks.2.hook_attn_out", "op": "scale", "factor": 3.0}
     body = post_ok(client, ANALYZE, {"input_ids": IDS, "top_k": 4} | ({"interventions": [edit]} if edited else {}))
-    assert len(jobs) == 2 * (1 + L + 1)  # each run: its pass, then one job a layer
+    assert len(jobs) == 2 * (L + L + 1)  # each run: a job a block, and a job a layer's measures
 
     edits = (Edit("blocks.2.hook_attn_out", "scale", factor=3.0),) if edited else ()
     text = deep.tokenizer.token_text
@@ -130,7 +131,7 @@ def test_a_stream_decodes_between_an_analysis_s_jobs(client: TestClient, monkeyp
     assert g.status_code == 200 and len(g.json()["choices"][0]["token_ids"]) == generation["max_new_tokens"]
 
     jobs = [i for i, e in enumerate(log) if e == "job"]
-    assert len(jobs) == 1 + L + 1, log  # the pass, then one job a layer
+    assert len(jobs) == L + L + 1, log  # a job a block, and a job a layer's measures
     between = [log[a:b].count("step") for a, b in itertools.pairwise(jobs)]
     assert between == [1] * (len(jobs) - 1), log  # the stream's step between every two
 
@@ -139,11 +140,12 @@ def test_a_stream_decodes_between_an_analysis_s_jobs(client: TestClient, monkeyp
 
 HUGE = 1e19  # position 3 times this: finite in float32, its squares (norms, LayerNorm's variance) are not
 FAILS = [
-    # the stream after block 2: its norms are not finite; jobs: the pass, layers -1, 0, 1, 2
-    pytest.param(Edit("blocks.2.hook_resid_post", "scale", factor=HUGE, positions=(3,)), 5, id="layer-2"),
+    # the stream after block 2: its norms are not finite; jobs: block 0 (after the embeddings), layers -1 and
+    # 0, block 1, layer 1, block 2, layer 2
+    pytest.param(Edit("blocks.2.hook_resid_post", "scale", factor=HUGE, positions=(3,)), 7, id="layer-2"),
     # the MLP's own copy in block 3: every stream finite, LayerNorm blocks.3.ln2 overflows, and the pass
-    # stops there; jobs: the pass, then layers -1, 0, 1, 2 (measured: the error waits for them)
-    pytest.param(Edit("blocks.3.hook_mlp_in", "scale", factor=HUGE, positions=(3,)), 5, id="ln2-of-block-3"),
+    # stops there; jobs: those 7, then block 3, which ends in the error (layers -1 to 2 measured before it)
+    pytest.param(Edit("blocks.3.hook_mlp_in", "scale", factor=HUGE, positions=(3,)), 8, id="ln2-of-block-3"),
 ]
 
 
@@ -169,7 +171,8 @@ def test_an_error_is_analyze_s_and_no_job_follows_it(
 
 def test_a_client_that_leaves_stops_the_jobs(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
     """Raw ASGI, so that the disconnect is exact: the client leaves while the analysis's third job (layer 0's
-    measures) runs; the answer is a 499 and no job of the analysis runs after that one."""
+    measures, after block 0 and layer -1's) runs; the answer is a 499 and no job of the analysis runs after
+    that one."""
     engine = engine_of(client)
     jobs: list[object] = []
     running, release = threading.Event(), threading.Event()

@@ -193,11 +193,12 @@ def test_the_heap_is_trimmed_once_no_dump_is_in_flight(loaded: LoadedModel, monk
 
 
 def test_an_analysis_holds_its_streams_against_the_budget(loaded: LoadedModel) -> None:
-    """/v1/analyze keeps a run's residual streams ([n_layer + 1, T, d_model]) between its pass and its layers'
-    jobs, and the engine runs jobs first come first served: concurrent analyses would all hold theirs at
-    once. They reserve them like a dump: a second waits its turn, and one over the whole budget is a 413."""
+    """/v1/analyze holds residual streams between its jobs (the one entering the next block, and at most two
+    handed over to be measured: [3, T, d_model]), and the engine runs jobs first come first served: concurrent
+    analyses would all hold theirs at once. They reserve them like a dump: a second waits its turn, and one
+    over the whole budget is a 413."""
     config = loaded.model.config
-    size = (config.n_layer + 1) * len(IDS) * config.n_embd * 4  # float32
+    size = 3 * len(IDS) * config.n_embd * 4  # float32
     body = {"input_ids": IDS, "top_k": 1}
     with serve(loaded, max_dump_bytes_in_flight=size) as c, ThreadPoolExecutor(2) as pool:
         with engine_held(c) as engine:

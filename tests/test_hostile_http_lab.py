@@ -115,8 +115,8 @@ def test_the_whole_next_token_distribution_is_written_off_the_event_loop(
 
 def test_each_analysed_run_is_a_job_of_its_own(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
     """With compare_ablated, the run and the run without residual connections were one job: every stream
-    waited for both (126 s on gpt2-small's shape at 1,000 tokens on a CPU). Now each run's forward pass is a
-    job and each layer's measures another, with decode steps between them."""
+    waited for both (126 s on gpt2-small's shape at 1,000 tokens on a CPU). Now each block of a run's forward
+    pass is a job and each layer's measures another, with decode steps between them."""
     engine = client.app.state.engine  # type: ignore[attr-defined]
     jobs: list[Callable[..., Any]] = []
     original = engine.call
@@ -128,10 +128,10 @@ def test_each_analysed_run_is_a_job_of_its_own(client: TestClient, monkeypatch: 
     monkeypatch.setattr(engine, "call", counted)
     body = post_ok(client, ANALYZE, {"input_ids": IDS, "top_k": 1})
     assert len(body["layers"]) == len(body["ablated"]) == 3
-    assert len(jobs) == 2 * (1 + 3)  # per run: the pass, then the embeddings' and each block's layer
+    assert len(jobs) == 2 * (2 + 3)  # per run: each of the 2 blocks, and the embeddings' and each block's layer
     jobs.clear()
     post_ok(client, ANALYZE, {"input_ids": IDS, "top_k": 1, "compare_ablated": False})
-    assert len(jobs) == 1 + 3
+    assert len(jobs) == 2 + 3
 
 
 # --- values that are not what they seem ------------------------------------------------------------

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import FileResponse
 
-from model.analysis import LayerStats, measure, residual_streams
+from model.analysis import LayerStats, ResidualPass, measure
 from model.generate import GenerationError, validate_prompt
 from model.gpt import GPT
 from model.interventions import EditSpec, NonFiniteActivations
@@ -86,9 +86,10 @@ async def analyze_prompt(
             raise GenerationError("gradients need a prompt of at least 2 tokens (the loss predicts one)", "gradients")
         check_graph(engine, settings, len(ids), "gradients")
     Run = tuple[list[LayerStats], list[LayerGradient] | None]
-    # a run's streams, kept between its pass and its layers' jobs, count against the dump budget: concurrent
-    # analyses would otherwise all hold theirs at once, the engine's jobs running first come first served
-    streams_bytes = (config.n_layer + 1) * len(ids) * config.n_embd * engine.model.wte.weight.element_size()
+    # the streams a run holds between its jobs (the one entering the next block, and at most two handed over
+    # to be measured) count against the dump budget: concurrent analyses would otherwise all hold theirs at
+    # once, the engine's jobs running first come first served
+    streams_bytes = 3 * len(ids) * config.n_embd * engine.model.wte.weight.element_size()
     await hold.reserve(streams_bytes, request, Held("the analysis's residual streams", field, "a shorter prompt"))
 
     async def job(fn: Callable[[GPT], R]) -> R:
@@ -97,10 +98,16 @@ async def analyze_prompt(
         return await unless_disconnected(request, engine.call(fn))
 
     async def analysis(spec: EditSpec | None) -> list[LayerStats]:
-        """One run's measures, as `analyze` takes them: its pass as one job, then each layer's measures as one
-        (a run at 1,000 tokens took 24 s of one job on gpt2-small's shape on a CPU, every stream waiting)."""
-        streams = await job(lambda model: residual_streams(model, ids, spec.hooks(config, len(ids)) if spec else None))
-        return [await job(partial(measure, stream=s, top_k=req.top_k, edited=streams.edited)) for s in streams.take()]
+        """One run's measures, as `analyze` takes them: each block of its pass as one job, and each layer's
+        measures as one (a whole run at 1,000 tokens once took 24 s of one job on gpt2-small's shape on a
+        CPU, every stream waiting)."""
+        run = ResidualPass(config, ids, spec.hooks(config, len(ids)) if spec else None)
+        stats = []
+        while not run.done:
+            for s in await job(run.step):
+                stats.append(await job(partial(measure, stream=s, top_k=req.top_k, edited=run.edited)))
+        run.raise_error()
+        return stats
 
     async def gradients(spec: EditSpec | None) -> list[LayerGradient]:
         """One run's gradient highway, as a job of its own."""
