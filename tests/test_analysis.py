@@ -14,6 +14,7 @@ from conftest import Checkpoint, load_ours
 
 from model import analysis
 from model.analysis import (
+    LayerMeasure,
     LayerStats,
     ResidualPass,
     Stream,
@@ -293,6 +294,29 @@ def test_analyze_holds_at_most_two_streams_handed_over(tiny_model: GPT, monkeypa
     monkeypatch.setattr(analysis, "measure", counted)
     analyze(tiny_model, PROMPT, 3)
     assert alive == [0, 1] + [0] * (tiny_model.config.n_layer - 1)
+
+
+def test_a_layer_is_measured_in_parts_of_its_positions(tiny_model: GPT, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`LayerMeasure`: the stream's own measures and the lens of the first `positions` positions, then the
+    lens of each next `positions`, one `step` each; the same numbers as in one part."""
+    (stream,) = [s for s in ResidualPass(tiny_model.config, LONG).step(tiny_model) if s.layer == 0]
+    whole = LayerMeasure(stream, 3, False)
+    whole.step(tiny_model)
+    assert whole.done
+    monkeypatch.setattr(LayerMeasure, "positions", 30)
+    parts, steps = LayerMeasure(stream, 3, False), 0
+    while not parts.done:
+        parts.step(tiny_model)
+        steps += 1
+    assert steps == 4  # 100 positions, 30 a part
+    got, want = parts.result(), whole.result()
+    assert (got.layer, got.norms, got.effective_rank, got.collapse, got.mean_cosine) == (
+        want.layer, want.norms, want.effective_rank, want.collapse, want.mean_cosine
+    )  # fmt: skip
+    assert [[i for i, _ in top] for top in got.logit_lens] == [[i for i, _ in top] for top in want.logit_lens]
+    np.testing.assert_allclose(
+        [[p for _, p in top] for top in got.logit_lens], [[p for _, p in top] for top in want.logit_lens], rtol=1e-6
+    )
 
 
 def test_the_pass_runs_a_block_a_step_and_keeps_its_error_for_after_the_streams_before_it(tiny_model: GPT) -> None:

@@ -1,6 +1,6 @@
-"""/v1/analyze as many engine jobs: one for each block of a run's forward pass, and one for each layer's
-measures (its norms, effective rank, collapse, cosine and logit lens) as soon as the pass hands its stream
-over, with decode steps between them. One job once held every stream for a whole run (24 s at 1,000 tokens
+"""/v1/analyze as many engine jobs: one for each block of a run's forward pass, and one for each part of a
+layer's measures (its norms, effective rank, collapse and cosine, and its logit lens 256 positions a part) as
+soon as the pass hands its stream over, with decode steps between them. One job once held every stream for a whole run (24 s at 1,000 tokens
 on gpt2-small's shape on a CPU), and later one job held them for the whole pass (on gpt2-xl, tens of seconds).
 The answers are `analyze`'s, to the bit; an error is its error, and no job follows it; a client that leaves
 stops the jobs. In process, on an 8-layer random checkpoint with the real tokenizer."""
@@ -22,7 +22,7 @@ from contract import GEN
 from fastapi.testclient import TestClient
 from inprocess import RawRequest, assert_still_serving, engine_held, post_ok, serve, wait_until
 
-from model.analysis import LayerStats, analyze
+from model.analysis import LayerMeasure, LayerStats, analyze
 from model.interventions import Edit, EditSpec, NonFiniteActivations
 from model.loading import LoadedModel, load
 from server.engine import Engine
@@ -88,6 +88,18 @@ def test_the_jobs_give_analyze_s_numbers_to_the_bit(
     for side, spec in (("layers", EditSpec(edits) if edited else None), ("ablated", EditSpec(edits, EVERY, EVERY))):
         want = analyze(deep.model, IDS, 4, spec.hooks(deep.model.config, len(IDS)) if spec else None)
         assert body[side] == json.loads(json.dumps(as_json(want, text))), side  # JSON's floats round-trip
+
+
+def test_a_long_layer_is_measured_in_a_job_a_part(
+    client: TestClient, deep: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A layer's logit lens goes `LayerMeasure.positions` positions a job (256; 3 here, over 8 tokens: 3 jobs a
+    layer, the first with the stream's own measures), and the answer is `analyze`'s to the bit."""
+    monkeypatch.setattr(LayerMeasure, "positions", 3)
+    jobs = count_jobs(engine_of(client), monkeypatch)
+    body = post_ok(client, ANALYZE, {"input_ids": IDS, "top_k": 2, "compare_ablated": False})
+    assert len(jobs) == L + 3 * (L + 1)
+    assert body["layers"] == json.loads(json.dumps(as_json(analyze(deep.model, IDS, 2), deep.tokenizer.token_text)))
 
 
 # --- decode steps between the jobs --------------------------------------------------------------------
