@@ -44,8 +44,8 @@ class Settings:
     max_dump_bytes_in_flight: int | None = field(
         default=None,
         metadata={
-            "help": "bytes of activation dumps, SAE feature readings and gradients being captured, encoded and sent "
-            "at once, server-wide; one beyond them waits its turn (default: 4x --max-activation-bytes)"
+            "help": "bytes of activation dumps, SAE feature readings, gradients and analyses being captured, "
+            "encoded and sent at once, server-wide; one beyond them waits its turn (default: 4x --max-activation-bytes)"
         },
     )
     max_body_bytes: int = field(default=4 * 2**20, metadata={"help": "largest request body (bytes)"})

@@ -1,9 +1,9 @@
 """/v1/analyze as many engine jobs: one for each block of a run's forward pass, and one for each part of a
 layer's measures (its norms, effective rank, collapse and cosine, and its logit lens 256 positions a part) as
-soon as the pass hands its stream over, with decode steps between them. One job once held every stream for a whole run (24 s at 1,000 tokens
-on gpt2-small's shape on a CPU), and later one job held them for the whole pass (on gpt2-xl, tens of seconds).
-The answers are `analyze`'s, to the bit; an error is its error, and no job follows it; a client that leaves
-stops the jobs. In process, on an 8-layer random checkpoint with the real tokenizer."""
+soon as the pass hands its stream over, with decode steps between them. One job once held every stream for a
+whole run (24 s at 1,000 tokens on gpt2-small's shape on a CPU), and later one job held them for the whole
+pass (4 s there). The answers are `analyze`'s, to the bit; an error is its error, and no job follows it; a
+client that leaves stops the jobs. In process, on an 8-layer random checkpoint with the real tokenizer."""
 
 from __future__ import annotations
 

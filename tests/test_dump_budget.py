@@ -3,7 +3,7 @@ its dump's estimated size before any model work and holds it until its answer is
 waits its turn (at most `--max-queue` wait, then 429), a dump larger than the whole budget is a 413 at once,
 and the bytes come back however a request ends (answered, failed, its client gone, the engine stopped),
 after which the server serves as before. The heap is trimmed once no dump is in flight. SAE feature
-readings, gradients at hook points and an analysis's residual streams hold bytes of the same budget."""
+readings, gradients at hook points and analyses hold bytes of the same budget."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from sae_files import write_sae
 from model.hooks import select_hooks
 from model.loading import LoadedModel
 from server import encoding
-from server.routes import deps
+from server.routes import deps, lab
 
 IDS = [464, 3797, 3332, 319, 262, 2603, 13, 198, 464, 3797]
 HOOKS = ["blocks.*.hook_resid_post"]
@@ -192,30 +192,42 @@ def test_the_heap_is_trimmed_once_no_dump_is_in_flight(loaded: LoadedModel, monk
         wait_until(lambda: len(trims) == 1)
 
 
-def test_an_analysis_holds_its_streams_against_the_budget(loaded: LoadedModel) -> None:
-    """/v1/analyze holds residual streams between its jobs (the one entering the next block, and at most two
-    handed over to be measured: [3, T, d_model]), and the engine runs jobs first come first served: concurrent
-    analyses would all hold theirs at once. They reserve them like a dump: a second waits its turn, and one
-    over the whole budget is a 413."""
-    config = loaded.model.config
-    size = 3 * len(IDS) * config.n_embd * 4  # float32
+def test_an_analysis_holds_what_it_keeps_against_the_budget(loaded: LoadedModel) -> None:
+    """/v1/analyze holds residual streams between its jobs and builds an answer up to --max-activation-bytes,
+    and the engine runs jobs first come first served: concurrent analyses would all hold theirs at once. They
+    reserve them like a dump (`held_bytes`: the streams, and the answer's size, about, at most the limit): a
+    second waits its turn, and one over the whole budget is a 413 naming top_k (at top_k 1, the prompt)."""
+    config, limit = loaded.model.config, 256 * 2**20
+    size = lab.held_bytes(config, len(IDS), 1, 2, torch.float32, limit)
+    streams = 3 * len(IDS) * config.n_embd * 4  # float32
+    per_layer = lab.ANSWER_PER_LAYER + config.n_head * lab.ANSWER_PER_HEAD
+    per_layer += len(IDS) * (lab.ANSWER_PER_POSITION + lab.ANSWER_PER_LENS_ENTRY)
+    assert size == streams + len(IDS) * lab.ANSWER_PER_TOKEN + 2 * (config.n_layer + 1) * per_layer
+    bf16 = lab.held_bytes(config, len(IDS), 1, 2, torch.bfloat16, limit)
+    assert bf16 == size - streams // 2 + len(IDS) * config.n_embd * 4  # and a float32 copy of one stream
+    assert lab.held_bytes(config, len(IDS), 1, 2, torch.float32, 1000) == streams + 1000  # the answer's limit
     body = {"input_ids": IDS, "top_k": 1}
     with serve(loaded, max_dump_bytes_in_flight=size) as c, ThreadPoolExecutor(2) as pool:
         with engine_held(c) as engine:
             first = pool.submit(c.post, "/v1/analyze", json=body)
-            wait_until(lambda: len(engine._jobs) == 1)  # its bytes reserved, its pass in the engine's queue
+            wait_until(lambda: len(engine._jobs) == 1)  # its bytes reserved, its first block in the engine's queue
             second = pool.submit(c.post, "/v1/analyze", json=body)
             wait_until(lambda: gauge(c, WAITING) == 1)
             assert len(engine._jobs) == 1 and gauge(c, IN_FLIGHT) == size
         answers = [r.result(30) for r in (first, second)]
         assert [r.status_code for r in answers] == [200, 200] and answers[0].json() == answers[1].json()
+        assert len(answers[0].content) < size - streams  # the estimate is not below the answer
         wait_until(lambda: gauge(c, IN_FLIGHT) == 0)
     with serve(loaded, max_dump_bytes_in_flight=size - 1) as c:
         error = assert_error(c.post("/v1/analyze", json=body), 413, "input_ids")
         assert error["message"] == (
-            f"the analysis's residual streams would take up to {size} bytes, more than the server holds for all "
-            f"dumps at once ({size - 1}, its --max-dump-bytes-in-flight): ask for a shorter prompt"
+            f"the analysis would take up to {size} bytes, more than the server holds for all dumps at once "
+            f"({size - 1}, its --max-dump-bytes-in-flight): ask for a shorter prompt"
         )
+        wider = lab.held_bytes(config, len(IDS), 3, 1, torch.float32, limit)
+        error = assert_error(c.post("/v1/analyze", json=body | {"top_k": 3, "compare_ablated": False}), 413, "top_k")
+        assert f"would take up to {wider} bytes" in error["message"] and "a smaller top_k" in error["message"]
+        assert c.post("/v1/analyze", json=body | {"compare_ablated": False}).status_code == 200  # one run fits
         assert_still_serving(c)
 
 
@@ -257,10 +269,11 @@ def sae_dir(tmp_path_factory: pytest.TempPathFactory, loaded: LoadedModel) -> Pa
 
 
 def test_sae_features_hold_their_answer_against_the_budget(loaded: LoadedModel, sae_dir: Path) -> None:
-    """/v1/features reserves its reading's size as sent (its 413's estimate) before the model runs, a second
-    reading waits its turn, and one over the whole budget is a 413 naming the field that chose the features."""
+    """/v1/features reserves its reading's size as sent (its 413's estimate) and its hook's capture (float32
+    [T, d_in]) before the model runs, a second reading waits its turn, and one over the whole budget is a 413
+    naming the field that chose the features."""
     body = {"input_ids": IDS, "sae": "s", "top_k": 5}
-    size = encoding.features_bytes_on_wire(len(IDS), 5, "json")
+    size = encoding.features_bytes_on_wire(len(IDS), 5, "json") + len(IDS) * loaded.model.config.n_embd * 4
     with serve(loaded, sae=(f"s={sae_dir}",), max_dump_bytes_in_flight=size) as c, ThreadPoolExecutor(2) as pool:
         with engine_held(c) as engine:
             first = pool.submit(c.post, "/v1/features", json=body)
@@ -286,7 +299,8 @@ def test_a_generation_holds_its_dump_and_its_features_together(loaded: LoadedMod
     each fit and their sum not, and wait forever): the sum is held while it runs, and a sum over the whole
     budget is a 413 naming `activations`, though each part alone would fit; features alone name their field."""
     n_tokens = len(IDS) + 3
-    dump, features = dump_size(loaded, n_tokens, "json"), encoding.features_bytes_on_wire(n_tokens, 4, "json")
+    dump = dump_size(loaded, n_tokens, "json")
+    features = encoding.features_bytes_on_wire(n_tokens, 4, "json") + n_tokens * loaded.model.config.n_embd * 4
     base = {"input_ids": IDS, "max_new_tokens": 3, "features": {"sae": "s", "top_k": 4}}
     both = base | {"activations": {"hooks": HOOKS}}
     with serve(loaded, sae=(f"s={sae_dir}",), max_dump_bytes_in_flight=dump + features) as c:

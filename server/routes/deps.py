@@ -65,8 +65,8 @@ GRADIENTS = Held("the gradients", "hooks", "fewer hooks or fewer tokens")
 
 class DumpBudget:
     """The bytes of activation dumps in flight at once, server-wide, at most `limit`: the answers that hold
-    activations (dumps, SAE feature readings, gradients at hook points) and the residual streams an analysis
-    keeps between its jobs (`Held` says which a request holds).
+    activations (dumps, SAE feature readings with their hook's capture, gradients at hook points) and what an
+    analysis holds between its jobs (`Held` says which a request holds).
 
     A dump takes several times its size at its peak, captured, converted and encoded (about 5x), and its answer
     is held until sent; `--max-activation-bytes` bounds each, this bounds them all together. A request reserves

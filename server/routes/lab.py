@@ -7,10 +7,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import FileResponse
 
 from model.analysis import LayerMeasure, LayerStats, ResidualPass
+from model.config import GPTConfig
 from model.generate import GenerationError, validate_prompt
 from model.gpt import GPT
 from model.interventions import EditSpec, NonFiniteActivations
@@ -85,15 +87,16 @@ async def analyze_prompt(
             raise GenerationError("gradients need a prompt of at least 2 tokens (the loss predicts one)", "gradients")
         check_graph(engine, settings, len(ids), "gradients")
     Run = tuple[list[LayerStats], list[LayerGradient] | None]
-    # the streams a run holds between its jobs (the one entering the next block, and at most two handed over
-    # to be measured) count against the dump budget: concurrent analyses would otherwise all hold theirs at
-    # once, the engine's jobs running first come first served
-    streams_bytes = 3 * len(ids) * config.n_embd * engine.model.wte.weight.element_size()
-    await hold.reserve(streams_bytes, request, Held("the analysis's residual streams", field, "a shorter prompt"))
+    # what the analysis holds between its jobs counts against the dump budget: concurrent analyses would
+    # otherwise all hold theirs at once, the engine's jobs running first come first served
+    runs, dtype = 2 if req.compare_ablated else 1, engine.model.wte.weight.dtype
+    size = held_bytes(config, len(ids), req.top_k, runs, dtype, settings.max_activation_bytes)
+    smaller = "a smaller top_k or a shorter prompt" if req.top_k > 1 else "a shorter prompt"
+    await hold.reserve(size, request, Held("the analysis", "top_k" if req.top_k > 1 else field, smaller))
 
     async def job(fn: Callable[[GPT], R]) -> R:
         """`fn` as an engine job of its own: decode steps go on before the next. A client gone ends the request:
-        its waiting job leaves the queue (a running pass stops at its next block) and no job of it follows."""
+        its waiting job leaves the queue (a running one finishes) and no job of it follows."""
         return await unless_disconnected(request, engine.call(fn))
 
     async def analysis(spec: EditSpec | None) -> list[LayerStats]:
@@ -166,6 +169,26 @@ async def analyze_prompt(
 
     body = await run_in_threadpool(answer)  # every token's text and the encoding off the event loop
     return Response(body, media_type="application/json")
+
+
+# An analysis's answer in JSON, about: per layer and position of a run, the stream's norm (about 20 bytes) and
+# each logit lens entry (its id, token text and probability: about 50-65 bytes with GPT-2's tokens, 31 at the
+# least, `encoding.LENS_ENTRY_MIN_JSON_BYTES`); per layer, its keys and numbers and each head's attention
+# entropy; per token of the prompt, its id and text.
+ANSWER_PER_POSITION, ANSWER_PER_LENS_ENTRY, ANSWER_PER_LAYER, ANSWER_PER_HEAD, ANSWER_PER_TOKEN = 24, 64, 256, 24, 32
+
+
+def held_bytes(config: GPTConfig, n_tokens: int, top_k: int, runs: int, dtype: torch.dtype, limit: int) -> int:
+    """What an analysis of `n_tokens` reserves from the dump budget: three residual streams [T, d_model] in the
+    model's dtype (the one entering the next block, and at most two handed over to be measured), a float32
+    copy of the one being measured where that dtype is narrower, and its answer's size in JSON, about, for its
+    `runs` (at most `limit`, `--max-activation-bytes`, past which the answer is refused as it is written). As
+    for a dump, that is the answer's size, not the few times it that building it takes at its peak."""
+    size = dtype.itemsize
+    streams = n_tokens * config.n_embd * (3 * size + (4 if size < 4 else 0))
+    per_layer = ANSWER_PER_LAYER + config.n_head * ANSWER_PER_HEAD
+    per_layer += n_tokens * (ANSWER_PER_POSITION + top_k * ANSWER_PER_LENS_ENTRY)
+    return streams + min(limit, n_tokens * ANSWER_PER_TOKEN + runs * (config.n_layer + 1) * per_layer)
 
 
 def layer_json(s: LayerStats, text: Callable[[int], str]) -> dict[str, Any]:

@@ -114,6 +114,12 @@ class FeatureReader:
             )
         return size
 
+    def capture_bytes(self, n_tokens: int) -> int:
+        """The bytes of the SAE's hook captured over `n_tokens` positions (float32 [T, d_in]), held until the
+        answer is built: most of what a reading holds (13 to 110 times its answer, for a few features a
+        token)."""
+        return n_tokens * self.sae.cfg.d_in * 4
+
     def held(self, where: str = "") -> Held:
         """What a request holds dump budget bytes for while its reading is served, as its 413 names it."""
         return Held("the SAE features", where + self._k_and_field()[1], "fewer features or fewer tokens")
@@ -156,7 +162,8 @@ async def features(
     sae = reader.sae
     prompts = await token_ids(engine, req.prompt, req.input_ids)
     params = req.sampling_params(settings.max_new_tokens)
-    size = reader.check_size(len(prompts[0]) + params.max_new_tokens, req.format, settings.max_activation_bytes)
+    n_tokens = len(prompts[0]) + params.max_new_tokens
+    size = reader.check_size(n_tokens, req.format, settings.max_activation_bytes) + reader.capture_bytes(n_tokens)
     edits = await resolved_edits(req, engine, directions)
     await hold.reserve(size, request, reader.held())  # held until the answer is sent
     (completion,) = await results(engine.submit(prompts, [params], [sae.cfg.hook_name], edits), request)
