@@ -208,3 +208,34 @@ def test_a_client_that_leaves_stops_the_jobs(client: TestClient, monkeypatch: py
     assert_still_serving(client)  # engine steps: a job queued would have run before them
     assert len(jobs) == 3 and not engine._jobs
     post_ok(client, ANALYZE, {"input_ids": IDS[:3], "compare_ablated": False})  # still analyses
+
+
+# --- analyses side by side -----------------------------------------------------------------------------
+
+SIDE_BY_SIDE = [
+    {"input_ids": IDS, "top_k": 3},
+    {
+        "input_ids": IDS[:5],
+        "top_k": 2,
+        "interventions": [{"hook": "blocks.1.hook_attn_out", "op": "scale", "factor": 5.0}],
+    },
+    {"input_ids": IDS, "top_k": 1, "compare_ablated": False, "gradients": True},
+    {"input_ids": IDS[:6], "top_k": 4, "residual": {"attn": [0, 3], "mlp": "all"}},
+]
+
+
+def test_analyses_whose_jobs_interleave_answer_as_each_alone(client: TestClient) -> None:
+    """Four analyses with different prompts, edits, ablations and gradients queue up together, so that their
+    jobs (blocks, parts of layers, gradients) take turns on the engine: each answer is the one it gets alone,
+    and nothing is left in the dump budget."""
+    alone = [post_ok(client, ANALYZE, body) for body in SIDE_BY_SIDE]
+    engine = engine_of(client)
+    with ThreadPoolExecutor(len(SIDE_BY_SIDE)) as pool:
+        with engine_held(client):
+            answers = [pool.submit(client.post, ANALYZE, json=body) for body in SIDE_BY_SIDE]
+            wait_until(lambda: len(engine._jobs) == len(SIDE_BY_SIDE))  # each one's first block queued
+        got = [a.result(60) for a in answers]
+    assert [r.status_code for r in got] == [200] * len(SIDE_BY_SIDE), [r.text for r in got]
+    assert [r.json() for r in got] == alone
+    metrics = client.app.state.metrics.registry  # type: ignore[attr-defined]
+    wait_until(lambda: metrics.get_sample_value("gpt2_dump_bytes_in_flight") == 0)
