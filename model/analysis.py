@@ -87,8 +87,8 @@ def analyze(model: GPT, ids: list[int], top_k: int = 5, edits: Hooks | None = No
     for a LayerNorm's variance (`variance_overflows`). The work is the pass a block at a time
     (`ResidualPass.step`), each stream it hands over measured before the next block runs (`measure`, in
     parts: `LayerMeasure.step`): the server runs each step and each part as an engine job of its own, so
-    that decode steps go on between them. The memory taken beyond a block's own is two streams [T, C] and one layer's attention pattern,
-    then one layer's logit lens."""
+    that decode steps go on between them. The memory taken beyond a block's own is at most three streams
+    [T, C], one layer's attention pattern and the logits of 256 positions."""
     run = ResidualPass(model.config, ids, edits)
     stats = []
     while not run.done:
