@@ -192,6 +192,32 @@ def test_the_heap_is_trimmed_once_no_dump_is_in_flight(loaded: LoadedModel, monk
         wait_until(lambda: len(trims) == 1)
 
 
+def two_in_turn(client: TestClient, path: str, body: dict[str, Any], queue: str, size: int) -> list[Any]:
+    """With room for one: the first request reserves `size` and reaches the engine's queue (`queue`: `_waiting`
+    for sequences, `_jobs` for jobs), the second waits for room meanwhile; both are answered with a 200 and
+    the budget is empty afterwards. The answers."""
+    with ThreadPoolExecutor(2) as pool:
+        with engine_held(client) as engine:
+            first = pool.submit(client.post, path, json=body)
+            wait_until(lambda: len(getattr(engine, queue)) == 1)  # its bytes reserved, its work queued
+            assert gauge(client, IN_FLIGHT) == size
+            second = pool.submit(client.post, path, json=body)
+            wait_until(lambda: gauge(client, WAITING) == 1)
+            assert len(getattr(engine, queue)) == 1  # the second is not in the engine's queue
+        answers = [r.result(30) for r in (first, second)]
+    assert [r.status_code for r in answers] == [200, 200], [r.text for r in answers]
+    wait_until(lambda: gauge(client, IN_FLIGHT) == 0)
+    return answers
+
+
+def over_the_budget(what: str, size: int, limit: int, smaller: str) -> str:
+    """The 413 of a request that would hold `size` bytes, over the whole budget `limit`."""
+    return (
+        f"{what} would take up to {size} bytes, more than the server holds for all dumps at once ({limit}, its "
+        f"--max-dump-bytes-in-flight): ask for {smaller}"
+    )
+
+
 def test_an_analysis_holds_what_it_keeps_against_the_budget(loaded: LoadedModel) -> None:
     """/v1/analyze holds residual streams between its jobs and builds an answer up to --max-activation-bytes,
     and the engine runs jobs first come first served: concurrent analyses would all hold theirs at once. They
@@ -207,23 +233,13 @@ def test_an_analysis_holds_what_it_keeps_against_the_budget(loaded: LoadedModel)
     assert bf16 == size - streams // 2 + len(IDS) * config.n_embd * 4  # and a float32 copy of one stream
     assert lab.held_bytes(config, len(IDS), 1, 2, torch.float32, 1000) == streams + 1000  # the answer's limit
     body = {"input_ids": IDS, "top_k": 1}
-    with serve(loaded, max_dump_bytes_in_flight=size) as c, ThreadPoolExecutor(2) as pool:
-        with engine_held(c) as engine:
-            first = pool.submit(c.post, "/v1/analyze", json=body)
-            wait_until(lambda: len(engine._jobs) == 1)  # its bytes reserved, its first block in the engine's queue
-            second = pool.submit(c.post, "/v1/analyze", json=body)
-            wait_until(lambda: gauge(c, WAITING) == 1)
-            assert len(engine._jobs) == 1 and gauge(c, IN_FLIGHT) == size
-        answers = [r.result(30) for r in (first, second)]
-        assert [r.status_code for r in answers] == [200, 200] and answers[0].json() == answers[1].json()
+    with serve(loaded, max_dump_bytes_in_flight=size) as c:
+        answers = two_in_turn(c, "/v1/analyze", body, "_jobs", size)  # queued: its first block
+        assert answers[0].json() == answers[1].json()
         assert len(answers[0].content) < size - streams  # the estimate is not below the answer
-        wait_until(lambda: gauge(c, IN_FLIGHT) == 0)
     with serve(loaded, max_dump_bytes_in_flight=size - 1) as c:
         error = assert_error(c.post("/v1/analyze", json=body), 413, "input_ids")
-        assert error["message"] == (
-            f"the analysis would take up to {size} bytes, more than the server holds for all dumps at once "
-            f"({size - 1}, its --max-dump-bytes-in-flight): ask for a shorter prompt"
-        )
+        assert error["message"] == over_the_budget("the analysis", size, size - 1, "a shorter prompt")
         wider = lab.held_bytes(config, len(IDS), 3, 1, torch.float32, limit)
         error = assert_error(c.post("/v1/analyze", json=body | {"top_k": 3, "compare_ablated": False}), 413, "top_k")
         assert f"would take up to {wider} bytes" in error["message"] and "a smaller top_k" in error["message"]
@@ -239,25 +255,13 @@ def test_gradients_hold_their_answer_against_the_budget(loaded: LoadedModel) -> 
     estimate as its 413's) before its job reaches the engine, a second waits its turn, and one over the whole
     budget is a 413 naming `hooks`."""
     size = dump_size(loaded)  # the same tensors' shapes and format as DUMP's
-    with serve(loaded, max_dump_bytes_in_flight=size) as c, ThreadPoolExecutor(2) as pool:
-        with engine_held(c) as engine:
-            first = pool.submit(c.post, "/v1/gradients", json=GRADIENTS)
-            wait_until(lambda: len(engine._jobs) == 1)  # its bytes reserved, its job in the engine's queue
-            assert gauge(c, IN_FLIGHT) == size
-            second = pool.submit(c.post, "/v1/gradients", json=GRADIENTS)
-            wait_until(lambda: gauge(c, WAITING) == 1)
-            assert len(engine._jobs) == 1
-        answers = [r.result(30) for r in (first, second)]
-        assert [r.status_code for r in answers] == [200, 200]
+    with serve(loaded, max_dump_bytes_in_flight=size) as c:
+        answers = two_in_turn(c, "/v1/gradients", GRADIENTS, "_jobs", size)
         got = [safetensors.torch.load(r.content) for r in answers]
         assert got[0].keys() == got[1].keys() and all(torch.equal(got[0][k], got[1][k]) for k in got[0])
-        wait_until(lambda: gauge(c, IN_FLIGHT) == 0)
     with serve(loaded, max_dump_bytes_in_flight=size - 1) as c:
         error = assert_error(c.post("/v1/gradients", json=GRADIENTS), 413, "hooks")
-        assert error["message"] == (
-            f"the gradients would take up to {size} bytes, more than the server holds for all dumps at once "
-            f"({size - 1}, its --max-dump-bytes-in-flight): ask for fewer hooks or fewer tokens"
-        )
+        assert error["message"] == over_the_budget("the gradients", size, size - 1, "fewer hooks or fewer tokens")
         assert gauge(c, IN_FLIGHT) == 0
         assert_still_serving(c)
 
@@ -274,23 +278,12 @@ def test_sae_features_hold_their_answer_against_the_budget(loaded: LoadedModel, 
     naming the field that chose the features."""
     body = {"input_ids": IDS, "sae": "s", "top_k": 5}
     size = encoding.features_bytes_on_wire(len(IDS), 5, "json") + len(IDS) * loaded.model.config.n_embd * 4
-    with serve(loaded, sae=(f"s={sae_dir}",), max_dump_bytes_in_flight=size) as c, ThreadPoolExecutor(2) as pool:
-        with engine_held(c) as engine:
-            first = pool.submit(c.post, "/v1/features", json=body)
-            wait_until(lambda: len(engine._waiting) == 1)  # its bytes reserved, its prompt in the engine's queue
-            assert gauge(c, IN_FLIGHT) == size
-            second = pool.submit(c.post, "/v1/features", json=body)
-            wait_until(lambda: gauge(c, WAITING) == 1)
-            assert len(engine._waiting) == 1
-        answers = [r.result(30) for r in (first, second)]
-        assert [r.status_code for r in answers] == [200, 200] and answers[0].json() == answers[1].json()
-        wait_until(lambda: gauge(c, IN_FLIGHT) == 0)
+    with serve(loaded, sae=(f"s={sae_dir}",), max_dump_bytes_in_flight=size) as c:
+        answers = two_in_turn(c, "/v1/features", body, "_waiting", size)
+        assert answers[0].json() == answers[1].json()
     with serve(loaded, sae=(f"s={sae_dir}",), max_dump_bytes_in_flight=size - 1) as c:
         error = assert_error(c.post("/v1/features", json=body), 413, "top_k")
-        assert error["message"] == (
-            f"the SAE features would take up to {size} bytes, more than the server holds for all dumps at once "
-            f"({size - 1}, its --max-dump-bytes-in-flight): ask for fewer features or fewer tokens"
-        )
+        assert error["message"] == over_the_budget("the SAE features", size, size - 1, "fewer features or fewer tokens")
         assert_still_serving(c)
 
 
@@ -312,11 +305,8 @@ def test_a_generation_holds_its_dump_and_its_features_together(loaded: LoadedMod
     limit = max(dump, features)
     with serve(loaded, sae=(f"s={sae_dir}",), max_dump_bytes_in_flight=limit) as c:
         error = assert_error(c.post(GEN, json=both), 413, "activations")
-        assert error["message"] == (
-            f"the activation dump and the SAE features would take up to {dump + features} bytes, more than the "
-            f"server holds for all dumps at once ({limit}, its --max-dump-bytes-in-flight): ask for fewer hooks, "
-            "features or tokens"
-        )
+        what, smaller = "the activation dump and the SAE features", "fewer hooks, features or tokens"
+        assert error["message"] == over_the_budget(what, dump + features, limit, smaller)
         assert c.post(GEN, json=base).status_code == 200  # features alone fit
         assert gauge(c, IN_FLIGHT) == 0
     with serve(loaded, sae=(f"s={sae_dir}",), max_dump_bytes_in_flight=features - 1) as c:
