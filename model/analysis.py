@@ -191,30 +191,30 @@ def measure(model: GPT, stream: Stream, top_k: int, edited: bool) -> LayerStats:
 
 class LayerMeasure:
     """`measure` in parts, each a `step`: the stream's own measures (norms, effective rank, collapse, mean
-    cosine) with the logit lens of its first `positions` positions, then the lens of each next `positions`
+    cosine) with the logit lens of its first `lens_positions` positions, then the lens of each next ones
     (the lens is most of the work: 1,000 positions of gpt2-small's stream took 1.0 s on a 2-core CPU, its
     other measures 0.2 s). The server runs each part as an engine job of its own."""
 
-    positions = 256  # of the logit lens, a part
+    lens_positions = 256  # a part
 
     def __init__(self, stream: Stream, top_k: int, edited: bool) -> None:
         self.stream, self.top_k, self.edited = stream, top_k, edited
-        self._x = stream.x.float()  # [T, C]
+        self._x: torch.Tensor | None = None  # [T, C] in float32, from the first step on
         self._own: tuple[list[float], float, float, float] | None = None
         self._lens: list[list[tuple[int, float]]] = []
 
     @property
     def done(self) -> bool:
-        return self._own is not None and len(self._lens) == self._x.shape[0]
+        return self._own is not None and len(self._lens) == self.stream.x.shape[0]
 
     @torch.inference_mode()
     def step(self, model: GPT) -> None:
         assert not self.done, "the layer is measured"
-        x = self._x
-        if self._own is None:
+        if self._x is None:
+            self._x = x = self.stream.x.float()
             self._own = (residual_norms(x).tolist(), effective_rank(x), collapse(x), mean_cosine(x))
         start = len(self._lens)
-        self._lens += logit_lens(model, x[start : start + self.positions], self.top_k)
+        self._lens += logit_lens(model, self._x[start : start + self.lens_positions], self.top_k)
 
     def result(self) -> LayerStats:
         """The layer's measures; raises `NonFiniteActivations` when they are not all finite."""

@@ -65,6 +65,20 @@ def analysis_min_bytes(config: GPTConfig, n_tokens: int, top_k: int, runs: int) 
     return runs * (config.n_layer + 1) * n_tokens * top_k * LENS_ENTRY_MIN_JSON_BYTES
 
 
+# About what an entry takes with GPT-2's tokens (its id, token text and probability: 50-65 bytes), and the
+# rest of the answer: per layer and position of a run, the stream's norm (about 20 bytes); per layer, its keys
+# and numbers and each head's attention entropy; per token of the prompt, its id and text.
+LENS_ENTRY_JSON_BYTES, POSITION_JSON_BYTES, LAYER_JSON_BYTES, HEAD_JSON_BYTES, TOKEN_JSON_BYTES = 64, 24, 256, 24, 32
+
+
+def analysis_bytes(config: GPTConfig, n_tokens: int, top_k: int, runs: int) -> int:
+    """Bytes /v1/analyze's answer takes in JSON, about, known before running (1.07-1.2x the answers measured
+    on gpt2-small's shape at top_k 1-50): an estimate, not a bound, as `analysis_min_bytes` is a lower one."""
+    per_layer = LAYER_JSON_BYTES + config.n_head * HEAD_JSON_BYTES
+    per_layer += n_tokens * (POSITION_JSON_BYTES + top_k * LENS_ENTRY_JSON_BYTES)
+    return n_tokens * TOKEN_JSON_BYTES + runs * (config.n_layer + 1) * per_layer
+
+
 def activation_values(config: GPTConfig, names: list[str], n_tokens: int) -> int:
     """How many numbers a dump of `names` over `n_tokens` positions holds."""
     per_name = 0

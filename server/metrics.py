@@ -16,12 +16,13 @@ class Metrics:
         self.queue_depth = Gauge("gpt2_queue_depth", "Sequences waiting for a batch slot", registry=r)
         self.dump_bytes_in_flight = Gauge(
             "gpt2_dump_bytes_in_flight",
-            "Bytes of activation dumps being captured, encoded or sent (as estimated; --max-dump-bytes-in-flight)",
+            "Bytes of activation dumps, SAE readings, gradients and analyses being captured, built or sent "
+            "(as estimated; --max-dump-bytes-in-flight)",
             registry=r,
         )
         self.dumps_waiting = Gauge(
             "gpt2_dumps_waiting",
-            "Requests whose activation dump waits for room under --max-dump-bytes-in-flight",
+            "Requests (dumps, SAE readings, gradients, analyses) waiting for room under --max-dump-bytes-in-flight",
             registry=r,
         )
         self.batch_size = Histogram(

@@ -297,13 +297,13 @@ def test_analyze_holds_at_most_two_streams_handed_over(tiny_model: GPT, monkeypa
 
 
 def test_a_layer_is_measured_in_parts_of_its_positions(tiny_model: GPT, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`LayerMeasure`: the stream's own measures and the lens of the first `positions` positions, then the
-    lens of each next `positions`, one `step` each; the same numbers as in one part."""
+    """`LayerMeasure`: the stream's own measures and the lens of the first `lens_positions` positions, then
+    the lens of each next ones, one `step` each; the same numbers as in one part."""
     (stream,) = [s for s in ResidualPass(tiny_model.config, LONG).step(tiny_model) if s.layer == 0]
     whole = LayerMeasure(stream, 3, False)
     whole.step(tiny_model)
     assert whole.done
-    monkeypatch.setattr(LayerMeasure, "positions", 30)
+    monkeypatch.setattr(LayerMeasure, "lens_positions", 30)
     parts, steps = LayerMeasure(stream, 3, False), 0
     while not parts.done:
         parts.step(tiny_model)

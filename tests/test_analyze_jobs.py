@@ -71,7 +71,7 @@ def as_json(stats: list[LayerStats], text: Any) -> list[dict[str, Any]]:
     return [layer_json(s, text) for s in stats]
 
 
-# --- the same numbers, from one job a layer -----------------------------------------------------------
+# --- the same numbers, from a job a block and a job a part of a layer ------------------------------------
 
 
 @pytest.mark.parametrize("edited", [False, True], ids=["plain", "edited"])
@@ -93,9 +93,9 @@ def test_the_jobs_give_analyze_s_numbers_to_the_bit(
 def test_a_long_layer_is_measured_in_a_job_a_part(
     client: TestClient, deep: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A layer's logit lens goes `LayerMeasure.positions` positions a job (256; 3 here, over 8 tokens: 3 jobs a
+    """A layer's logit lens goes `LayerMeasure.lens_positions` positions a job (256; 3 here, over 8 tokens: 3 jobs a
     layer, the first with the stream's own measures), and the answer is `analyze`'s to the bit."""
-    monkeypatch.setattr(LayerMeasure, "positions", 3)
+    monkeypatch.setattr(LayerMeasure, "lens_positions", 3)
     jobs = count_jobs(engine_of(client), monkeypatch)
     body = post_ok(client, ANALYZE, {"input_ids": IDS, "top_k": 2, "compare_ablated": False})
     assert len(jobs) == L + 3 * (L + 1)
@@ -127,7 +127,7 @@ def test_a_stream_decodes_between_an_analysis_s_jobs(client: TestClient, monkeyp
             log.append("step")
         step()
 
-    generation = {"input_ids": IDS, "max_new_tokens": 2 * (L + 2) + 5, "temperature": 0, "ignore_eos": True}
+    generation = {"input_ids": IDS, "max_new_tokens": 2 * L + 1 + 5, "temperature": 0, "ignore_eos": True}  # > jobs
     with ThreadPoolExecutor(2) as pool:
         with engine_held(client):
             monkeypatch.setattr(engine, "_run_job", logged_job)

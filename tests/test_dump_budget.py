@@ -226,9 +226,9 @@ def test_an_analysis_holds_what_it_keeps_against_the_budget(loaded: LoadedModel)
     config, limit = loaded.model.config, 256 * 2**20
     size = lab.held_bytes(config, len(IDS), 1, 2, torch.float32, limit)
     streams = 3 * len(IDS) * config.n_embd * 4  # float32
-    per_layer = lab.ANSWER_PER_LAYER + config.n_head * lab.ANSWER_PER_HEAD
-    per_layer += len(IDS) * (lab.ANSWER_PER_POSITION + lab.ANSWER_PER_LENS_ENTRY)
-    assert size == streams + len(IDS) * lab.ANSWER_PER_TOKEN + 2 * (config.n_layer + 1) * per_layer
+    per_layer = encoding.LAYER_JSON_BYTES + config.n_head * encoding.HEAD_JSON_BYTES
+    per_layer += len(IDS) * (encoding.POSITION_JSON_BYTES + encoding.LENS_ENTRY_JSON_BYTES)
+    assert size == streams + len(IDS) * encoding.TOKEN_JSON_BYTES + 2 * (config.n_layer + 1) * per_layer
     bf16 = lab.held_bytes(config, len(IDS), 1, 2, torch.bfloat16, limit)
     assert bf16 == size - streams // 2 + len(IDS) * config.n_embd * 4  # and a float32 copy of one stream
     assert lab.held_bytes(config, len(IDS), 1, 2, torch.float32, 1000) == streams + 1000  # the answer's limit
@@ -236,10 +236,11 @@ def test_an_analysis_holds_what_it_keeps_against_the_budget(loaded: LoadedModel)
     with serve(loaded, max_dump_bytes_in_flight=size) as c:
         answers = two_in_turn(c, "/v1/analyze", body, "_jobs", size)  # queued: its first block
         assert answers[0].json() == answers[1].json()
-        assert len(answers[0].content) < size - streams  # the estimate is not below the answer
+        assert len(answers[0].content) < size - streams  # the estimate is not below this answer (an estimate)
     with serve(loaded, max_dump_bytes_in_flight=size - 1) as c:
         error = assert_error(c.post("/v1/analyze", json=body), 413, "input_ids")
-        assert error["message"] == over_the_budget("the analysis", size, size - 1, "a shorter prompt")
+        smaller = "a shorter prompt, or compare_ablated false"  # which the last request below shows fits
+        assert error["message"] == over_the_budget("the analysis", size, size - 1, smaller)
         wider = lab.held_bytes(config, len(IDS), 3, 1, torch.float32, limit)
         error = assert_error(c.post("/v1/analyze", json=body | {"top_k": 3, "compare_ablated": False}), 413, "top_k")
         assert f"would take up to {wider} bytes" in error["message"] and "a smaller top_k" in error["message"]

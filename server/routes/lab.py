@@ -92,6 +92,7 @@ async def analyze_prompt(
     runs, dtype = 2 if req.compare_ablated else 1, engine.model.wte.weight.dtype
     size = held_bytes(config, len(ids), req.top_k, runs, dtype, settings.max_activation_bytes)
     smaller = "a smaller top_k or a shorter prompt" if req.top_k > 1 else "a shorter prompt"
+    smaller += ", or compare_ablated false" if req.compare_ablated else ""
     await hold.reserve(size, request, Held("the analysis", "top_k" if req.top_k > 1 else field, smaller))
 
     async def job(fn: Callable[[GPT], R]) -> R:
@@ -171,24 +172,16 @@ async def analyze_prompt(
     return Response(body, media_type="application/json")
 
 
-# An analysis's answer in JSON, about: per layer and position of a run, the stream's norm (about 20 bytes) and
-# each logit lens entry (its id, token text and probability: about 50-65 bytes with GPT-2's tokens, 31 at the
-# least, `encoding.LENS_ENTRY_MIN_JSON_BYTES`); per layer, its keys and numbers and each head's attention
-# entropy; per token of the prompt, its id and text.
-ANSWER_PER_POSITION, ANSWER_PER_LENS_ENTRY, ANSWER_PER_LAYER, ANSWER_PER_HEAD, ANSWER_PER_TOKEN = 24, 64, 256, 24, 32
-
-
 def held_bytes(config: GPTConfig, n_tokens: int, top_k: int, runs: int, dtype: torch.dtype, limit: int) -> int:
     """What an analysis of `n_tokens` reserves from the dump budget: three residual streams [T, d_model] in the
     model's dtype (the one entering the next block, and at most two handed over to be measured), a float32
     copy of the one being measured where that dtype is narrower, and its answer's size in JSON, about, for its
-    `runs` (at most `limit`, `--max-activation-bytes`, past which the answer is refused as it is written). As
+    `runs` (`encoding.analysis_bytes`; at most `limit`, `--max-activation-bytes`, past which the answer is
+    refused as it is written). As
     for a dump, that is the answer's size, not the few times as much that building it takes at its peak."""
     size = dtype.itemsize
     streams = n_tokens * config.n_embd * (3 * size + (4 if size < 4 else 0))
-    per_layer = ANSWER_PER_LAYER + config.n_head * ANSWER_PER_HEAD
-    per_layer += n_tokens * (ANSWER_PER_POSITION + top_k * ANSWER_PER_LENS_ENTRY)
-    return streams + min(limit, n_tokens * ANSWER_PER_TOKEN + runs * (config.n_layer + 1) * per_layer)
+    return streams + min(limit, encoding.analysis_bytes(config, n_tokens, top_k, runs))
 
 
 def layer_json(s: LayerStats, text: Callable[[int], str]) -> dict[str, Any]:

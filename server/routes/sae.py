@@ -116,8 +116,8 @@ class FeatureReader:
 
     def capture_bytes(self, n_tokens: int) -> int:
         """The bytes of the SAE's hook captured over `n_tokens` positions (float32 [T, d_in]), held until the
-        answer is built: most of what a reading holds (13 to 110 times its answer, for a few features a
-        token)."""
+        answer is built: most of what a reading holds (at gpt2-small's d_in, 13x its answer in JSON and 110x in
+        safetensors at one feature a token, 6x and 40x at five)."""
         return n_tokens * self.sae.cfg.d_in * 4
 
     def held(self, where: str = "") -> Held:
