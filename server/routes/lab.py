@@ -177,8 +177,8 @@ def held_bytes(config: GPTConfig, n_tokens: int, top_k: int, runs: int, dtype: t
     model's dtype (the one entering the next block, and at most two handed over to be measured), a float32
     copy of the one being measured where that dtype is narrower, and its answer's size in JSON, about, for its
     `runs` (`encoding.analysis_bytes`; at most `limit`, `--max-activation-bytes`, past which the answer is
-    refused as it is written). As
-    for a dump, that is the answer's size, not the few times as much that building it takes at its peak."""
+    refused as it is written). As for a dump, that is the answer's size, not the few times as much that
+    building it takes at its peak."""
     size = dtype.itemsize
     streams = n_tokens * config.n_embd * (3 * size + (4 if size < 4 else 0))
     return streams + min(limit, encoding.analysis_bytes(config, n_tokens, top_k, runs))

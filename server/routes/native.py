@@ -97,7 +97,6 @@ async def generate(
     if reader is not None:  # in JSON, for each choice
         n_tokens = sum(len(p) + params.max_new_tokens for p in prompts)
         feature_bytes = reader.check_size(n_tokens, "json", settings.max_activation_bytes, "features.")
-        feature_bytes += reader.capture_bytes(n_tokens)
         what = DUMP_AND_FEATURES if dump_bytes else reader.held("features.")
     edits = await resolved_edits(req, engine, directions)
     await hold.reserve(dump_bytes + feature_bytes, request, what)  # held until the answer is sent

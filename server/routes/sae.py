@@ -100,8 +100,10 @@ class FeatureReader:
         return (len(self.ids), "features") if self.ids is not None else (self.top_k or 0, "top_k")
 
     def check_size(self, n_tokens: int, wire: Literal["json", "safetensors"], limit: int, where: str = "") -> int:
-        """The bytes the reading of `n_tokens` positions takes as sent, at most; 413 when that could exceed the
-        server's limit on a dump (`--max-activation-bytes`): checked before the model runs."""
+        """413 when the reading of `n_tokens` positions, as sent, could exceed the server's limit on a dump
+        (`--max-activation-bytes`): checked before the model runs. Else the bytes the reading holds until its
+        answer is sent, as it reserves them from the dump budget: that answer's and the hook's capture's
+        (`capture_bytes`)."""
         k, field = self._k_and_field()
         size = encoding.features_bytes_on_wire(n_tokens, k, wire)
         if size > limit:
@@ -112,7 +114,7 @@ class FeatureReader:
                 + (" or format safetensors" if wire == "json" and not where else ""),
                 where + field,
             )
-        return size
+        return size + self.capture_bytes(n_tokens)
 
     def capture_bytes(self, n_tokens: int) -> int:
         """The bytes of the SAE's hook captured over `n_tokens` positions (float32 [T, d_in]), held until the
@@ -163,7 +165,7 @@ async def features(
     prompts = await token_ids(engine, req.prompt, req.input_ids)
     params = req.sampling_params(settings.max_new_tokens)
     n_tokens = len(prompts[0]) + params.max_new_tokens
-    size = reader.check_size(n_tokens, req.format, settings.max_activation_bytes) + reader.capture_bytes(n_tokens)
+    size = reader.check_size(n_tokens, req.format, settings.max_activation_bytes)
     edits = await resolved_edits(req, engine, directions)
     await hold.reserve(size, request, reader.held())  # held until the answer is sent
     (completion,) = await results(engine.submit(prompts, [params], [sae.cfg.hook_name], edits), request)
