@@ -276,7 +276,12 @@ class GPT(nn.Module):
             x = x[:, cache.outputs]
         elif last_only and not (hooks and any(hooks.active(name) for name in HEAD_HOOKS)):  # those need every position
             x = x[:, -1:]
-        x = self.hook_unembed_in(self.ln_f(x, hooks), hooks)
-        logits = self.hook_unembed_out(self.lm_head(x, self.wte.weight), hooks)  # LM head tied to wte: [B, T, vocab]
-        logits = self.hook_logits(logits, hooks)
+        logits = self.unembed(x, hooks)
         return logits[:, -1:] if last_only else logits
+
+    def unembed(self, x: torch.Tensor, hooks: Hooks | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab] of the streams leaving the last block x [B, T, C]: the final LayerNorm, then the
+        LM head, tied to the token embedding."""
+        x = self.hook_unembed_in(self.ln_f(x, hooks), hooks)
+        logits = self.hook_unembed_out(self.lm_head(x, self.wte.weight), hooks)  # [B, T, vocab]
+        return self.hook_logits(logits, hooks)

@@ -25,7 +25,7 @@ from .metrics import Metrics
 from .middleware import CORS, RequestGuard
 from .routes import gradients, lab, native, openai, ops, tokenizer
 from .routes import sae as sae_routes
-from .routes.deps import DumpBudget
+from .routes.deps import DumpBudget, GraphTurn
 from .settings import Settings
 from .threads import ReleaseOpenMP
 
@@ -72,6 +72,7 @@ def create_app(
     app.state.engine = None
     app.state.directions = Directions(max_vectors=settings.max_steering_vectors)
     app.state.dump_budget = DumpBudget(settings.dump_bytes_in_flight, settings.max_queue, metrics)
+    app.state.graph_turn = GraphTurn(settings.max_queue)
     install_error_handlers(app)
     for router in (ops.router, native.router, openai.router, tokenizer.router, lab.router, gradients.router):
         app.include_router(router)

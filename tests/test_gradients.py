@@ -16,16 +16,18 @@ import torch
 from conftest import Checkpoint, load_ours
 
 from model.gpt import GPT
-from model.hooks import UnknownHookError, hook_names, is_optional
+from model.hooks import UnknownHookError, hook_names, is_optional, select_hooks
 from model.interventions import Edit, EditSpec
 from model.lab.gradients import (
+    FrobeniusEstimate,
     GradientHooks,
     LogitDiff,
     LogProb,
     Loss,
     Metric,
     MetricError,
-    frobenius_rms,
+    MetricPass,
+    gradient_pass,
     gradients,
     graph_bytes,
     highway,
@@ -232,7 +234,7 @@ def test_the_gradient_splits_at_each_residual_add(ours64: GPT, ablated: bool) ->
     with torch.inference_mode(False), torch.enable_grad():
         hooks = spec.hooks(ours64.config, T, then=capture) if spec else capture
         metric = metric_value(Loss(), ours64(torch.tensor([PROMPT]), hooks=hooks)[0], PROMPT)
-        g = capture.grads(metric)
+        g = dict(zip(names, torch.autograd.grad(metric, [capture.values[n] for n in names]), strict=True))
     v = {n: x.detach() for n, x in capture.values.items()}
     for i, block in enumerate(ours64.h):
         p = f"blocks.{i}."
@@ -264,17 +266,29 @@ def _dense_jacobian(block: Any, x: torch.Tensor, ablated: bool) -> torch.Tensor:
     return J.reshape(n, n)  # [out, in]
 
 
-def test_frobenius_rms_is_exact_with_a_scaled_basis_and_for_the_identity() -> None:
+def frobenius_rms(post: torch.Tensor, pre: torch.Tensor, probes: torch.Tensor) -> tuple[float, float]:
+    estimate = FrobeniusEstimate()
+    for u in probes:
+        estimate.add(post, pre, u)
+    return estimate.rms(pre.numel())
+
+
+def test_the_frobenius_estimate_is_exact_with_a_scaled_basis_and_for_the_identity() -> None:
     with torch.inference_mode(False), torch.enable_grad():
         x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
         A = torch.randn(15, 15, dtype=torch.float64)
         y = (A @ x.reshape(-1)).reshape(3, 5)
         basis = torch.eye(15, dtype=torch.float64).reshape(15, 3, 5) * math.sqrt(15)
-        assert frobenius_rms(y, x, basis) == pytest.approx(float(A.norm() / math.sqrt(15)), rel=1e-12)
-        want = float((A - torch.eye(15, dtype=torch.float64)).norm() / math.sqrt(15))
-        assert frobenius_rms(y, x, basis, minus_identity=True) == pytest.approx(want, rel=1e-12)
-        same = x * 1.0  # the identity map: Rademacher probes give 1 exactly
-        assert frobenius_rms(same, x, rademacher(3, (3, 5), torch.float64, x.device)) == pytest.approx(1.0, rel=1e-15)
+        norm, minus_identity = frobenius_rms(y, x, basis)
+        assert norm == pytest.approx(float(A.norm() / math.sqrt(15)), rel=1e-12)
+        assert minus_identity == pytest.approx(
+            float((A - torch.eye(15, dtype=torch.float64)).norm() / math.sqrt(15)), rel=1e-12
+        )
+        same = x * 1.0  # the identity map: Rademacher probes give 1 exactly, and J - I gives 0
+        assert frobenius_rms(same, x, rademacher(3, (3, 5), torch.float64, x.device)) == (
+            pytest.approx(1.0, rel=1e-15),
+            0.0,
+        )
 
 
 @pytest.mark.parametrize("ablated", [False, True], ids=["with-residual", "without-residual"])
@@ -299,6 +313,117 @@ def test_highway_jacobian_equals_the_estimator_on_the_dense_jacobian(ours64: GPT
             assert got == pytest.approx(estimate, rel=1e-9)
             assert got == pytest.approx(float(M.norm()) / math.sqrt(n), rel=0.3)  # a 64-probe estimate
     assert layers[0].jacobian_norm is None and layers[0].layer == -1
+
+
+# --- a piece at a time (MetricPass) against one graph ------------------------------------------------
+
+
+def one_graph(model: GPT, ids: list[int], metric: Metric, names: list[str], spec: EditSpec | None = None) -> Any:
+    """The metric and its gradient at `names` from one forward pass with one graph and one backward pass: what
+    `gradients` computed before it went a piece at a time (zeros where the metric does not depend on a value)."""
+    capture = GradientHooks(names)
+    with torch.inference_mode(False), torch.enable_grad():
+        hooks = spec.hooks(model.config, len(ids), then=capture) if spec else capture
+        value = metric_value(metric, model(torch.tensor([ids]), hooks=hooks)[0], ids)
+        values = [capture.values[n] for n in names]
+        if not value.requires_grad:
+            return float(value), {n: torch.zeros_like(v.detach()) for n, v in zip(names, values, strict=True)}
+        got = torch.autograd.grad(value, values, allow_unused=True)
+    grads = {n: torch.zeros_like(v.detach()) if g is None else g for n, v, g in zip(names, values, got, strict=True)}
+    return float(value.detach()), grads
+
+
+PIECES = [
+    pytest.param(hook_names(2), None, id="every-hook-point"),
+    pytest.param(["blocks.1.attn.hook_pattern", "blocks.1.hook_mlp_out"], None, id="from-block-1"),
+    pytest.param(["logits", "ln_final.hook_scale"], None, id="the-head-alone"),
+    pytest.param(
+        ["hook_pos_embed", "blocks.*.hook_resid_pre", "blocks.0.attn.hook_z"],
+        EditSpec((Edit("blocks.0.hook_attn_out", "scale", factor=0.5, positions=(2, 5)),), (), (1,)),
+        id="edited-and-ablated",
+    ),
+    pytest.param(
+        ["blocks.*.hook_resid_pre", "blocks.1.hook_resid_post"],
+        EditSpec((Edit("blocks.1.hook_resid_post", "zero"),)),
+        id="cut-off-by-an-edit",
+    ),
+    pytest.param(
+        ["blocks.0.hook_resid_post", "unembed.hook_in"],
+        EditSpec((Edit("ln_final.hook_normalized", "scale", factor=2.0, positions=(6,)),)),
+        id="an-edit-in-the-head",
+    ),
+]
+
+
+@pytest.mark.parametrize(("names", "spec"), PIECES)
+@pytest.mark.parametrize("metric", METRICS, ids=lambda m: type(m).__name__ + repr(getattr(m, "span", "")))
+def test_a_piece_at_a_time_equals_one_graph(
+    ours64: GPT, monkeypatch: pytest.MonkeyPatch, names: list[str], spec: EditSpec | None, metric: Metric
+) -> None:
+    """`gradients` goes a piece at a time (a block forward, a part of the LM head forward and back, a block
+    back); here the head's parts are 3 rows, so that the loss's take several. The metric and every gradient
+    equal one graph's, in float64, to 1e-12: at hook points in every piece, in the head (then every row runs
+    at once), under edits, and where an edit cuts the gradient off (zeros below it)."""
+    monkeypatch.setattr(MetricPass, "head_rows", 3)
+    names = select_hooks(names, 2)
+    value, want = one_graph(ours64, PROMPT, metric, names, spec)
+    got = gradients(ours64, PROMPT, metric, names, spec)
+    assert got.metric == pytest.approx(value, rel=1e-12, abs=1e-12)
+    assert list(got.grads) == names
+    for name in names:
+        torch.testing.assert_close(got.grads[name], want[name], rtol=0, atol=1e-12, msg=name)
+
+
+def test_the_loss_in_parts_of_the_head_equals_transformers(
+    ours64: GPT, hf64: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loss over 7 positions, in parts of 2 rows of the LM head (4 parts), against transformers."""
+    monkeypatch.setattr(MetricPass, "head_rows", 2)
+    want = hf_gradients(hf64, PROMPT, Loss())
+    got = gradients(ours64, PROMPT, Loss(), HF_SITES)
+    for name in HF_SITES:
+        torch.testing.assert_close(got.grads[name], want[name], rtol=0, atol=EXACT, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("names", "back"),
+    [(["hook_embed"], 2), (["blocks.0.hook_mlp_out"], 2), (["blocks.1.hook_resid_pre"], 1), (["logits"], 0)],
+)
+def test_the_pieces_are_the_blocks_the_head_s_parts_and_the_blocks_back_to_the_first_wanted(
+    ours64: GPT, monkeypatch: pytest.MonkeyPatch, names: list[str], back: int
+) -> None:
+    """Steps: each block forward (the first with the embeddings), each part of the head (3 rows: the loss's
+    7 positions in 3 parts; every row in one where a head hook point is wanted), then each block back down to
+    the first with a wanted hook point (the embeddings with block 0). The graphs start there: the blocks
+    before it run without one."""
+    monkeypatch.setattr(MetricPass, "head_rows", 3)
+    run = gradient_pass(ours64.config, PROMPT, Loss(), names)
+    steps = 0
+    with torch.inference_mode():
+        while not run.done:
+            run.step(ours64)
+            steps += 1
+    parts = 1 if names == ["logits"] else 3
+    assert steps == 2 + parts + back
+    assert run.result().grads.keys() == set(names)
+    with pytest.raises(AssertionError, match="over"):
+        run.step(ours64)
+
+
+def test_a_metric_that_is_not_finite_is_refused_before_the_blocks_go_back(
+    tiny: Checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A metric that is not finite (here float32 logits scaled past float32's range) is refused once the head
+    is through: no block goes back."""
+    model = load_ours(tiny)
+    spec = EditSpec((Edit("logits", "scale", factor=3e38, positions=(7,)),))
+    run = gradient_pass(model.config, PROMPT, LogProb(5), ["blocks.0.hook_resid_pre"], spec)
+    backs: list[int] = []
+    monkeypatch.setattr(run, "_back", lambda: backs.append(1))
+    with torch.inference_mode(), pytest.raises(MetricError, match=r"the metric is not finite \(nan\)") as e:
+        while not run.done:
+            run.step(model)
+    assert e.value.param == "metric" and backs == []
 
 
 # --- bad metrics ----------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 import torch
 from contract import assert_error
 from fastapi.testclient import TestClient
-from inprocess import assert_still_serving, post_ok, serve, wait_until
+from inprocess import RawRequest, assert_still_serving, engine_held, post_ok, serve, wait_until
 from safetensors.torch import load as load_safetensors
 
 from model.interventions import Edit, EditSpec
@@ -232,33 +232,34 @@ def test_bad_input_names_the_field(small_limits: TestClient, path: str, body: An
     assert_still_serving(small_limits)
 
 
-# --- the engine: one gradient job between two decode steps ---------------------------------------------
+# --- the engine: a pass's pieces as jobs, decode steps between them, one graph at a time -----------------
 
 
-def log_engine(client: TestClient, monkeypatch: pytest.MonkeyPatch, **jobs: str) -> list[str]:
-    """A log of the engine's decode steps ("step", while sequences decode) and of calls to the functions of
-    `server.routes.gradients` named by `jobs` (each logged as the name it maps to)."""
-    import server.routes.gradients as route
-
+def log_engine(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """A log of the engine's decode steps ("step", while sequences decode) and of its jobs, each logged as
+    what it runs: "<class>.step#<the pass's number>" for a pass's piece (passes numbered as they first run),
+    "verify" for an attribution's verified site."""
     engine = client.app.state.engine  # type: ignore[attr-defined]
     log: list[str] = []
-    real_step = engine._step
+    passes: list[object] = []
+    real_step, real_job = engine._step, engine._run_job
 
     def step() -> None:
         if len(engine._batch):
             log.append("step")
         real_step()
 
-    def logged(real: Any, entry: str) -> Any:
-        def call(*args: Any) -> Any:
-            log.append(entry)
-            return real(*args)
-
-        return call
+    def job(job: Any) -> None:
+        owner = getattr(job.fn, "__self__", None)
+        if owner is None:
+            log.append(job.fn.__name__)
+        else:
+            passes.extend([owner] if owner not in passes else [])
+            log.append(f"{type(owner).__name__}.step#{passes.index(owner)}")
+        real_job(job)
 
     monkeypatch.setattr(engine, "_step", step)
-    for name, entry in jobs.items():
-        monkeypatch.setattr(route, name, logged(getattr(route, name), entry))
+    monkeypatch.setattr(engine, "_run_job", job)
     return log
 
 
@@ -271,28 +272,49 @@ def assert_interleaved(log: list[str], calls: list[int]) -> None:
             assert "step" in log[a:b], log
 
 
-GENERATION = {"input_ids": CLEAN, "max_new_tokens": 60, "temperature": 0, "ignore_eos": True}
+GENERATION = {"input_ids": CLEAN, "max_new_tokens": 64, "temperature": 0, "ignore_eos": True}
 
 
-def test_gradient_jobs_run_between_decode_steps(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
-    """While a generation decodes, a burst of gradient requests runs one job per engine step: the decode
-    steps go on between them (each job holds the engine for its own forward and backward pass only)."""
-    log = log_engine(client, monkeypatch, gradients="job")
+def test_a_gradient_runs_a_piece_a_job_and_decode_steps_go_on_between(
+    client: TestClient, loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a generation decodes, a gradient's pass runs as one engine job a piece: each block forward, the
+    LM head, each block back (the embeddings' gradient with block 0's), a decode step between every two. A
+    burst of six gradient requests takes turns: one pass's jobs all run before the next's first (one graph
+    alive at a time), and each answer is the one the model gives alone."""
+    L = loaded.model.config.n_layer
+    log = log_engine(client, monkeypatch)
+    names = ["hook_embed", "blocks.*.hook_resid_post"]
     with ThreadPoolExecutor(7) as pool:
         generation = pool.submit(_post, client, "/v1/generate", GENERATION)
         wait_until(lambda: "step" in log)
-        requests = [pool.submit(_post, client, "/v1/gradients", grad(hooks=["hook_embed"])) for _ in range(6)]
-        assert [r.result(60) for r in requests] == [200] * 6
+        requests = [
+            pool.submit(client.post, "/v1/gradients", json=grad(hooks=names, metric={"type": "logprob", "token": t}))
+            for t in range(6)
+        ]
+        answers = [r.result(60) for r in requests]
         assert generation.result(60) == 200
-    jobs = [i for i, e in enumerate(log) if e == "job"]
-    assert len(jobs) == 6
+    assert [r.status_code for r in answers] == [200] * 6, [r.text for r in answers]
+    jobs = [i for i, e in enumerate(log) if e != "step"]
+    each = L + 1 + L  # the blocks forward, the head, the blocks back
+    assert [log[i] for i in jobs] == [f"MetricPass.step#{n}" for n in range(6) for _ in range(each)], log
     assert_interleaved(log, jobs)
+    every = ["hook_embed"] + [f"blocks.{i}.hook_resid_post" for i in range(L)]
+    for t, r in enumerate(answers):
+        want = gradients(loaded.model, CLEAN, LogProb(t), every)
+        for name in every:
+            got = tensor(r.json()["gradients"][name + "_grad"])
+            torch.testing.assert_close(got, want.grads[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_attribution_verifies_one_site_per_engine_call(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An attribution's scoring runs and each of its `verify` patched runs are separate engine calls, with
-    decode steps between them: a long verification does not stall the running streams."""
-    log = log_engine(client, monkeypatch, score_sites="score", verify_site="verify")
+def test_attribution_runs_its_passes_a_piece_a_job_and_each_verified_site_in_one(
+    client: TestClient, loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An attribution's two runs go a piece a job (the clean run forward, the corrupted run forward and back),
+    then each of its `verify` patched runs is an engine call of its own, with decode steps between them: a
+    long attribution does not stall the running streams."""
+    L = loaded.model.config.n_layer
+    log = log_engine(client, monkeypatch)
     with ThreadPoolExecutor(2) as pool:
         generation = pool.submit(_post, client, "/v1/generate", GENERATION)
         wait_until(lambda: "step" in log)
@@ -300,9 +322,43 @@ def test_attribution_verifies_one_site_per_engine_call(client: TestClient, monke
         assert r.status_code == 200, r.text
         assert generation.result(60) == 200
     assert len(r.json()["verified"]) == 4
-    calls = [i for i, e in enumerate(log) if e in ("score", "verify")]
-    assert [log[i] for i in calls] == ["score"] + ["verify"] * 4
+    calls = [i for i, e in enumerate(log) if e != "step"]
+    assert [log[i] for i in calls] == ["ScoringPass.step#0"] * (L + 1 + L + 1 + L) + ["verify"] * 4, log
     assert_interleaved(log, calls)
+
+
+def test_gradient_requests_wait_their_turn_and_beyond_the_limit_get_a_429(
+    client: TestClient, loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One graph alive at a time: while a gradient's pass has the turn (its first job held up on the engine),
+    the next waits for it, queueing no job; one more than `--max-queue` waiting (1 here) is a 429 saying why;
+    a client that leaves while it waits gets a 499 and gives its place up. Then both passes answer as alone,
+    and the turn is free."""
+    turn = client.app.state.graph_turn  # type: ignore[attr-defined]
+    monkeypatch.setattr(turn, "max_waiting", 1)
+    body = grad(hooks=["blocks.0.hook_resid_pre"])
+    with ThreadPoolExecutor(2) as pool:
+        with engine_held(client) as engine:
+            first = pool.submit(client.post, "/v1/gradients", json=body)
+            wait_until(lambda: len(engine._jobs) == 1)  # the first pass's first piece, queued
+            leaving = RawRequest(client, "/v1/gradients", body)
+            wait_until(lambda: turn.waiting == 1)
+            assert leaving.leave() == 499
+            assert turn.waiting == 0 and len(engine._jobs) == 1
+            second = pool.submit(client.post, "/v1/gradients", json=body)
+            wait_until(lambda: turn.waiting == 1)
+            r = client.post("/v1/gradients", json=body)
+            assert r.status_code == 429, r.text
+            assert "1 requests are waiting for their turn to build an autograd graph" in r.json()["error"]["message"]
+            assert len(engine._jobs) == 1  # none of the waiting ones queued a job
+        answers = [first.result(60), second.result(60)]
+    want = gradients(loaded.model, CLEAN, Loss(), ["blocks.0.hook_resid_pre"]).grads["blocks.0.hook_resid_pre"]
+    for a in answers:
+        assert a.status_code == 200, a.text
+        got = tensor(a.json()["gradients"]["blocks.0.hook_resid_pre_grad"])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    assert turn.waiting == 0 and not turn._lock.locked()
+    assert_still_serving(client)
 
 
 def _post(client: TestClient, path: str, body: dict[str, Any]) -> int:

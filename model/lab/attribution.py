@@ -9,15 +9,15 @@ Outperforms Automated Circuit Discovery"). Two forward passes and one backward p
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
+from ..config import GPTConfig
 from ..gpt import GPT
-from ..hooks import run_with_cache
-from ..interventions import Edit, HookChain, Interventions
-from .gradients import GradientHooks, LayerNormWatch, Metric, MetricError, check_metric, metric_value
+from ..hooks import Capture
+from ..interventions import Edit, Interventions
+from .gradients import Metric, MetricError, MetricPass, Refusal, check_metric, metric_value
 
 SITES = ("hook_resid_pre", "attn.hook_z", "hook_attn_out", "hook_mlp_out")
 
@@ -102,33 +102,69 @@ def attribution(model: GPT, clean: list[int], corrupted: list[int], metric: Metr
 
 def score_sites(model: GPT, clean: list[int], corrupted: list[int], metric: Metric, verify: int = 0) -> Scores:
     """Every site's score (the clean run, then the corrupted run's forward and backward pass), and the
-    `verify` sites of largest |score| to patch for real."""
-    check_attribution(clean, corrupted, metric, model.config.vocab_size)
-    L = model.config.n_layer
-    names = [f"blocks.{i}.{site}" for i in range(L) for site in SITES]
-    targets = clean  # what the loss predicts, in both runs
-    idx = torch.tensor([clean], device=model.wte.weight.device)
-    watch = LayerNormWatch(L, edited=False)  # it reads each value before the capture, changing none
-    with torch.inference_mode():
-        cache = {n: v[0] for n, v in run_with_cache(model, idx, [*names, "logits"], watch).items()}  # [T, ...]
-    watch.check("clean", ", in the clean run: no attribution to compute")
-    clean_metric = float(metric_value(metric, cache.pop("logits"), targets))
-    corrupt = _corrupted_gradients(model, corrupted, targets, metric, names)
-    for run, value in (("clean", clean_metric), ("corrupted", corrupt.metric)):
-        if not math.isfinite(value):  # every score would be NaN: say why instead
-            raise MetricError(f"the {run} run's metric is not finite ({value}): no attribution to compute", run)
-    grads, values = {n: g[0] for n, g in corrupt.grads.items()}, corrupt.values
+    `verify` sites of largest |score| to patch for real: `ScoringPass`'s pieces one after another."""
+    run = ScoringPass(model.config, clean, corrupted, metric, verify)
+    while not run.done:
+        run.step(model)
+    return run.result()
 
-    def score(name: str, over: tuple[int, ...]) -> torch.Tensor:
-        return ((cache[name] - values[name]) * grads[name]).double().sum(dim=over)
 
-    resid = torch.stack([score(f"blocks.{i}.hook_resid_pre", (1,)) for i in range(L)])  # [L, T]
-    z = torch.stack([score(f"blocks.{i}.attn.hook_z", (0, 2)) for i in range(L)])  # [L, H]
-    attn = torch.stack([score(f"blocks.{i}.hook_attn_out", (0, 1)) for i in range(L)])  # [L]
-    mlp = torch.stack([score(f"blocks.{i}.hook_mlp_out", (0, 1)) for i in range(L)])  # [L]
-    top = _top_sites(resid, z, attn, mlp, verify)
-    candidates = [Candidate(site, estimate, site.patch(cache[site.hook])) for estimate, site in top]
-    return Scores(clean_metric, corrupt.metric, resid, z, attn, mlp, candidates)
+def _refusal(run: str) -> Refusal:
+    """How a run of an attribution that cannot be differentiated is refused, naming it (`clean`, `corrupted`)."""
+    why = "no attribution to compute"
+    return Refusal(run, f", in the {run} run: {why}", f"the {run} run's metric", why)
+
+
+class ScoringPass:
+    """`score_sites` a piece at a time, each `step` an engine job on the server: the clean run's pieces, its
+    values at every site kept (a `MetricPass` without a gradient), then the corrupted run's, forward and
+    back, and the scores with its last piece. The loss's targets are the clean prompt's tokens in both runs."""
+
+    def __init__(
+        self, config: GPTConfig, clean: list[int], corrupted: list[int], metric: Metric, verify: int = 0
+    ) -> None:
+        check_attribution(clean, corrupted, metric, config.vocab_size)
+        self._n_layer, self._verify = config.n_layer, verify
+        names = [f"blocks.{i}.{site}" for i in range(config.n_layer) for site in SITES]
+        self._cache = Capture(names)
+        self._clean = MetricPass(config, clean, metric, [], _refusal("clean"), also=self._cache)
+        self._corrupted = MetricPass(config, corrupted, metric, names, _refusal("corrupted"), targets=clean)
+        self._scores: Scores | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._scores is not None
+
+    def step(self, model: GPT) -> None:
+        assert not self.done, "the pass is over"
+        if not self._clean.done:
+            self._clean.step(model)
+            return
+        self._corrupted.step(model)
+        if self._corrupted.done:
+            self._scores = self._score()
+
+    def result(self) -> Scores:
+        assert self._scores is not None, "the pass is not over"
+        return self._scores
+
+    def _score(self) -> Scores:
+        L = self._n_layer
+        cache = {n: v[0] for n, v in self._cache.tensors().items()}  # [T, ...]
+        corrupt = self._corrupted.result()
+        grads = {n: g[0] for n, g in corrupt.grads.items()}
+        values = {n: v.detach()[0] for n, v in self._corrupted.values.items()}
+
+        def score(name: str, over: tuple[int, ...]) -> torch.Tensor:
+            return ((cache[name] - values[name]) * grads[name]).double().sum(dim=over)
+
+        resid = torch.stack([score(f"blocks.{i}.hook_resid_pre", (1,)) for i in range(L)])  # [L, T]
+        z = torch.stack([score(f"blocks.{i}.attn.hook_z", (0, 2)) for i in range(L)])  # [L, H]
+        attn = torch.stack([score(f"blocks.{i}.hook_attn_out", (0, 1)) for i in range(L)])  # [L]
+        mlp = torch.stack([score(f"blocks.{i}.hook_mlp_out", (0, 1)) for i in range(L)])  # [L]
+        top = _top_sites(resid, z, attn, mlp, self._verify)
+        candidates = [Candidate(site, estimate, site.patch(cache[site.hook])) for estimate, site in top]
+        return Scores(self._clean.result().metric, corrupt.metric, resid, z, attn, mlp, candidates)
 
 
 def _top_sites(
@@ -162,25 +198,6 @@ def check_attribution(clean: list[int], corrupted: list[int], metric: Metric, vo
             "corrupted",
         )
     check_metric(metric, len(clean), vocab_size)
-
-
-@dataclass(frozen=True)
-class _Run:
-    metric: float
-    values: dict[str, torch.Tensor]  # [T, ...]
-    grads: dict[str, torch.Tensor]  # [1, T, ...]
-
-
-def _corrupted_gradients(model: GPT, ids: list[int], targets: list[int], metric: Metric, names: list[str]) -> _Run:
-    """The corrupted run: the values at `names` and the metric's gradient there (one forward, one backward)."""
-    with torch.inference_mode(False), torch.enable_grad():
-        capture, watch = GradientHooks(names), LayerNormWatch(model.config.n_layer, edited=False)
-        logits = model(torch.tensor([ids], device=model.wte.weight.device), hooks=HookChain(capture, watch))[0]
-        value = metric_value(metric, logits, targets)
-        watch.check("corrupted", ", in the corrupted run: no attribution to compute")
-        grads = capture.grads(value)
-    values = {n: v.detach()[0] for n, v in capture.values.items()}
-    return _Run(float(value.detach()), values, {n: g.detach() for n, g in grads.items()})
 
 
 @torch.no_grad()

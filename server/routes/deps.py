@@ -8,17 +8,19 @@ seconds), and a client that disconnects while it waits cancels its sequences, fr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Protocol, TypeVar
 
 from fastapi import Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
 from model.generate import Completion, GenerationError, TokenEvent, validate_prompt
+from model.gpt import GPT
 from model.huge_pages import trim_heap
 from model.interventions import EditSpec
 from model.lab.steering import Directions
@@ -163,9 +165,62 @@ async def dump_hold(request: Request) -> AsyncIterator[DumpHold]:
             await run_in_threadpool(trim_heap)
 
 
+class Steps(Protocol):
+    """Work in bounded pieces (`MetricPass`, `HighwayPass`, `ScoringPass`): `step` runs the next."""
+
+    @property
+    def done(self) -> bool: ...
+
+    def step(self, model: GPT) -> None: ...
+
+
+async def stepped(request: Request, engine: Engine, work: Steps) -> None:
+    """Run `work` to its end, each step an engine job of its own: decode steps go on between them. A client
+    gone ends it (a 499): its waiting job leaves the queue (a running one finishes) and no job of it follows."""
+    while not work.done:
+        await unless_disconnected(request, engine.call(work.step))
+
+
+class GraphTurn:
+    """One autograd graph alive at a time, server-wide. A gradient's pass (`/v1/gradients`, `/v1/attribution`'s
+    scores, `/v1/analyze`'s gradients) runs as many engine jobs, with decode steps and other requests' jobs
+    between them, and holds its graph across them; `--max-gradient-bytes` bounds each graph, and taking turns
+    keeps that the bound of them all. The others wait, first come first served; at most `max_waiting` (429
+    beyond them)."""
+
+    def __init__(self, max_waiting: int) -> None:
+        self.max_waiting = max_waiting
+        self.waiting = 0
+        self._lock = asyncio.Lock()
+
+    @contextlib.asynccontextmanager
+    async def held(self, request: Request) -> AsyncIterator[None]:
+        """The turn, for the body of the `async with` (a 499 if the client leaves while it waits)."""
+        if self._lock.locked() and self.waiting >= self.max_waiting:
+            raise QueueFull(
+                f"{self.waiting} requests are waiting for their turn to build an autograd graph "
+                f"(the limit is {self.max_waiting})"
+            )
+        self.waiting += 1
+        try:
+            await unless_disconnected(request, self._lock.acquire())  # cancelled: not taken
+        finally:
+            self.waiting -= 1
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+
+def graph_turn(request: Request) -> GraphTurn:
+    turn: GraphTurn = request.app.state.graph_turn
+    return turn
+
+
 EngineDep = Annotated[Engine, Depends(get_engine)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 DumpHoldDep = Annotated[DumpHold, Depends(dump_hold)]
+GraphTurnDep = Annotated[GraphTurn, Depends(graph_turn)]
 
 
 def prompt_field(input_ids: object) -> str:

@@ -1,11 +1,13 @@
 """Gradients and attribution patching over HTTP: the metric's gradient at hook points (`/v1/gradients`) and
 attribution scores for every site with optional real patching (`/v1/attribution`).
 
-A gradient request is one job on the engine's thread (`Engine.call`, between two decode steps), which builds
-the only autograd graph alive at a time; an attribution is one job for its two runs and one more for each
-site it verifies (each can meet a full queue, 429, as any call). A graph estimated over the server's
-`--max-gradient-bytes` is refused with 413 before anything runs; the gradients' answer, like a dump, holds its
-size of the server's dump budget (`--max-dump-bytes-in-flight`) until it is sent."""
+A gradient's pass runs a piece at a time (`MetricPass`: a block forward, a part of the LM head, a block
+back), each piece a job on the engine's thread (`Engine.call`), decode steps between them; an attribution's
+two runs go the same way (`ScoringPass`), then one job for each site it verifies. Each job can meet a full
+queue (429), as any call. A pass holds its graph from its first job to its last, and takes the server's
+`GraphTurn` for that: one graph alive at a time. A graph estimated over the server's `--max-gradient-bytes`
+is refused with 413 before anything runs; the gradients' answer, like a dump, holds its size of the server's
+dump budget (`--max-dump-bytes-in-flight`) until it is sent."""
 
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ from fastapi.responses import Response
 
 from model.generate import validate_prompt
 from model.gpt import GPT
-from model.lab.attribution import Candidate, Scores, Site, Verified, check_attribution, score_sites, verify_site
-from model.lab.gradients import Gradients, Metric, check_metric, grad_name, gradients, graph_bytes
+from model.lab.attribution import Candidate, ScoringPass, Site, Verified, verify_site
+from model.lab.gradients import Gradients, Metric, check_metric, grad_name, gradient_pass, graph_bytes
 
 from .. import encoding
 from ..engine import Engine
@@ -31,11 +33,13 @@ from .deps import (
     GRADIENTS,
     DumpHoldDep,
     EngineDep,
+    GraphTurnDep,
     SettingsDep,
     encode,
     json_response,
     prompt_field,
     resolved_edits,
+    stepped,
     token_ids,
     unless_disconnected,
 )
@@ -64,6 +68,7 @@ async def gradients_at_hooks(
     settings: SettingsDep,
     directions: DirectionsDep,
     hold: DumpHoldDep,
+    turn: GraphTurnDep,
 ) -> Response:
     (ids,) = await token_ids(engine, req.prompt, req.input_ids)
     param = prompt_field(req.input_ids)
@@ -86,11 +91,10 @@ async def gradients_at_hooks(
         )
     check_graph(engine, settings, len(ids), param)
     await hold.reserve(size, request, GRADIENTS)  # held until the answer is sent
-
-    def run(model: GPT) -> Gradients:
-        return gradients(model, ids, metric, names, edits)
-
-    result = await unless_disconnected(request, engine.call(run))
+    run = await run_in_threadpool(gradient_pass, config, ids, metric, names, edits)
+    async with turn.held(request):
+        await stepped(request, engine, run)
+    result = run.result()
     if wire == "json":
         return await json_response(_body, engine, ids, req.metric.type, metric, result)
     return await _file(engine, ids, req.metric.type, metric, result)
@@ -127,20 +131,18 @@ def _metric_fields(metric: Metric) -> dict[str, Any]:
 
 @router.post("/v1/attribution")
 async def attribution_patching(
-    req: AttributionRequest, request: Request, engine: EngineDep, settings: SettingsDep
+    req: AttributionRequest, request: Request, engine: EngineDep, settings: SettingsDep, turn: GraphTurnDep
 ) -> dict[str, Any]:
     req.check()
     clean, corrupted = [
         await _prompt(engine, p, name) for p, name in ((req.clean, "clean"), (req.corrupted, "corrupted"))
     ]
     metric = req.metric.metric(engine.tokenizer)
-    check_attribution(clean, corrupted, metric, engine.model.config.vocab_size)
+    scoring = ScoringPass(engine.model.config, clean, corrupted, metric, req.verify)  # checks the prompts
     check_graph(engine, settings, len(corrupted), "corrupted")
-
-    def scored(model: GPT) -> Scores:  # the sites to verify chosen here too: sorting them is work
-        return score_sites(model, clean, corrupted, metric, req.verify)
-
-    scores = await unless_disconnected(request, engine.call(scored))
+    async with turn.held(request):
+        await stepped(request, engine, scoring)
+    scores = scoring.result()
     verified = []
     for candidate in scores.candidates:  # one engine call each: streams step between them
 
