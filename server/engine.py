@@ -288,6 +288,7 @@ class Engine:
                     self.metrics.queue_depth.set(len(self._waiting))
                 if job is not None:
                     self._run_job(job)
+                    job = None  # what it holds (a gradient's graph) is not kept while the engine waits
                 self._drop_cancelled()
                 for request in admitted:
                     self._admit(request)

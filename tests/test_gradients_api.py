@@ -6,6 +6,7 @@ and a gradient job runs between two decode steps of the continuous batch, never 
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -349,7 +350,7 @@ def test_gradient_requests_wait_their_turn_and_beyond_the_limit_get_a_429(
             wait_until(lambda: turn.waiting == 1)
             r = client.post("/v1/gradients", json=body)
             assert r.status_code == 429, r.text
-            assert "1 requests are waiting for their turn to build an autograd graph" in r.json()["error"]["message"]
+            assert "1 request is waiting to build an autograd graph, one at a time" in r.json()["error"]["message"]
             assert len(engine._jobs) == 1  # none of the waiting ones queued a job
         answers = [first.result(60), second.result(60)]
     want = gradients(loaded.model, CLEAN, Loss(), ["blocks.0.hook_resid_pre"]).grads["blocks.0.hook_resid_pre"]
@@ -359,6 +360,41 @@ def test_gradient_requests_wait_their_turn_and_beyond_the_limit_get_a_429(
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
     assert turn.waiting == 0 and not turn._lock.locked()
     assert_still_serving(client)
+
+
+def test_a_client_that_leaves_mid_pass_gives_the_turn_back(
+    client: TestClient, loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client leaves while its gradient's third piece (the LM head, after both blocks) runs: the answer is a
+    499, the turn goes back at once (the next gradient need not wait for that piece), no piece of the pass
+    runs after it, and the next request's gradients are the model's."""
+    engine, turn = client.app.state.engine, client.app.state.graph_turn  # type: ignore[attr-defined]
+    jobs: list[object] = []
+    running, release = threading.Event(), threading.Event()
+    run_job = engine._run_job
+
+    def held_third(job: Any) -> None:
+        jobs.append(job.fn)
+        if len(jobs) == 3:
+            running.set()
+            release.wait(30)
+        run_job(job)
+
+    monkeypatch.setattr(engine, "_run_job", held_third)
+    request = RawRequest(client, "/v1/gradients", grad(hooks=["blocks.0.hook_resid_pre"]))
+    try:
+        assert running.wait(20), f"the pass ran {len(jobs)} jobs, not 3 or more"
+        assert turn._lock.locked()
+        assert request.leave() == 499
+        assert not turn._lock.locked() and turn.waiting == 0
+    finally:
+        release.set()
+    assert_still_serving(client)
+    assert len(jobs) == 3 and not engine._jobs
+    monkeypatch.undo()
+    r = post_ok(client, "/v1/gradients", grad(hooks=["blocks.0.hook_resid_pre"]))
+    want = gradients(loaded.model, CLEAN, Loss(), ["blocks.0.hook_resid_pre"]).grads["blocks.0.hook_resid_pre"]
+    torch.testing.assert_close(tensor(r["gradients"]["blocks.0.hook_resid_pre_grad"]), want, rtol=1e-5, atol=1e-7)
 
 
 def _post(client: TestClient, path: str, body: dict[str, Any]) -> int:

@@ -228,8 +228,7 @@ class _Stage:
 class MetricPass:
     """A run over `ids` (with `edits`) to `metric`, and the metric's gradient at the hook points `wrt`, a piece
     at a time: each `step` is bounded work, which the server runs as an engine job of its own, decode steps
-    going on between them (the whole of it, one job, took 4.3 s at 1,024 tokens of gpt2-small's shape on a
-    2-core CPU; its longest piece now takes about 0.2 s there).
+    going on between them (the README gives the times).
 
     Forward: the embeddings with block 0, then each block, then the LM head over the rows the metric reads,
     `head_rows` at a time (every row at once where a hook point after the last block is asked for or
@@ -240,10 +239,10 @@ class MetricPass:
     That is the chain rule, as one backward pass applies it; a piece's graph is let go of once the gradient
     is through it (unless `retain_graph`, for `HighwayPass`). `also`: hooks that read the values after the
     gradient hooks (a `Capture`); `targets`: the loss's tokens, if not `ids`. A LayerNorm whose variance
-    overflows, or a metric that is not finite, is refused (`MetricError`, worded by `refusal`) before the
-    gradients are taken: every gradient through it would be 0, or not finite."""
+    overflows is refused (`MetricError`, worded by `refusal`) before the head runs, a metric that is not
+    finite before any block goes back: every gradient through it would be 0, or not finite."""
 
-    head_rows = 128  # a part of the head: 128 rows of gpt2-small's LM head, forward and back, took about 0.2 s there
+    head_rows = 128  # rows of the LM head a part: as long as a block's piece, about, on gpt2-small's shape
 
     def __init__(
         self,
@@ -264,10 +263,13 @@ class MetricPass:
         self._hooks, self._watch = watched(hooks, edits, config, len(ids))
         self._overflow_param = "interventions" if edits is not None else refusal.param
         self._n_layer = config.n_layer
+        # the head's parts: every row in one where a hook point after the last block is in use, as in one pass
+        self._whole_head = any(self._hooks.active(n) for n in HEAD_HOOKS)
+        rows = range(len(ids)) if self._whole_head else metric_rows(metric, len(ids))
+        step = len(rows) if self._whole_head else self.head_rows
+        self._parts = [rows[i : i + step] for i in range(0, len(rows), step)]  # not run yet
         self._x: torch.Tensor | None = None  # [1, T, C]: the stream entering the next block, then leaving the last
         self._blocks = 0  # blocks run
-        self._parts: list[range] | None = None  # the head's parts not run yet (None: the blocks are not through)
-        self._whole_head = False  # one part of every row, where a hook point after the last block is in use
         self._stages: list[_Stage] = []  # the pieces before the head with a graph, to go back through
         self._grad: torch.Tensor | None = None  # ∂metric/∂(the output of the next piece back); None: zero
         self._value = 0.0
@@ -275,7 +277,7 @@ class MetricPass:
 
     @property
     def done(self) -> bool:
-        return self._parts == [] and not self._stages
+        return self._blocks == self._n_layer and not self._parts and not self._stages
 
     @property
     def values(self) -> dict[str, torch.Tensor]:
@@ -293,7 +295,7 @@ class MetricPass:
                 self._head_part(model, self._parts.pop(0))
             else:
                 self._back()
-                if self._stages and self._stages[-1].inp is None:  # the embeddings': too small for a job
+                if self._stages and self._stages[-1].inp is None:  # the embeddings' piece: too small for a job
                     self._back()
 
     def result(self) -> Gradients:
@@ -309,18 +311,14 @@ class MetricPass:
         self._x = model.h[self._blocks](inp, None, self._hooks)
         self._keep(inp, self._x, seen)
         self._blocks += 1
-        if self._blocks < self._n_layer:
-            return
-        self._watch.check(self._overflow_param, self.refusal.overflow)  # ln_final's input is in too
-        self._whole_head = any(self._hooks.active(n) for n in HEAD_HOOKS)  # as in one pass: every row
-        rows = range(len(self.ids)) if self._whole_head else metric_rows(self.metric, len(self.ids))
-        step = len(rows) if self._whole_head else self.head_rows
-        self._parts = [rows[i : i + step] for i in range(0, len(rows), step)]
-        if self._x.requires_grad:
-            self._grad = torch.zeros_like(self._x)  # the head's parts fill in their rows
+        if self._blocks == self._n_layer:
+            self._watch.check(self._overflow_param, self.refusal.overflow)  # ln_final's input is in too
+            if self._x.requires_grad:
+                self._grad = torch.zeros_like(self._x)  # the head's parts fill in their rows
 
     def _keep(self, inp: torch.Tensor | None, out: torch.Tensor, seen: int) -> None:
-        """Keep a piece just run, to go back through, where it has a graph or reached a wanted hook point."""
+        """Keep a piece just run, to go back through, where it has a graph or reached a wanted hook point.
+        `inp`: its input (None for the embeddings'); where that has no graph, nothing before it is wanted."""
         names = list(self.values)[seen:]
         if out.requires_grad or names:
             self._stages.append(_Stage(inp, out, names))
@@ -441,8 +439,7 @@ HIGHWAY = Refusal("gradients", ": no gradient to measure", "the loss", "no gradi
 class HighwayPass:
     """`highway` a piece at a time, each `step` an engine job on the server: the loss's `MetricPass` at every
     layer's stream (its graphs kept), then each block's probes, one vector-Jacobian product a step through
-    that block's graph alone, which is let go of after its last (the whole, one job, took 29 s at 1,024
-    tokens of gpt2-small's shape on a 2-core CPU; a piece now takes at most about 0.3 s there)."""
+    that block's graph alone, which is let go of after its last."""
 
     def __init__(
         self, config: GPTConfig, ids: list[int], edits: EditSpec | None = None, probes: int = 8, seed: int = 0
@@ -471,13 +468,14 @@ class HighwayPass:
             self._loss.step(model)
             return
         pre, post = self._loss.values[self._pre[self._block]], self._loss.values[self._post[self._block]]
-        if self._u is None:
-            self._u = rademacher(self._probes, tuple(pre.shape), pre.dtype, pre.device, self._seed)
         estimate = self._blocks[self._block]
         last = estimate.probes == self._probes - 1
         with torch.inference_mode(False), torch.enable_grad():
+            if self._u is None:
+                self._u = rademacher(self._probes, tuple(pre.shape), pre.dtype, pre.device, self._seed)
             estimate.add(post, pre, self._u[estimate.probes], retain_graph=not last)
-        self._block += last
+        if last:
+            self._block += 1
 
     def result(self) -> list[LayerGradient]:
         assert self.done, "the pass is not over"

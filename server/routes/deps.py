@@ -176,7 +176,8 @@ class Steps(Protocol):
 
 async def stepped(request: Request, engine: Engine, work: Steps) -> None:
     """Run `work` to its end, each step an engine job of its own: decode steps go on between them. A client
-    gone ends it (a 499): its waiting job leaves the queue (a running one finishes) and no job of it follows."""
+    gone ends it (a 499): its waiting job leaves the queue, a running one stops where `Engine.call` stops it,
+    and no job of it follows."""
     while not work.done:
         await unless_disconnected(request, engine.call(work.step))
 
@@ -198,12 +199,17 @@ class GraphTurn:
         """The turn, for the body of the `async with` (a 499 if the client leaves while it waits)."""
         if self._lock.locked() and self.waiting >= self.max_waiting:
             raise QueueFull(
-                f"{self.waiting} requests are waiting for their turn to build an autograd graph "
-                f"(the limit is {self.max_waiting})"
+                f"{self.waiting} {'request is' if self.waiting == 1 else 'requests are'} waiting to build an "
+                f"autograd graph, one at a time (the limit is {self.max_waiting})"
             )
         self.waiting += 1
+        taking = asyncio.ensure_future(self._lock.acquire())
         try:
-            await unless_disconnected(request, self._lock.acquire())  # cancelled: not taken
+            await unless_disconnected(request, taking)
+        except BaseException:  # given up; if the lock was taken all the same (a race), it goes back
+            if taking.done() and not taking.cancelled() and taking.exception() is None:
+                self._lock.release()
+            raise
         finally:
             self.waiting -= 1
         try:

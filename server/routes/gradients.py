@@ -95,6 +95,7 @@ async def gradients_at_hooks(
     async with turn.held(request):
         await stepped(request, engine, run)
     result = run.result()
+    del run  # its values at the hooks: as large as the answer, and not counted in the dump budget
     if wire == "json":
         return await json_response(_body, engine, ids, req.metric.type, metric, result)
     return await _file(engine, ids, req.metric.type, metric, result)
@@ -143,6 +144,7 @@ async def attribution_patching(
     async with turn.held(request):
         await stepped(request, engine, scoring)
     scores = scoring.result()
+    del scoring  # both runs' values at every site: only the verified sites' clean values go on
     verified = []
     for candidate in scores.candidates:  # one engine call each: streams step between them
 

@@ -119,9 +119,7 @@ async def analyze_prompt(
         return stats
 
     async def gradients(spec: EditSpec | None) -> list[LayerGradient]:
-        """One run's gradient highway, a job a piece (`HighwayPass`: at 1,000 tokens of gpt2-small's shape on a
-        CPU, one job once took 29 s; a piece now takes at most about 0.3 s there), in the server's turn for a
-        graph."""
+        """One run's gradient highway, a job a piece (`HighwayPass`), in the server's turn for a graph."""
         run = HighwayPass(config, ids, spec)
         async with turn.held(request):
             await stepped(request, engine, run)
