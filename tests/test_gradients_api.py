@@ -239,7 +239,7 @@ def test_bad_input_names_the_field(small_limits: TestClient, path: str, body: An
 def log_engine(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """A log of the engine's decode steps ("step", while sequences decode) and of its jobs, each logged as
     what it runs: "<class>.step#<the pass's number>" for a pass's piece (passes numbered as they first run),
-    "verify" for an attribution's verified site."""
+    else the function's name."""
     engine = client.app.state.engine  # type: ignore[attr-defined]
     log: list[str] = []
     passes: list[object] = []
@@ -312,8 +312,8 @@ def test_attribution_runs_its_passes_a_piece_a_job_and_each_verified_site_in_one
     client: TestClient, loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An attribution's two runs go a piece a job (the clean run forward, the corrupted run forward and back),
-    then each of its `verify` patched runs is an engine call of its own, with decode steps between them: a
-    long attribution does not stall the running streams."""
+    then each of its `verify` patched runs, a piece a job too, with decode steps between them: a long
+    attribution does not stall the running streams."""
     L = loaded.model.config.n_layer
     log = log_engine(client, monkeypatch)
     with ThreadPoolExecutor(2) as pool:
@@ -324,7 +324,8 @@ def test_attribution_runs_its_passes_a_piece_a_job_and_each_verified_site_in_one
         assert generation.result(60) == 200
     assert len(r.json()["verified"]) == 4
     calls = [i for i, e in enumerate(log) if e != "step"]
-    assert [log[i] for i in calls] == ["ScoringPass.step#0"] * (L + 1 + L + 1 + L) + ["verify"] * 4, log
+    verifying = [f"MetricPass.step#{n}" for n in range(1, 5) for _ in range(L + 1)]  # each block, the head
+    assert [log[i] for i in calls] == ["ScoringPass.step#0"] * (L + 1 + L + 1 + L) + verifying, log
     assert_interleaved(log, calls)
 
 

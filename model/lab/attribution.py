@@ -16,8 +16,8 @@ import torch
 from ..config import GPTConfig
 from ..gpt import GPT
 from ..hooks import Capture
-from ..interventions import Edit, Interventions
-from .gradients import Metric, MetricError, MetricPass, Refusal, check_metric, metric_value
+from ..interventions import Edit, EditSpec
+from .gradients import Metric, MetricError, MetricPass, Refusal, check_metric
 
 SITES = ("hook_resid_pre", "attn.hook_z", "hook_attn_out", "hook_mlp_out")
 
@@ -95,7 +95,7 @@ def attribution(model: GPT, clean: list[int], corrupted: list[int], metric: Metr
     """Attribution scores of every site in `SITES` for patching `clean`'s values into `corrupted` (same
     length), and, for the `verify` sites of largest |score|, the metric with each really patched in. The
     loss's targets are the clean prompt's tokens in both runs (a metric is one function of the logits).
-    The server runs the same as `score_sites`, then each `verify_site`, one engine call each."""
+    The server runs the same: `ScoringPass`, then each site's `patched_pass`, a piece an engine job."""
     scores = score_sites(model, clean, corrupted, metric, verify)
     return scores.with_verified([verify_site(model, scores, clean, corrupted, metric, c) for c in scores.candidates])
 
@@ -113,6 +113,11 @@ def _refusal(run: str) -> Refusal:
     """How a run of an attribution that cannot be differentiated is refused, naming it (`clean`, `corrupted`)."""
     why = "no attribution to compute"
     return Refusal(run, f", in the {run} run: {why}", f"the {run} run's metric", why)
+
+
+PATCHED = Refusal(
+    "verify", ", in a run patched to verify a site: ask for verify 0", "a patched run's metric", "ask for verify 0"
+)
 
 
 class ScoringPass:
@@ -184,8 +189,26 @@ def _top_sites(
 def verify_site(
     model: GPT, scores: Scores, clean: list[int], corrupted: list[int], metric: Metric, candidate: Candidate
 ) -> Verified:
-    """`candidate`'s site patched for real: the corrupted run with the clean run's value set in there."""
-    patched = patched_metric(model, corrupted, clean, metric, candidate.site.edit(candidate.value))
+    """`candidate`'s site patched for real: the corrupted run with the clean run's value set in there
+    (`patched_pass`, its pieces one after another)."""
+    run = patched_pass(model.config, corrupted, clean, metric, candidate)
+    while not run.done:
+        run.step(model)
+    return verified(scores, candidate, run.result().metric)
+
+
+def patched_pass(
+    config: GPTConfig, corrupted: list[int], clean: list[int], metric: Metric, candidate: Candidate
+) -> MetricPass:
+    """The corrupted run with `candidate`'s clean value set in at its site, to the metric (the loss predicting
+    the clean prompt's tokens): activation patching for real, a piece at a time, without a graph. The server
+    runs each piece as an engine job."""
+    edits = EditSpec((candidate.site.edit(candidate.value),))
+    return MetricPass(config, corrupted, metric, [], PATCHED, edits, targets=clean)
+
+
+def verified(scores: Scores, candidate: Candidate, patched: float) -> Verified:
+    """`candidate`'s estimate beside the metric `patched` that patching its site for real gave."""
     return Verified(candidate.site, candidate.estimate, patched, patched - scores.corrupted_metric)
 
 
@@ -198,11 +221,3 @@ def check_attribution(clean: list[int], corrupted: list[int], metric: Metric, vo
             "corrupted",
         )
     check_metric(metric, len(clean), vocab_size)
-
-
-@torch.no_grad()
-def patched_metric(model: GPT, ids: list[int], targets: list[int], metric: Metric, edit: Edit) -> float:
-    """The metric of a run over `ids` with `edit` applied (activation patching, for real)."""
-    hooks = Interventions((edit,), model.config, len(ids))
-    logits = model(torch.tensor([ids], device=model.wte.weight.device), hooks=hooks)[0]
-    return float(metric_value(metric, logits, targets))

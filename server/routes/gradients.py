@@ -3,11 +3,11 @@ attribution scores for every site with optional real patching (`/v1/attribution`
 
 A gradient's pass runs a piece at a time (`MetricPass`: a block forward, a part of the LM head, a block
 back), each piece a job on the engine's thread (`Engine.call`), decode steps between them; an attribution's
-two runs go the same way (`ScoringPass`), then one job for each site it verifies. Each job can meet a full
-queue (429), as any call. A pass holds its graph from its first job to its last, and takes the server's
-`GraphTurn` for that: one graph alive at a time. A graph estimated over the server's `--max-gradient-bytes`
-is refused with 413 before anything runs; the gradients' answer, like a dump, holds its size of the server's
-dump budget (`--max-dump-bytes-in-flight`) until it is sent."""
+two runs go the same way (`ScoringPass`), then each site it verifies (`patched_pass`, without a graph). Each
+job can meet a full queue (429), as any call. A pass holds its graph from its first job to its last, and
+takes the server's `GraphTurn` for that: one graph alive at a time. A graph estimated over the server's
+`--max-gradient-bytes` is refused with 413 before anything runs; the gradients' answer, like a dump, holds
+its size of the server's dump budget (`--max-dump-bytes-in-flight`) until it is sent."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from model.generate import validate_prompt
-from model.gpt import GPT
-from model.lab.attribution import Candidate, ScoringPass, Site, Verified, verify_site
+from model.lab.attribution import ScoringPass, Site, patched_pass
+from model.lab.attribution import verified as patched
 from model.lab.gradients import Gradients, Metric, check_metric, grad_name, gradient_pass, graph_bytes
 
 from .. import encoding
@@ -41,7 +41,6 @@ from .deps import (
     resolved_edits,
     stepped,
     token_ids,
-    unless_disconnected,
 )
 from .sae import DirectionsDep
 
@@ -146,12 +145,10 @@ async def attribution_patching(
     scores = scoring.result()
     del scoring  # both runs' values at every site: only the verified sites' clean values go on
     verified = []
-    for candidate in scores.candidates:  # one engine call each: streams step between them
-
-        def verify(model: GPT, candidate: Candidate = candidate) -> Verified:
-            return verify_site(model, scores, clean, corrupted, metric, candidate)
-
-        verified.append(await unless_disconnected(request, engine.call(verify)))
+    for candidate in scores.candidates:  # no graph: no turn to wait for
+        run = patched_pass(engine.model.config, corrupted, clean, metric, candidate)
+        await stepped(request, engine, run)
+        verified.append(patched(scores, candidate, run.result().metric))
     result = scores.with_verified(verified)
     text = engine.tokenizer.token_text
 
