@@ -71,6 +71,29 @@ def engine_held(client: TestClient) -> Iterator[Engine]:
         job.result(10)
 
 
+@contextmanager
+def nth_job_held(client: TestClient, monkeypatch: Any, n: int) -> Iterator[tuple[list[object], threading.Event]]:
+    """Log the engine's jobs from now on (their functions, as they start) and hold the `n`th as it starts, until
+    the block ends: yields the log and an event set once that job runs, so that a client can leave meanwhile."""
+    engine: Engine = client.app.state.engine  # type: ignore[attr-defined]
+    jobs: list[object] = []
+    running, release = threading.Event(), threading.Event()
+    run_job = engine._run_job
+
+    def held(job: Any) -> None:
+        jobs.append(job.fn)
+        if len(jobs) == n:
+            running.set()
+            release.wait(30)
+        run_job(job)
+
+    monkeypatch.setattr(engine, "_run_job", held)
+    try:
+        yield jobs, running
+    finally:
+        release.set()
+
+
 def wrap_forward_passes(monkeypatch: Any, model: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
     """Send every forward pass of `model` through `wrap(original)`: the eager `GPT.forward` and, on a CPU,
     the fused pass (`FusedDecode.forward`, which decode steps without hooks take instead), so that a test

@@ -20,7 +20,7 @@ import pytest
 from conftest import make_checkpoint
 from contract import GEN
 from fastapi.testclient import TestClient
-from inprocess import RawRequest, assert_still_serving, engine_held, post_ok, serve, wait_until
+from inprocess import RawRequest, assert_still_serving, engine_held, nth_job_held, post_ok, serve, wait_until
 
 from model.analysis import LayerMeasure, LayerStats, analyze
 from model.interventions import Edit, EditSpec, NonFiniteActivations
@@ -186,24 +186,10 @@ def test_a_client_that_leaves_stops_the_jobs(client: TestClient, monkeypatch: py
     measures, after block 0 and layer -1's) runs; the answer is a 499 and no job of the analysis runs after
     that one."""
     engine = engine_of(client)
-    jobs: list[object] = []
-    running, release = threading.Event(), threading.Event()
-    run_job = engine._run_job
-
-    def held_third(job: Any) -> None:
-        jobs.append(job.fn)
-        if len(jobs) == 3:
-            running.set()
-            release.wait(30)
-        run_job(job)
-
-    monkeypatch.setattr(engine, "_run_job", held_third)
-    request = RawRequest(client, ANALYZE, {"input_ids": IDS, "top_k": 2})
-    try:
+    with nth_job_held(client, monkeypatch, 3) as (jobs, running):
+        request = RawRequest(client, ANALYZE, {"input_ids": IDS, "top_k": 2})
         assert running.wait(20), f"the analysis ran {len(jobs)} jobs, not 3 or more"
         status = request.leave()  # the handler returned without waiting for the job
-    finally:
-        release.set()
     assert status == 499
     assert_still_serving(client)  # engine steps: a job queued would have run before them
     assert len(jobs) == 3 and not engine._jobs

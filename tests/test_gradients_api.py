@@ -6,7 +6,6 @@ and a gradient job runs between two decode steps of the continuous batch, never 
 from __future__ import annotations
 
 import itertools
-import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -15,7 +14,7 @@ import pytest
 import torch
 from contract import assert_error
 from fastapi.testclient import TestClient
-from inprocess import RawRequest, assert_still_serving, engine_held, post_ok, serve, wait_until
+from inprocess import RawRequest, assert_still_serving, engine_held, nth_job_held, post_ok, serve, wait_until
 from safetensors.torch import load as load_safetensors
 
 from model.interventions import Edit, EditSpec
@@ -370,26 +369,12 @@ def test_a_client_that_leaves_mid_pass_gives_the_turn_back(
     499, the turn goes back at once (the next gradient need not wait for that piece), no piece of the pass
     runs after it, and the next request's gradients are the model's."""
     engine, turn = client.app.state.engine, client.app.state.graph_turn  # type: ignore[attr-defined]
-    jobs: list[object] = []
-    running, release = threading.Event(), threading.Event()
-    run_job = engine._run_job
-
-    def held_third(job: Any) -> None:
-        jobs.append(job.fn)
-        if len(jobs) == 3:
-            running.set()
-            release.wait(30)
-        run_job(job)
-
-    monkeypatch.setattr(engine, "_run_job", held_third)
-    request = RawRequest(client, "/v1/gradients", grad(hooks=["blocks.0.hook_resid_pre"]))
-    try:
+    with nth_job_held(client, monkeypatch, 3) as (jobs, running):
+        request = RawRequest(client, "/v1/gradients", grad(hooks=["blocks.0.hook_resid_pre"]))
         assert running.wait(20), f"the pass ran {len(jobs)} jobs, not 3 or more"
         assert turn._lock.locked()
         assert request.leave() == 499
         assert not turn._lock.locked() and turn.waiting == 0
-    finally:
-        release.set()
     assert_still_serving(client)
     assert len(jobs) == 3 and not engine._jobs
     monkeypatch.undo()
