@@ -15,7 +15,7 @@ import torch
 
 from .config import GPTConfig
 from .gpt import GPT
-from .hooks import Hooks
+from .hooks import HEAD_HOOKS, Hooks
 from .interventions import HookChain, NonFiniteActivations
 from .overflow import layer_norm_inputs, layer_norm_overflow, variance_overflows
 
@@ -251,14 +251,49 @@ class NextToken:
     entropy: float  # of the whole next-token distribution, in nats
 
 
-@torch.no_grad()
 def next_token_distribution(model: GPT, ids: list[int], top_k: int, hooks: Hooks | None = None) -> NextToken:
-    """The top-k next tokens after `ids` and the entropy of the distribution (with `hooks`: edits applied)."""
-    idx = torch.tensor([ids], device=model.wte.weight.device)
-    logits = model(idx, hooks=hooks, last_only=True)[0, -1].float()  # [vocab]
-    if not logits.isfinite().all():
-        raise NonFiniteActivations("the edits made the logits non-finite (inf or NaN): no distribution to give")
-    logprobs = torch.log_softmax(logits, dim=-1)
-    entropy = -(logprobs.exp() * logprobs).nan_to_num().sum()  # 0 log 0 = 0
-    top = torch.topk(logprobs, top_k)
-    return NextToken(top.values.tolist(), top.indices.tolist(), float(entropy))
+    """The top-k next tokens after `ids` and the entropy of the distribution (with `hooks`: edits applied):
+    `NextTokenPass`'s pieces one after another."""
+    run = NextTokenPass(model.config, ids, top_k, hooks)
+    while not run.done:
+        run.step(model)
+    return run.result()
+
+
+class NextTokenPass:
+    """`next_token_distribution` a piece at a time, each `step` an engine job on the server, decode steps going
+    on between them: the embeddings with block 0, then each block, then the LM head at the last position (at
+    every position where a hook point after the last block is in use, as in `GPT.forward`)."""
+
+    def __init__(self, config: GPTConfig, ids: list[int], top_k: int, hooks: Hooks | None = None) -> None:
+        self.ids, self.top_k, self.hooks = ids, top_k, hooks
+        self._n_layer, self._blocks = config.n_layer, 0
+        self._x: torch.Tensor | None = None  # [1, T, C]: the stream entering the next block, then leaving the last
+        self._next: NextToken | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._next is not None
+
+    @torch.no_grad()
+    def step(self, model: GPT) -> None:
+        assert not self.done, "the pass is over"
+        if self._x is None:
+            self._x = model.embed(torch.tensor([self.ids], device=model.wte.weight.device), hooks=self.hooks)
+        if self._blocks < self._n_layer:
+            self._x = model.h[self._blocks](self._x, None, self.hooks)
+            self._blocks += 1
+            return
+        every = self.hooks is not None and any(self.hooks.active(name) for name in HEAD_HOOKS)
+        logits = model.unembed(self._x if every else self._x[:, -1:], self.hooks)[0, -1].float()  # [vocab]
+        self._x = None
+        if not logits.isfinite().all():
+            raise NonFiniteActivations("the edits made the logits non-finite (inf or NaN): no distribution to give")
+        logprobs = torch.log_softmax(logits, dim=-1)
+        entropy = -(logprobs.exp() * logprobs).nan_to_num().sum()  # 0 log 0 = 0
+        top = torch.topk(logprobs, self.top_k)
+        self._next = NextToken(top.values.tolist(), top.indices.tolist(), float(entropy))
+
+    def result(self) -> NextToken:
+        assert self._next is not None, "the pass is not over"
+        return self._next

@@ -6,6 +6,7 @@ told)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
 import time
@@ -92,6 +93,43 @@ def nth_job_held(client: TestClient, monkeypatch: Any, n: int) -> Iterator[tuple
         yield jobs, running
     finally:
         release.set()
+
+
+def log_engine(client: TestClient, monkeypatch: Any) -> list[str]:
+    """A log of the engine's decode steps ("step", while sequences decode) and of its jobs, each logged as
+    what it runs: "<class>.step#<the pass's number>" for a pass's piece (passes numbered as they first run),
+    else the function's name."""
+    engine = client.app.state.engine  # type: ignore[attr-defined]
+    log: list[str] = []
+    passes: list[object] = []
+    real_step, real_job = engine._step, engine._run_job
+
+    def step() -> None:
+        if len(engine._batch):
+            log.append("step")
+        real_step()
+
+    def job(job: Any) -> None:
+        owner = getattr(job.fn, "__self__", None)
+        if owner is None:
+            log.append(job.fn.__name__)
+        else:
+            passes.extend([owner] if owner not in passes else [])
+            log.append(f"{type(owner).__name__}.step#{passes.index(owner)}")
+        real_job(job)
+
+    monkeypatch.setattr(engine, "_step", step)
+    monkeypatch.setattr(engine, "_run_job", job)
+    return log
+
+
+def assert_interleaved(log: list[str], calls: list[int]) -> None:
+    """While the generation still decodes, a decode step between every two of `calls` (indices into `log`)."""
+    last_step = max(i for i, e in enumerate(log) if e == "step")
+    assert calls[0] < last_step, "the jobs came after the generation ended: nothing was interleaved"
+    for a, b in itertools.pairwise(calls):
+        if b < last_step:
+            assert "step" in log[a:b], log
 
 
 def wrap_forward_passes(monkeypatch: Any, model: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:

@@ -5,7 +5,6 @@ and a gradient job runs between two decode steps of the continuous batch, never 
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -14,7 +13,17 @@ import pytest
 import torch
 from contract import assert_error
 from fastapi.testclient import TestClient
-from inprocess import RawRequest, assert_still_serving, engine_held, nth_job_held, post_ok, serve, wait_until
+from inprocess import (
+    RawRequest,
+    assert_interleaved,
+    assert_still_serving,
+    engine_held,
+    log_engine,
+    nth_job_held,
+    post_ok,
+    serve,
+    wait_until,
+)
 from safetensors.torch import load as load_safetensors
 
 from model.interventions import Edit, EditSpec
@@ -233,43 +242,6 @@ def test_bad_input_names_the_field(small_limits: TestClient, path: str, body: An
 
 
 # --- the engine: a pass's pieces as jobs, decode steps between them, one graph at a time -----------------
-
-
-def log_engine(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """A log of the engine's decode steps ("step", while sequences decode) and of its jobs, each logged as
-    what it runs: "<class>.step#<the pass's number>" for a pass's piece (passes numbered as they first run),
-    else the function's name."""
-    engine = client.app.state.engine  # type: ignore[attr-defined]
-    log: list[str] = []
-    passes: list[object] = []
-    real_step, real_job = engine._step, engine._run_job
-
-    def step() -> None:
-        if len(engine._batch):
-            log.append("step")
-        real_step()
-
-    def job(job: Any) -> None:
-        owner = getattr(job.fn, "__self__", None)
-        if owner is None:
-            log.append(job.fn.__name__)
-        else:
-            passes.extend([owner] if owner not in passes else [])
-            log.append(f"{type(owner).__name__}.step#{passes.index(owner)}")
-        real_job(job)
-
-    monkeypatch.setattr(engine, "_step", step)
-    monkeypatch.setattr(engine, "_run_job", job)
-    return log
-
-
-def assert_interleaved(log: list[str], calls: list[int]) -> None:
-    """While the generation still decodes, a decode step between every two of `calls` (indices into `log`)."""
-    last_step = max(i for i, e in enumerate(log) if e == "step")
-    assert calls[0] < last_step, "the jobs came after the generation ended: nothing was interleaved"
-    for a, b in itertools.pairwise(calls):
-        if b < last_step:
-            assert "step" in log[a:b], log
 
 
 GENERATION = {"input_ids": CLEAN, "max_new_tokens": 64, "temperature": 0, "ignore_eos": True}

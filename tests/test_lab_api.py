@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 from conftest import Checkpoint
 from fastapi.testclient import TestClient
+from inprocess import assert_interleaved, log_engine, wait_until
 from safetensors.torch import load as load_safetensors
 
 from model.analysis import analyze
@@ -50,6 +52,37 @@ def dump(client: TestClient, ids: list[int], hooks: list[str], **edits: Any) -> 
 
 def logits(client: TestClient, ids: list[int], **edits: Any) -> torch.Tensor:
     return load_safetensors(dump(client, ids, ["logits"], **edits))["logits"][0]  # [T, vocab]
+
+
+@pytest.mark.parametrize(
+    "edits",
+    [[], [{"hook": "ln_final.hook_normalized", "op": "scale", "factor": 2.0, "positions": [3]}]],
+    ids=["plain", "edited-in-the-head"],
+)
+def test_next_token_runs_a_block_a_job_with_decode_steps_between(
+    client: TestClient, tiny_model: GPT, monkeypatch: pytest.MonkeyPatch, edits: list[dict[str, Any]]
+) -> None:
+    """While a generation decodes, /v1/next-token runs as one engine job a block (the first with the
+    embeddings) and one for the LM head, a decode step between every two; its answer is `GPT.forward`'s to
+    the bit (an edit in the head: every position goes through it, as there)."""
+    L = tiny_model.config.n_layer
+    log = log_engine(client, monkeypatch)
+    generation = {"input_ids": CLEAN, "max_new_tokens": 64, "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        streamed = pool.submit(client.post, "/v1/generate", json=generation)
+        wait_until(lambda: "step" in log)
+        body = next_token(client, CLEAN, interventions=edits)
+        assert streamed.result(60).status_code == 200
+    jobs = [i for i, e in enumerate(log) if e != "step"]
+    assert [log[i] for i in jobs] == ["NextTokenPass.step#0"] * (L + 1), log
+    assert_interleaved(log, jobs)
+    spec = EditSpec(tuple(Edit(e["hook"], "scale", factor=e["factor"], positions=tuple(e["positions"])) for e in edits))
+    with torch.inference_mode():
+        hooks = spec.hooks(tiny_model.config, T) if edits else None
+        logprobs = torch.log_softmax(tiny_model(torch.tensor([CLEAN]), hooks=hooks, last_only=True)[0, -1].float(), -1)
+    top = logprobs.topk(5)
+    assert [t["id"] for t in body["top"]] == top.indices.tolist()
+    assert [t["logprob"] for t in body["top"]] == top.values.tolist()
 
 
 # --- interventions take effect, as at model level -----------------------------------------------------

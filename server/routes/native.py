@@ -16,9 +16,8 @@ import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from model.analysis import NextToken, next_token_distribution
+from model.analysis import NextTokenPass
 from model.generate import Completion, GenerationError, TokenLogprob, validate_prompt
-from model.gpt import GPT
 from model.hooks import is_optional, select_hooks
 
 from .. import encoding
@@ -40,8 +39,8 @@ from .deps import (
     resolved_edits,
     results,
     sse,
+    stepped,
     token_ids,
-    unless_disconnected,
 )
 from .sae import DirectionsDep, FeatureReader, describe_saes, feature_reader
 
@@ -162,10 +161,9 @@ async def next_token(req: NextTokenRequest, engine: EngineDep, request: Request,
     edits = await resolved_edits(req, engine, directions)
     hooks = edits.hooks(engine.model.config, len(ids)) if edits is not None else None
 
-    def distribution(model: GPT) -> NextToken:
-        return next_token_distribution(model, ids, req.top_k, hooks)
-
-    dist = await unless_disconnected(request, engine.call(distribution))
+    run = NextTokenPass(engine.model.config, ids, req.top_k, hooks)
+    await stepped(request, engine, run)  # a block a job: decode steps go on between them
+    dist = run.result()
     tok = engine.tokenizer
 
     def body() -> dict[str, Any]:  # top_k may be the whole vocabulary: 50,257 entries, written off the event loop
