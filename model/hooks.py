@@ -337,15 +337,47 @@ def run_with_cache(
     is an error) for token ids `idx` [B, T] (or a list of ids: one sequence), each [B, T, ...] (attention
     squares [B, head, T, T]), from one forward pass that ends as soon as the last of them in model order is
     taken: the blocks after it and the LM head never run. `edits` (interventions) see and change the
-    values first."""
-    from .interventions import HookChain  # interventions imports this module
+    values first. `CapturePass`'s pieces one after another."""
+    run = CapturePass(model, idx, names, edits)
+    while not run.done:
+        run.step(model)
+    return run.tensors()
 
-    names = select_hooks(names, model.config.n_layer)  # in model order: the pass ends at the last
-    if not isinstance(idx, torch.Tensor):
-        idx = torch.tensor([list(idx)], device=model.wte.weight.device)  # [1, T]
-    capture = Capture(names)
-    run_until(model, idx, capture if edits is None else HookChain(edits, capture), names[-1])
-    return capture.tensors()
+
+class CapturePass:
+    """`run_with_cache` a piece at a time, each `step` an engine job on the server, decode steps going on
+    between them: the embeddings with block 0, then each block, then the LM head (if a hook point after the
+    last block is asked for), until the last hook point asked for has its value (`StopAfter`)."""
+
+    def __init__(self, model: GPT, idx: torch.Tensor | list[int], names: list[str], edits: Hooks | None = None) -> None:
+        from .interventions import HookChain  # interventions imports this module
+
+        names = select_hooks(names, model.config.n_layer)  # in model order: the pass ends at the last
+        if not isinstance(idx, torch.Tensor):
+            idx = torch.tensor([list(idx)], device=model.wte.weight.device)  # [1, T]
+        self.idx, self._capture = idx, Capture(names)
+        self._hooks = StopAfter(self._capture if edits is None else HookChain(edits, self._capture), names[-1])
+        self._n_layer, self._blocks, self.done = model.config.n_layer, 0, False
+        self._x: torch.Tensor | None = None  # [B, T, C]: the stream entering the next block, then leaving the last
+
+    @torch.no_grad()
+    def step(self, model: GPT) -> None:
+        assert not self.done, "the pass is over"
+        try:
+            if self._x is None:
+                self._x = model.embed(self.idx, hooks=self._hooks)
+            if self._blocks < self._n_layer:
+                self._x = model.h[self._blocks](self._x, None, self._hooks)
+                self._blocks += 1
+            else:
+                model.unembed(self._x, self._hooks)
+        except StopForward:  # the last value wanted is in
+            self.done, self._x = True, None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The values captured, as `Capture.tensors` gives them."""
+        assert self.done, "the pass is not over"
+        return self._capture.tensors()
 
 
 def run_until(model: GPT, idx: torch.Tensor, hooks: Hooks, last: str) -> None:

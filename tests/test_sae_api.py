@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import Checkpoint
 from fastapi.testclient import TestClient
+from inprocess import log_engine
 from sae_files import write_sae
 from safetensors.torch import load as load_safetensors
 
@@ -197,24 +198,17 @@ def test_steering_vectors_are_measured_stored_and_used(client: TestClient, tiny_
     assert mean_body["name"] is None and mean_body["vector"] != body["vector"]
 
 
-def test_a_steering_vector_is_measured_one_prompt_a_job(
+def test_a_steering_vector_is_measured_a_block_a_job(
     client: TestClient, tiny_model: GPT, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each prompt of /v1/steering-vectors is a job of its own on the engine, so running streams take their
-    decode steps between them (128 long prompts in one job once held every stream for all of them); the
-    vector is exactly the model-level contrastive_vector's."""
-    engine = client.app.state.engine  # type: ignore[attr-defined]
-    jobs = []
-    call = engine.call
-
-    def counted(fn: Any) -> Any:
-        jobs.append(fn)
-        return call(fn)
-
-    monkeypatch.setattr(engine, "call", counted)
+    """Each prompt of /v1/steering-vectors is a pass of its own on the engine, a job a block up to the hook
+    (`blocks.1.hook_resid_pre`: the embeddings with block 0, then block 1, which stops at the hook), so
+    running streams take their decode steps between them (128 long prompts in one job once held every stream
+    for all of them); the vector is exactly the model-level contrastive_vector's."""
+    log = log_engine(client, monkeypatch)
     pos, neg = [[1, 2, 3], [4, 5]], [[6, 7], [8], [9, 10, 11]]
     body = post(client, "/v1/steering-vectors", {"positive": pos, "negative": neg, "hook": RES, "reduce": "mean"})
-    assert len(jobs) == 5
+    assert [e for e in log if e != "step"] == [f"CapturePass.step#{n}" for n in range(5) for _ in range(2)], log
     want = contrastive_vector(tiny_model, pos, neg, RES, "mean")
     assert torch.equal(torch.tensor(body["vector"]), want.vector)
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from ..hooks import has_one_vector_per_position, run_with_cache
+from ..hooks import CapturePass, has_one_vector_per_position
 from .sae import SAE
 
 if TYPE_CHECKING:
@@ -154,11 +154,24 @@ def contrastive_vector(
 
 def prompt_value(model: GPT, ids: Sequence[int], hook: str, reduce: Reduce) -> torch.Tensor:
     """One prompt's value at `hook` (a d_model site) for a contrastive vector, [d] float32 on the CPU: at
-    its last position, or averaged over its positions. A forward pass of its own, ended at the hook (the
-    server runs each as one job, so the decode steps of other requests go on between prompts)."""
+    its last position, or averaged over its positions. A forward pass of its own, ended at the hook
+    (`prompt_pass`, its pieces one after another; the server runs each piece as an engine job)."""
+    run = prompt_pass(model, ids, hook)
+    while not run.done:
+        run.step(model)
+    return prompt_reduced(run, hook, reduce)
+
+
+def prompt_pass(model: GPT, ids: Sequence[int], hook: str) -> CapturePass:
+    """`prompt_value`'s pass over one prompt, ended at `hook`, not run yet."""
     if not has_one_vector_per_position(hook):
         raise ValueError(f"{hook} is not a hook with one vector per position: no steering vector to measure there")
-    x = run_with_cache(model, list(ids), [hook])[hook][0].to(torch.float32)  # [T, d]
+    return CapturePass(model, list(ids), [hook])
+
+
+def prompt_reduced(run: CapturePass, hook: str, reduce: Reduce) -> torch.Tensor:
+    """The value `prompt_pass` took at `hook`, reduced as `prompt_value` gives it."""
+    x = run.tensors()[hook][0].to(torch.float32)  # [T, d]
     return (x[-1] if reduce == "last" else x.mean(0)).cpu()
 
 

@@ -7,7 +7,6 @@ live in this process's memory (`Directions`, bounded by `--max-steering-vectors`
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -19,7 +18,7 @@ from model.generate import GenerationError, validate_prompt
 from model.gpt import GPT
 from model.hooks import has_one_vector_per_position, hook_names
 from model.lab.sae import SAE, TokenFeatures, load_saes, token_features
-from model.lab.steering import DirectionError, Directions, contrast, prompt_value
+from model.lab.steering import DirectionError, Directions, contrast, prompt_pass, prompt_reduced
 from model.loading import LoadedModel
 
 from .. import encoding
@@ -37,6 +36,7 @@ from .deps import (
     json_response,
     resolved_edits,
     results,
+    stepped,
     token_ids,
     unless_disconnected,
 )
@@ -243,13 +243,12 @@ async def steering_vectors(
     except DirectionError as e:
         raise GenerationError(str(e), e.param) from None
 
-    def measure(ids: list[int]) -> Callable[[GPT], torch.Tensor]:
-        return lambda model: prompt_value(model, ids, req.hook, req.reduce)
-
     values: list[list[torch.Tensor]] = [[], []]
     for side, prompts in zip(values, sides, strict=True):
-        for ids in prompts:  # a job each: the decode steps of running streams go on between the prompts
-            side.append(await unless_disconnected(request, engine.call(measure(ids))))
+        for ids in prompts:  # a job a block of each: the decode steps of running streams go on between them
+            run = prompt_pass(engine.model, ids, req.hook)
+            await stepped(request, engine, run)
+            side.append(prompt_reduced(run, req.hook, req.reduce))
     vector = contrast(req.hook, values[0], values[1])
     if req.name is not None:
         try:
