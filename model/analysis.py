@@ -15,7 +15,7 @@ import torch
 
 from .config import GPTConfig
 from .gpt import GPT
-from .hooks import HEAD_HOOKS, Hooks
+from .hooks import Hooks, uses_the_head
 from .interventions import HookChain, NonFiniteActivations
 from .overflow import layer_norm_inputs, layer_norm_overflow, variance_overflows
 
@@ -251,19 +251,11 @@ class NextToken:
     entropy: float  # of the whole next-token distribution, in nats
 
 
-def next_token_distribution(model: GPT, ids: list[int], top_k: int, hooks: Hooks | None = None) -> NextToken:
-    """The top-k next tokens after `ids` and the entropy of the distribution (with `hooks`: edits applied):
-    `NextTokenPass`'s pieces one after another."""
-    run = NextTokenPass(model.config, ids, top_k, hooks)
-    while not run.done:
-        run.step(model)
-    return run.result()
-
-
 class NextTokenPass:
-    """`next_token_distribution` a piece at a time, each `step` an engine job on the server, decode steps going
-    on between them: the embeddings with block 0, then each block, then the LM head at the last position (at
-    every position where a hook point after the last block is in use, as in `GPT.forward`)."""
+    """The top-k next tokens after `ids` and the entropy of the distribution (with `hooks`: edits applied), a
+    piece at a time, each `step` an engine job on the server, decode steps going on between them: the
+    embeddings with block 0, then each block, then the LM head at the last position (at every position where
+    a hook point after the last block is in use, as in `GPT.forward`)."""
 
     def __init__(self, config: GPTConfig, ids: list[int], top_k: int, hooks: Hooks | None = None) -> None:
         self.ids, self.top_k, self.hooks = ids, top_k, hooks
@@ -284,8 +276,8 @@ class NextTokenPass:
             self._x = model.h[self._blocks](self._x, None, self.hooks)
             self._blocks += 1
             return
-        every = self.hooks is not None and any(self.hooks.active(name) for name in HEAD_HOOKS)
-        logits = model.unembed(self._x if every else self._x[:, -1:], self.hooks)[0, -1].float()  # [vocab]
+        x = self._x if uses_the_head(self.hooks) else self._x[:, -1:]
+        logits = model.unembed(x, self.hooks)[0, -1].float()  # [vocab]
         self._x = None
         if not logits.isfinite().all():
             raise NonFiniteActivations("the edits made the logits non-finite (inf or NaN): no distribution to give")

@@ -21,7 +21,7 @@ import torch
 
 from .cuda_graph import StaticDecode
 from .gpt import GPT
-from .hooks import HEAD_HOOKS, Capture, Hooks, Index, RowHooks, hook_names, run_until, select_hooks
+from .hooks import Capture, Hooks, Index, RowHooks, hook_names, run_until, select_hooks, uses_the_head
 from .interventions import EditSpec, HookChain
 from .kernels.decode import FusedDecode
 from .kv_cache import KVCache, PackedBatch
@@ -261,10 +261,6 @@ def _prompt_logprobs(logits: torch.Tensor, prompt: list[int], start: int, n: int
     return out
 
 
-def _wants_head(hooks: Hooks | None) -> bool:
-    return hooks is not None and any(hooks.active(name) for name in HEAD_HOOKS)
-
-
 def prefill_prompts(model: GPT, seqs: Sequence[SequenceState]) -> None:
     """Run the prompts of `prompt_only` sequences in one forward pass, [B, longest] (shorter ones padded at
     the end, which causal attention keeps from every real position), each sequence's hooks seeing only its
@@ -490,7 +486,7 @@ class DecodeBatch:
         for b, start, end in chunks:
             seq, first = self.seqs[b], len(tokens)
             tokens += seq.prompt[start:end]
-            every = seq.params.prompt_logprobs is not None or _wants_head(seq.hooks)
+            every = seq.params.prompt_logprobs is not None or uses_the_head(seq.hooks)
             wanted = range(first, first + end - start) if every else range(0)
             if not wanted and end == len(seq.prompt):  # the last: it predicts the first new token
                 wanted = range(first + end - start - 1, first + end - start)

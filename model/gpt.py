@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import GPTConfig
-from .hooks import HEAD_HOOKS, HookPoint, Hooks, hook_names
+from .hooks import HookPoint, Hooks, hook_names, uses_the_head
 from .kv_cache import KVCache, PackedBatch
 
 # Per-head inputs' changes for the queries, keys and values, [B, T, H, C] each (see Block._attn_input).
@@ -274,7 +274,7 @@ class GPT(nn.Module):
             x = block(x, cache, hooks)
         if isinstance(cache, PackedBatch):
             x = x[:, cache.outputs]
-        elif last_only and not (hooks and any(hooks.active(name) for name in HEAD_HOOKS)):  # those need every position
+        elif last_only and not uses_the_head(hooks):
             x = x[:, -1:]
         logits = self.unembed(x, hooks)
         return logits[:, -1:] if last_only else logits

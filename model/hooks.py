@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from .config import GPTConfig
     from .gpt import GPT
 
 
@@ -85,6 +86,12 @@ _FIRST = ["hook_embed", "hook_pos_embed"]
 _LAST = ["ln_final.hook_scale", "ln_final.hook_normalized", "unembed.hook_in", "unembed.hook_out", "logits"]
 OPTIONAL_SITES = tuple(site for site, optional in _BLOCK_SITES if optional)
 HEAD_HOOKS = tuple(_LAST)  # after the last block: what needs the logits of every position it covers
+
+
+def uses_the_head(hooks: Hooks | None) -> bool:
+    """Whether `hooks` ask for or edit a hook point after the last block: then the LM head runs over every
+    position, not only those whose logits are needed."""
+    return hooks is not None and any(hooks.active(name) for name in HEAD_HOOKS)
 
 
 def hook_names(n_layer: int, optional: bool = True) -> list[str]:
@@ -338,7 +345,7 @@ def run_with_cache(
     squares [B, head, T, T]), from one forward pass that ends as soon as the last of them in model order is
     taken: the blocks after it and the LM head never run. `edits` (interventions) see and change the
     values first. `CapturePass`'s pieces one after another."""
-    run = CapturePass(model, idx, names, edits)
+    run = CapturePass(model.config, idx, names, edits)
     while not run.done:
         run.step(model)
     return run.tensors()
@@ -349,30 +356,38 @@ class CapturePass:
     between them: the embeddings with block 0, then each block, then the LM head (if a hook point after the
     last block is asked for), until the last hook point asked for has its value (`StopAfter`)."""
 
-    def __init__(self, model: GPT, idx: torch.Tensor | list[int], names: list[str], edits: Hooks | None = None) -> None:
+    def __init__(
+        self, config: GPTConfig, idx: torch.Tensor | list[int], names: list[str], edits: Hooks | None = None
+    ) -> None:
         from .interventions import HookChain  # interventions imports this module
 
-        names = select_hooks(names, model.config.n_layer)  # in model order: the pass ends at the last
-        if not isinstance(idx, torch.Tensor):
-            idx = torch.tensor([list(idx)], device=model.wte.weight.device)  # [1, T]
+        names = select_hooks(names, config.n_layer)  # in model order: the pass ends at the last
         self.idx, self._capture = idx, Capture(names)
         self._hooks = StopAfter(self._capture if edits is None else HookChain(edits, self._capture), names[-1])
-        self._n_layer, self._blocks, self.done = model.config.n_layer, 0, False
+        self._n_layer, self._blocks, self._done = config.n_layer, 0, False
         self._x: torch.Tensor | None = None  # [B, T, C]: the stream entering the next block, then leaving the last
+
+    @property
+    def done(self) -> bool:
+        return self._done
 
     @torch.no_grad()
     def step(self, model: GPT) -> None:
         assert not self.done, "the pass is over"
         try:
             if self._x is None:
-                self._x = model.embed(self.idx, hooks=self._hooks)
+                idx = self.idx
+                if not isinstance(idx, torch.Tensor):
+                    idx = torch.tensor([list(idx)], device=model.wte.weight.device)  # [1, T]
+                self._x = model.embed(idx, hooks=self._hooks)
             if self._blocks < self._n_layer:
                 self._x = model.h[self._blocks](self._x, None, self._hooks)
                 self._blocks += 1
-            else:
-                model.unembed(self._x, self._hooks)
+                return
+            model.unembed(self._x, self._hooks)
         except StopForward:  # the last value wanted is in
-            self.done, self._x = True, None
+            pass
+        self._done, self._x = True, None  # after the LM head, whatever it reached: nothing is left to run
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The values captured, as `Capture.tensors` gives them."""

@@ -237,8 +237,8 @@ class Engine:
         """Run `fn(model)` on the engine's thread, between engine steps, and return its result (raises
         `QueueFull` when `max_queue` jobs are waiting already). Cancelling the call takes its job out of the
         queue if it has not started, and stops it at its next block if it has (each block a chance to stop).
-        A long piece of work is better several calls (a steering vector's prompts, attribution's verified sites):
-        decode steps run between them."""
+        A long piece of work is better several calls, a block of the model or so each (the lab's passes:
+        `routes.deps.stepped`): decode steps run between them."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         with self._cv:

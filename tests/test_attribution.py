@@ -10,7 +10,7 @@ import torch
 from model.gpt import GPT
 from model.hooks import Capture
 from model.interventions import Edit, EditSpec
-from model.lab.attribution import Site, attribution
+from model.lab.attribution import Candidate, Site, attribution, score_sites, verify_site
 from model.lab.gradients import LogitDiff, LogProb, Loss, Metric, MetricError, gradients, metric_value
 
 CLEAN = [464, 3797, 3332, 319, 262, 2603, 780, 340]  # "The cat sat on the mat because it"
@@ -137,3 +137,18 @@ def test_scores_keep_only_what_their_verification_needs(ours64: GPT) -> None:
         want = (C,) if c.site.position is not None else (T, *c.value.shape[1:])
         assert tuple(c.value.shape) == want, c.site
     assert len(scores.candidates) == len(_scores(scores.with_verified([])))
+
+
+def test_a_patched_run_that_overflows_is_refused_naming_verify(tiny: object) -> None:
+    """A verified site whose patched run drives a LayerNorm past float32's range (a clean value of 1e30 set
+    into the stream, as no real clean run gives) is refused naming `verify`, the field that asked for it,
+    not a metric computed through a LayerNorm that normalised the stream to 0."""
+    from conftest import load_ours
+
+    model = load_ours(tiny)  # type: ignore[arg-type]
+    scores = score_sites(model, CLEAN, CORRUPTED, Loss(), verify=1)
+    site = Site("blocks.1.hook_resid_pre", 1, position=2)
+    huge = Candidate(site, 0.0, torch.full((model.config.n_embd,), 1e30))
+    with torch.inference_mode(), pytest.raises(MetricError) as e:
+        verify_site(model, scores, CLEAN, CORRUPTED, Loss(), huge)
+    assert e.value.param == "verify" and str(e.value).endswith("in a run patched to verify a site: ask for verify 0")

@@ -279,7 +279,7 @@ def test_a_gradient_runs_a_piece_a_job_and_decode_steps_go_on_between(
             torch.testing.assert_close(got, want.grads[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_attribution_runs_its_passes_a_piece_a_job_and_each_verified_site_in_one(
+def test_attribution_runs_its_passes_and_each_verified_site_a_piece_a_job(
     client: TestClient, loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An attribution's two runs go a piece a job (the clean run forward, the corrupted run forward and back),

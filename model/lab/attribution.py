@@ -85,6 +85,10 @@ class Scores:
     mlp_out: torch.Tensor  # [layer]
     candidates: list[Candidate]  # the sites of largest |score|, largest first
 
+    def verified(self, candidate: Candidate, patched: float) -> Verified:
+        """`candidate`'s estimate beside the metric `patched` that patching its site for real gave."""
+        return Verified(candidate.site, candidate.estimate, patched, patched - self.corrupted_metric)
+
     def with_verified(self, verified: list[Verified]) -> Attribution:
         return Attribution(
             self.clean_metric, self.corrupted_metric, self.resid_pre, self.z, self.attn_out, self.mlp_out, verified
@@ -115,8 +119,13 @@ def _refusal(run: str) -> Refusal:
     return Refusal(run, f", in the {run} run: {why}", f"the {run} run's metric", why)
 
 
+# the edit is the patch itself, which the request asked for with `verify`
 PATCHED = Refusal(
-    "verify", ", in a run patched to verify a site: ask for verify 0", "a patched run's metric", "ask for verify 0"
+    "verify",
+    ", in a run patched to verify a site: ask for verify 0",
+    "a patched run's metric",
+    "ask for verify 0",
+    "verify",
 )
 
 
@@ -191,25 +200,20 @@ def verify_site(
 ) -> Verified:
     """`candidate`'s site patched for real: the corrupted run with the clean run's value set in there
     (`patched_pass`, its pieces one after another)."""
-    run = patched_pass(model.config, corrupted, clean, metric, candidate)
+    run = patched_pass(model.config, clean, corrupted, metric, candidate)
     while not run.done:
         run.step(model)
-    return verified(scores, candidate, run.result().metric)
+    return scores.verified(candidate, run.result().metric)
 
 
 def patched_pass(
-    config: GPTConfig, corrupted: list[int], clean: list[int], metric: Metric, candidate: Candidate
+    config: GPTConfig, clean: list[int], corrupted: list[int], metric: Metric, candidate: Candidate
 ) -> MetricPass:
     """The corrupted run with `candidate`'s clean value set in at its site, to the metric (the loss predicting
     the clean prompt's tokens): activation patching for real, a piece at a time, without a graph. The server
     runs each piece as an engine job."""
     edits = EditSpec((candidate.site.edit(candidate.value),))
     return MetricPass(config, corrupted, metric, [], PATCHED, edits, targets=clean)
-
-
-def verified(scores: Scores, candidate: Candidate, patched: float) -> Verified:
-    """`candidate`'s estimate beside the metric `patched` that patching its site for real gave."""
-    return Verified(candidate.site, candidate.estimate, patched, patched - scores.corrupted_metric)
 
 
 def check_attribution(clean: list[int], corrupted: list[int], metric: Metric, vocab_size: int) -> None:

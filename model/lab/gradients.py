@@ -22,7 +22,7 @@ import torch
 
 from ..config import GPTConfig
 from ..gpt import GPT
-from ..hooks import HEAD_HOOKS, Hooks, select_hooks
+from ..hooks import Hooks, select_hooks, uses_the_head
 from ..interventions import EditSpec, HookChain, InterventionError, split_input_clashes
 from ..overflow import layer_norm_inputs, layer_norm_overflow, variance_overflows
 
@@ -203,13 +203,15 @@ class Gradients:
 @dataclass(frozen=True)
 class Refusal:
     """How a `MetricPass` words a run it cannot differentiate: the field its errors name (`param`; where edits
-    ran, a LayerNorm's overflow names `interventions`), how the overflow's message ends (`overflow`), and,
-    for a metric that is not finite, what the metric is called (`subject`) and what follows (`consequence`)."""
+    ran, a LayerNorm's overflow names the edits' field, `edits_param`), how the overflow's message ends
+    (`overflow`), and, for a metric that is not finite, what the metric is called (`subject`) and what follows
+    (`consequence`)."""
 
     param: str
     overflow: str
     subject: str
     consequence: str
+    edits_param: str = "interventions"
 
 
 GRADIENTS = Refusal("metric", ": every gradient through it is 0", "the metric", "nothing to differentiate")
@@ -261,10 +263,10 @@ class MetricPass:
         self.capture = GradientHooks(wrt)
         hooks = self.capture if also is None else HookChain(self.capture, also)
         self._hooks, self._watch = watched(hooks, edits, config, len(ids))
-        self._overflow_param = "interventions" if edits is not None else refusal.param
+        self._overflow_param = refusal.edits_param if edits is not None else refusal.param
         self._n_layer = config.n_layer
         # the head's parts: every row in one where a hook point after the last block is in use, as in one pass
-        self._whole_head = any(self._hooks.active(n) for n in HEAD_HOOKS)
+        self._whole_head = uses_the_head(self._hooks)
         rows = range(len(ids)) if self._whole_head else metric_rows(metric, len(ids))
         step = len(rows) if self._whole_head else self.head_rows
         self._parts = [rows[i : i + step] for i in range(0, len(rows), step)]  # not run yet

@@ -25,6 +25,7 @@ from ..hooks import CapturePass, has_one_vector_per_position
 from .sae import SAE
 
 if TYPE_CHECKING:
+    from ..config import GPTConfig
     from ..gpt import GPT
 
 STEERING_OPS = ("steer", "orthogonal", "projection_cap", "clamp")
@@ -156,17 +157,17 @@ def prompt_value(model: GPT, ids: Sequence[int], hook: str, reduce: Reduce) -> t
     """One prompt's value at `hook` (a d_model site) for a contrastive vector, [d] float32 on the CPU: at
     its last position, or averaged over its positions. A forward pass of its own, ended at the hook
     (`prompt_pass`, its pieces one after another; the server runs each piece as an engine job)."""
-    run = prompt_pass(model, ids, hook)
+    run = prompt_pass(model.config, ids, hook)
     while not run.done:
         run.step(model)
     return prompt_reduced(run, hook, reduce)
 
 
-def prompt_pass(model: GPT, ids: Sequence[int], hook: str) -> CapturePass:
+def prompt_pass(config: GPTConfig, ids: Sequence[int], hook: str) -> CapturePass:
     """`prompt_value`'s pass over one prompt, ended at `hook`, not run yet."""
     if not has_one_vector_per_position(hook):
         raise ValueError(f"{hook} is not a hook with one vector per position: no steering vector to measure there")
-    return CapturePass(model, list(ids), [hook])
+    return CapturePass(config, list(ids), [hook])
 
 
 def prompt_reduced(run: CapturePass, hook: str, reduce: Reduce) -> torch.Tensor:

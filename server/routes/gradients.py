@@ -19,7 +19,6 @@ from fastapi.responses import Response
 
 from model.generate import validate_prompt
 from model.lab.attribution import ScoringPass, Site, patched_pass
-from model.lab.attribution import verified as patched
 from model.lab.gradients import Gradients, Metric, check_metric, grad_name, gradient_pass, graph_bytes
 
 from .. import encoding
@@ -146,9 +145,10 @@ async def attribution_patching(
     del scoring  # both runs' values at every site: only the verified sites' clean values go on
     verified = []
     for candidate in scores.candidates:  # no graph: no turn to wait for
-        run = patched_pass(engine.model.config, corrupted, clean, metric, candidate)
+        # its plan checks the clean value (a device sync on a GPU): off the event loop
+        run = await run_in_threadpool(patched_pass, engine.model.config, clean, corrupted, metric, candidate)
         await stepped(request, engine, run)
-        verified.append(patched(scores, candidate, run.result().metric))
+        verified.append(scores.verified(candidate, run.result().metric))
     result = scores.with_verified(verified)
     text = engine.tokenizer.token_text
 

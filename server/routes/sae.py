@@ -246,9 +246,9 @@ async def steering_vectors(
     values: list[list[torch.Tensor]] = [[], []]
     for side, prompts in zip(values, sides, strict=True):
         for ids in prompts:  # a job a block of each: the decode steps of running streams go on between them
-            run = prompt_pass(engine.model, ids, req.hook)
+            run = prompt_pass(config, ids, req.hook)
             await stepped(request, engine, run)
-            side.append(prompt_reduced(run, req.hook, req.reduce))
+            side.append(await run_in_threadpool(prompt_reduced, run, req.hook, req.reduce))  # a sync on a GPU
     vector = contrast(req.hook, values[0], values[1])
     if req.name is not None:
         try:
