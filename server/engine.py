@@ -151,6 +151,7 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
+        self.passes = 0  # lab passes under way, each a job at a time (`routes.deps.stepped`): at most max_queue
         self.metrics = metrics or Metrics()
         config = self.model.config
         self.prefill_chunk = default_prefill_chunk(loaded.device) if prefill_chunk is None else prefill_chunk
@@ -233,18 +234,19 @@ class Engine:
             self._cv.notify()
         return [RequestStream(self, r) for r in requests]
 
-    async def call(self, fn: Callable[[GPT], T]) -> T:
+    async def call(self, fn: Callable[[GPT], T], continuing: bool = False) -> T:
         """Run `fn(model)` on the engine's thread, between engine steps, and return its result (raises
-        `QueueFull` when `max_queue` jobs are waiting already). Cancelling the call takes its job out of the
-        queue if it has not started, and stops it at its next block if it has (each block a chance to stop).
-        A long piece of work is better several calls, a block of the model or so each (the lab's passes:
-        `routes.deps.stepped`): decode steps run between them."""
+        `QueueFull` when `max_queue` jobs are waiting already, unless `continuing`: the next piece of work
+        under way, which a full queue must not throw away half done). Cancelling the call takes its job out of
+        the queue if it has not started, and stops it at its next block if it has (each block a chance to
+        stop). A long piece of work is better several calls, a block of the model or so each (the lab's
+        passes: `routes.deps.stepped`): decode steps run between them."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         with self._cv:
             if self._stopping:
                 raise EngineStopped("the server is shutting down")
-            if len(self._jobs) >= self.max_queue:
+            if len(self._jobs) >= self.max_queue and not continuing:
                 raise QueueFull(f"{len(self._jobs)} model calls are waiting (the limit is {self.max_queue})")
             job = _Job(fn, loop, future)
             self._jobs.append(job)

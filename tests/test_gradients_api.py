@@ -5,6 +5,7 @@ and a gradient job runs between two decode steps of the continuous batch, never 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -30,6 +31,7 @@ from model.interventions import Edit, EditSpec
 from model.lab.attribution import attribution
 from model.lab.gradients import LogitDiff, LogProb, Loss, gradients, highway
 from model.loading import LoadedModel
+from server.engine import QueueFull
 
 CLEAN = [464, 3797, 3332, 319, 262, 2603, 780, 340]  # "The cat sat on the mat because it"
 CORRUPTED = [464, 3290, 3332, 319, 262, 2603, 780, 340]  # "The dog sat on the mat because it"
@@ -353,6 +355,34 @@ def test_a_client_that_leaves_mid_pass_gives_the_turn_back(
     r = post_ok(client, "/v1/gradients", grad(hooks=["blocks.0.hook_resid_pre"]))
     want = gradients(loaded.model, CLEAN, Loss(), ["blocks.0.hook_resid_pre"]).grads["blocks.0.hook_resid_pre"]
     torch.testing.assert_close(tensor(r["gradients"]["blocks.0.hook_resid_pre_grad"]), want, rtol=1e-5, atol=1e-7)
+
+
+def test_work_under_way_is_not_refused_for_a_full_queue(loaded: LoadedModel) -> None:
+    """A full queue (`--max-queue` 2 here) refuses a request's first job with a 429, not a later one: a pass
+    under way (a gradient's next piece, an attribution's verified sites, an analysis's highway) would lose its
+    work. And at most `--max-queue` passes are under way at once; one more is a 429 before it runs anything."""
+    with serve(loaded, max_queue=2) as c:
+        engine = c.app.state.engine  # type: ignore[attr-defined]
+        assert c.portal is not None
+        with engine_held(c):
+            waiting = [c.portal.start_task_soon(engine.call, lambda _: None) for _ in range(2)]
+            wait_until(lambda: len(engine._jobs) == 2)
+            with pytest.raises(QueueFull):
+                c.portal.call(engine.call, lambda _: None)
+            later = c.portal.start_task_soon(functools.partial(engine.call, lambda _: 7, continuing=True))
+            wait_until(lambda: len(engine._jobs) == 3)
+            r = c.post("/v1/gradients", json=grad(hooks=["blocks.0.hook_resid_pre"]))
+            assert r.status_code == 429 and "model calls are waiting" in r.json()["error"]["message"], r.text
+        assert later.result(10) == 7 and [w.result(10) for w in waiting] == [None, None]
+        engine.passes = 2  # two passes under way
+        try:
+            r = c.post("/v1/next-token", json={"input_ids": CLEAN})
+            assert r.status_code == 429, r.text
+            assert "2 model calls of many steps are under way (the limit is 2)" in r.json()["error"]["message"]
+        finally:
+            engine.passes = 0
+        post_ok(c, "/v1/gradients", grad(hooks=["blocks.0.hook_resid_pre"]))
+        assert engine.passes == 0
 
 
 def _post(client: TestClient, path: str, body: dict[str, Any]) -> int:

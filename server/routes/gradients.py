@@ -3,11 +3,12 @@ attribution scores for every site with optional real patching (`/v1/attribution`
 
 A gradient's pass runs a piece at a time (`MetricPass`: a block forward, a part of the LM head, a block
 back), each piece a job on the engine's thread (`Engine.call`), decode steps between them; an attribution's
-two runs go the same way (`ScoringPass`), then each site it verifies (`patched_pass`, without a graph). Each
-job can meet a full queue (429), as any call. A pass holds its graph from its first job to its last, and
-takes the server's `GraphTurn` for that: one graph alive at a time. A graph estimated over the server's
-`--max-gradient-bytes` is refused with 413 before anything runs; the gradients' answer, like a dump, holds
-its size of the server's dump budget (`--max-dump-bytes-in-flight`) until it is sent."""
+two runs go the same way (`ScoringPass`), then each site it verifies (`patched_pass`, without a graph). A
+request's first job can meet a full queue (429), its later ones not (`stepped`). A pass holds its graph
+from its first job to its last, and takes the server's `GraphTurn` for that: one graph alive at a time. A
+graph estimated over the server's `--max-gradient-bytes` is refused with 413 before anything runs; the
+gradients' answer, like a dump, holds its size of the server's dump budget (`--max-dump-bytes-in-flight`)
+until it is sent."""
 
 from __future__ import annotations
 
@@ -147,7 +148,7 @@ async def attribution_patching(
     for candidate in scores.candidates:  # no graph: no turn to wait for
         # its plan checks the clean value (a device sync on a GPU): off the event loop
         run = await run_in_threadpool(patched_pass, engine.model.config, clean, corrupted, metric, candidate)
-        await stepped(request, engine, run)
+        await stepped(request, engine, run, begun=True)  # the scores are in: not thrown away for a full queue
         verified.append(scores.verified(candidate, run.result().metric))
     result = scores.with_verified(verified)
     text = engine.tokenizer.token_text

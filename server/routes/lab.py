@@ -98,10 +98,15 @@ async def analyze_prompt(
     smaller += ", or compare_ablated false" if req.compare_ablated else ""
     await hold.reserve(size, request, Held("the analysis", "top_k" if req.top_k > 1 else field, smaller))
 
+    begun = False  # after the first job, the rest are not refused for a full queue: work done is not lost
+
     async def job(fn: Callable[[GPT], R]) -> R:
         """`fn` as an engine job of its own: decode steps go on before the next. A client gone ends the request:
         its waiting job leaves the queue (a running one finishes) and no job of it follows."""
-        return await unless_disconnected(request, engine.call(fn))
+        nonlocal begun
+        result = await unless_disconnected(request, engine.call(fn, continuing=begun))
+        begun = True
+        return result
 
     async def analysis(spec: EditSpec | None) -> list[LayerStats]:
         """One run's measures, as `analyze` takes them: each block of its pass as one job, and each part of a
@@ -122,7 +127,7 @@ async def analyze_prompt(
         """One run's gradient highway, a job a piece (`HighwayPass`), in the server's turn for a graph."""
         run = HighwayPass(config, ids, spec)
         async with turn.held(request):
-            await stepped(request, engine, run)
+            await stepped(request, engine, run, begun=True)  # after the analysis's own jobs
         return run.result()
 
     stats, ablated_stats = await analysis(edits), None

@@ -247,7 +247,7 @@ async def steering_vectors(
     for side, prompts in zip(values, sides, strict=True):
         for ids in prompts:  # a job a block of each: the decode steps of running streams go on between them
             run = prompt_pass(config, ids, req.hook)
-            await stepped(request, engine, run)
+            await stepped(request, engine, run, begun=bool(values[0]))  # after the first prompt, not refused
             side.append(await run_in_threadpool(prompt_reduced, run, req.hook, req.reduce))  # a sync on a GPU
     vector = contrast(req.hook, values[0], values[1])
     if req.name is not None:
