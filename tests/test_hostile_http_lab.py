@@ -121,9 +121,9 @@ def test_each_analysed_run_is_a_job_of_its_own(client: TestClient, monkeypatch: 
     jobs: list[Callable[..., Any]] = []
     original = engine.call
 
-    async def counted(fn: Callable[..., Any]) -> Any:
+    async def counted(fn: Callable[..., Any], continuing: bool = False) -> Any:
         jobs.append(fn)
-        return await original(fn)
+        return await original(fn, continuing)
 
     monkeypatch.setattr(engine, "call", counted)
     body = post_ok(client, ANALYZE, {"input_ids": IDS, "top_k": 1})
