@@ -9,6 +9,7 @@ vector. Effective rank: Roy & Vetterli 2007. Logit lens: nostalgebraist 2020.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -118,7 +119,7 @@ class ResidualPass:
         self.error: Exception | None = None
         self._keep = _Keep(config.n_layer, self.edited)
         self._hooks: Hooks = HookChain(edits, self._keep) if edits is not None else self._keep
-        self._x: torch.Tensor | None = None  # [1, T, C]: the stream entering the next block
+        self._blocks: Iterator[torch.Tensor] | None = None  # `GPT.block_by_block`, from the first step on
         self._next, self._n_layer = 0, config.n_layer
 
     @property
@@ -131,14 +132,16 @@ class ResidualPass:
         An error ends the pass; it is kept, for `raise_error` once those streams are measured."""
         assert not self.done, "the pass is over"
         try:
-            if self._x is None:
-                self._x = model.embed(torch.tensor([self.ids], device=model.wte.weight.device), hooks=self._hooks)
-            self._x = model.h[self._next](self._x, None, self._hooks)
+            if self._blocks is None:
+                self._blocks = model.block_by_block(
+                    torch.tensor([self.ids], device=model.wte.weight.device), self._hooks
+                )
+            next(self._blocks)
             self._next += 1
         except Exception as e:  # raised once the streams before it are measured
-            self.error, self._x = e, None
-        if self._next == self._n_layer:
-            self._x = None
+            self.error = e
+        if self.done:
+            self._blocks = None  # and the stream it holds
         return self._keep.take()
 
     def raise_error(self) -> None:
@@ -259,8 +262,8 @@ class NextTokenPass:
 
     def __init__(self, config: GPTConfig, ids: list[int], top_k: int, hooks: Hooks | None = None) -> None:
         self.ids, self.top_k, self.hooks = ids, top_k, hooks
-        self._n_layer, self._blocks = config.n_layer, 0
-        self._x: torch.Tensor | None = None  # [1, T, C]: the stream entering the next block, then leaving the last
+        self._blocks: Iterator[torch.Tensor] | None = None  # `GPT.block_by_block`, from the first step on
+        self._x: torch.Tensor | None = None  # [1, T, C]: the stream leaving the last block run
         self._next: NextToken | None = None
 
     @property
@@ -270,12 +273,13 @@ class NextTokenPass:
     @torch.no_grad()
     def step(self, model: GPT) -> None:
         assert not self.done, "the pass is over"
-        if self._x is None:
-            self._x = model.embed(torch.tensor([self.ids], device=model.wte.weight.device), hooks=self.hooks)
-        if self._blocks < self._n_layer:
-            self._x = model.h[self._blocks](self._x, None, self.hooks)
-            self._blocks += 1
+        if self._blocks is None:
+            self._blocks = model.block_by_block(torch.tensor([self.ids], device=model.wte.weight.device), self.hooks)
+        x = next(self._blocks, None)
+        if x is not None:
+            self._x = x
             return
+        assert self._x is not None
         x = self._x if uses_the_head(self.hooks) else self._x[:, -1:]
         logits = model.unembed(x, self.hooks)[0, -1].float()  # [vocab]
         self._x = None

@@ -9,6 +9,7 @@ loading is a table of names; hook points carry TransformerLens' names (see `mode
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -278,6 +279,15 @@ class GPT(nn.Module):
             x = x[:, -1:]
         logits = self.unembed(x, hooks)
         return logits[:, -1:] if last_only else logits
+
+    def block_by_block(self, idx: torch.Tensor, hooks: Hooks | None = None) -> Iterator[torch.Tensor]:
+        """The forward pass over `idx` [B, T] without a cache, a block at a time: the stream [B, T, C] leaving
+        each block in turn (the first with the embeddings), for work cut into pieces that other work runs
+        between (the lab's passes on the server's engine)."""
+        x = self.embed(idx, hooks=hooks)
+        for block in self.h:
+            x = block(x, None, hooks)
+            yield x
 
     def unembed(self, x: torch.Tensor, hooks: Hooks | None = None) -> torch.Tensor:
         """Logits [B, T, vocab] of the streams leaving the last block x [B, T, C]: the final LayerNorm, then the

@@ -12,7 +12,7 @@ import contextlib
 import fnmatch
 import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -364,8 +364,9 @@ class CapturePass:
         names = select_hooks(names, config.n_layer)  # in model order: the pass ends at the last
         self.idx, self._capture = idx, Capture(names)
         self._hooks = StopAfter(self._capture if edits is None else HookChain(edits, self._capture), names[-1])
-        self._n_layer, self._blocks, self._done = config.n_layer, 0, False
-        self._x: torch.Tensor | None = None  # [B, T, C]: the stream entering the next block, then leaving the last
+        self._blocks: Iterator[torch.Tensor] | None = None  # `GPT.block_by_block`, from the first step on
+        self._x: torch.Tensor | None = None  # [B, T, C]: the stream leaving the last block run
+        self._done = False
 
     @property
     def done(self) -> bool:
@@ -375,19 +376,20 @@ class CapturePass:
     def step(self, model: GPT) -> None:
         assert not self.done, "the pass is over"
         try:
-            if self._x is None:
+            if self._blocks is None:
                 idx = self.idx
                 if not isinstance(idx, torch.Tensor):
                     idx = torch.tensor([list(idx)], device=model.wte.weight.device)  # [1, T]
-                self._x = model.embed(idx, hooks=self._hooks)
-            if self._blocks < self._n_layer:
-                self._x = model.h[self._blocks](self._x, None, self._hooks)
-                self._blocks += 1
+                self._blocks = model.block_by_block(idx, self._hooks)
+            x = next(self._blocks, None)
+            if x is not None:
+                self._x = x
                 return
+            assert self._x is not None
             model.unembed(self._x, self._hooks)
         except StopForward:  # the last value wanted is in
             pass
-        self._done, self._x = True, None  # after the LM head, whatever it reached: nothing is left to run
+        self._done, self._x, self._blocks = True, None, None  # after the LM head, whatever it reached: the end
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The values captured, as `Capture.tensors` gives them."""
