@@ -83,24 +83,57 @@ class LayerStats:
 
 def analyze(model: GPT, ids: list[int], top_k: int = 5, edits: Hooks | None = None) -> list[LayerStats]:
     """One forward pass over `ids` (with `edits`, e.g. residual ablation, applied), measured after the
-    embeddings and after every block. Raises `NonFiniteActivations` at the first layer where the edits drove
-    the stream to inf or NaN, too large for its measures (norms, the logit lens) to be finite, or too large
-    for a LayerNorm's variance (`variance_overflows`). The work is the pass a block at a time
-    (`ResidualPass.step`), each stream it hands over measured before the next block runs (`measure`, in
-    parts: `LayerMeasure.step`): the server runs each step and each part as an engine job of its own, so
-    that decode steps go on between them. The memory taken beyond a block's own is at most three streams
-    [T, C], one layer's attention pattern and the logits of 256 positions."""
-    run = ResidualPass(model.config, ids, edits)
-    stats = []
+    embeddings and after every block (`AnalysisPass`, run to its end here). Raises `NonFiniteActivations` at
+    the first layer where the edits drove the stream to inf or NaN, too large for its measures (norms, the
+    logit lens) to be finite, or too large for a LayerNorm's variance (`variance_overflows`). The memory taken
+    beyond a block's own is at most three streams [T, C], one layer's attention pattern and the logits of 256
+    positions."""
+    run = AnalysisPass(model.config, ids, top_k, edits)
     while not run.done:
-        stats += [measure(model, stream, top_k, run.edited) for stream in run.step(model)]
-    run.raise_error()
-    return stats
+        run.step(model)
+    return run.result()
+
+
+class AnalysisPass:
+    """`analyze` a piece at a time, each `step` an engine job on the server, decode steps going on between
+    them: a block of the pass (`ResidualPass.step`), or a part of measuring a stream it handed over
+    (`LayerMeasure.step`). Each stream is measured before the next block runs, so at most the streams of one
+    block wait. An error (a layer's measures not finite, or the pass's own) is raised by the step that finds
+    it, or by `result` when the pass ended on it after the streams before it were measured."""
+
+    def __init__(self, config: GPTConfig, ids: list[int], top_k: int, edits: Hooks | None = None) -> None:
+        self.top_k = top_k
+        self._run = ResidualPass(config, ids, edits)
+        self._waiting: list[Stream] = []  # handed over by the last block, not measured yet
+        self._layer: LayerMeasure | None = None  # being measured
+        self._stats: list[LayerStats] = []
+
+    @property
+    def done(self) -> bool:
+        return self._run.done and not self._waiting and self._layer is None
+
+    def step(self, model: GPT) -> None:
+        assert not self.done, "the analysis is over"
+        if self._layer is None and not self._waiting:
+            self._waiting = self._run.step(model)
+            return
+        if self._layer is None:
+            self._layer = LayerMeasure(self._waiting.pop(0), self.top_k, self._run.edited)
+        self._layer.step(model)
+        if self._layer.done:
+            self._stats.append(self._layer.result())  # raises when they are not finite
+            self._layer = None
+
+    def result(self) -> list[LayerStats]:
+        """Every layer's measures, in order; raises the error that ended the pass, if one did."""
+        assert self.done, "the analysis is not over"
+        self._run.raise_error()
+        return self._stats
 
 
 @dataclass
 class Stream:
-    """One layer's residual stream as the pass left it, for `measure`."""
+    """One layer's residual stream as the pass left it, for `LayerMeasure`."""
 
     layer: int  # -1: the stream entering block 0 (embeddings); L: after block L
     x: torch.Tensor  # [T, C], in the model's dtype
@@ -108,7 +141,7 @@ class Stream:
 
 
 class ResidualPass:
-    """A forward pass over `ids` (with `edits` applied) a block at a time, keeping what `measure` needs: the
+    """A forward pass over `ids` (with `edits` applied) a block at a time, keeping what `LayerMeasure` needs: the
     stream after the embeddings and after each block, and each block's attention entropy (its pattern
     [H, T, T] reduced as it comes: one is alive at a time). It ends after the last block (the LM head is not
     needed), or at the first LayerNorm whose variance overflows, or at any error, which it keeps
@@ -183,17 +216,8 @@ class _Keep:
         return x
 
 
-def measure(model: GPT, stream: Stream, top_k: int, edited: bool) -> LayerStats:
-    """One layer's measures (`edited`: whether its pass had edits). Raises `NonFiniteActivations` when they are
-    not all finite."""
-    layer = LayerMeasure(stream, top_k, edited)
-    while not layer.done:
-        layer.step(model)
-    return layer.result()
-
-
 class LayerMeasure:
-    """`measure` in parts, each a `step`: the stream's own measures (norms, effective rank, collapse, mean
+    """One layer's measures in parts, each a `step`: the stream's own measures (norms, effective rank, collapse, mean
     cosine) with the logit lens of its first `lens_positions` positions, then the lens of each next ones
     (the lens is most of the work: 1,000 positions of gpt2-small's stream took 1.0 s on a 2-core CPU, its
     other measures 0.2 s). The server runs each part as an engine job of its own."""

@@ -278,22 +278,22 @@ def test_a_stream_is_measured_as_the_pass_handed_it_over(tiny_model: GPT) -> Non
     assert stats[2].norms != plain[2].norms  # layer 1: after a zero stream
 
 
-def test_analyze_holds_at_most_two_streams_handed_over(tiny_model: GPT, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each stream is measured as soon as the pass hands it over, before the next block runs: when a layer is
-    measured, no stream handed over before it is still in memory, except the embeddings' while layer 0's is
-    measured (the first block hands both over). All kept until the pass ended would be L + 1 at the end."""
+def test_analyze_holds_no_stream_it_has_measured(tiny_model: GPT, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each stream is measured as soon as the pass hands it over, before the next block runs, and let go of
+    once measured: when a layer's measures begin, no stream measured before it is still in memory. All kept
+    until the pass ended would be L + 1 at the end."""
     seen: list[weakref.ref[torch.UntypedStorage]] = []
     alive: list[int] = []
-    real = analysis.measure
 
-    def counted(model: GPT, stream: Stream, top_k: int, edited: bool) -> LayerStats:
-        alive.append(sum(ref() is not None for ref in seen))
-        seen.append(weakref.ref(stream.x.untyped_storage()))
-        return real(model, stream, top_k, edited)
+    class Counted(LayerMeasure):
+        def __init__(self, stream: Stream, top_k: int, edited: bool) -> None:
+            alive.append(sum(ref() is not None for ref in seen))
+            seen.append(weakref.ref(stream.x.untyped_storage()))
+            super().__init__(stream, top_k, edited)
 
-    monkeypatch.setattr(analysis, "measure", counted)
+    monkeypatch.setattr(analysis, "LayerMeasure", Counted)
     analyze(tiny_model, PROMPT, 3)
-    assert alive == [0, 1] + [0] * (tiny_model.config.n_layer - 1)
+    assert alive == [0] * (tiny_model.config.n_layer + 1)
 
 
 def test_a_layer_is_measured_in_parts_of_its_positions(tiny_model: GPT, monkeypatch: pytest.MonkeyPatch) -> None:

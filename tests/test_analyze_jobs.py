@@ -184,15 +184,17 @@ def test_an_error_is_analyze_s_and_no_job_follows_it(
 def test_a_client_that_leaves_stops_the_jobs(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
     """Raw ASGI, so that the disconnect is exact: the client leaves while the analysis's third job (layer 0's
     measures, after block 0 and layer -1's) runs; the answer is a 499 and no job of the analysis runs after
-    that one."""
+    that one. Meanwhile the analysis counts as a pass under way (at most `--max-queue` of them), and once it
+    has left, no longer."""
     engine = engine_of(client)
     with nth_job_held(client, monkeypatch, 3) as (jobs, running):
         request = RawRequest(client, ANALYZE, {"input_ids": IDS, "top_k": 2})
         assert running.wait(20), f"the analysis ran {len(jobs)} jobs, not 3 or more"
+        assert engine.passes == 1
         status = request.leave()  # the handler returned without waiting for the job
     assert status == 499
     assert_still_serving(client)  # engine steps: a job queued would have run before them
-    assert len(jobs) == 3 and not engine._jobs
+    assert len(jobs) == 3 and not engine._jobs and engine.passes == 0
     post_ok(client, ANALYZE, {"input_ids": IDS[:3], "compare_ablated": False})  # still analyses
 
 

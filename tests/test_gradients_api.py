@@ -376,9 +376,10 @@ def test_work_under_way_is_not_refused_for_a_full_queue(loaded: LoadedModel) -> 
         assert later.result(10) == 7 and [w.result(10) for w in waiting] == [None, None]
         engine.passes = 2  # two passes under way
         try:
-            r = c.post("/v1/next-token", json={"input_ids": CLEAN})
-            assert r.status_code == 429, r.text
-            assert "2 model calls of many steps are under way (the limit is 2)" in r.json()["error"]["message"]
+            for path in ("/v1/next-token", "/v1/analyze"):
+                r = c.post(path, json={"input_ids": CLEAN})
+                assert r.status_code == 429, (path, r.text)
+                assert "2 model calls of many steps are under way (the limit is 2)" in r.json()["error"]["message"]
         finally:
             engine.passes = 0
         post_ok(c, "/v1/gradients", grad(hooks=["blocks.0.hook_resid_pre"]))

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import FileResponse
 
-from model.analysis import LayerMeasure, LayerStats, ResidualPass
+from model.analysis import AnalysisPass, LayerStats
 from model.config import GPTConfig
 from model.generate import GenerationError, validate_prompt
-from model.gpt import GPT
 from model.interventions import EditSpec, NonFiniteActivations
 from model.lab.gradients import HighwayPass, LayerGradient
 
@@ -33,14 +32,12 @@ from .deps import (
     resolved_edits,
     stepped,
     token_ids,
-    unless_disconnected,
 )
 from .gradients import check_graph
 from .sae import DirectionsDep
 
 router = APIRouter(tags=["lab"], route_class=JSONBodyRoute)
 STATIC = Path(__file__).resolve().parents[1] / "static"
-R = TypeVar("R")
 
 
 @router.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
@@ -98,30 +95,13 @@ async def analyze_prompt(
     smaller += ", or compare_ablated false" if req.compare_ablated else ""
     await hold.reserve(size, request, Held("the analysis", "top_k" if req.top_k > 1 else field, smaller))
 
-    begun = False  # after the first job, the rest are not refused for a full queue: work done is not lost
-
-    async def job(fn: Callable[[GPT], R]) -> R:
-        """`fn` as an engine job of its own: decode steps go on before the next. A client gone ends the request:
-        its waiting job leaves the queue (a running one finishes) and no job of it follows."""
-        nonlocal begun
-        result = await unless_disconnected(request, engine.call(fn, continuing=begun))
-        begun = True
-        return result
-
-    async def analysis(spec: EditSpec | None) -> list[LayerStats]:
-        """One run's measures, as `analyze` takes them: each block of its pass as one job, and each part of a
-        layer's measures as one (a whole run at 1,000 tokens once took 24 s of one job on gpt2-small's shape
-        on a CPU, every stream waiting; now its longest job takes about 0.4 s there)."""
-        run = ResidualPass(config, ids, spec.hooks(config, len(ids)) if spec else None)
-        stats = []
-        while not run.done:
-            for s in await job(run.step):
-                layer = LayerMeasure(s, req.top_k, run.edited)
-                while not layer.done:
-                    await job(layer.step)
-                stats.append(layer.result())
-        run.raise_error()
-        return stats
+    async def analysis(spec: EditSpec | None, begun: bool) -> list[LayerStats]:
+        """One run's measures, a job a piece (`AnalysisPass`: a block of its pass, or a part of a layer's
+        measures; a whole run at 1,000 tokens once took 24 s of one job on gpt2-small's shape on a CPU, every
+        stream waiting; now its longest job takes about 0.4 s there). `begun`: the request has work done."""
+        run = AnalysisPass(config, ids, req.top_k, spec.hooks(config, len(ids)) if spec else None)
+        await stepped(request, engine, run, begun)
+        return run.result()
 
     async def gradients(spec: EditSpec | None) -> list[LayerGradient]:
         """One run's gradient highway, a job a piece (`HighwayPass`), in the server's turn for a graph."""
@@ -130,10 +110,10 @@ async def analyze_prompt(
             await stepped(request, engine, run, begun=True)  # after the analysis's own jobs
         return run.result()
 
-    stats, ablated_stats = await analysis(edits), None
+    stats, ablated_stats = await analysis(edits, begun=False), None
     if req.compare_ablated:
         try:
-            ablated_stats = await analysis(no_residual)
+            ablated_stats = await analysis(no_residual, begun=True)
         except NonFiniteActivations as e:  # say which run: the edits also apply to the one without skips
             raise NonFiniteActivations(f"{e}, in the run without residual connections (compare_ablated)") from None
     main: Run = (stats, await gradients(edits) if req.gradients else None)
