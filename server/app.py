@@ -2,11 +2,13 @@
 
 `create_app(loaded=...)` serves a model that is already loaded (tests, embedding in another program);
 `create_app(settings)` loads the model named in the settings on a background thread at start-up,
-answering `/health` with 503 until it is ready.
+answering `/health` with 503 until it is ready (then `on_loaded` runs: `gpt2-serve` freezes what is alive
+then, `freeze_long_lived`).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -37,6 +39,7 @@ def create_app(
     *,
     loaded: LoadedModel | None = None,
     on_load_error: Callable[[Exception], None] | None = None,
+    on_loaded: Callable[[], None] | None = None,
 ) -> FastAPI:
     settings = settings or Settings()
     metrics = Metrics()
@@ -56,11 +59,15 @@ def create_app(
         try:
             model = load_from(settings)
             app.state.directions = sae_routes.load_directions(settings, model)  # --sae: with the model
-            app.state.engine = _start_engine(model, settings, metrics)
+            engine = _start_engine(model, settings, metrics)
         except Exception as e:
             log.error("cannot load the model: %s", e)
             if on_load_error is not None:
                 on_load_error(e)
+            return
+        if on_loaded is not None:  # before the first request: /health says 503 until the engine is set
+            on_loaded()
+        app.state.engine = engine
 
     app = FastAPI(
         title="GPT-2 server",
@@ -94,6 +101,17 @@ def create_app(
             allow_headers=["*"],
         )
     return app
+
+
+def freeze_long_lived() -> None:
+    """Move every object alive now out of the cyclic garbage collector's way, for a process that serves one
+    model for its whole life: once loaded, torch, the app and the model are some 330,000 objects that live as
+    long as it, and a full collection walked them all, 0.2 s of the GIL on a 2-core CPU (every stream and the
+    event loop waiting), whenever enough new objects had piled up (a 3.4 MB JSON body: parsing it took 0.6 s,
+    now 0.1 s). Not for a process that loads models and lets them go (tests): what is frozen is never
+    collected."""
+    gc.collect()
+    gc.freeze()
 
 
 def _start_engine(loaded: LoadedModel, settings: Settings, metrics: Metrics) -> Engine:

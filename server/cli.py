@@ -12,7 +12,7 @@ import sys
 
 import uvicorn
 
-from .app import create_app
+from .app import create_app, freeze_long_lived
 from .connections import uvicorn_config
 from .settings import parse_settings
 
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
             f"gpt2-serve: error: cannot listen on {settings.host}:{settings.port}: {e.strerror or e}", file=sys.stderr
         )
         return 1
-    app = create_app(settings, on_load_error=on_load_error)
+    app = create_app(settings, on_load_error=on_load_error, on_loaded=freeze_long_lived)
     server = uvicorn.Server(uvicorn_config(app, settings))
     logging.getLogger(__name__).info("listening on %s port %d", settings.host, settings.port)
     server.run(sockets=[sock])

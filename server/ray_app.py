@@ -34,7 +34,7 @@ from ray.serve import Application
 
 from model.loading import load_from
 
-from .app import create_app
+from .app import create_app, freeze_long_lived
 from .settings import Settings, convert
 from .threads import release_openmp_pool
 
@@ -125,7 +125,9 @@ def application(p: Plan) -> Application:
         torch.set_num_threads(replica_threads(threads))
         loaded = load_from(settings)
         release_openmp_pool()  # this thread's, from loading: the engine's thread should keep the only one
-        return create_app(settings, loaded=loaded)
+        app = create_app(settings, loaded=loaded)
+        freeze_long_lived()  # a replica serves this model for its whole life
+        return app
 
     @serve.ingress(replica_app)
     class GPT2Replica:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -812,6 +813,51 @@ def test_load_failure_reported(tmp_path: Path) -> None:
         wait_until(lambda: bool(errors))
         assert "missing" in str(errors[0])
         assert c.get("/health").status_code == 503
+
+
+def test_on_loaded_runs_once_loaded_before_the_first_request(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`on_loaded` (gpt2-serve's `freeze_long_lived`) runs once the engine has started and before it serves: while
+    it runs, /health still says 503; a load that fails does not run it."""
+    monkeypatch.setattr(app_module, "load_from", lambda *a, **k: loaded)
+    seen: list[int] = []
+    app = create_app(settings(), on_loaded=lambda: seen.append(TestClient(app).get("/health").status_code))
+    with TestClient(app, raise_server_exceptions=False) as c:
+        wait_until(lambda: c.get("/health").status_code == 200)
+        assert seen == [503]
+        assert_still_serving(c)
+
+    def fail(*args: Any, **kwargs: Any) -> LoadedModel:
+        raise OSError("no such checkpoint")
+
+    monkeypatch.setattr(app_module, "load_from", fail)
+    errors: list[Exception] = []
+    app = create_app(settings(), on_load_error=errors.append, on_loaded=lambda: seen.append(0))
+    with TestClient(app, raise_server_exceptions=False):
+        wait_until(lambda: bool(errors))
+    assert seen == [503]
+
+
+def test_gpt2_serve_freezes_what_lives_as_long_as_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`gpt2-serve` hands `create_app` `freeze_long_lived` as `on_loaded`: the model, torch and the app out of the
+    cyclic collector's way (a full collection walked them all, 0.2 s holding the GIL on a 2-core CPU). The
+    tests' servers (`create_app(loaded=...)`) do not freeze: they come and go in one process."""
+    import server.cli as cli
+
+    got: dict[str, Any] = {}
+
+    def fake_create_app(settings: Any, **kwargs: Any) -> Any:
+        got.update(kwargs)
+        return create_app(settings, **kwargs)
+
+    monkeypatch.setattr(cli, "create_app", fake_create_app)
+    monkeypatch.setattr(cli.uvicorn.Server, "run", lambda self, sockets=None: None)
+    with socket.socket() as free:  # a port nobody listens on: main binds it before it builds the app
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    assert cli.main(["--model", "gpt2", "--host", "127.0.0.1", "--port", str(port)]) == 0
+    assert got["on_loaded"] is app_module.freeze_long_lived
 
 
 class Boom(RuntimeError):
