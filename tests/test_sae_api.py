@@ -23,7 +23,7 @@ from model.generate import SamplingParams, generate
 from model.gpt import GPT
 from model.hooks import run_with_cache
 from model.interventions import Edit, EditSpec
-from model.lab.sae import load_sae, token_features
+from model.lab.sae import FeatureReading, load_sae, token_features
 from model.lab.steering import contrastive_vector
 from model.loading import load
 from server.app import create_app
@@ -211,6 +211,45 @@ def test_a_steering_vector_is_measured_a_block_a_job(
     assert [e for e in log if e != "step"] == [f"CapturePass.step#{n}" for n in range(5) for _ in range(2)], log
     want = contrastive_vector(tiny_model, pos, neg, RES, "mean")
     assert torch.equal(torch.tensor(body["vector"]), want.vector)
+
+
+def test_a_reading_goes_a_part_of_its_positions_a_job(
+    client: TestClient, tiny_model: GPT, sae_dirs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/v1/features reads the SAE `FeatureReading.positions` positions a job (256; 3 here: 3 jobs over 8 tokens,
+    after the prompt's pass through the batch), decode steps going on between them, and answers what one
+    reading of every position gives. The reading's jobs are a pass's later work: counted as one under way,
+    never refused for a full queue (`stepped`, begun)."""
+    monkeypatch.setattr(FeatureReading, "positions", 3)
+    log = log_engine(client, monkeypatch)
+    body = post(client, "/v1/features", {"input_ids": IDS, "sae": "res1", "top_k": 4})
+    assert [e for e in log if e != "step"] == ["FeatureReading.step#0"] * 3, log
+    x = run_with_cache(tiny_model, torch.tensor([IDS]), [RES])[RES][0]
+    want = token_features(load_sae(sae_dirs["res1"]), x, 4, None)
+    for got, ref in zip(body["features"], want, strict=True):
+        assert [f["id"] for f in got["features"]] == [i for i, _ in ref.features]
+        assert [f["value"] for f in got["features"]] == pytest.approx([v for _, v in ref.features], abs=1e-5)
+        assert got["l0"] == ref.l0 and got["mse"] == pytest.approx(ref.mse, rel=1e-5)
+
+
+def test_a_reading_in_parts_is_the_whole_reading(sae_dirs) -> None:
+    """`FeatureReading`: each position's reading is its own, so parts of 1, 3 or all positions give one reading's
+    features, counts and errors (to float32's rounding: only the products' row counts differ)."""
+    sae = load_sae(sae_dirs["mlp0"])
+    x = torch.randn(10, sae.cfg.d_in, generator=torch.Generator().manual_seed(3))
+    whole = token_features(sae, x, 5, None)
+    for positions in (1, 3, 10):
+        reading = FeatureReading(sae, x, 5, None)
+        reading.positions = positions
+        steps = 0
+        while not reading.done:
+            reading.step(None)
+            steps += 1
+        assert steps == -(-10 // positions)
+        for got, ref in zip(reading.rows, whole, strict=True):
+            assert [i for i, _ in got.features] == [i for i, _ in ref.features] and got.l0 == ref.l0
+            assert [v for _, v in got.features] == pytest.approx([v for _, v in ref.features], abs=1e-5)
+            assert got.mse == pytest.approx(ref.mse, rel=1e-5)
 
 
 def test_the_store_is_bounded(client: TestClient) -> None:

@@ -167,7 +167,7 @@ async def dump_hold(request: Request) -> AsyncIterator[DumpHold]:
 
 class Steps(Protocol):
     """Work in bounded pieces, about a block of the model each (the lab's passes: `MetricPass`, `HighwayPass`,
-    `ScoringPass`, `NextTokenPass`, `CapturePass`, `AnalysisPass`): `step` runs the next."""
+    `ScoringPass`, `NextTokenPass`, `CapturePass`, `AnalysisPass`, `FeatureReading`): `step` runs the next."""
 
     @property
     def done(self) -> bool: ...

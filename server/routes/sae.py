@@ -15,9 +15,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from model.generate import GenerationError, validate_prompt
-from model.gpt import GPT
 from model.hooks import has_one_vector_per_position, hook_names
-from model.lab.sae import SAE, TokenFeatures, load_saes, token_features
+from model.lab.sae import SAE, FeatureReading, TokenFeatures, load_saes, token_features
 from model.lab.steering import DirectionError, Directions, contrast, prompt_pass, prompt_reduced
 from model.loading import LoadedModel
 
@@ -38,7 +37,6 @@ from .deps import (
     results,
     stepped,
     token_ids,
-    unless_disconnected,
 )
 
 router = APIRouter(tags=["sae"], route_class=JSONBodyRoute)
@@ -176,10 +174,9 @@ async def features(
             f"the edits drove {sae.cfg.hook_name} to inf or NaN: no features to read", "interventions"
         )
 
-    def read(_: GPT) -> list[TokenFeatures]:
-        return reader.read(x)
-
-    rows = await unless_disconnected(request, engine.call(read))
+    reading = FeatureReading(sae, x, reader.top_k, reader.ids)
+    await stepped(request, engine, reading, begun=True)  # the pass is done: not refused for a full queue
+    rows = reading.rows
     tokens = (completion.prompt_ids + completion.token_ids)[: x.shape[0]]
     text = engine.tokenizer.token_text
     body = {
