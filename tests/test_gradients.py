@@ -414,7 +414,7 @@ def test_a_metric_that_is_not_finite_is_refused_before_the_blocks_go_back(
     tiny: Checkpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A metric that is not finite (here float32 logits scaled past float32's range) is refused once the head
-    is through: no block goes back."""
+    is through: no block goes back. The error names the edits, which drove it there."""
     model = load_ours(tiny)
     spec = EditSpec((Edit("logits", "scale", factor=3e38, positions=(7,)),))
     run = gradient_pass(model.config, PROMPT, LogProb(5), ["blocks.0.hook_resid_pre"], spec)
@@ -423,7 +423,7 @@ def test_a_metric_that_is_not_finite_is_refused_before_the_blocks_go_back(
     with torch.inference_mode(), pytest.raises(MetricError, match=r"the metric is not finite \(nan\)") as e:
         while not run.done:
             run.step(model)
-    assert e.value.param == "metric" and backs == []
+    assert e.value.param == "interventions" and backs == []
 
 
 # --- bad metrics ----------------------------------------------------------------------------------

@@ -203,7 +203,7 @@ class Gradients:
 @dataclass(frozen=True)
 class Refusal:
     """How a `MetricPass` words a run it cannot differentiate: the field its errors name (`param`; where edits
-    ran, a LayerNorm's overflow names the edits' field, `edits_param`), how the overflow's message ends
+    ran, the edits' field, `edits_param`: they drove the run past its range), how the overflow's message ends
     (`overflow`), and, for a metric that is not finite, what the metric is called (`subject`) and what follows
     (`consequence`)."""
 
@@ -263,7 +263,7 @@ class MetricPass:
         self.capture = GradientHooks(wrt)
         hooks = self.capture if also is None else HookChain(self.capture, also)
         self._hooks, self._watch = watched(hooks, edits, config, len(ids))
-        self._overflow_param = refusal.edits_param if edits is not None else refusal.param
+        self._blamed = refusal.edits_param if edits is not None else refusal.param  # what the errors name
         self._n_layer = config.n_layer
         # the head's parts: every row in one where a hook point after the last block is in use, as in one pass
         self._whole_head = uses_the_head(self._hooks)
@@ -314,7 +314,7 @@ class MetricPass:
         self._keep(inp, self._x, seen)
         self._blocks += 1
         if self._blocks == self._n_layer:
-            self._watch.check(self._overflow_param, self.refusal.overflow)  # ln_final's input is in too
+            self._watch.check(self._blamed, self.refusal.overflow)  # ln_final's input is in too
             if self._x.requires_grad:
                 self._grad = torch.zeros_like(self._x)  # the head's parts fill in their rows
 
@@ -342,7 +342,7 @@ class MetricPass:
             self._grad[:, rows.start : rows.stop] = grad
         if not self._parts and not math.isfinite(self._value):  # refused before any block goes back
             raise MetricError(
-                f"{self.refusal.subject} is not finite ({self._value}): {self.refusal.consequence}", self.refusal.param
+                f"{self.refusal.subject} is not finite ({self._value}): {self.refusal.consequence}", self._blamed
             )
 
     def _back(self) -> None:
