@@ -21,7 +21,17 @@ import torch
 
 from .cuda_graph import StaticDecode
 from .gpt import GPT
-from .hooks import Capture, Hooks, Index, RowHooks, hook_names, run_until, select_hooks, uses_the_head
+from .hooks import (
+    Capture,
+    Hooks,
+    Index,
+    RowHooks,
+    hook_names,
+    needs_whole_prompt,
+    run_until,
+    select_hooks,
+    uses_the_head,
+)
 from .interventions import EditSpec, HookChain
 from .kernels.decode import FusedDecode
 from .kv_cache import KVCache, PackedBatch
@@ -370,8 +380,9 @@ class DecodeBatch:
     `prefill_chunk`, at most that many prompt tokens a step, so long prompts do not stall the others), so
     the weights are read once for both (`PackedBatch`). Sequences that capture activations or apply edits
     share the batch with the others: each one's `hooks` sees only its own tokens (`RowHooks`), exactly the
-    values it would see alone, and its prompt is prefilled in one piece (an edit such as `mean` needs the
-    whole prompt at once).
+    values it would see alone, and its prompt is prefilled in chunks as any other's (the hooks glue them, or edit
+    each chunk's positions), but in one piece where its hooks need that (`needs_whole_prompt`: an edit such as
+    `mean` takes its mean over the whole prompt).
     """
 
     def __init__(
@@ -449,7 +460,7 @@ class DecodeBatch:
         for b in sorted(range(len(self.seqs)), key=self.joined.__getitem__):
             seq = self.seqs[b]
             if seq.prefilled < len(seq.prompt) and (budget is None or budget > 0):
-                if budget is None or seq.hooks is not None:  # hooks see a prompt in one piece
+                if budget is None or (seq.hooks is not None and needs_whole_prompt(seq.hooks)):
                     end = len(seq.prompt)
                 else:
                     end = min(len(seq.prompt), seq.prefilled + budget)

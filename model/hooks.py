@@ -94,6 +94,13 @@ def uses_the_head(hooks: Hooks | None) -> bool:
     return hooks is not None and any(hooks.active(name) for name in HEAD_HOOKS)
 
 
+def needs_whole_prompt(hooks: Hooks) -> bool:
+    """Whether `hooks` must see a prompt in one pass: they say so as `whole_prompt` (an edit such as `mean`,
+    which takes its mean over the prompt's positions, does); hooks that do not say are taken to. Others see a
+    long prompt in chunks, a pass each, as they see the tokens generated after it."""
+    return bool(getattr(hooks, "whole_prompt", True))
+
+
 def hook_names(n_layer: int, optional: bool = True) -> list[str]:
     """Every hook point of a GPT-2 with `n_layer` blocks, in the order the forward pass reaches them
     (without the optional ones if not `optional`)."""
@@ -240,6 +247,8 @@ class Capture:
         self.names = list(names)
         self._wanted = frozenset(self.names)
         self._chunks: dict[str, list[torch.Tensor]] = {n: [] for n in self.names}
+
+    whole_prompt = False  # chunks are glued together (`tensors`)
 
     def active(self, name: str) -> bool:
         return name in self._wanted

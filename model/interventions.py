@@ -25,6 +25,7 @@ from .hooks import (
     is_attention_square,
     is_per_head,
     match_hooks,
+    needs_whole_prompt,
 )
 from .hooks import site_shape as _site_shape
 from .lab import steering
@@ -286,6 +287,12 @@ class Interventions:
         self._seen: dict[str, int] = {}  # positions each hook has seen so far
         self._means: dict[_Target, torch.Tensor] = {}  # a `mean` edit's mean over the prompt
 
+    @property
+    def whole_prompt(self) -> bool:
+        """A `mean` edit takes its mean over the first pass, which must be the whole prompt; the others edit
+        each pass's positions as they come (`_seen` counts them)."""
+        return any(e.op == "mean" for e in self.plan.edits)
+
     def active(self, name: str) -> bool:
         return name in self.plan.targets
 
@@ -385,6 +392,10 @@ class ResidualAblation:
         self._kept: dict[str, torch.Tensor] = {}
         self.edits = edits
 
+    @property
+    def whole_prompt(self) -> bool:
+        return self.edits is not None and needs_whole_prompt(self.edits)
+
     def active(self, name: str) -> bool:
         return name in self._replace or name in self._sources or (self.edits is not None and self.edits.active(name))
 
@@ -403,6 +414,10 @@ class HookChain:
 
     def __init__(self, *hooks: Hooks) -> None:
         self.hooks = hooks
+
+    @property
+    def whole_prompt(self) -> bool:
+        return any(needs_whole_prompt(h) for h in self.hooks)
 
     def active(self, name: str) -> bool:
         return any(h.active(name) for h in self.hooks)

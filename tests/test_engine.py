@@ -14,7 +14,7 @@ import pytest
 import torch
 from contract import greedy
 
-from model.generate import Completion, SamplingParams, TokenEvent
+from model.generate import Completion, SamplingParams, TokenEvent, generate
 from model.hooks import run_with_cache
 from model.interventions import Edit, EditSpec
 from model.loading import LoadedModel
@@ -241,6 +241,59 @@ def test_chunked_prefill_equals_whole(loaded: LoadedModel) -> None:
         got = [lp.logprob for lp in result.prompt_logprobs[1:] if lp is not None]
         want = [lp.logprob for lp in ref.prompt_logprobs[1:] if lp is not None]
         assert got == pytest.approx(want, abs=1e-4)
+
+
+HOOKED_EDITS = {
+    "positions and a square": (
+        Edit("blocks.0.hook_attn_out", "scale", factor=0.5, positions=(3, 40, 85)),
+        Edit("blocks.1.attn.hook_pattern", "zero", heads=(1,), positions=(20, 70)),
+    ),
+    "a whole sequence's values": (
+        Edit("blocks.1.hook_resid_pre", "set", value=torch.linspace(-1, 1, 98 * 64).reshape(98, 64)),
+    ),
+    "mean": (Edit("blocks.0.hook_mlp_out", "mean"),),
+}
+
+
+@pytest.mark.parametrize("edits", list(HOOKED_EDITS), ids=list(HOOKED_EDITS))
+def test_a_hooked_prompt_is_prefilled_in_chunks_unless_its_edits_need_it_whole(loaded: LoadedModel, edits: str) -> None:
+    """A sequence that captures activations and applies edits, its 90-token prompt beside a decoding stream,
+    prefills 16 tokens a step like any other (a prompt with hooks in one pass once stalled every stream for
+    all of it: a second or two at 1,024 tokens of gpt2-small on a CPU); a `mean` edit, which takes its mean
+    over the prompt, still has the prompt in one pass. Either way the tokens and the activations (a stream, an
+    attention pattern widened over its chunks, the logits) are those of one pass over the whole prompt."""
+    prompt = [(11 * i + 5) % 50000 for i in range(90)]
+    names = ["blocks.0.hook_resid_post", "blocks.1.attn.hook_pattern", "logits"]
+    spec = EditSpec(HOOKED_EDITS[edits])
+    chunks: list[tuple[int, int]] = []  # the hooked prompt's, as the steps take them
+
+    async def main() -> Completion:
+        with running(loaded, max_batch_size=4, prefill_chunk=16) as engine:
+            (decoding,) = engine.submit([[464]], [greedy_params(60, ignore_eos=True)])
+            await first_event(decoding)
+            take = engine._batch._chunks
+
+            def logged() -> list[tuple[int, int, int]]:
+                out = take()
+                chunks.extend((start, end) for b, start, end in out if engine._batch.seqs[b].hooks is not None)
+                return out
+
+            engine._batch._chunks = logged  # type: ignore[method-assign]
+            (hooked,) = engine.submit([prompt], [greedy_params(8, ignore_eos=True)], hooks=names, edits=spec)
+            result = await hooked.result()
+            await decoding.result()
+            return result
+
+    got = run(main())
+    if edits == "mean":
+        assert chunks == [(0, 90)]
+    else:
+        assert chunks == [(i, min(i + 16, 90)) for i in range(0, 90, 16)]
+    (want,) = generate(loaded.model, [prompt], greedy_params(8, ignore_eos=True), hooks=names, edits=spec)
+    assert got.token_ids == want.token_ids
+    assert got.activations is not None and want.activations is not None
+    for name in names:
+        torch.testing.assert_close(got.activations[name], want.activations[name], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("chunk", [None, 16])
