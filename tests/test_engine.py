@@ -324,18 +324,18 @@ def test_the_batch_prefills_in_the_engines_chunks(loaded: LoadedModel, chunk: in
 
 @pytest.mark.parametrize(
     ("length", "n", "edited", "per_pass"),
-    [(40, 3, False, [1, 1, 1]), (5, 7, False, [3, 3, 1]), (5, 3, True, [1, 1, 1])],
-    ids=["long prompts, one a pass", "short prompts share a pass", "edited prompts, one a pass"],
+    [(16, 3, False, [1, 1, 1]), (5, 7, False, [3, 3, 1]), (5, 3, True, [1, 1, 1])],
+    ids=["prompts of a chunk, one a pass", "short prompts share a pass", "edited prompts, one a pass"],
 )
 def test_prompts_to_dump_share_passes_of_a_prompt_chunk_with_decode_steps_between(
     loaded: LoadedModel, length: int, n: int, edited: bool, per_pass: list[int]
 ) -> None:
-    """Prompts that only dump activations run in padded passes of at most a prompt chunk's tokens (16 here,
-    B x the longest; a longer prompt alone), one pass between two of the stream's decode steps: a batch of
-    long prompts stalls a running stream for one prompt at a time, not for all of them (six of 1,000 tokens
-    once stalled every stream 16.6 s on gpt2-small, in one pass), and short ones share a pass. A prompt with
-    edits runs alone, so that its edits cannot fail another's request. A dump run alone is the one its prompt
-    gives, bit for bit; beside others, to float32's rounding."""
+    """Prompts that only dump activations, each no longer than a prompt chunk (16 here), run in padded passes of
+    at most a chunk's tokens (B x the longest), one pass between two of the stream's decode steps: a batch of
+    prompts stalls a running stream for one pass at a time, not for all of them (six of 1,000 tokens once
+    stalled every stream 16.6 s on gpt2-small, in one pass), and short ones share a pass. A prompt with edits
+    runs alone, so that its edits cannot fail another's request. A dump run alone is the one its prompt gives,
+    bit for bit; beside others, to float32's rounding. (A longer prompt joins the batch: the next test.)"""
     prompts = [[(7 * i + t) % 50000 for t in range(length)] for i in range(n)]
     names = ["blocks.0.hook_resid_post", "blocks.1.attn.hook_pattern"]
     edits = EditSpec((Edit("blocks.0.hook_attn_out", "scale", factor=0.5),)) if edited else None
@@ -381,6 +381,44 @@ def test_prompts_to_dump_share_passes_of_a_prompt_chunk_with_decode_steps_betwee
                 torch.testing.assert_close(result.activations[name], want, rtol=0, atol=1e-5)
             else:
                 assert torch.equal(result.activations[name], want), name
+
+
+@pytest.mark.parametrize("edit", [None, "scale", "mean"])
+def test_a_prompt_to_dump_longer_than_a_chunk_is_prefilled_a_chunk_a_step(
+    loaded: LoadedModel, edit: str | None
+) -> None:
+    """A prompt that only dumps activations and is longer than a chunk (40 tokens, chunks of 16) joins the batch
+    and is prefilled a chunk a step beside the decoding stream, instead of holding it for a pass over the whole
+    prompt (1.2 s at 1,000 tokens of gpt2-small on a 2-core CPU to its last block, 2.2-2.6 s capturing every
+    hook point); with a `mean` edit, which needs the prompt whole, it still runs in one pass. The dump is the one its prompt gives alone, to float32's rounding."""
+    prompt = [(7 * t + 2) % 50000 for t in range(40)]
+    names = ["blocks.0.hook_resid_post", "blocks.1.attn.hook_pattern"]
+    edits = EditSpec((Edit("blocks.0.hook_attn_out", edit, factor=0.5),)) if edit else None
+    widths: list[int] = []  # tokens of each pass that reaches block 0
+
+    async def main() -> Completion:
+        with running(loaded, max_batch_size=8, prefill_chunk=16) as engine:
+            (stream,) = engine.submit([[464]], [greedy_params(LONG, ignore_eos=True)])
+            await first_event(stream)
+            entered = engine.model.h[0].register_forward_pre_hook(lambda _, args: widths.append(args[0].shape[1]))
+            try:
+                (dump,) = engine.submit([prompt], [SamplingParams(max_new_tokens=0)], names, edits)
+                result = await dump.result()
+                stream.cancel()
+            finally:
+                entered.remove()
+            return result
+
+    result = run(main())
+    if edit == "mean":
+        assert 40 in widths  # the whole prompt, in one pass
+    else:
+        assert widths == [2 + 16, 2 + 16, 2 + 8]  # a decode token a row (the stream's, its own dummy) + a chunk
+    alone = run_with_cache(loaded.model, prompt, names, edits.hooks(loaded.model.config, 40) if edits else None)
+    assert result.activations is not None and result.activations.keys() == alone.keys()
+    assert result.finish_reason == "length" and result.token_ids == []
+    for name, want in alone.items():
+        torch.testing.assert_close(result.activations[name], want, rtol=0, atol=1e-5)
 
 
 def test_a_steps_tokens_reach_the_loop_in_one_call(loaded: LoadedModel) -> None:
