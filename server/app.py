@@ -24,7 +24,7 @@ from model.loading import LoadedModel, load_from
 from .engine import Engine
 from .errors import install_error_handlers
 from .metrics import Metrics
-from .middleware import CORS, RequestGuard
+from .middleware import CORS, RequestGuard, SlicedBodies
 from .routes import gradients, lab, native, openai, ops, tokenizer
 from .routes import sae as sae_routes
 from .routes.deps import DumpBudget, GraphTurn
@@ -86,6 +86,7 @@ def create_app(
     app.include_router(sae_routes.router)
     app.mount("/static", StaticFiles(directory=lab.STATIC), name="static")
     app.add_middleware(ReleaseOpenMP)  # innermost: after the handler, before the guard's own bookkeeping
+    app.add_middleware(SlicedBodies)  # the handler waits while its answer goes out, a slice at a time
     app.add_middleware(
         RequestGuard,
         api_key=settings.api_key,

@@ -2,9 +2,11 @@
 
 uvicorn closes an idle keep-alive connection after `timeout_keep_alive`, but it gives a request's headers
 no time limit: a client that connects and sends nothing, or half a request line, holds its connection
-for ever. `bounded_protocol` is uvicorn's h11 protocol with a deadline for the headers (a 408 in the
-API's error shape, then the connection closes) and a cap on open connections (a request on one beyond
-the cap is answered 503). The body's deadline is the request guard's (`server.middleware`), so that it
+for ever; and a client that reads none of its answer holds it in the send buffer for ever (a 147 MB dump,
+say). `bounded_protocol` is uvicorn's h11 protocol with a deadline for the headers (a 408 in the API's error
+shape, then the connection closes), a deadline for a client that leaves its answer unread (the connection
+is dropped, its buffer freed) and a cap on open connections (a request on one beyond the cap is answered
+503). The body's deadline is the request guard's (`server.middleware`), so that it
 holds behind Ray Serve's proxy too.
 """
 
@@ -37,21 +39,23 @@ def uvicorn_config(app: ASGIApp, settings: Settings) -> uvicorn.Config:
         port=settings.port,
         log_level=settings.log_level,
         access_log=False,
-        http=bounded_protocol(settings.header_timeout, settings.max_connections),
+        http=bounded_protocol(settings.header_timeout, settings.max_connections, settings.write_timeout),
         loop="asyncio",
         timeout_keep_alive=settings.keep_alive_timeout,  # type: ignore[arg-type]  # typed int; a float works
     )
 
 
-def bounded_protocol(header_timeout: float, max_connections: int) -> type[H11Protocol]:
-    """uvicorn's h11 protocol, with `header_timeout` seconds for each request's headers and at most
-    `max_connections` open connections."""
+def bounded_protocol(header_timeout: float, max_connections: int, write_timeout: float = 30.0) -> type[H11Protocol]:
+    """uvicorn's h11 protocol, with `header_timeout` seconds for each request's headers, `write_timeout` seconds
+    for a client to take any of its answer once the send buffer is full, and at most `max_connections` open
+    connections."""
 
     class BoundedH11Protocol(_BoundedH11Protocol):
         pass
 
     BoundedH11Protocol.header_timeout = header_timeout
     BoundedH11Protocol.max_connections = max_connections
+    BoundedH11Protocol.write_timeout = write_timeout
     return BoundedH11Protocol
 
 
@@ -68,10 +72,12 @@ def _raw_response(status: int, reason: str, body: dict[str, Any]) -> bytes:
 class _BoundedH11Protocol(H11Protocol):
     header_timeout: float = 10.0
     max_connections: int = 1024
+    write_timeout: float = 30.0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
         self.limit_concurrency = None  # the cap is checked below, answered in the API's error shape
         self._app = self.app
         self.app = self._app_or_503
@@ -89,7 +95,35 @@ class _BoundedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_header_timer()
+        self._stop_write_timer()
         super().connection_lost(exc)
+
+    # The send buffer is full (asyncio's high-water mark) while the client takes nothing: the answer waits
+    # there, and the app, whose sends wait for room (uvicorn's flow control), with it. The deadline runs until
+    # the client takes enough for the buffer to drain below the low-water mark.
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.write_timeout, self._reads_too_slow)
+
+    def resume_writing(self) -> None:
+        self._stop_write_timer()
+        super().resume_writing()
+
+    def _stop_write_timer(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _reads_too_slow(self) -> None:
+        self._write_timer = None
+        log.info(
+            "the client at %s took none of its answer for %g s (--write-timeout); dropping the connection",
+            self.client,
+            self.write_timeout,
+        )
+        self.transport.abort()  # its buffer goes, unsent; the app's waiting sends return (the client is gone)
 
     def _watch_headers(self) -> None:
         """Waiting for a request's headers (h11's client side is IDLE until they are complete): the timer

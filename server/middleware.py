@@ -189,3 +189,35 @@ class RequestGuard:
             return await receive()
 
         return replay, None
+
+
+class SlicedBodies:
+    """Plain ASGI: an answer's body goes to the connection in slices of `slice_bytes` (1 MiB), each sent once
+    the send buffer has room (uvicorn's flow control). Sent whole, a dump of 147 MB went into the buffer at
+    once: the request had finished, its share of the dump budget (`server.routes.deps.DumpBudget`) was given
+    back, and a client that read none of it held those bytes outside the budget. Sliced, the request waits
+    with its answer until the client has taken all but the last slice, its reservation held meanwhile;
+    `--write-timeout` drops a client that takes nothing."""
+
+    slice_bytes = 1 << 20
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def sending(message: Message) -> None:
+            body = message.get("body", b"")
+            if message["type"] != "http.response.body" or len(body) <= self.slice_bytes:
+                await send(message)
+                return
+            view, more = memoryview(body), message.get("more_body", False)
+            for start in range(0, len(body), self.slice_bytes):
+                piece = bytes(view[start : start + self.slice_bytes])  # bytes: Ray Serve pickles the messages
+                last = start + self.slice_bytes >= len(body)
+                await send({"type": "http.response.body", "body": piece, "more_body": more or not last})
+
+        await self.app(scope, receive, sending)

@@ -45,6 +45,7 @@ PROXY_SETTINGS = {
     "port": "http_options.port",
     "keep_alive_timeout": "http_options.keep_alive_timeout_s",
     "header_timeout": "http_options.request_timeout_s (an end-to-end bound)",
+    "write_timeout": "http_options.request_timeout_s (an end-to-end bound)",
     "max_connections": "a limit in front of the proxy (a load balancer, an ingress)",
 }
 RAY_ARGS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "num_cpus", "num_gpus")

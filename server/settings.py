@@ -74,6 +74,10 @@ class Settings:
     keep_alive_timeout: float = field(
         default=5.0, metadata={"help": "seconds an idle keep-alive connection stays open"}
     )
+    write_timeout: float = field(
+        default=30.0,
+        metadata={"help": "seconds a client may take none of its answer, the send buffer full; beyond it, dropped"},
+    )
     max_connections: int = field(
         default=1024, metadata={"help": "open connections at once; a request on one beyond them: 503"}
     )
@@ -91,7 +95,7 @@ class Settings:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("header_timeout", "body_timeout", "keep_alive_timeout"):
+        for name in ("header_timeout", "body_timeout", "keep_alive_timeout", "write_timeout"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a number of seconds above 0, got {getattr(self, name)}")
         for name in ("prefill_chunk", "max_dump_bytes_in_flight"):  # None: by the device, 4x max_activation_bytes

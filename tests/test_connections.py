@@ -9,6 +9,7 @@ import json
 import re
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -199,7 +200,9 @@ def test_a_cors_preflight_beyond_the_connection_cap_is_a_503_too(loaded: LoadedM
         (["--header-timeout", "2.5"], {}, {"header_timeout": 2.5}),
         ([], {"GPT2_BODY_TIMEOUT": "7", "GPT2_MAX_CONNECTIONS": "64"}, {"body_timeout": 7.0, "max_connections": 64}),
         (["--keep-alive-timeout", "0.5"], {"GPT2_KEEP_ALIVE_TIMEOUT": "9"}, {"keep_alive_timeout": 0.5}),
+        (["--write-timeout", "12"], {"GPT2_WRITE_TIMEOUT": "3"}, {"write_timeout": 12.0}),
         ([], {}, {"header_timeout": 10.0, "body_timeout": 30.0, "keep_alive_timeout": 5.0, "max_connections": 1024}),
+        ([], {}, {"write_timeout": 30.0}),
     ],
 )
 def test_the_bounds_are_settings(argv: list[str], env: dict[str, str], expected: dict[str, Any]) -> None:
@@ -214,6 +217,7 @@ def test_the_bounds_are_settings(argv: list[str], env: dict[str, str], expected:
         ([], {"GPT2_BODY_TIMEOUT": "soon"}, "GPT2_BODY_TIMEOUT must be a number, got 'soon'"),
         ([], {"GPT2_KEEP_ALIVE_TIMEOUT": "inf"}, "keep_alive_timeout must be a number of seconds above 0, got inf"),
         ([], {"GPT2_MAX_CONNECTIONS": "0"}, "max_connections must be at least 1, got 0"),
+        (["--write-timeout", "-1"], {}, "write_timeout must be a number of seconds above 0, got -1.0"),
     ],
 )
 def test_a_bad_bound_is_a_usage_error(
@@ -223,3 +227,41 @@ def test_a_bad_bound_is_a_usage_error(
         parse_settings(argv, environ=env)
     assert exit_info.value.code == 2
     assert says in capsys.readouterr().err
+
+
+def in_flight(r: Running) -> float:
+    """The server's dump bytes in flight, from /metrics."""
+    text = httpx.get(r.url + "/metrics", timeout=GUARD).text
+    (value,) = re.findall(r"^gpt2_dump_bytes_in_flight (\S+)$", text, re.M)
+    return float(value)
+
+
+def test_a_client_that_reads_none_of_its_answer_holds_its_dump_until_it_is_dropped(loaded: LoadedModel) -> None:
+    """A 20 MB dump (the logits of 100 positions) to a client that reads none of it: the request waits with
+    its answer, a slice at a time, so its reservation stays in the dump budget (sent whole, the answer sat in
+    the send buffer outside the budget, the request long over, for as long as the client stayed); once the
+    send buffer has been full for `--write-timeout` (3 s here) the connection is dropped, the answer unsent,
+    and the reservation given back. The server serves on."""
+    with running(loaded, write_timeout=3.0, max_activation_bytes=64 * 2**20) as r:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+        sock.settimeout(GUARD)
+        sock.connect((r.host, r.port))
+        with sock:
+            body = json.dumps({"input_ids": list(range(100)), "activations": {"hooks": ["logits"]}}).encode()
+            head = "POST /v1/activations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            head += f"Content-Length: {len(body)}\r\n\r\n"
+            sock.sendall(head.encode() + body)
+            got = sock.recv(4096)  # the answer has begun: its head and a first piece of the body
+            time.sleep(0.5)  # long after a request whose answer went whole into the send buffer had ended
+            assert in_flight(r) > 0  # still reserved: the answer waits for the client, a slice at a time
+            wait_until(lambda: in_flight(r) == 0, timeout=GUARD)  # given back: the client was dropped
+            try:
+                while chunk := sock.recv(1 << 20):
+                    got += chunk
+            except ConnectionResetError:
+                pass
+        head_bytes, _, received = got.partition(b"\r\n\r\n")
+        length = int(re.search(rb"content-length: (\d+)", head_bytes, re.I).group(1))  # type: ignore[union-attr]
+        assert length > 20_000_000 and len(received) < length  # dropped before the answer was all sent
+        assert_good_request(r)

@@ -339,6 +339,7 @@ def test_ray_autoscaling_is_exposed() -> None:
     [
         ({"port": 9000}, "'port' is set on Serve's proxy under Ray: use http_options.port"),
         ({"header_timeout": 3}, "'header_timeout' is set on Serve's proxy under Ray"),
+        ({"write_timeout": 3}, "'write_timeout' is set on Serve's proxy under Ray"),
         ({"modle": "gpt2"}, "unknown argument 'modle': the arguments are api_key, body_timeout"),
         ({"max_batch_size": "lots"}, "max_batch_size must be an integer, got 'lots'"),
         ({"replicas": "0"}, "replicas must be an integer at least 1, got '0'"),
