@@ -318,6 +318,8 @@ def validate_prompt(model: GPT, prompt: Sequence[int], max_new_tokens: int, para
                 f"a prompt given as a tensor must be 1-D and of integers, got {prompt.dim()}-D {prompt.dtype}", param
             )
         prompt = prompt.tolist()
+    if len(prompt) > n_ctx:  # first: the checks below take a second of Python over two million ids
+        raise GenerationError(f"the prompt ({len(prompt)} tokens) is longer than the context of {n_ctx} tokens", param)
     ids = [operator.index(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in prompt]
     if not ids:
         raise GenerationError("the prompt is empty: give at least one token", param)
@@ -327,8 +329,6 @@ def validate_prompt(model: GPT, prompt: Sequence[int], max_new_tokens: int, para
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
         raise GenerationError(f"token id {bad[0]!r} is outside the vocabulary (0..{vocab - 1})", param)
-    if len(ids) > n_ctx:
-        raise GenerationError(f"the prompt ({len(ids)} tokens) is longer than the context of {n_ctx} tokens", param)
     if len(ids) + max_new_tokens > n_ctx:
         raise GenerationError(
             f"the prompt ({len(ids)} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "

@@ -27,6 +27,7 @@ from model.generate import (
     _longest_stop_prefix,
     generate,
     new_sequence,
+    validate_prompt,
 )
 from model.gpt import GPT
 from model.kv_cache import KVCache
@@ -313,6 +314,17 @@ def test_warm_up_runs_every_step_size_in_bfloat16_on_cpu(tiny: Checkpoint) -> No
 def test_a_batch_refuses_a_prefill_chunk_below_one(tiny_model: GPT) -> None:
     with pytest.raises(ValueError, match="prefill_chunk must be at least 1, got 0"):
         DecodeBatch(tiny_model, 2, 32, prefill_chunk=0)
+
+
+@pytest.mark.parametrize(
+    "ids", [[-1] * 2_000_000, ["x"] * 2_000_000, torch.full((2_000_000,), 7)], ids=["ids", "odd", "tensor"]
+)
+def test_a_prompt_longer_than_the_context_is_refused_for_its_length_first(tiny_model: GPT, ids: object) -> None:
+    """Two million ids (a 4 MB body): refused for their number before any is looked at, whatever they hold, so
+    the server's event loop, which checks prompts, does not spend a second of Python on them (it did, looking
+    for odd or out-of-vocabulary ids first)."""
+    with pytest.raises(GenerationError, match=r"^the prompt \(2000000 tokens\) is longer than the context of 128"):
+        validate_prompt(tiny_model, ids, 0, "input_ids")  # type: ignore[arg-type]
 
 
 def test_prompt_plus_max_new_tokens_beyond_the_context(tiny_model: GPT) -> None:
