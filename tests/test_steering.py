@@ -204,3 +204,24 @@ def test_directions_store_is_bounded(sae: SAE) -> None:
     with pytest.raises(DirectionError, match=r"feature 256 of SAE 's' is out of range 0\.\.255"):
         lib.feature("s", 256, "direction")
     assert steering.STEERING_OPS == ("steer", "orthogonal", "projection_cap", "clamp")
+
+
+@pytest.mark.parametrize(
+    ("scale", "d"),
+    [(1e3, 1.0), (1e20, 1.0), (1e30, 1.0), (-1e30, 1.0), (1.0, 3e38), (10.0, 3e38), (1e-30, 1e-30)],
+    ids=["1e3", "1e20", "1e30", "-1e30", "a direction of 3e38", "past float32", "tiny"],
+)
+def test_a_norm_matched_steer_keeps_each_vector_s_norm_at_any_scale(scale: float, d: float) -> None:
+    """`steer` with norm_match: x + scale·d, rescaled to ‖x‖, equals that of float64 for every scale whose
+    steered vector float32 holds (a norm of 1e20 once came out 0: its square past float32's range, the answer a
+    uniform distribution), and past that (x + 10·3e38 is inf) the limit, ‖x‖ times the sign of scale along d."""
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(0))
+    direction = torch.zeros(16)
+    direction[2], direction[5] = d, -d / 2
+    got = steering.steer(x, direction, scale, norm_match=True)
+    v = x.double() + scale * direction.double()
+    if not v.isfinite().all() or not (x + scale * direction).isfinite().all():
+        v = torch.sign(torch.tensor(scale)) * direction.double().expand_as(v)
+    want = v / v.norm(dim=-1, keepdim=True) * x.double().norm(dim=-1, keepdim=True)
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got.norm(dim=-1), x.norm(dim=-1), rtol=1e-6, atol=0)

@@ -14,6 +14,7 @@ interventions (`model/interventions.py`) choose the layers and positions and cal
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,12 +34,28 @@ Reduce = Literal["last", "mean"]
 
 
 def steer(x: torch.Tensor, direction: torch.Tensor, scale: float, norm_match: bool) -> torch.Tensor:
-    """x + scale · direction; with `norm_match`, each vector rescaled to its norm before the edit."""
-    steered = x + scale * direction.to(x.dtype)
+    """x + scale · direction; with `norm_match`, each vector rescaled to its norm before the edit: its direction
+    times ‖x‖, both worked out on vectors brought to a largest entry of 1 (a steered vector of norm 1e20 once
+    came out 0, its squared norm past float32's range), and, where x + scale · direction is past the dtype's
+    range, its limit, the direction itself (times the sign of `scale`)."""
+    d = direction.to(x.dtype)
+    steered = x + scale * d
     if not norm_match:
         return steered
-    ratio = x.norm(dim=-1, keepdim=True) / steered.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
-    return steered * ratio
+    whole = steered.isfinite().all(dim=-1, keepdim=True)
+    steered = torch.where(whole, steered, math.copysign(1.0, scale) * d)
+    unit = _scaled(steered)
+    return unit / unit.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny) * _norm(x)
+
+
+def _scaled(v: torch.Tensor) -> torch.Tensor:
+    """Each vector of v [..., C] over its largest entry (0 stays 0): its norm is at least 1, at most √C."""
+    return v / v.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(v.dtype).tiny)
+
+
+def _norm(v: torch.Tensor) -> torch.Tensor:
+    """‖v‖ over the last dimension [..., 1], with no square past the dtype's range."""
+    return v.abs().amax(dim=-1, keepdim=True) * _scaled(v).norm(dim=-1, keepdim=True)
 
 
 def orthogonal(x: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
