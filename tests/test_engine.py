@@ -390,7 +390,8 @@ def test_a_prompt_to_dump_longer_than_a_chunk_is_prefilled_a_chunk_a_step(
     """A prompt that only dumps activations and is longer than a chunk (40 tokens, chunks of 16) joins the batch
     and is prefilled a chunk a step beside the decoding stream, instead of holding it for a pass over the whole
     prompt (1.2 s at 1,000 tokens of gpt2-small on a 2-core CPU to its last block, 2.2-2.6 s capturing every
-    hook point); with a `mean` edit, which needs the prompt whole, it still runs in one pass. The dump is the one its prompt gives alone, to float32's rounding."""
+    hook point); with a `mean` edit, which needs the prompt whole, it still runs in one pass. The dump is the
+    one its prompt gives alone, to float32's rounding."""
     prompt = [(7 * t + 2) % 50000 for t in range(40)]
     names = ["blocks.0.hook_resid_post", "blocks.1.attn.hook_pattern"]
     edits = EditSpec((Edit("blocks.0.hook_attn_out", edit, factor=0.5),)) if edit else None
