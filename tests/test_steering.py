@@ -207,21 +207,42 @@ def test_directions_store_is_bounded(sae: SAE) -> None:
 
 
 @pytest.mark.parametrize(
-    ("scale", "d"),
-    [(1e3, 1.0), (1e20, 1.0), (1e30, 1.0), (-1e30, 1.0), (1.0, 3e38), (10.0, 3e38), (1e-30, 1e-30)],
-    ids=["1e3", "1e20", "1e30", "-1e30", "a direction of 3e38", "past float32", "tiny"],
-)
-def test_a_norm_matched_steer_keeps_each_vector_s_norm_at_any_scale(scale: float, d: float) -> None:
-    """`steer` with norm_match: x + scale·d, rescaled to ‖x‖, equals that of float64 for every scale whose
-    steered vector float32 holds (a norm of 1e20 once came out 0: its square past float32's range, the answer a
-    uniform distribution), and past that (x + 10·3e38 is inf) the limit, ‖x‖ times the sign of scale along d."""
-    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(0))
+    ("scale", "d", "x_size", "dtype"),
+    [
+        (1e3, 1.0, 1.0, torch.float32),
+        (1e20, 1.0, 1.0, torch.float32),
+        (1e30, 1.0, 1.0, torch.float32),
+        (-1e30, 1.0, 1.0, torch.float32),
+        (1.0, 3e38, 1.0, torch.float32),
+        (10.0, 3e38, 1.0, torch.float32),
+        (1e300, 1.0, 1.0, torch.float32),
+        (1e-30, 1e-30, 1.0, torch.float32),
+        (0.0, 1.0, 1.0, torch.float32),
+        (1e300, 0.0, 1.0, torch.float32),
+        (1.0, 1e38, 1e38, torch.float32),
+        (2.0, 1e3, 2e4, torch.float16),
+        (1.0, 1e5, 1.0, torch.float16),
+    ],
+    ids=[
+        "1e3", "1e20", "1e30", "-1e30", "a direction of 3e38", "x+s.d past float32", "a scale past float32", "tiny",
+        "scale 0", "a zero direction", "x near float32's end", "float16, |x| past 65504", "float16, d past 65504",
+    ],
+)  # fmt: skip
+def test_a_norm_matched_steer_keeps_each_vector_s_norm_at_any_scale(
+    scale: float, d: float, x_size: float, dtype: torch.dtype
+) -> None:
+    """`steer` with norm_match: ‖x‖ (x + s·d)/‖x + s·d‖, as float64 gives it, in float32 and float16 at any
+    magnitude: a steered vector of norm 1e20 once came out 0 (its square past float32's range: the answer a
+    uniform distribution), a float16 ‖x‖ past 65504 made every entry inf, a direction past float16's range
+    NaN, and an x + s·d past float32's range lost x."""
+    x64 = torch.randn(3, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64).clamp(-2, 2) * x_size
     direction = torch.zeros(16)
     direction[2], direction[5] = d, -d / 2
-    got = steering.steer(x, direction, scale, norm_match=True)
-    v = x.double() + scale * direction.double()
-    if not v.isfinite().all() or not (x + scale * direction).isfinite().all():
-        v = torch.sign(torch.tensor(scale)) * direction.double().expand_as(v)
-    want = v / v.norm(dim=-1, keepdim=True) * x.double().norm(dim=-1, keepdim=True)
-    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(got.norm(dim=-1), x.norm(dim=-1), rtol=1e-6, atol=0)
+    got = steering.steer(x64.to(dtype), direction, scale, norm_match=True)
+    x = x64.to(dtype).double()
+    v = x + scale * direction.double()
+    v = v / v.abs().amax(dim=-1, keepdim=True).clamp_min(1e-300)  # no square past float64's range either
+    want = v / v.norm(dim=-1, keepdim=True).clamp_min(1e-300) * x.norm(dim=-1, keepdim=True)
+    tol = 1e-6 if dtype == torch.float32 else 2e-3
+    assert got.dtype == dtype and got.isfinite().all()
+    torch.testing.assert_close(got.double() / x_size, want / x_size, rtol=tol, atol=tol)

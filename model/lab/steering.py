@@ -34,28 +34,30 @@ Reduce = Literal["last", "mean"]
 
 
 def steer(x: torch.Tensor, direction: torch.Tensor, scale: float, norm_match: bool) -> torch.Tensor:
-    """x + scale · direction; with `norm_match`, each vector rescaled to its norm before the edit: its direction
-    times ‖x‖, both worked out on vectors brought to a largest entry of 1 (a steered vector of norm 1e20 once
-    came out 0, its squared norm past float32's range), and, where x + scale · direction is past the dtype's
-    range, its limit, the direction itself (times the sign of `scale`)."""
-    d = direction.to(x.dtype)
-    steered = x + scale * d
+    """x + scale · direction; with `norm_match`, each vector rescaled to its norm before the edit."""
     if not norm_match:
-        return steered
-    whole = steered.isfinite().all(dim=-1, keepdim=True)
-    steered = torch.where(whole, steered, math.copysign(1.0, scale) * d)
-    unit = _scaled(steered)
-    return unit / unit.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny) * _norm(x)
+        return x + scale * direction.to(x.dtype)
+    return _norm_matched(x.float(), direction.float(), scale).to(x.dtype)
 
 
-def _scaled(v: torch.Tensor) -> torch.Tensor:
-    """Each vector of v [..., C] over its largest entry (0 stays 0): its norm is at least 1, at most √C."""
-    return v / v.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(v.dtype).tiny)
-
-
-def _norm(v: torch.Tensor) -> torch.Tensor:
-    """‖v‖ over the last dimension [..., 1], with no square past the dtype's range."""
-    return v.abs().amax(dim=-1, keepdim=True) * _scaled(v).norm(dim=-1, keepdim=True)
+def _norm_matched(x: torch.Tensor, d: torch.Tensor, scale: float) -> torch.Tensor:
+    """‖x‖ (x + s·d)/‖x + s·d‖ over the last dimension of x [..., C], in float32 at any magnitude: the sum is
+    taken over k = max(|x|, |s|·|d|) (largest entries), k itself never formed where it is past float32's
+    range, and each norm over a vector whose largest entry is 1 (a steered vector of norm 1e20 once came out
+    0, its square past float32's range, and a float16 model's ‖x‖ can pass 65504)."""
+    tiny = torch.finfo(torch.float32).tiny
+    d_max = d.abs().amax()
+    unit_d = d / d_max.clamp_min(tiny)  # largest entry 1 (or a zero direction)
+    c = torch.where(d_max > 0, abs(scale) * d_max, 0.0)  # |s|·|d|, inf past float32: then it outweighs any x
+    x_max = x.abs().amax(dim=-1, keepdim=True)  # [..., 1]
+    k = torch.maximum(x_max, c).clamp_min(tiny)
+    past = c.isinf()
+    x_part = torch.where(past, torch.zeros_like(x), x / k)
+    d_part = torch.where(past, torch.ones_like(k), c / k)
+    v = x_part + math.copysign(1.0, scale) * d_part * unit_d  # (x + s·d)/k, entries at most 2
+    x_scaled = x / x_max.clamp_min(tiny)
+    gain = x_scaled.norm(dim=-1, keepdim=True) / v.norm(dim=-1, keepdim=True).clamp_min(tiny)
+    return v * gain * x_max  # in this order: no product past float32 unless the answer is
 
 
 def orthogonal(x: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
