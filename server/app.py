@@ -2,8 +2,10 @@
 
 `create_app(loaded=...)` serves a model that is already loaded (tests, embedding in another program);
 `create_app(settings)` loads the model named in the settings on a background thread at start-up,
-answering `/health` with 503 until it is ready (then `on_loaded` runs: `gpt2-serve` freezes what is alive
-then, `freeze_long_lived`).
+answering `/health` with 503 until it is ready. Either way `on_loaded` runs once the engine has started,
+before it serves (`gpt2-serve` and Ray replicas freeze what is alive then: `freeze_long_lived`). `sliced`:
+answers go out a slice at a time (`SlicedBodies`), for a server whose sends wait for the client (uvicorn's;
+not Ray Serve's replicas, whose sends are queued at once).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def create_app(
     loaded: LoadedModel | None = None,
     on_load_error: Callable[[Exception], None] | None = None,
     on_loaded: Callable[[], None] | None = None,
+    sliced: bool = True,
 ) -> FastAPI:
     settings = settings or Settings()
     metrics = Metrics()
@@ -48,7 +51,10 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if loaded is not None:
             app.state.directions = sae_routes.load_directions(settings, loaded)
-            app.state.engine = _start_engine(loaded, settings, metrics)
+            engine = _start_engine(loaded, settings, metrics)
+            if on_loaded is not None:
+                on_loaded()
+            app.state.engine = engine
         else:
             threading.Thread(target=_load_in_background, args=(app,), name="gpt2-loader", daemon=True).start()
         yield
@@ -60,13 +66,13 @@ def create_app(
             model = load_from(settings)
             app.state.directions = sae_routes.load_directions(settings, model)  # --sae: with the model
             engine = _start_engine(model, settings, metrics)
+            if on_loaded is not None:  # before the first request: /health says 503 until the engine is set
+                on_loaded()
         except Exception as e:
             log.error("cannot load the model: %s", e)
             if on_load_error is not None:
                 on_load_error(e)
             return
-        if on_loaded is not None:  # before the first request: /health says 503 until the engine is set
-            on_loaded()
         app.state.engine = engine
 
     app = FastAPI(
@@ -86,7 +92,8 @@ def create_app(
     app.include_router(sae_routes.router)
     app.mount("/static", StaticFiles(directory=lab.STATIC), name="static")
     app.add_middleware(ReleaseOpenMP)  # innermost: after the handler, before the guard's own bookkeeping
-    app.add_middleware(SlicedBodies)  # the handler waits while its answer goes out, a slice at a time
+    if sliced:  # the handler waits while its answer goes out, a slice at a time (where sends wait for room)
+        app.add_middleware(SlicedBodies)
     app.add_middleware(
         RequestGuard,
         api_key=settings.api_key,

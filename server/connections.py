@@ -98,25 +98,33 @@ class _BoundedH11Protocol(H11Protocol):
         self._stop_write_timer()
         super().connection_lost(exc)
 
-    # The send buffer is full (asyncio's high-water mark) while the client takes nothing: the answer waits
-    # there, and the app, whose sends wait for room (uvicorn's flow control), with it. The deadline runs until
-    # the client takes enough for the buffer to drain below the low-water mark.
+    # The send buffer is full (asyncio's high-water mark): the answer waits there, and the app, whose sends
+    # wait for room (uvicorn's flow control), with it. Each `write_timeout` while it stays full, the client must
+    # have taken something (the buffer smaller than the last time): a slow reader goes on, one that takes
+    # nothing is dropped.
 
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._write_timer is None:
-            self._write_timer = self.loop.call_later(self.write_timeout, self._reads_too_slow)
+            self._watch_writes(self.transport.get_write_buffer_size())
 
     def resume_writing(self) -> None:
         self._stop_write_timer()
         super().resume_writing()
+
+    def _watch_writes(self, buffered: int) -> None:
+        self._write_timer = self.loop.call_later(self.write_timeout, self._check_writes, buffered)
 
     def _stop_write_timer(self) -> None:
         if self._write_timer is not None:
             self._write_timer.cancel()
             self._write_timer = None
 
-    def _reads_too_slow(self) -> None:
+    def _check_writes(self, buffered: int) -> None:
+        now = self.transport.get_write_buffer_size()
+        if now < buffered:  # the client took some: another period
+            self._watch_writes(now)
+            return
         self._write_timer = None
         log.info(
             "the client at %s took none of its answer for %g s (--write-timeout); dropping the connection",

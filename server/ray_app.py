@@ -126,9 +126,8 @@ def application(p: Plan) -> Application:
         torch.set_num_threads(replica_threads(threads))
         loaded = load_from(settings)
         release_openmp_pool()  # this thread's, from loading: the engine's thread should keep the only one
-        app = create_app(settings, loaded=loaded)
-        freeze_long_lived()  # a replica serves this model for its whole life
-        return app
+        # a replica serves this model for its whole life; its sends to the proxy are queued, never waited on
+        return create_app(settings, loaded=loaded, on_loaded=freeze_long_lived, sliced=False)
 
     @serve.ingress(replica_app)
     class GPT2Replica:

@@ -265,3 +265,38 @@ def test_a_client_that_reads_none_of_its_answer_holds_its_dump_until_it_is_dropp
         length = int(re.search(rb"content-length: (\d+)", head_bytes, re.I).group(1))  # type: ignore[union-attr]
         assert length > 20_000_000 and len(received) < length  # dropped before the answer was all sent
         assert_good_request(r)
+
+
+def test_a_slow_reader_is_not_dropped_one_that_takes_nothing_is() -> None:
+    """The write deadline, checked each `--write-timeout` while the send buffer stays full: a client that took
+    something since the last check (the buffer smaller) gets another period; one that took nothing is dropped."""
+    from server.connections import _BoundedH11Protocol
+
+    class Transport:
+        buffered, aborted = 3_000_000, False
+
+        def get_write_buffer_size(self) -> int:
+            return self.buffered
+
+        def abort(self) -> None:
+            self.aborted = True
+
+    class Loop:
+        def __init__(self) -> None:
+            self.timers: list[tuple[float, Any]] = []
+
+        def call_later(self, delay: float, fn: Any, *args: Any) -> Any:
+            self.timers.append((delay, lambda: fn(*args)))
+            return type("Timer", (), {"cancel": lambda self: None})()
+
+    protocol = object.__new__(_BoundedH11Protocol)  # just the deadline's state: no connection behind it
+    protocol.write_timeout, protocol.transport, protocol.loop = 2.0, Transport(), Loop()  # type: ignore[assignment]
+    protocol.client = ("127.0.0.1", 1)
+    protocol._write_timer = None
+    protocol._watch_writes(protocol.transport.get_write_buffer_size())
+    for taken in (65536, 1, 0):  # two periods in which the client took some, then one in which it took none
+        protocol.transport.buffered -= taken  # type: ignore[attr-defined]
+        delay, fire = protocol.loop.timers.pop(0)  # type: ignore[attr-defined]
+        assert delay == 2.0 and not protocol.transport.aborted  # type: ignore[attr-defined]
+        fire()
+    assert protocol.transport.aborted and not protocol.loop.timers  # type: ignore[attr-defined]

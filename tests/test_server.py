@@ -818,8 +818,9 @@ def test_load_failure_reported(tmp_path: Path) -> None:
 def test_on_loaded_runs_once_loaded_before_the_first_request(
     loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`on_loaded` (gpt2-serve's `freeze_long_lived`) runs once the engine has started and before it serves: while
-    it runs, /health still says 503; a load that fails does not run it."""
+    """`on_loaded` (gpt2-serve's and a Ray replica's `freeze_long_lived`) runs once the engine has started and
+    before it serves: while it runs, /health still says 503 (no engine is published yet), whether the app loads
+    the model or is given it; a load that fails does not run it."""
     monkeypatch.setattr(app_module, "load_from", lambda *a, **k: loaded)
     seen: list[int] = []
     app = create_app(settings(), on_loaded=lambda: seen.append(TestClient(app).get("/health").status_code))
@@ -830,6 +831,12 @@ def test_on_loaded_runs_once_loaded_before_the_first_request(
 
     def fail(*args: Any, **kwargs: Any) -> LoadedModel:
         raise OSError("no such checkpoint")
+
+    engines: list[object] = []  # a model already loaded: the same, in the lifespan
+    app = create_app(settings(), loaded=loaded, on_loaded=lambda: engines.append(app.state.engine))
+    with TestClient(app, raise_server_exceptions=False) as c:
+        assert engines == [None] and c.app.state.engine is not None  # type: ignore[attr-defined]
+        assert_still_serving(c)
 
     monkeypatch.setattr(app_module, "load_from", fail)
     errors: list[Exception] = []

@@ -179,8 +179,8 @@ async def stepped(request: Request, engine: Engine, work: Steps, begun: bool = F
     """Run `work` to its end, each step an engine job of its own: decode steps go on between them. Only the
     first job of a request's work can meet a full queue (429; `begun`: the request has work done already,
     an earlier pass): once begun, it goes on to its end (a full queue refusing a later step would throw that
-    work away). At most `max_queue` passes are under way at once, each holding what it keeps between its
-    jobs. A client gone ends it (a 499): its waiting job leaves the queue, a running one stops where
+    work away). A request's first pass is refused (429) while `max_queue` are under way, each holding what it
+    keeps between its jobs; its later passes are not. A client gone ends it (a 499): its waiting job leaves the queue, a running one stops where
     `Engine.call` stops it, and no job of it follows."""
     if engine.passes >= engine.max_queue and not begun:
         raise QueueFull(f"{engine.passes} model calls of many steps are under way (the limit is {engine.max_queue})")
