@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .config import GPTConfig
 from .cuda_graph import StaticDecode
 from .gpt import GPT
 from .hooks import (
+    HEAD_HOOKS,
     Capture,
     Hooks,
     Index,
@@ -179,7 +181,8 @@ class SequenceState:
 
     @property
     def prompt_only(self) -> bool:
-        """Nothing to generate and no logits wanted: only the prompt's activations (`prefill_prompts`)."""
+        """Nothing to generate and no logits wanted: only the prompt's activations (`prefill_prompts`, where its
+        pass is cheap enough; else the batch, a chunk a step)."""
         return self.params.max_new_tokens == 0 and self.params.prompt_logprobs is None
 
     def accept(self, logits: torch.Tensor, argmax: int | None = None) -> TokenEvent:
@@ -305,21 +308,41 @@ def prefill_prompts(model: GPT, seqs: Sequence[SequenceState]) -> None:
         s.finish_reason = "length"
 
 
+def pass_blocks(config: GPTConfig, names: Sequence[str]) -> float:
+    """The work of a forward pass that ends at the last of hook points `names` (as `prefill_prompts` runs
+    one), in blocks' worth a token: the blocks it runs, each 12·C² multiply-adds a token (attention's
+    projections and the MLP), and the LM head's vocab·C as vocab / (12·C) blocks where a hook after it is
+    asked for; 0 for the embeddings' hooks alone."""
+    head = config.vocab_size / (12 * config.n_embd)
+    cost = 0.0
+    for name in names:
+        if name.startswith("blocks."):
+            cost = max(cost, int(name.split(".")[1]) + 1)
+        elif name in HEAD_HOOKS:
+            cost = max(cost, config.n_layer + head)
+    return cost
+
+
 def has_edits(seq: SequenceState) -> bool:
     """Whether `seq`'s forward passes apply edits (its hooks are more than its capture)."""
     return seq.hooks is not None and seq.hooks is not seq.capture
 
 
+def _holds_ids(t: torch.Tensor) -> bool:
+    """Whether a tensor can be a prompt: 1-D, of integers."""
+    return t.dim() == 1 and not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
 def validate_prompt(model: GPT, prompt: Sequence[int], max_new_tokens: int, param: str = "prompt") -> list[int]:
     n_ctx, vocab = model.config.n_positions, model.config.vocab_size
-    if isinstance(prompt, torch.Tensor):  # a 1-D tensor of ids, as a tokenizer may give them
-        if prompt.dim() != 1 or prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
-            raise GenerationError(
-                f"a prompt given as a tensor must be 1-D and of integers, got {prompt.dim()}-D {prompt.dtype}", param
-            )
-        prompt = prompt.tolist()
+    if isinstance(prompt, torch.Tensor) and not _holds_ids(prompt):  # ids as a tokenizer may give them
+        raise GenerationError(
+            f"a prompt given as a tensor must be 1-D and of integers, got {prompt.dim()}-D {prompt.dtype}", param
+        )
     if len(prompt) > n_ctx:  # first: the checks below take a second of Python over two million ids
         raise GenerationError(f"the prompt ({len(prompt)} tokens) is longer than the context of {n_ctx} tokens", param)
+    if isinstance(prompt, torch.Tensor):
+        prompt = prompt.tolist()
     ids = [operator.index(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in prompt]
     if not ids:
         raise GenerationError("the prompt is empty: give at least one token", param)

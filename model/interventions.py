@@ -2,8 +2,9 @@
 
 Both are `Hooks` (see `model/hooks.py`) passed with the forward call, so the network itself stays the
 plain Pre-LN math and nothing is left registered on it. They hold per-sequence state (how many positions
-each hook has seen, a mean, the sub-layer output to keep), so each sequence gets its own instance and
-runs alone (not batched with others), like a capture.
+each hook has seen, a mean, the sub-layer output to keep), so each sequence gets its own instance, which
+sees only that sequence's part of a batched pass (`RowHooks`), its prompt in chunks or, with a `mean` edit,
+whole (`whole_prompt`).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ capture, interventions) share the batch too, each seeing only its own values. Th
 prompt's activations (nothing to generate, no logits) skip the KV cache: those waiting run together in
 padded forward passes that end after the last hook they capture (`model.generate.prefill_prompts`), one
 pass of at most a prompt chunk's tokens (`prefill_chunk`, B x the longest) before each decode step, so short
-ones share a pass. A prompt with edits runs in a pass of its own; one longer than a chunk joins the batch
-and is prefilled a chunk a step, as a generation's (unless its hooks need it whole). A cancelled request
+ones share a pass. A prompt with edits runs in a pass of its own; one whose pass would cost more than a
+chunk's through every block joins the batch and is prefilled a chunk a step, as a generation's. A cancelled request
 (client gone) leaves the batch at the next step and frees its row; a sequence that fails on its own
 (non-finite logits, say) ends with its error, and its batch goes on. Jobs (`call`: one forward pass for
 an analysis) wait in a queue bounded like the requests' and run one between two steps, so that a burst of
@@ -40,10 +40,11 @@ from model.generate import (
     TokenLogprob,
     has_edits,
     new_sequence,
+    pass_blocks,
     prefill_prompts,
 )
 from model.gpt import GPT
-from model.hooks import needs_whole_prompt, select_hooks
+from model.hooks import select_hooks
 from model.interventions import EditSpec
 from model.loading import LoadedModel
 
@@ -321,14 +322,18 @@ class Engine:
             self._batch.add(request.seq)
 
     def _in_one_pass(self, seq: SequenceState) -> bool:
-        """Whether a sequence goes to `prefill_prompts`: it only wants its prompt's activations, and the prompt
-        fits in a chunk (or its hooks need it whole, a `mean` edit). A longer one joins the batch instead and is
-        prefilled a chunk a step like any other, through every block (a pass of `prefill_prompts` over 1,000
-        tokens of gpt2-small held every stream on a 2-core CPU for 1.2 s to its last block, 2.2-2.6 s capturing
-        every hook point, `/v1/activations`' default)."""
+        """Whether a sequence goes to `prefill_prompts`, one pass to the last hook it captures: it only wants
+        its prompt's activations, and that pass costs no more than a step's prompt chunk through every block
+        (`pass_blocks`), or it has edits (alone in its pass, they can fail no other request). Any other joins
+        the batch and is prefilled a chunk a step, through every block: one `prefill_prompts` pass over 1,000
+        tokens of gpt2-small held every stream on a 2-core CPU for 1.2 s to its last block, 2.2-2.6 s
+        capturing every hook point, `/v1/activations`' default."""
         if not seq.prompt_only:
             return False
-        return len(seq.prompt) <= self.prefill_chunk or seq.hooks is None or needs_whole_prompt(seq.hooks)
+        if seq.capture is None or has_edits(seq):
+            return True
+        config = self.model.config
+        return len(seq.prompt) * pass_blocks(config, seq.capture.names) <= self.prefill_chunk * config.n_layer
 
     def _step(self) -> None:
         try:

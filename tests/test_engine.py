@@ -383,38 +383,53 @@ def test_prompts_to_dump_share_passes_of_a_prompt_chunk_with_decode_steps_betwee
                 assert torch.equal(result.activations[name], want), name
 
 
-@pytest.mark.parametrize("edit", [None, "scale", "mean"])
-def test_a_prompt_to_dump_longer_than_a_chunk_is_prefilled_a_chunk_a_step(
-    loaded: LoadedModel, edit: str | None
+@pytest.mark.parametrize(
+    ("names", "edit", "in_chunks"),
+    [
+        (["blocks.0.hook_resid_post", "blocks.1.attn.hook_pattern"], None, True),
+        (["blocks.0.hook_resid_post", "logits"], None, True),
+        (["hook_embed", "hook_pos_embed"], None, False),
+        (["blocks.0.hook_resid_post", "blocks.1.attn.hook_pattern"], "scale", False),
+        (["blocks.0.hook_resid_post", "blocks.1.attn.hook_pattern"], "mean", False),
+    ],
+    ids=["to the last block", "to the head", "the embeddings", "edited", "mean"],
+)
+def test_a_prompt_to_dump_whose_pass_outweighs_a_chunk_is_prefilled_a_chunk_a_step(
+    loaded: LoadedModel, names: list[str], edit: str | None, in_chunks: bool
 ) -> None:
-    """A prompt that only dumps activations and is longer than a chunk (40 tokens, chunks of 16) joins the batch
-    and is prefilled a chunk a step beside the decoding stream, instead of holding it for a pass over the whole
-    prompt (1.2 s at 1,000 tokens of gpt2-small on a 2-core CPU to its last block, 2.2-2.6 s capturing every
-    hook point); with a `mean` edit, which needs the prompt whole, it still runs in one pass. The dump is the
-    one its prompt gives alone, to float32's rounding."""
+    """A prompt that only dumps activations (40 tokens, chunks of 16, 2 blocks) whose pass to its last hook
+    costs more than a chunk's through every block joins the batch and is prefilled a chunk a step beside the
+    decoding stream, instead of holding it for that pass (1.2 s at 1,000 tokens of gpt2-small on a 2-core CPU
+    to its last block, 2.2-2.6 s capturing every hook point); one whose pass is cheap (the embeddings' hooks),
+    or that has edits (alone, they fail no other request), keeps its one pass. The dump is the one its prompt
+    gives alone, to float32's rounding."""
     prompt = [(7 * t + 2) % 50000 for t in range(40)]
-    names = ["blocks.0.hook_resid_post", "blocks.1.attn.hook_pattern"]
     edits = EditSpec((Edit("blocks.0.hook_attn_out", edit, factor=0.5),)) if edit else None
-    widths: list[int] = []  # tokens of each pass that reaches block 0
+    widths: list[int] = []  # tokens of each pass that reaches the embeddings with more than one
 
     async def main() -> Completion:
         with running(loaded, max_batch_size=8, prefill_chunk=16) as engine:
             (stream,) = engine.submit([[464]], [greedy_params(LONG, ignore_eos=True)])
             await first_event(stream)
-            entered = engine.model.h[0].register_forward_pre_hook(lambda _, args: widths.append(args[0].shape[1]))
+
+            def entered(_: Any, args: tuple[torch.Tensor, ...]) -> None:
+                if args[0].numel() > 1:  # not the stream's own decode step, wherever that runs
+                    widths.append(args[0].numel())
+
+            hook = engine.model.wte.register_forward_pre_hook(entered)
             try:
                 (dump,) = engine.submit([prompt], [SamplingParams(max_new_tokens=0)], names, edits)
                 result = await dump.result()
                 stream.cancel()
             finally:
-                entered.remove()
+                hook.remove()
             return result
 
     result = run(main())
-    if edit == "mean":
-        assert 40 in widths  # the whole prompt, in one pass
-    else:
+    if in_chunks:
         assert widths == [2 + 16, 2 + 16, 2 + 8]  # a decode token a row (the stream's, its own dummy) + a chunk
+    else:
+        assert widths == [40]  # the whole prompt, in one pass
     alone = run_with_cache(loaded.model, prompt, names, edits.hooks(loaded.model.config, 40) if edits else None)
     assert result.activations is not None and result.activations.keys() == alone.keys()
     assert result.finish_reason == "length" and result.token_ids == []

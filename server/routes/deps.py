@@ -180,8 +180,8 @@ async def stepped(request: Request, engine: Engine, work: Steps, begun: bool = F
     first job of a request's work can meet a full queue (429; `begun`: the request has work done already,
     an earlier pass): once begun, it goes on to its end (a full queue refusing a later step would throw that
     work away). A request's first pass is refused (429) while `max_queue` are under way, each holding what it
-    keeps between its jobs; its later passes are not. A client gone ends it (a 499): its waiting job leaves the queue, a running one stops where
-    `Engine.call` stops it, and no job of it follows."""
+    keeps between its jobs; its later passes are not. A client gone ends it (a 499): its waiting job leaves the
+    queue, a running one stops where `Engine.call` stops it, and no job of it follows."""
     if engine.passes >= engine.max_queue and not begun:
         raise QueueFull(f"{engine.passes} model calls of many steps are under way (the limit is {engine.max_queue})")
     engine.passes += 1
