@@ -22,6 +22,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .asgi import HTTPOnly
 from .errors import error_response
 from .metrics import Metrics
 
@@ -191,7 +192,7 @@ class RequestGuard:
         return replay, None
 
 
-class SlicedBodies:
+class SlicedBodies(HTTPOnly):
     """Plain ASGI: an answer's body goes to the connection in slices of `slice_bytes` (1 MiB), each sent once
     the send buffer has room (uvicorn's flow control). Sent whole, a dump of 147 MB went into the buffer at
     once: the request had finished, its share of the dump budget (`server.routes.deps.DumpBudget`) was given
@@ -201,14 +202,7 @@ class SlicedBodies:
 
     slice_bytes = 1 << 20
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def sending(message: Message) -> None:
             body = message.get("body", b"")
             if message["type"] != "http.response.body" or len(body) <= self.slice_bytes:
@@ -216,7 +210,7 @@ class SlicedBodies:
                 return
             view, more = memoryview(body), message.get("more_body", False)
             for start in range(0, len(body), self.slice_bytes):
-                piece = bytes(view[start : start + self.slice_bytes])  # bytes: Ray Serve pickles the messages
+                piece = bytes(view[start : start + self.slice_bytes])  # bytes, as ASGI has a body
                 last = start + self.slice_bytes >= len(body)
                 await send({"type": "http.response.body", "body": piece, "more_body": more or not last})
 

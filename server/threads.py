@@ -29,7 +29,9 @@ from typing import ParamSpec, TypeVar
 
 import torch  # noqa: F401  (its OpenMP runtime loaded before `_pauses` looks for it)
 from starlette.concurrency import run_in_threadpool as _run_in_threadpool
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
+
+from .asgi import HTTPOnly
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -88,19 +90,12 @@ async def run_in_threadpool(fn: Callable[P, T], *args: P.args, **kwargs: P.kwarg
     return await _run_in_threadpool(call)
 
 
-class ReleaseOpenMP:
+class ReleaseOpenMP(HTTPOnly):
     """Plain ASGI: releases the event loop's thread's pool when a response starts (the handler's own work
     is done: edits parsed, a dump value cast to float32, checked finite) and when it has been sent. The loop
     runs a little torch work of its own, and its thread lives as long as the server."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def sending(message: Message) -> None:
             if message["type"] == "http.response.start":
                 release_openmp_pool()
