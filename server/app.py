@@ -52,8 +52,7 @@ def create_app(
         if loaded is not None:
             app.state.directions = sae_routes.load_directions(settings, loaded)
             engine = _start_engine(loaded, settings, metrics)
-            if on_loaded is not None:
-                on_loaded()
+            _loaded(engine, on_loaded)
             app.state.engine = engine
         else:
             threading.Thread(target=_load_in_background, args=(app,), name="gpt2-loader", daemon=True).start()
@@ -66,8 +65,7 @@ def create_app(
             model = load_from(settings)
             app.state.directions = sae_routes.load_directions(settings, model)  # --sae: with the model
             engine = _start_engine(model, settings, metrics)
-            if on_loaded is not None:  # before the first request: /health says 503 until the engine is set
-                on_loaded()
+            _loaded(engine, on_loaded)  # before the first request: /health says 503 until the engine is set
         except Exception as e:
             log.error("cannot load the model: %s", e)
             if on_load_error is not None:
@@ -109,6 +107,17 @@ def create_app(
             allow_headers=["*"],
         )
     return app
+
+
+def _loaded(engine: Engine, on_loaded: Callable[[], None] | None) -> None:
+    """Run `on_loaded` for a started engine, which is stopped if it fails."""
+    if on_loaded is None:
+        return
+    try:
+        on_loaded()
+    except BaseException:
+        engine.stop()
+        raise
 
 
 def freeze_long_lived() -> None:

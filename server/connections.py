@@ -112,6 +112,13 @@ class _BoundedH11Protocol(H11Protocol):
         self._stop_write_timer()
         super().resume_writing()
 
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # an answer's tail can sit in the buffer under the high-water mark, never pausing the writes: its
+        # deadline too (the connection would otherwise wait for it for ever, closing or kept alive)
+        if self._write_timer is None and self.transport.get_write_buffer_size():
+            self._watch_writes(self.transport.get_write_buffer_size())
+
     def _watch_writes(self, buffered: int) -> None:
         self._write_timer = self.loop.call_later(self.write_timeout, self._check_writes, buffered)
 
@@ -122,6 +129,9 @@ class _BoundedH11Protocol(H11Protocol):
 
     def _check_writes(self, buffered: int) -> None:
         now = self.transport.get_write_buffer_size()
+        if now == 0:  # all taken
+            self._write_timer = None
+            return
         if now < buffered:  # the client took some: another period
             self._watch_writes(now)
             return

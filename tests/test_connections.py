@@ -300,3 +300,8 @@ def test_a_slow_reader_is_not_dropped_one_that_takes_nothing_is() -> None:
         assert delay == 2.0 and not protocol.transport.aborted  # type: ignore[attr-defined]
         fire()
     assert protocol.transport.aborted and not protocol.loop.timers  # type: ignore[attr-defined]
+    protocol.transport.aborted = False  # type: ignore[attr-defined]
+    protocol._watch_writes(protocol.transport.get_write_buffer_size())  # a client that takes the rest: no more
+    protocol.transport.buffered = 0  # type: ignore[attr-defined]
+    protocol.loop.timers.pop(0)[1]()  # type: ignore[attr-defined]
+    assert not protocol.transport.aborted and not protocol.loop.timers and protocol._write_timer is None  # type: ignore[attr-defined]

@@ -246,3 +246,11 @@ def test_a_norm_matched_steer_keeps_each_vector_s_norm_at_any_scale(
     tol = 1e-6 if dtype == torch.float32 else 2e-3
     assert got.dtype == dtype and got.isfinite().all()
     torch.testing.assert_close(got.double() / x_size, want / x_size, rtol=tol, atol=tol)
+
+
+def test_a_norm_matched_steer_to_zero_is_zero() -> None:
+    """x + s·d = 0 (a direction taken from x itself, scale -1): the answer is 0, not 0 · inf (NaN)."""
+    x = torch.randn(2, 768, generator=torch.Generator().manual_seed(1)) * 50
+    got = steering.steer(x, x[0].clone(), -1.0, norm_match=True)
+    assert torch.equal(got[0], torch.zeros(768)) and got[1].isfinite().all()
+    torch.testing.assert_close(got[1].norm(), x[1].norm())

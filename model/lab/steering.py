@@ -56,8 +56,8 @@ def _norm_matched(x: torch.Tensor, d: torch.Tensor, scale: float) -> torch.Tenso
     d_part = torch.where(past, torch.ones_like(k), c / k)
     v = x_part + math.copysign(1.0, scale) * d_part * unit_d  # (x + s·d)/k, entries at most 2
     x_scaled = x / x_max.clamp_min(tiny)
-    gain = x_scaled.norm(dim=-1, keepdim=True) / v.norm(dim=-1, keepdim=True).clamp_min(tiny)
-    return v * gain * x_max  # in this order: no product past float32 unless the answer is
+    unit = v / v.norm(dim=-1, keepdim=True).clamp_min(tiny)  # x + s·d = 0 (d = -x/s): 0, and so the answer
+    return unit * x_scaled.norm(dim=-1, keepdim=True) * x_max  # in this order: past float32 only if the answer is
 
 
 def orthogonal(x: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
