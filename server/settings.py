@@ -76,7 +76,7 @@ class Settings:
     )
     write_timeout: float = field(
         default=30.0,
-        metadata={"help": "seconds a client may take none of its answer, the send buffer full; beyond it, dropped"},
+        metadata={"help": "seconds an answer may wait in the send buffer with none of it taken; beyond it, dropped"},
     )
     max_connections: int = field(
         default=1024, metadata={"help": "open connections at once; a request on one beyond them: 503"}
