@@ -29,6 +29,7 @@ from .hooks import (
     Index,
     RowHooks,
     hook_names,
+    layer_of,
     needs_whole_prompt,
     run_until,
     select_hooks,
@@ -316,8 +317,9 @@ def pass_blocks(config: GPTConfig, names: Sequence[str]) -> float:
     head = config.vocab_size / (12 * config.n_embd)
     cost = 0.0
     for name in names:
-        if name.startswith("blocks."):
-            cost = max(cost, int(name.split(".")[1]) + 1)
+        layer = layer_of(name)
+        if layer is not None:
+            cost = max(cost, layer + 1)
         elif name in HEAD_HOOKS:
             cost = max(cost, config.n_layer + head)
     return cost

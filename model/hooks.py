@@ -88,6 +88,13 @@ OPTIONAL_SITES = tuple(site for site, optional in _BLOCK_SITES if optional)
 HEAD_HOOKS = tuple(_LAST)  # after the last block: what needs the logits of every position it covers
 
 
+@functools.lru_cache(maxsize=4096)  # asked for every hook a glob of a thousand edits matches
+def layer_of(name: str) -> int | None:
+    """The block a hook point is in (`blocks.5.attn.hook_z`: 5); None for those before or after the blocks."""
+    m = re.match(r"blocks\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
 def uses_the_head(hooks: Hooks | None) -> bool:
     """Whether `hooks` ask for or edit a hook point after the last block: then the LM head runs over every
     position, not only those whose logits are needed."""

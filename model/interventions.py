@@ -9,9 +9,7 @@ whole (`whole_prompt`).
 
 from __future__ import annotations
 
-import functools
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -25,6 +23,7 @@ from .hooks import (
     has_one_vector_per_position,
     is_attention_square,
     is_per_head,
+    layer_of,
     match_hooks,
     needs_whole_prompt,
 )
@@ -109,7 +108,7 @@ def edit_sites(edit: Edit, n_layer: int, where: str = "edit") -> list[str]:
         raise InterventionError(f"{where} matches no hook point; valid names are {describe_hook_names(n_layer)}")
     if edit.layers is not None:  # an empty list selects nothing, like empty heads or positions
         _check_range(edit.layers, n_layer, f"{where}: layer")
-        names = [n for n in names if _layer(n) in edit.layers]
+        names = [n for n in names if layer_of(n) in edit.layers]
         if edit.layers and not names:
             raise InterventionError(f"{where} has no hook point in layers {list(edit.layers)}")
     return names
@@ -287,12 +286,9 @@ class Interventions:
         self.n_tokens = n_tokens
         self._seen: dict[str, int] = {}  # positions each hook has seen so far
         self._means: dict[_Target, torch.Tensor] = {}  # a `mean` edit's mean over the prompt
-
-    @property
-    def whole_prompt(self) -> bool:
-        """A `mean` edit takes its mean over the first pass, which must be the whole prompt; the others edit
-        each pass's positions as they come (`_seen` counts them)."""
-        return any(e.op == "mean" for e in self.plan.edits)
+        # a `mean` edit takes its mean over the first pass, which must be the whole prompt; the others edit each
+        # pass's positions as they come (`_seen` counts them)
+        self.whole_prompt = any(e.op == "mean" for e in self.plan.edits)
 
     def active(self, name: str) -> bool:
         return name in self.plan.targets
@@ -427,12 +423,6 @@ class HookChain:
         for h in self.hooks:
             x = h(name, x)
         return x
-
-
-@functools.lru_cache(maxsize=4096)  # asked for every hook a glob of a thousand edits matches
-def _layer(name: str) -> int | None:
-    m = re.match(r"blocks\.(\d+)\.", name)
-    return int(m.group(1)) if m else None
 
 
 def _check_range(values: Sequence[int], n: int, what: str, param: str = "interventions", distinct: bool = True) -> None:
