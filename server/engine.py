@@ -9,10 +9,11 @@ capture, interventions) share the batch too, each seeing only its own values. Th
 prompt's activations (nothing to generate, no logits) skip the KV cache: those waiting run together in
 padded forward passes that end after the last hook they capture (`model.generate.prefill_prompts`), one
 pass of at most a prompt chunk's tokens (`prefill_chunk`, B x the longest) before each decode step, so short
-ones share a pass. A prompt with edits runs in a pass of its own; one whose pass would cost more than a
-chunk's through every block joins the batch and is prefilled a chunk a step, as a generation's. A cancelled request
-(client gone) leaves the batch at the next step and frees its row; a sequence that fails on its own
-(non-finite logits, say) ends with its error, and its batch goes on. Jobs (`call`: one forward pass for
+ones share a pass; a prompt with edits has a pass of its own. One whose pass would cost more than a chunk's
+through every block joins the batch and is prefilled a chunk a step, as a generation's, unless its edits need
+the whole prompt at once (`mean`). A cancelled request (client gone) leaves the batch at the next step and
+frees its row; a sequence that fails on its own (non-finite logits, say) ends with its error, and its batch
+goes on. Jobs (`call`: one forward pass for
 an analysis) wait in a queue bounded like the requests' and run one between two steps, so that a burst of
 them does not stall the sequences decoding; a job whose caller is gone leaves the queue, or, once running,
 stops at the next block its forward passes enter."""
@@ -44,7 +45,7 @@ from model.generate import (
     prefill_prompts,
 )
 from model.gpt import GPT
-from model.hooks import select_hooks
+from model.hooks import needs_whole_prompt, select_hooks
 from model.interventions import EditSpec
 from model.loading import LoadedModel
 
@@ -324,14 +325,17 @@ class Engine:
     def _in_one_pass(self, seq: SequenceState) -> bool:
         """Whether a sequence goes to `prefill_prompts`, one pass to the last hook it captures: it only wants
         its prompt's activations, and that pass costs no more than a step's prompt chunk through every block
-        (`pass_blocks`), or it has edits (alone in its pass, they can fail no other request). Any other joins
-        the batch and is prefilled a chunk a step, through every block: one `prefill_prompts` pass over 1,000
-        tokens of gpt2-small held every stream on a 2-core CPU for 1.2 s to its last block, 2.2-2.6 s
-        capturing every hook point, `/v1/activations`' default."""
+        (`pass_blocks`), or its edits need the whole prompt in one pass (`mean`), which the batch would give it
+        too, through every block. Any other joins the batch and is prefilled a chunk a step, through every
+        block, its edits applied to each chunk's positions: one `prefill_prompts` pass over 1,000 tokens of
+        gpt2-small held every stream on a 2-core CPU for 1.2 s to its last block, 2.2-2.6 s capturing every
+        hook point, `/v1/activations`' default."""
         if not seq.prompt_only:
             return False
-        if seq.capture is None or has_edits(seq):
-            return True
+        if seq.capture is None or seq.hooks is None:
+            return True  # nothing to capture: nothing to run
+        if seq.hooks is not seq.capture and needs_whole_prompt(seq.hooks):
+            return True  # edits (the hooks before the capture) that need the prompt whole
         config = self.model.config
         return len(seq.prompt) * pass_blocks(config, seq.capture.names) <= self.prefill_chunk * config.n_layer
 

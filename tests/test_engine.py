@@ -389,10 +389,11 @@ def test_prompts_to_dump_share_passes_of_a_prompt_chunk_with_decode_steps_betwee
         (["blocks.0.hook_resid_post", "blocks.1.attn.hook_pattern"], None, True),
         (["blocks.0.hook_resid_post", "logits"], None, True),
         (["hook_embed", "hook_pos_embed"], None, False),
-        (["blocks.0.hook_resid_post", "blocks.1.attn.hook_pattern"], "scale", False),
+        (["blocks.0.hook_resid_post", "blocks.1.attn.hook_pattern"], "scale", True),
+        (["blocks.0.hook_resid_post", "blocks.1.attn.hook_pattern"], "set", True),
         (["blocks.0.hook_resid_post", "blocks.1.attn.hook_pattern"], "mean", False),
     ],
-    ids=["to the last block", "to the head", "the embeddings", "edited", "mean"],
+    ids=["to the last block", "to the head", "the embeddings", "edited", "set over the prompt", "mean"],
 )
 def test_a_prompt_to_dump_whose_pass_outweighs_a_chunk_is_prefilled_a_chunk_a_step(
     loaded: LoadedModel, names: list[str], edit: str | None, in_chunks: bool
@@ -400,11 +401,15 @@ def test_a_prompt_to_dump_whose_pass_outweighs_a_chunk_is_prefilled_a_chunk_a_st
     """A prompt that only dumps activations (40 tokens, chunks of 16, 2 blocks) whose pass to its last hook
     costs more than a chunk's through every block joins the batch and is prefilled a chunk a step beside the
     decoding stream, instead of holding it for that pass (1.2 s at 1,000 tokens of gpt2-small on a 2-core CPU
-    to its last block, 2.2-2.6 s capturing every hook point); one whose pass is cheap (the embeddings' hooks),
-    or that has edits (alone, they fail no other request), keeps its one pass. The dump is the one its prompt
-    gives alone, to float32's rounding."""
+    to its last block, 2.2-2.6 s capturing every hook point), its edits applied to each chunk's positions (a
+    `set` of a value for every prompt position takes each chunk's rows of it); one whose pass is cheap (the
+    embeddings' hooks), or whose edits need the whole prompt at once (`mean`), keeps its one pass. The dump is
+    the one its prompt gives alone, to float32's rounding."""
     prompt = [(7 * t + 2) % 50000 for t in range(40)]
-    edits = EditSpec((Edit("blocks.0.hook_attn_out", edit, factor=0.5),)) if edit else None
+    C = loaded.model.config.n_embd
+    value = torch.linspace(-1, 1, 40 * C).reshape(40, C) if edit == "set" else None  # a row a position
+    factor = 0.5 if edit == "scale" else None
+    edits = EditSpec((Edit("blocks.0.hook_attn_out", edit, factor=factor, value=value),)) if edit else None
     widths: list[int] = []  # tokens of each pass that reaches the embeddings with more than one
 
     async def main() -> Completion:
