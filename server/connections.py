@@ -5,16 +5,20 @@ no time limit: a client that connects and sends nothing, or half a request line,
 for ever; and a client that reads none of its answer holds it in the send buffer for ever (a 147 MB dump,
 say). `bounded_protocol` is uvicorn's h11 protocol with a deadline for the headers (a 408 in the API's error
 shape, then the connection closes), a deadline for a client that leaves its answer unread (the connection
-is dropped, its buffer freed) and a cap on open connections (a request on one beyond the cap is answered
-503). The body's deadline is the request guard's (`server.middleware`), so that it
-holds behind Ray Serve's proxy too.
+is dropped, its buffer freed) and a cap on open connections (a request on a connection opened when the cap's
+worth of others were open already, and still are, is answered 503). The body's deadline is the request
+guard's (`server.middleware`), so that it holds behind Ray Serve's proxy too. A request h11 cannot parse is
+answered 400 in the API's error shape too (uvicorn's is plain text).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
+import socket
+import struct
 from typing import Any
 
 import h11
@@ -59,6 +63,24 @@ def bounded_protocol(header_timeout: float, max_connections: int, write_timeout:
     return BoundedH11Protocol
 
 
+_ACCEPTED = itertools.count()  # connections in the order they opened, server-wide (`_BoundedH11Protocol._rank`)
+
+
+def bytes_acked(sock: Any) -> int | None:
+    """The bytes of our answers the client's TCP has acknowledged on `sock` so far (Linux's TCP_INFO,
+    `tcpi_bytes_acked`), or None where that cannot be read (another OS, a Unix socket, an old kernel). They
+    move as the client reads, through the kernel's send buffer (megabytes), which our own buffer only sees
+    drain in steps of about half of it."""
+    if sock is None or not hasattr(socket, "TCP_INFO"):
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    except OSError:
+        return None
+    offset = 120  # struct tcp_info: 8 bytes of flags, 24 u32 fields, then u64 pacing rates, then bytes_acked
+    return struct.unpack_from("Q", info, offset)[0] if len(info) >= offset + 8 else None
+
+
 def _raw_response(status: int, reason: str, body: dict[str, Any]) -> bytes:
     """A whole HTTP/1.1 response that closes the connection, for answers sent outside h11's request cycle."""
     payload = json.dumps(body).encode()
@@ -78,12 +100,15 @@ class _BoundedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None
+        self._taken: tuple[int, int | None] = (0, None)  # the write deadline's last look (`_progress`)
+        self._order = next(_ACCEPTED)
         self.limit_concurrency = None  # the cap is checked below, answered in the API's error shape
         self._app = self.app
         self.app = self._app_or_503
 
     # The headers' deadline starts when the connection opens, and again when the first bytes of a next
-    # request arrive on a kept-alive connection (until then it is idle, and the keep-alive timeout applies).
+    # request arrive on a kept-alive connection (until then it is idle, and the keep-alive timeout applies),
+    # or are there already when an answer ends (a client that pipelines).
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -100,13 +125,13 @@ class _BoundedH11Protocol(H11Protocol):
 
     # The send buffer is full (asyncio's high-water mark): the answer waits there, and the app, whose sends
     # wait for room (uvicorn's flow control), with it. Each `write_timeout` while it stays full, the client must
-    # have taken something (the buffer smaller than the last time): a slow reader goes on, one that takes
-    # nothing is dropped.
+    # have taken something (`_progress`: its TCP acknowledged more bytes, or the buffer is smaller than at the
+    # last look): a slow reader goes on, one that takes nothing is dropped.
 
     def pause_writing(self) -> None:
         super().pause_writing()
-        if self._write_timer is None:
-            self._watch_writes(self.transport.get_write_buffer_size())
+        self._stop_write_timer()  # a period from now, from what the client has taken now
+        self._watch_writes()
 
     def resume_writing(self) -> None:
         self._stop_write_timer()
@@ -117,31 +142,56 @@ class _BoundedH11Protocol(H11Protocol):
         # an answer's tail can sit in the buffer under the high-water mark, never pausing the writes: its
         # deadline too (the connection would otherwise wait for it for ever, closing or kept alive)
         if self._write_timer is None and self.transport.get_write_buffer_size():
-            self._watch_writes(self.transport.get_write_buffer_size())
+            self._watch_writes()
+        if self.conn.trailing_data[0] and not self.transport.is_closing():
+            # part of the next request came with this one: not idle (uvicorn's keep-alive timeout would close it
+            # without a word), its headers' deadline runs
+            self._unset_keepalive_if_required()
+            self._watch_headers()
 
-    def _watch_writes(self, buffered: int) -> None:
-        self._write_timer = self.loop.call_later(self.write_timeout, self._check_writes, buffered)
+    def _progress(self) -> tuple[int, int | None]:
+        """What the client has taken, as far as it shows: the bytes still in our send buffer, and the bytes
+        its TCP has acknowledged (`bytes_acked`; None where unknown)."""
+        return self.transport.get_write_buffer_size(), bytes_acked(self.transport.get_extra_info("socket"))
+
+    def _watch_writes(self) -> None:
+        self._taken = self._progress()
+        self._write_timer = self.loop.call_later(self.write_timeout, self._check_writes)
 
     def _stop_write_timer(self) -> None:
         if self._write_timer is not None:
             self._write_timer.cancel()
             self._write_timer = None
 
-    def _check_writes(self, buffered: int) -> None:
-        now = self.transport.get_write_buffer_size()
-        if now == 0:  # all taken
-            self._write_timer = None
-            return
-        if now < buffered:  # the client took some: another period
-            self._watch_writes(now)
-            return
+    def _check_writes(self) -> None:
         self._write_timer = None
+        (buffered, acked), (before, acked_before) = self._progress(), self._taken
+        if buffered == 0:  # all taken
+            return
+        if buffered < before or (acked is not None and acked_before is not None and acked > acked_before):
+            self._watch_writes()  # the client took some: another period
+            return
         log.info(
-            "the client at %s took none of its answer for %g s (--write-timeout); dropping the connection",
+            "the client at %s took none of its answer in %g s (--write-timeout): dropping the connection",
             self.client,
             self.write_timeout,
         )
         self.transport.abort()  # its buffer goes, unsent; the app's waiting sends return (the client is gone)
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (a bad chunk size, two Content-Lengths that differ, no Host): uvicorn's
+        answer, 400 and the connection closed, in the API's error shape rather than plain text."""
+        message = "the request is not valid HTTP/1.1: its request line, headers or body framing could not be read"
+        payload = json.dumps(error_body(400, message)).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(payload)).encode()),
+            (b"connection", b"close"),
+        ]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=payload)):
+            self.transport.write(self.conn.send(event))
+        self.transport.write(self.conn.send(h11.EndOfMessage()))
+        self.transport.close()
 
     def _watch_headers(self) -> None:
         """Waiting for a request's headers (h11's client side is IDLE until they are complete): the timer
@@ -168,7 +218,15 @@ class _BoundedH11Protocol(H11Protocol):
         self.transport.close()
 
     async def _app_or_503(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if len(self.connections) > self.max_connections:  # the request guard answers it: a 503 with a request
-            # id, logged and counted like every other answer
-            scope[REFUSAL] = f"the server has {self.max_connections} connections open, its limit (--max-connections)"
+        """A request on a connection that is not among the first `max_connections` of those open now, in the
+        order they opened, is refused: a client that keeps a connection within the cap is served however many
+        open after it (idle ones, say, which the header deadline closes), and a newer connection is served once
+        older ones have closed. The request guard answers it: a 503 with a request id, logged and counted like
+        every other answer."""
+        older = sum(1 for c in self.connections if getattr(c, "_order", -1) < self._order)
+        if older >= self.max_connections:
+            scope[REFUSAL] = (
+                f"the server's {self.max_connections} connections (its limit, --max-connections) are taken by "
+                f"{older} opened before this one"
+            )
         await self._app(scope, receive, send)

@@ -5,9 +5,11 @@ the connection closes, an idle keep-alive connection is closed, a request beyond
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +21,7 @@ import httpx
 import pytest
 import uvicorn
 from contract import GEN
+from fastapi.testclient import TestClient
 from inprocess import settings, wait_until
 
 from model.loading import LoadedModel
@@ -162,7 +165,7 @@ def test_a_request_beyond_the_connection_cap_is_a_503(loaded: LoadedModel) -> No
             assert refused.headers["retry-after"] == "1"
             error = refused.json()["error"]
             assert error["type"] == "service_unavailable"
-            assert "2 connections open, its limit (--max-connections)" in error["message"]
+            assert "2 connections (its limit, --max-connections) are taken by 2 opened before" in error["message"]
             assert re.fullmatch(r"[0-9a-f]{32}", refused.headers["x-request-id"])  # answered by the guard
         finally:
             for sock in idle:
@@ -171,6 +174,154 @@ def test_a_request_beyond_the_connection_cap_is_a_503(loaded: LoadedModel) -> No
         assert_good_request(r)
         metrics = httpx.get(r.url + "/metrics", timeout=GUARD).text  # counted like any answer
         assert 'gpt2_requests_total{route="unmatched",status="503"} 1.0' in metrics, metrics
+
+
+def http_exchange(sock: socket.socket, request: bytes) -> tuple[int, dict[str, str], Any]:
+    """Send one request on a kept-alive connection and read its whole answer (by its Content-Length)."""
+    sock.sendall(request)
+    raw = b""
+    while b"\r\n\r\n" not in raw:
+        raw += sock.recv(65536)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))  # type: ignore[union-attr]
+    while len(body) < length:
+        body += sock.recv(65536)
+    return parse(head + b"\r\n\r\n" + body)
+
+
+HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+def test_the_connection_cap_refuses_the_newest_connections_not_one_opened_within_it(loaded: LoadedModel) -> None:
+    """The cap counts connections in the order they opened: a client that opened its connection within the cap
+    is served however many open after it (idle ones here, a flood of them in the attack this guards against:
+    the cap must not make it worse), and the newest one past the cap is refused until older ones close."""
+    with running(loaded, max_connections=2, header_timeout=120.0) as r:
+        with r.connect() as kept:
+            assert http_exchange(kept, HEALTH)[0] == 200
+            idle = [r.connect() for _ in range(3)]  # the second one is the cap's; the others are past it
+            try:
+                wait_until(lambda: r.open_connections() == 4, timeout=GUARD)
+                assert http_exchange(kept, HEALTH)[0] == 200  # it was refused: the count was over the cap
+                with r.connect() as newest:
+                    status, headers, body = http_exchange(newest, HEALTH)
+                assert status == 503 and headers["connection"] == "close", body
+                assert "taken by 4 opened before this one" in body["error"]["message"]
+                for sock in idle[1:]:  # past the cap, they go: the second one and the kept one are the two
+                    sock.close()
+                wait_until(lambda: r.open_connections() == 2, timeout=GUARD)
+                with r.connect() as late:  # two older ones are open: still past the cap
+                    assert http_exchange(late, HEALTH)[0] == 503
+                idle[0].close()
+                wait_until(lambda: r.open_connections() == 1, timeout=GUARD)
+                with r.connect() as later:  # one older one: within the cap now
+                    assert http_exchange(later, HEALTH)[0] == 200
+            finally:
+                for sock in idle:
+                    sock.close()
+        assert_good_request(r)
+
+
+@pytest.mark.parametrize("answer", ["401", "413"])
+def test_an_answer_before_the_body_closes_the_connection(loaded: LoadedModel, answer: str) -> None:
+    """A request refused before its body is read (no API key, or a Content-Length over the cap) is answered with
+    `Connection: close` and the connection closes: a client trickling the rest of a declared terabyte held it
+    for ever, every deadline passed, since uvicorn reads and drops the rest of a body with none."""
+    with running(loaded, api_key="k", header_timeout=1.0, body_timeout=1.0, keep_alive_timeout=1.0) as r:
+        with r.connect() as sock:
+            auth = b"" if answer == "401" else b"Authorization: Bearer k\r\n"
+            sock.sendall(
+                b"POST /v1/generate HTTP/1.1\r\nHost: x\r\n" + auth + b"Content-Length: 1000000000000\r\n\r\n{"
+            )
+            sock.settimeout(0.5)
+            raw = b""
+            for _ in range(16):  # a byte of body every 0.5 s: the connection must close, answered, in spite of it
+                try:
+                    chunk = sock.recv(65536)
+                except TimeoutError:
+                    with contextlib.suppress(OSError):  # closed: what came before is read next
+                        sock.sendall(b" ")
+                    continue
+                except ConnectionResetError:
+                    break
+                if not chunk:
+                    break
+                raw += chunk
+            else:
+                pytest.fail("the connection stayed open")
+        status, headers, body = parse(raw)
+        assert status == int(answer) and headers["connection"] == "close", body
+    with running(loaded, api_key="k") as r, r.connect() as sock:  # a 401 with no body keeps its connection
+        status, headers, _ = http_exchange(sock, b"GET /v1/model HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert status == 401 and "connection" not in headers
+        assert http_exchange(sock, HEALTH)[0] == 200
+
+
+def test_a_request_with_content_length_and_transfer_encoding_is_a_400_that_closes(strict: Running) -> None:
+    """Both headers (RFC 9112, section 6.3: where the next request starts is in doubt, a request-smuggling
+    risk behind a proxy): a 400 in the API's shape, and the connection closes, the request after it unread."""
+    with strict.connect() as sock:
+        body = b"4\r\n{}  \r\n0\r\n\r\n"
+        head = b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        head += b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
+        sock.sendall(head + body + HEALTH)
+        raw = read_until_closed(sock)
+    status, headers, answer = parse(raw)
+    assert status == 400 and headers["connection"] == "close"
+    assert "Content-Length and Transfer-Encoding" in answer["error"]["message"]
+    assert raw.count(b"HTTP/1.1") == 1  # the pipelined /health was not answered
+    assert_good_request(strict)
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"POST /tokenize HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+        b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+        b"GET /health HTTP/1.1\r\n\r\n",
+    ],
+    ids=["bad chunk size", "two lengths", "no host"],
+)
+def test_a_request_that_is_not_http_is_a_400_in_the_apis_shape(strict: Running, request_bytes: bytes) -> None:
+    """What h11 cannot parse is answered as every error is, `{"error": ...}` (uvicorn's is plain text)."""
+    with strict.connect() as sock:
+        sock.sendall(request_bytes)
+        status, headers, body = parse(read_until_closed(sock))
+    assert status == 400 and headers["content-type"] == "application/json" and headers["connection"] == "close"
+    assert body["error"]["type"] == "invalid_request_error" and "not valid HTTP/1.1" in body["error"]["message"]
+    assert_good_request(strict)
+
+
+def test_a_partial_request_pipelined_behind_a_whole_one_is_a_408(strict: Running) -> None:
+    """Half of a second request's headers, sent with the first: the header deadline runs for it once the first
+    is answered (the keep-alive timeout closed it silently, without the 408)."""
+    with strict.connect() as sock:
+        sock.sendall(HEALTH + b"GET /health HTTP/1.1\r\nHo")
+        raw = read_until_closed(sock)
+    first, _, second = raw.partition(b'"ok"}')
+    assert first.startswith(b"HTTP/1.1 200") and second.startswith(b"HTTP/1.1 408"), raw
+    assert b"--header-timeout" in second
+
+
+def test_every_get_route_answers_head(loaded: LoadedModel) -> None:
+    """HEAD (RFC 9110, section 9.3.2): the GET's status and headers, no body, on every GET route."""
+    from fastapi.routing import APIRoute
+
+    from server.routes import gradients, lab, native, openai, ops, sae, tokenizer
+
+    routers = (ops, native, openai, tokenizer, lab, gradients, sae)
+    routes = [r for m in routers for r in m.router.routes if isinstance(r, APIRoute) and "GET" in r.methods]
+    with TestClient(create_app(settings(), loaded=loaded), raise_server_exceptions=False) as client:
+        served = client.get("/v1/models").json()["data"][0]["id"]
+        paths = sorted({r.path.replace("{model_id:path}", served) for r in routes})
+        assert {"/health", "/metrics", "/v1/model", "/v1/models", "/tokenizer_info"} <= set(paths)
+        for path in paths:
+            get, head = client.get(path), client.head(path)
+            assert head.status_code == get.status_code == 200, (path, head.text)
+            assert head.content == b"" and head.headers["content-type"] == get.headers["content-type"], path
+            if path != "/metrics":  # its counters move between the two
+                assert head.headers["content-length"] == get.headers["content-length"], path
+        assert "head" not in str(client.get("/openapi.json").json()["paths"]).lower()
 
 
 def test_a_cors_preflight_beyond_the_connection_cap_is_a_503_too(loaded: LoadedModel) -> None:
@@ -269,14 +420,28 @@ def test_a_client_that_reads_none_of_its_answer_holds_its_dump_until_it_is_dropp
 
 def test_a_slow_reader_is_not_dropped_one_that_takes_nothing_is() -> None:
     """The write deadline, checked each `--write-timeout` while the send buffer stays full: a client that took
-    something since the last check (the buffer smaller) gets another period; one that took nothing is dropped."""
+    something since the last check gets another period, one that took nothing is dropped. What it took shows
+    as the bytes its TCP acknowledged (TCP_INFO), which move as it reads, or, where those cannot be read, as
+    our buffer grown smaller, which moves only as the kernel's send buffer (megabytes) frees half of itself: a
+    client reading a steady 100 kB/s was dropped with a deadline of 5 s, logged as having taken none."""
     from server.connections import _BoundedH11Protocol
 
+    class Socket:
+        acked: int | None = 0
+
+        def getsockopt(self, level: int, option: int, size: int) -> bytes:
+            if self.acked is None:
+                raise OSError("no TCP_INFO here")
+            return bytes(120) + self.acked.to_bytes(8, sys.byteorder) + bytes(size - 128)
+
     class Transport:
-        buffered, aborted = 3_000_000, False
+        buffered, aborted, socket = 3_000_000, False, Socket()
 
         def get_write_buffer_size(self) -> int:
             return self.buffered
+
+        def get_extra_info(self, name: str) -> Any:
+            return self.socket if name == "socket" else None
 
         def abort(self) -> None:
             self.aborted = True
@@ -289,19 +454,74 @@ def test_a_slow_reader_is_not_dropped_one_that_takes_nothing_is() -> None:
             self.timers.append((delay, lambda: fn(*args)))
             return type("Timer", (), {"cancel": lambda self: None})()
 
-    protocol = object.__new__(_BoundedH11Protocol)  # just the deadline's state: no connection behind it
-    protocol.write_timeout, protocol.transport, protocol.loop = 2.0, Transport(), Loop()  # type: ignore[assignment]
-    protocol.client = ("127.0.0.1", 1)
-    protocol._write_timer = None
-    protocol._watch_writes(protocol.transport.get_write_buffer_size())
-    for taken in (65536, 1, 0):  # two periods in which the client took some, then one in which it took none
-        protocol.transport.buffered -= taken  # type: ignore[attr-defined]
-        delay, fire = protocol.loop.timers.pop(0)  # type: ignore[attr-defined]
-        assert delay == 2.0 and not protocol.transport.aborted  # type: ignore[attr-defined]
-        fire()
-    assert protocol.transport.aborted and not protocol.loop.timers  # type: ignore[attr-defined]
-    protocol.transport.aborted = False  # type: ignore[attr-defined]
-    protocol._watch_writes(protocol.transport.get_write_buffer_size())  # a client that takes the rest: no more
-    protocol.transport.buffered = 0  # type: ignore[attr-defined]
-    protocol.loop.timers.pop(0)[1]()  # type: ignore[attr-defined]
-    assert not protocol.transport.aborted and not protocol.loop.timers and protocol._write_timer is None  # type: ignore[attr-defined]
+    def protocol() -> Any:
+        p = object.__new__(_BoundedH11Protocol)  # just the deadline's state: no connection behind it
+        p.write_timeout, p.transport, p.loop, p.client = 2.0, Transport(), Loop(), ("127.0.0.1", 1)
+        p._write_timer = None
+        p._watch_writes()
+        return p
+
+    def periods(p: Any, taken: list[tuple[int, int]]) -> None:
+        """Each period the client takes `from_buffer` bytes of our buffer and its TCP acknowledges `acked` more."""
+        for from_buffer, acked in taken:
+            assert not p.transport.aborted
+            p.transport.buffered -= from_buffer
+            if p.transport.socket.acked is not None:
+                p.transport.socket.acked += acked
+            delay, fire = p.loop.timers.pop(0)
+            assert delay == 2.0
+            fire()
+
+    # acknowledged bytes tell: a steady reader whose reads our buffer does not see yet goes on, period after period
+    p = protocol()
+    periods(p, [(0, 200_000), (0, 1), (65536, 0), (0, 0)])
+    assert p.transport.aborted and not p.loop.timers
+    # no TCP_INFO: our buffer tells
+    p = protocol()
+    p.transport.socket.acked = None
+    periods(p, [(65536, 0), (1, 0), (0, 0)])
+    assert p.transport.aborted and not p.loop.timers
+    # a client that takes the rest: no more periods, and nothing dropped
+    p = protocol()
+    periods(p, [(p.transport.buffered, 0)])
+    assert not p.transport.aborted and not p.loop.timers and p._write_timer is None
+
+
+def test_a_new_pause_starts_a_period_of_its_own() -> None:
+    """An answer's tail left in the buffer arms the deadline with that tail's size; the next answer's pause must
+    start a period from what is buffered then (a client that took the first answer and most of the next one was
+    dropped, measured against the first one's tail)."""
+    from server.connections import _BoundedH11Protocol
+
+    class Transport:
+        buffered = 20_000
+
+        def get_write_buffer_size(self) -> int:
+            return self.buffered
+
+        def get_extra_info(self, name: str) -> Any:
+            return None  # no TCP_INFO: our buffer alone tells
+
+        def abort(self) -> None:
+            raise AssertionError("dropped")
+
+    class Loop:
+        def __init__(self) -> None:
+            self.timers: list[Any] = []
+
+        def call_later(self, delay: float, fn: Any, *args: Any) -> Any:
+            timer = type("Timer", (), {"cancelled": False, "cancel": lambda t: setattr(t, "cancelled", True)})()
+            self.timers.append((timer, fn))
+            return timer
+
+    p: Any = object.__new__(_BoundedH11Protocol)
+    p.write_timeout, p.transport, p.loop, p.client = 2.0, Transport(), Loop(), ("127.0.0.1", 1)
+    p._write_timer = None
+    p._watch_writes()  # the first answer's tail, 20 kB
+    p.transport.buffered = 1_200_000  # the next answer fills the buffer: paused
+    p.flow = type("Flow", (), {"pause_writing": lambda f: None})()
+    p.pause_writing()
+    p.transport.buffered = 300_000  # the client takes 900 kB of it in the period
+    live = [fn for timer, fn in p.loop.timers if not timer.cancelled]
+    assert len(live) == 1
+    live[0]()  # another period, not a drop
