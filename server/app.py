@@ -17,7 +17,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
+from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 
 from model.lab.steering import Directions
@@ -86,8 +87,8 @@ def create_app(
     app.state.graph_turn = GraphTurn(settings.max_queue)
     install_error_handlers(app)
     for router in (ops.router, native.router, openai.router, tokenizer.router, lab.router, gradients.router):
-        app.include_router(router)
-    app.include_router(sae_routes.router)
+        app.include_router(answer_head(router))
+    app.include_router(answer_head(sae_routes.router))
     app.mount("/static", StaticFiles(directory=lab.STATIC), name="static")
     app.add_middleware(ReleaseOpenMP)  # innermost: after the handler, before the guard's own bookkeeping
     if sliced:  # the handler waits while its answer goes out, a slice at a time (where sends wait for room)
@@ -107,6 +108,26 @@ def create_app(
             allow_headers=["*"],
         )
     return app
+
+
+def answer_head(router: APIRouter) -> APIRouter:
+    """`router`, each of whose GET routes answers HEAD too (RFC 9110, section 9.3.2: health checkers and
+    monitors send it), with the same status and headers and no body (uvicorn sends none): a HEAD route of its
+    own beside each, added once, left out of the OpenAPI schema (one route for both methods gave both the same
+    operation id)."""
+    routes = [route for route in router.routes if isinstance(route, APIRoute)]
+    heads = {route.path for route in routes if "HEAD" in (route.methods or ())}
+    for route in routes:
+        if "GET" in (route.methods or ()) and route.path not in heads:
+            router.add_api_route(
+                route.path,
+                route.endpoint,
+                methods=["HEAD"],
+                include_in_schema=False,
+                response_model=route.response_model,
+                response_class=route.response_class,
+            )
+    return router
 
 
 def _loaded(engine: Engine, on_loaded: Callable[[], None] | None) -> None:

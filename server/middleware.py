@@ -111,7 +111,7 @@ class RequestGuard:
                 log.warning("%s: answering 503 (request %s)", refusal, request_id)
                 rejection = error_response(503, refusal, headers={"Retry-After": "1", "Connection": "close"})
             else:
-                rejection = self._check_key(app_path(scope), headers)
+                rejection = _framing(headers) or self._check_key(app_path(scope), headers)
             if rejection is None:
                 receive, rejection = await self._bounded_body(headers, receive)
             if rejection is not None:
@@ -150,7 +150,10 @@ class RequestGuard:
         if given and hmac.compare_digest(given.encode("latin-1"), self.api_key.encode("utf-8")):
             return None
         message = "invalid API key" if given else "missing API key: send Authorization: Bearer <key>"
-        return error_response(401, message, headers={"WWW-Authenticate": "Bearer"})
+        refused = {"WWW-Authenticate": "Bearer"}
+        if headers.get("content-length", "0") != "0" or "transfer-encoding" in headers:
+            refused["Connection"] = "close"  # its body, unread, would hold the connection (`_UNREAD`)
+        return error_response(401, message, headers=refused)
 
     async def _bounded_body(self, headers: dict[str, str], receive: Receive) -> tuple[Receive, Any]:
         """Read the whole body (up to the cap, within `body_timeout`) before the app runs; replay it, then
@@ -158,7 +161,7 @@ class RequestGuard:
         rest of the body may still be on its way)."""
         limit = self.max_body_bytes
         deadline = time.monotonic() + self.body_timeout if math.isfinite(self.body_timeout) else None
-        too_big = error_response(413, f"the request body exceeds the limit of {limit} bytes")
+        too_big = error_response(413, f"the request body exceeds the limit of {limit} bytes", headers=_UNREAD)
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             return receive, too_big
@@ -190,6 +193,22 @@ class RequestGuard:
             return await receive()
 
         return replay, None
+
+
+# An answer given before the request's body was read closes the connection: uvicorn would otherwise read and
+# drop the rest of the body, however long it takes to come, with no deadline (each byte starts the keep-alive
+# timeout again), and a client that trickled it would hold the connection for ever.
+_UNREAD = {"Connection": "close"}
+
+
+def _framing(headers: dict[str, str]) -> Any:
+    """A 400 that closes the connection for a request with both Content-Length and Transfer-Encoding: h11
+    reads its body as chunked, a proxy in front may have read it by its length, so where the next request
+    starts is in doubt (request smuggling); RFC 9112, section 6.3, says to close the connection after it."""
+    if "content-length" in headers and "transfer-encoding" in headers:
+        message = "the request has both Content-Length and Transfer-Encoding: send one (RFC 9112, section 6.3)"
+        return error_response(400, message, headers=_UNREAD)
+    return None
 
 
 class SlicedBodies(HTTPOnly):

@@ -19,11 +19,6 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
-# health checkers often send HEAD: the same answer, without a second operation in the OpenAPI schema (one
-# route for both methods gave both the same operation id)
-router.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
-
-
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
