@@ -60,7 +60,7 @@ class GenerationError(ValueError):
 class SamplingParams:
     max_new_tokens: int = 32
     temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 = no limit
+    top_k: int = 0  # 0 = no limit (-1 too, as vLLM's clients send it)
     top_p: float = 1.0  # 1 = no limit
     seed: int | None = None  # None = a fresh random seed
     stop: tuple[str, ...] = ()  # stop strings; the text ends before the first one
@@ -80,7 +80,9 @@ class SamplingParams:
             "temperature",
             "must be a finite number >= 0",
         )
-        check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be an integer >= 0 (0 = no limit)")
+        check(_is_int(self.top_k) and self.top_k >= -1, "top_k", "must be an integer >= 0 (0 or -1 = no limit)")
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
         check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be a number in (0, 1]")
         check(
             self.seed is None or (_is_int(self.seed) and self.seed in SEED_RANGE),
@@ -218,10 +220,12 @@ class SequenceState:
         self.text = self._clean_text + tail
         if not tail.endswith("\ufffd"):  # no unfinished multi-byte character: a safe place to cut
             self._clean_text, self._clean_tokens = self.text, len(self.tokens)
-        for s in self.params.stop:  # cutting at each match in turn leaves the earliest
-            at = self.text.find(s, max(0, self.emitted - len(s) + 1))
-            if at != -1:
-                self.text, self.finish_reason = self.text[:at], "stop"
+        # the text ends before the earliest match of any stop string, whatever their order (matches that overlap,
+        # "log" in "login" and "gin", must all be looked for in the text before it is cut)
+        found = [self.text.find(s, max(0, self.emitted - len(s) + 1)) for s in self.params.stop]
+        first = min((at for at in found if at != -1), default=None)
+        if first is not None:
+            self.text, self.finish_reason = self.text[:first], "stop"
 
     def _release(self) -> str:
         """The text that can be handed out now: all of it once finished, else up to what is still unsure."""

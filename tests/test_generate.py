@@ -110,6 +110,12 @@ def test_stop_string_spanning_tokens_is_held_back_while_unsure(tokenizer: Tokeni
     # the earliest of several stop strings wins, whatever their order
     [result], _ = run(model, [[50]], SamplingParams(max_new_tokens=10, stop=("!", "llo w"), **GREEDY), tokenizer)
     assert result.text == " He"
+    # matches that overlap, found in one step: the earliest wins in either order (cutting at the later one first
+    # hid the earlier: " Hello" with stops "llo" and "Hel" gave " He")
+    for stop in (("llo", "Hel"), ("Hel", "llo"), ("ello", "lo"), ("lo", "ello")):
+        [result], _ = run(model, [[50]], SamplingParams(max_new_tokens=10, stop=stop, **GREEDY), tokenizer)
+        want = " " if "Hel" in stop else " H"
+        assert result.text == want and result.finish_reason == "stop", stop
     # a held-back prefix that does not become the stop string is released
     [result], events = run(model, [[50]], SamplingParams(max_new_tokens=10, stop=("word",), temperature=0), tokenizer)
     assert result.text == " Hello world!" and result.finish_reason == "eos"
