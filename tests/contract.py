@@ -63,7 +63,7 @@ CASES = [
     Bad("temperature-negative", GEN, hi(temperature=-0.1), param="temperature"),
     Bad("top-p-zero", GEN, hi(top_p=0.0), param="top_p"),
     Bad("top-p-over-one", GEN, hi(top_p=1.5), param="top_p"),
-    Bad("top-k-negative", GEN, hi(top_k=-1), param="top_k"),
+    Bad("top-k-negative", GEN, hi(top_k=-2), param="top_k"),
     Bad("logprobs-over-20", GEN, hi(logprobs=21), param="logprobs"),
     Bad("logprobs-negative", GEN, hi(logprobs=-1), param="logprobs"),
     Bad("stop-empty-string", GEN, hi(stop=[""]), param="stop"),

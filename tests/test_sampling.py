@@ -121,7 +121,7 @@ def test_top_logprobs() -> None:
         ("top_p", 0.0),
         ("top_p", 1.01),
         ("top_p", -0.5),
-        ("top_k", -1),
+        ("top_k", -2),
         ("top_k", 2.5),
         ("logprobs", MAX_LOGPROBS + 1),
         ("logprobs", -1),

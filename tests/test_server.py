@@ -568,7 +568,11 @@ def test_completions_take_vllm_sampling_fields(client: TestClient, loaded: Loade
     params = CompletionRequest.model_validate({"prompt": "Hi", "ignore_eos": True, "top_k": 3}).sampling_params(4, None)
     assert params.ignore_eos and params.top_k == 3
     assert_error(client.post(CMPL, json={"prompt": "Hi", "max_tokens": 1, "ignore_eos": "yes"}), 400, "ignore_eos")
-    assert_error(client.post(CMPL, json={"prompt": "Hi", "max_tokens": 1, "top_k": -1}), 400, "top_k")
+    # -1 is vLLM's "no limit", which its clients send: as 0 here; below it, an error
+    for no_limit in (0, -1):
+        sampled = {"prompt": PROMPTS[0], "max_tokens": 6, "seed": 7, "top_k": no_limit}
+        assert post_ok(client, CMPL, sampled)["choices"] == post_ok(client, CMPL, sampled | {"top_k": None})["choices"]
+    assert_error(client.post(CMPL, json={"prompt": "Hi", "max_tokens": 1, "top_k": -2}), 400, "top_k")
     too_big = {"prompt": "Hi", "max_tokens": 1, "stop_token_ids": [50257]}
     assert_error(client.post(CMPL, json=too_big), 400, "stop_token_ids")
     assert_still_serving(client)
