@@ -1,7 +1,8 @@
 """How the command-line tools end: `main()`'s return value is the exit status, and Ctrl-C prints one line
 instead of a traceback, then ends the process by SIGINT, as Python's own handling does. A shell waiting
 on the tool sees it killed by the signal and stops too (bash carries on with a loop after a child that
-merely exits 130).
+merely exits 130). A reader of the output that goes away (`| head -1`) ends it silently by SIGPIPE, as it
+ends `cat` (Python ignores the signal and raises `BrokenPipeError` instead).
 
 The installed commands start here (`generate`, `analyze`, `harvest`), importing their module inside
 `run_console`: a Ctrl-C while torch is still being imported is the same one line. `empty_flag` is the
@@ -25,6 +26,13 @@ def run_console(main: Callable[[], int], interrupted: str) -> NoReturn:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
         status = 130  # not reached where SIGINT ends the process, as it does on POSIX
+    except BrokenPipeError:
+        # what is left in stdout's buffer goes nowhere (flushed at exit, it would raise again)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if hasattr(signal, "SIGPIPE"):
+            signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGPIPE)
+        status = 1  # not reached where SIGPIPE ends the process
     sys.exit(status)
 
 
@@ -37,8 +45,11 @@ def empty_flag(flags: Iterable[tuple[str, str | None]]) -> str | None:
     return None
 
 
-def _command(module: str, name: str) -> NoReturn:
-    run_console(lambda: importlib.import_module(f"gpt2_scripts.{module}").main(), f"{name}: interrupted")
+HARVEST_INTERRUPTED = "interrupted; run it again with the same arguments to resume"
+
+
+def _command(module: str, name: str, interrupted: str = "interrupted") -> NoReturn:
+    run_console(lambda: importlib.import_module(f"gpt2_scripts.{module}").main(), f"{name}: {interrupted}")
 
 
 def generate() -> NoReturn:
@@ -53,4 +64,4 @@ def analyze() -> NoReturn:
 
 def harvest() -> NoReturn:
     """The `gpt2-harvest` command."""
-    _command("harvest", "gpt2-harvest")
+    _command("harvest", "gpt2-harvest", HARVEST_INTERRUPTED)

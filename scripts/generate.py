@@ -24,7 +24,7 @@ from model.hooks import UnknownHookError
 from model.interventions import InterventionError
 from model.lab.sae import SAEError
 from model.loading import LoadError, add_checkpoint_arguments, load_from
-from model.tokenizer import InvalidTextError
+from model.tokenizer import InvalidTextError, Tokenizer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,11 +61,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+class NoPrompt(Exception):
+    """The prompt was to come from standard input, which is closed (`<&-`)."""
+
+
 def read_prompt(arg: str | None) -> str:
     """The prompt argument, or standard input when it is omitted or '-'. Bytes that are not UTF-8 become lone
     surrogates, as they do in a command-line argument, so that the tokenizer's check reports them in words."""
     if arg not in (None, "-"):
         return arg
+    if sys.stdin is None:
+        raise NoPrompt("no prompt: standard input is closed; give the prompt as an argument")
     raw = getattr(sys.stdin, "buffer", None)
     return sys.stdin.read() if raw is None else raw.read().decode("utf-8", "surrogateescape")
 
@@ -78,7 +84,12 @@ def main(argv: list[str] | None = None) -> int:  # Ctrl-C leaves nothing half-wr
         return fail("--hooks needs --dump-activations FILE")
     if args.dump_activations and (problem := dump_path_problem(args.dump_activations)):  # before the long part
         return fail(problem)
-    prompt = read_prompt(args.prompt)
+    if sys.stdout is None:
+        return fail("standard output is closed: nowhere to write the text")
+    try:
+        prompt = read_prompt(args.prompt)
+    except NoPrompt as e:
+        return fail(str(e))
     try:
         params = SamplingParams(
             max_new_tokens=args.max_new_tokens,
@@ -100,25 +111,15 @@ def main(argv: list[str] | None = None) -> int:  # Ctrl-C leaves nothing half-wr
     except (LoadError, UnknownHookError, InvalidTextError, InterventionError, SAEError) as e:
         return fail(str(e))
 
-    out = sys.stdout
-    out.write(prompt)
-    out.flush()
     try:
-        for event in generation:
-            out.write(event.text)
-            out.flush()
-    except (GenerationError, InterventionError) as e:  # the logits became inf or NaN (float16 overflowing, say)
-        out.write("\n")
-        out.flush()
-        return fail(str(e))
-    out.write("\n")
+        failure = _write_text(prompt, generation, tok)
+    except BrokenPipeError:  # the reader went away (`| head`): `run_console` ends the process as `cat` ends
+        raise
+    except OSError as e:  # a full disk (`> /dev/full`), say
+        return fail(f"cannot write the text: {e.strerror or e}")
+    if failure is not None:
+        return fail(failure)
     result = generation.results[0]
-
-    if result.logprobs is not None:
-        out.write("\ntoken\tlogprob\talternatives\n")
-        for lp in result.logprobs:
-            alts = "  ".join(f"{tok.token_text(i)!r}:{v:.3f}" for i, v in lp.top)
-            out.write(f"{tok.token_text(lp.id)!r}\t{lp.logprob:.4f}\t{alts}\n")
     if args.dump_activations and result.activations is not None:
         token_ids = result.prompt_ids + result.token_ids
         meta = {"model": loaded.name, "token_ids": token_ids, "text": prompt + result.text}
@@ -153,6 +154,31 @@ def in_flags(e: GenerationError) -> str:
     for field, flag in FLAGS.items():
         message = re.sub(rf"\b{field}\b", flag, message)
     return message
+
+
+def _write_text(prompt: str, generation: Generation, tok: Tokenizer) -> str | None:
+    """The prompt, then each piece of text as it is generated, then, if asked for, each token's logprobs, to
+    standard output; the error that ended the generation, if one did."""
+    out = sys.stdout
+    out.write(prompt)
+    out.flush()
+    try:
+        for event in generation:
+            out.write(event.text)
+            out.flush()
+    except (GenerationError, InterventionError) as e:  # the logits became inf or NaN (float16 overflowing, say)
+        out.write("\n")
+        out.flush()
+        return str(e)
+    out.write("\n")
+    result = generation.results[0]
+    if result.logprobs is not None:
+        out.write("\ntoken\tlogprob\talternatives\n")
+        for lp in result.logprobs:
+            alts = "  ".join(f"{tok.token_text(i)!r}:{v:.3f}" for i, v in lp.top)
+            out.write(f"{tok.token_text(lp.id)!r}\t{lp.logprob:.4f}\t{alts}\n")
+    out.flush()
+    return None
 
 
 def fail(message: str) -> int:

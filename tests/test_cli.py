@@ -346,4 +346,64 @@ def test_ctrl_c_while_the_tool_still_imports_is_one_line(tool: str) -> None:
     finally:
         proc.kill()
     assert proc.returncode == -signal.SIGINT, err
-    assert err.strip() == f"gpt2-{tool}: interrupted", err
+    # harvest's line says how to go on, as `python scripts/harvest.py`'s does (the installed command's did not)
+    hint = "; run it again with the same arguments to resume" if tool == "harvest" else ""
+    assert err.strip() == f"gpt2-{tool}: interrupted{hint}", err
+
+
+# --- where the output cannot go ---------------------------------------------------------------
+
+
+def generate_command(ckpt: Path, *rest: str) -> list[str]:
+    code = "import sys; from gpt2_scripts.console import generate; sys.argv[0] = 'gpt2-generate'; generate()"
+    return [sys.executable, "-c", code, *rest, "--model", str(ckpt)]
+
+
+def test_a_reader_that_goes_away_ends_the_tool_by_sigpipe(ckpt_with_tokenizer: Path) -> None:
+    """`gpt2-generate ... | head -c 3`: the tool ends silently, by SIGPIPE, as `cat` does (it printed a
+    BrokenPipeError traceback), whether the pipe broke before the text or during it (or its logprobs table)."""
+    read, write = os.pipe()
+    os.close(read)  # gone before the first byte: deterministic
+    try:
+        done = subprocess.run(
+            generate_command(ckpt_with_tokenizer, "hello", "--max-new-tokens", "3"),
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert done.returncode == -signal.SIGPIPE and done.stderr == "", done.stderr
+    for extra in (["--max-new-tokens", "120"], ["--max-new-tokens", "60", "--show-logprobs", "3"]):
+        command = generate_command(ckpt_with_tokenizer, "hello", "--greedy", "--ignore-eos", *extra)
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.read(3)
+        proc.stdout.close()  # the reader goes away, most likely while the tool still writes
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) in (-signal.SIGPIPE, 0), err  # 0: it had written everything already
+        assert "Traceback" not in err and "Error" not in err, err
+
+
+@pytest.mark.parametrize(
+    ("closed", "says"),
+    [
+        ("stdout", "standard output is closed: nowhere to write the text"),
+        ("stdin", "no prompt: standard input is closed; give the prompt as an argument"),
+        ("full", "cannot write the text: No space left on device"),
+    ],
+)
+def test_a_closed_or_full_output_or_input_is_one_line(ckpt_with_tokenizer: Path, closed: str, says: str) -> None:
+    """`>&-`, `<&-` (no prompt given) and `> /dev/full`: one line on stderr, status 1 (tracebacks before)."""
+    args = [] if closed == "stdin" else ["hello", "--max-new-tokens", "3"]
+    command = generate_command(ckpt_with_tokenizer, *args)
+    if closed == "full":
+        if not Path("/dev/full").exists():
+            pytest.skip("no /dev/full on this system")
+        with open("/dev/full", "w") as full:
+            done = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    else:
+        fd = 1 if closed == "stdout" else 0
+        done = subprocess.run(command, stderr=subprocess.PIPE, text=True, timeout=120, preexec_fn=lambda: os.close(fd))
+    assert done.returncode == 1 and done.stderr == f"gpt2-generate: error: {says}\n", done.stderr
