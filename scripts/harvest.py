@@ -11,12 +11,14 @@ shard missing and ends with the same shards an uninterrupted run writes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import sys
 import time
 
 import torch
-from gpt2_scripts.console import empty_flag, run_console
+from gpt2_scripts.console import HARVEST_INTERRUPTED, empty_flag, run_console
 
 from model.harvest import FORMATS, HarvestError, HarvestSpec, run_harvest
 from model.loading import add_checkpoint_arguments
@@ -95,7 +97,7 @@ class LineProgress:
         self.total, self.done = total_tokens, done_tokens
         self.t0 = self.last = time.monotonic()
         if done_tokens:
-            print(f"harvest: resuming after {done_tokens:,} tokens", file=sys.stderr, flush=True)
+            note(f"harvest: resuming after {done_tokens:,} tokens")
 
     def advance(self, tokens: int) -> None:
         self.done += tokens
@@ -114,11 +116,20 @@ class LineProgress:
         line += f", {rate:,.0f} tokens/s"
         if self.total is not None and rate > 0:
             line += f", ETA {_duration((self.total - self.done) / rate)}"
-        print(line, file=sys.stderr, flush=True)
+        note(line)
 
     def close(self) -> None:
         if self.new:
             self.report()
+
+
+def note(line: str) -> None:
+    """A line on stderr, a side channel: where it cannot go (its reader gone, `2>&1 | head` or a `tee` that
+    died, or stderr closed), the job goes on without it (a harvest of hours stopped at the next line)."""
+    if sys.stderr is None:
+        return
+    with contextlib.suppress(OSError):
+        print(line, file=sys.stderr, flush=True)
 
 
 def _duration(seconds: float) -> str:
@@ -134,10 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     if problem := empty_flag((("--model", args.model), ("--out", args.out), ("the source", args.source))):
         return fail(problem)
     if args.threads is not None:
-        if args.threads < 1:
-            return fail(f"--threads must be a positive integer, got {args.threads}")
+        most = max_threads()
+        if not 1 <= args.threads <= most:  # libgomp fails to start 20,000 threads, and 100,000 crashed torch
+            return fail(f"--threads must be in 1..{most} ({THREADS_PER_CPU} per CPU here), got {args.threads}")
         torch.set_num_threads(args.threads)
-    progress = BarProgress() if sys.stderr.isatty() else LineProgress()
+    progress = BarProgress() if sys.stderr is not None and sys.stderr.isatty() else LineProgress()
     try:
         spec = HarvestSpec(
             model=args.model,
@@ -175,12 +187,19 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         return fail(f"{e.filename or args.out}: {e.strerror or e}")
     n = manifest.n_contexts or 0
-    print(
+    note(
         f"wrote {len(manifest.shards)} shards, {n:,} contexts of {spec.context_size} tokens "
-        f"({n * spec.context_size:,} tokens) to {args.out}",
-        file=sys.stderr,
+        f"({n * spec.context_size:,} tokens) to {args.out}"
     )
     return 0
+
+
+THREADS_PER_CPU = 4
+
+
+def max_threads() -> int:
+    """The most torch threads `--threads` takes: a few per CPU (more only wait on each other)."""
+    return THREADS_PER_CPU * (os.cpu_count() or 1)
 
 
 def fail(message: str) -> int:
@@ -190,7 +209,7 @@ def fail(message: str) -> int:
 
 def console() -> None:
     """The `gpt2-harvest` command."""
-    run_console(main, "gpt2-harvest: interrupted; run it again with the same arguments to resume")
+    run_console(main, f"gpt2-harvest: {HARVEST_INTERRUPTED}")
 
 
 if __name__ == "__main__":

@@ -520,7 +520,7 @@ def test_kill_9_and_resume(tiny, tokenizer_dir: Path, tmp_path: Path) -> None:
         (["--hooks", "blocks.9.hook_resid_pre"], "unknown hook 'blocks.9.hook_resid_pre'"),
         (["--hooks", "blocks.0.hook_resid_pre", "--text-field", "body"], "no text field 'body'"),
         (["--hooks", "blocks.0.hook_resid_pre", "--context-size", "4096"], "context size 4096 is more than"),
-        (["--hooks", "blocks.0.hook_resid_pre", "--threads", "0"], "--threads must be a positive integer"),
+        (["--hooks", "blocks.0.hook_resid_pre", "--threads", "0"], "--threads must be in 1.."),
     ],
 )
 def test_cli_errors_are_one_line(
@@ -635,3 +635,59 @@ def cached_column(cache: Path) -> torch.Tensor:
     import datasets
 
     return torch.from_numpy(datasets.load_from_disk(str(cache)).with_format("numpy")[:]["blocks.1.hook_resid_pre"])
+
+
+# --- the command line's edges ------------------------------------------------------------------
+
+
+def test_threads_beyond_a_few_per_cpu_are_refused_before_the_job(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A huge `--threads` crashed torch (100,000: a segfault; 20,000: libgomp failed to start them), leaving the
+    job's folder behind: one line now, before anything is made."""
+    from gpt2_scripts.harvest import main, max_threads
+
+    source = tmp_path / "docs.txt"
+    source.write_text("some text")
+    out = tmp_path / "acts"
+    for threads in (0, max_threads() + 1, 100_000):
+        args = [str(source), "--out", str(out), "--model", "gpt2", "--hooks", "hook_embed", "--threads", str(threads)]
+        assert main(args) == 1
+        err = capsys.readouterr().err
+        assert err == f"gpt2-harvest: error: --threads must be in 1..{max_threads()} (4 per CPU here), got {threads}\n"
+    assert not out.exists()
+
+
+def test_progress_whose_reader_went_away_does_not_stop_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Progress is a side channel: a `2>&1 | head -1` or a `tee` that died, or stderr closed, and the job goes
+    on (a harvest stopped at its next progress line, 236 shards of 502 in)."""
+    from gpt2_scripts.harvest import LineProgress, note
+
+    class Gone:
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self) -> None:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    for stderr in (Gone(), None):
+        monkeypatch.setattr(sys, "stderr", stderr)
+        progress = LineProgress(every=0.0)
+        progress.start(1000, 100)  # "resuming after ..."
+        progress.advance(10)  # a line each time here
+        progress.close()
+        note("wrote 3 shards")
+
+
+def test_a_local_ray_instance_without_room_for_an_actor_is_refused() -> None:
+    """`--ray --gpus-per-actor 1` on a machine without GPUs: a local instance would wait for them for ever
+    (Ray logs that no node can fulfil the request): an error naming what is missing; a cluster reached at an
+    address may grow, so there it is a warning."""
+    from model.harvest.ray_data import _check_room
+
+    _check_room({"CPU": 2.0}, 1.0, 0.0, local=True)  # fits
+    with pytest.raises(HarvestError, match=r"an actor asks for 1 GPUs, and the Ray cluster has 2 CPUs and 0 GPUs"):
+        _check_room({"CPU": 2.0}, 1.0, 1.0, local=True)
+    with pytest.raises(HarvestError, match=r"asks for 4 CPUs and 0.5 GPUs"):
+        _check_room({"CPU": 2.0}, 4.0, 0.5, local=True)
+    _check_room({"CPU": 2.0}, 1.0, 1.0, local=False)  # a warning, the job goes on

@@ -137,6 +137,7 @@ def _run(
     if n_contexts == 0:
         raise HarvestError(f"{plan.spec.source} holds fewer than {T} tokens: not one whole context of {T}")
     connected = ray.is_initialized()
+    target = address or os.environ.get("RAY_ADDRESS")
     if rows:
         if connected and address is not None:
             log.warning("this process is connected to Ray already: the job runs there, not at %r", address)
@@ -147,10 +148,10 @@ def _run(
                 if ray.is_initialized():  # started in part: leave nothing running
                     ray.shutdown()
                 reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                target = address or os.environ.get("RAY_ADDRESS")
                 where = f"at {target!r}" if target else "(a local instance)"
                 raise HarvestError(f"could not start or reach Ray {where}: {reason}") from e
         try:
+            _check_room(ray.cluster_resources(), cpus_per_actor, gpus_per_actor, local=not connected and not target)
             shards = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
                 ShardActor,
                 fn_constructor_args=(plan, str(manifest.out_dir), max(1, int(cpus_per_actor))),
@@ -169,3 +170,18 @@ def _run(
             if not connected:
                 ray.shutdown()
     manifest.finish(n_contexts)
+
+
+def _check_room(total: dict[str, float], cpus: float, gpus: float, local: bool) -> None:
+    """Whether the cluster (`ray.cluster_resources()`) can place one actor of `cpus` CPUs and `gpus` GPUs: a local
+    instance this process started that cannot is a `HarvestError` (Ray would wait for the resources for ever,
+    logging that no node can fulfil the request); a cluster reached at an address gets a warning (an autoscaler
+    may add the nodes)."""
+    short = [f"{need:g} {kind}s" for kind, need in (("CPU", cpus), ("GPU", gpus)) if need > total.get(kind, 0.0)]
+    if not short:
+        return
+    has = f"{total.get('CPU', 0.0):g} CPUs and {total.get('GPU', 0.0):g} GPUs"
+    message = f"an actor asks for {' and '.join(short)}, and the Ray cluster has {has}"
+    if local:
+        raise HarvestError(f"{message} (a local instance): lower --cpus-per-actor or --gpus-per-actor")
+    log.warning("%s: the job waits until the cluster has them (an autoscaler may add them)", message)
