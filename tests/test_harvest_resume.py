@@ -268,3 +268,26 @@ def test_a_lock_whose_file_was_removed_leaves_the_next_holder_s_file(tmp_path: P
     finally:
         second.release()
     assert list(tmp_path.iterdir()) == []
+
+
+# --- the paths a job is given by ---------------------------------------------------------------
+
+
+def test_a_job_resumes_with_its_paths_spelled_otherwise(
+    tiny, tokenizer_dir: Path, source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The text named by an absolute path or a relative one, the model's folder with a trailing slash or from
+    another working directory: one job, resumed (it was refused, its text said to be "other files"); text that
+    did change is still refused, naming the file."""
+    out = tmp_path / "acts"
+    monkeypatch.chdir(source.parent)
+    harvest(str(tiny.path), source.name, out, HOOKS, **options(tokenizer_dir))
+    shards = {k: v for k, v in tree_shas(out).items() if k.startswith("acts-")}
+    (out / "acts-00002.safetensors").unlink()  # a shard the resume computes again
+    monkeypatch.chdir(tmp_path)
+    manifest = harvest(str(tiny.path) + "/", str(source.resolve()), out, HOOKS, **options(tokenizer_dir))
+    assert manifest.complete and {k: v for k, v in tree_shas(out).items() if k.startswith("acts-")} == shards
+    moved = tmp_path / "elsewhere.jsonl"
+    moved.write_text(source.read_text(encoding="utf-8").replace('"the ', '"a ', 1), encoding="utf-8")
+    with pytest.raises(HarvestError, match=r"other arguments \(source: docs.jsonl gone, elsewhere.jsonl new\)"):
+        harvest(str(tiny.path), moved, out, HOOKS, **options(tokenizer_dir))

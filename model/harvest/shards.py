@@ -106,6 +106,22 @@ def _difference(key: str, there: Any, now: Any) -> str:
     return f"{key}: other {'files (names, sizes or sha256)' if key in _IDENTITIES else 'values'} now"
 
 
+def _comparable(job: dict[str, Any]) -> dict[str, Any]:
+    """`job` as a resume compares it: the path the text was given by does not count where the text is identified
+    by content (its files' sha256, its dataset's fingerprint), and the model's and the tokenizer's count resolved
+    where they name a local folder or file. `corpus.jsonl` and `/data/corpus.jsonl`, `./gpt2` and `gpt2/`, give
+    one job (a resume named the text otherwise was refused as "other files")."""
+    out = dict(job)
+    source = out.get("source")
+    if isinstance(source, dict) and (source.get("kind") == "files" or source.get("fingerprint") is not None):
+        out["source"] = {k: v for k, v in source.items() if k != "path"}
+    for key in ("model", "tokenizer"):
+        value = out.get(key)
+        if isinstance(value, str) and value and Path(value).exists():
+            out[key] = str(Path(value).resolve())
+    return out
+
+
 def _files_changed(there: Any, now: Any) -> str | None:
     """The files that differ ("vocab.json changed", "b.txt new", "a.txt gone") between two lists of files'
     identities ({name, bytes, sha256}) or two sources that differ only in their files; None for the rest."""
@@ -205,9 +221,10 @@ class Manifest:
             )
         if upgrade:
             saved_job = saved_job | {_TOKENIZER: self.job.get(_TOKENIZER)}
-        if saved_job != self.job:
-            diffs = [_difference(k, saved_job.get(k), self.job.get(k)) for k in sorted(set(saved_job) | set(self.job))
-                     if saved_job.get(k) != self.job.get(k)]  # fmt: skip
+        saved_job, job = _comparable(saved_job), _comparable(self.job)
+        if saved_job != job:
+            diffs = [_difference(k, saved_job.get(k), job.get(k)) for k in sorted(set(saved_job) | set(job))
+                     if saved_job.get(k) != job.get(k)]  # fmt: skip
             raise HarvestError(
                 f"{self.out_dir} holds a harvest with other arguments ({'; '.join(diffs)}): "
                 "start it again with the same arguments to resume it, or give another output folder"
