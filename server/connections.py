@@ -14,11 +14,13 @@ answered 400 in the API's error shape too (uvicorn's is plain text).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import json
 import logging
 import socket
 import struct
+import sys
 from typing import Any
 
 import h11
@@ -63,15 +65,20 @@ def bounded_protocol(header_timeout: float, max_connections: int, write_timeout:
     return BoundedH11Protocol
 
 
-_ACCEPTED = itertools.count()  # connections in the order they opened, server-wide (`_BoundedH11Protocol._rank`)
+_ACCEPTED = itertools.count()  # connections in the order they opened, process-wide (`_BoundedH11Protocol._order`)
+# What a client must have taken in a write deadline's period, in bytes its TCP acknowledged, to get another: a
+# client's TCP acknowledges what its kernel accepts, a segment or so at a time even to one that reads a byte a
+# period, which would hold its answer (and its dump's reservation) for ever.
+MIN_TAKEN = 64 * 1024
 
 
 def bytes_acked(sock: Any) -> int | None:
     """The bytes of our answers the client's TCP has acknowledged on `sock` so far (Linux's TCP_INFO,
     `tcpi_bytes_acked`), or None where that cannot be read (another OS, a Unix socket, an old kernel). They
-    move as the client reads, through the kernel's send buffer (megabytes), which our own buffer only sees
-    drain in steps of about half of it."""
-    if sock is None or not hasattr(socket, "TCP_INFO"):
+    move as the client's kernel takes them, which it goes on doing only as the client reads (its receive
+    buffer full, it takes no more), through our kernel's send buffer (megabytes), which our own buffer only
+    sees drain in steps of about half of it."""
+    if sock is None or not sys.platform.startswith("linux"):  # the struct below is Linux's
         return None
     try:
         info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
@@ -100,6 +107,7 @@ class _BoundedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None
+        self._drain_timer: asyncio.TimerHandle | None = None
         self._taken: tuple[int, int | None] = (0, None)  # the write deadline's last look (`_progress`)
         self._order = next(_ACCEPTED)
         self.limit_concurrency = None  # the cap is checked below, answered in the API's error shape
@@ -112,7 +120,15 @@ class _BoundedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._opened().append(self._order)  # orders only grow: the list stays sorted
         self._watch_headers()
+
+    def _opened(self) -> list[int]:
+        """The orders of this server's open connections, sorted (kept on uvicorn's state for the server)."""
+        opened: list[int] | None = getattr(self.server_state, "gpt2_opened", None)
+        if opened is None:
+            opened = self.server_state.gpt2_opened = []  # type: ignore[attr-defined]
+        return opened
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -121,7 +137,34 @@ class _BoundedH11Protocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_header_timer()
         self._stop_write_timer()
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
+        opened = self._opened()
+        at = bisect.bisect_left(opened, self._order)
+        if at < len(opened) and opened[at] == self._order:
+            del opened[at]
         super().connection_lost(exc)
+
+    # An answer given before the request's body was read (a 401, a 413): uvicorn reads the rest of the body and
+    # drops it, then serves the next request on the connection. Closing at once instead would reset it, the body
+    # unread, and a client still sending would see the reset, not the answer; reading it with no deadline let a
+    # client that trickled a declared terabyte hold the connection for ever (each byte restarts the keep-alive
+    # timeout). So the rest of the body gets `header_timeout`, as the next request's headers would.
+
+    def _drain_body(self) -> None:
+        draining = self.cycle
+
+        def too_slow() -> None:
+            self._drain_timer = None
+            if self.cycle is draining and self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+                log.info(
+                    "the rest of a refused request's body did not arrive within %g s; closing the connection from %s",
+                    self.header_timeout,
+                    self.client,
+                )
+                self.transport.close()
+
+        self._drain_timer = self.loop.call_later(self.header_timeout, too_slow)
 
     # The send buffer is full (asyncio's high-water mark): the answer waits there, and the app, whose sends
     # wait for room (uvicorn's flow control), with it. Each `write_timeout` while it stays full, the client must
@@ -143,7 +186,11 @@ class _BoundedH11Protocol(H11Protocol):
         # deadline too (the connection would otherwise wait for it for ever, closing or kept alive)
         if self._write_timer is None and self.transport.get_write_buffer_size():
             self._watch_writes()
-        if self.conn.trailing_data[0] and not self.transport.is_closing():
+        if self.transport.is_closing():
+            return
+        if self.conn.their_state is h11.SEND_BODY:  # answered before its body was read: the rest has a deadline
+            self._drain_body()
+        elif self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:
             # part of the next request came with this one: not idle (uvicorn's keep-alive timeout would close it
             # without a word), its headers' deadline runs
             self._unset_keepalive_if_required()
@@ -168,7 +215,7 @@ class _BoundedH11Protocol(H11Protocol):
         (buffered, acked), (before, acked_before) = self._progress(), self._taken
         if buffered == 0:  # all taken
             return
-        if buffered < before or (acked is not None and acked_before is not None and acked > acked_before):
+        if buffered < before or (acked is not None and acked_before is not None and acked - acked_before >= MIN_TAKEN):
             self._watch_writes()  # the client took some: another period
             return
         log.info(
@@ -181,6 +228,9 @@ class _BoundedH11Protocol(H11Protocol):
     def send_400_response(self, msg: str) -> None:
         """A request h11 cannot parse (a bad chunk size, two Content-Lengths that differ, no Host): uvicorn's
         answer, 400 and the connection closed, in the API's error shape rather than plain text."""
+        if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):  # an answer has begun: no other can be sent
+            self.transport.close()
+            return
         message = "the request is not valid HTTP/1.1: its request line, headers or body framing could not be read"
         payload = json.dumps(error_body(400, message)).encode()
         headers = [
@@ -223,7 +273,7 @@ class _BoundedH11Protocol(H11Protocol):
         open after it (idle ones, say, which the header deadline closes), and a newer connection is served once
         older ones have closed. The request guard answers it: a 503 with a request id, logged and counted like
         every other answer."""
-        older = sum(1 for c in self.connections if getattr(c, "_order", -1) < self._order)
+        older = 0 if len(self.connections) <= self.max_connections else bisect.bisect_left(self._opened(), self._order)
         if older >= self.max_connections:
             scope[REFUSAL] = (
                 f"the server's {self.max_connections} connections (its limit, --max-connections) are taken by "

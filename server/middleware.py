@@ -150,10 +150,8 @@ class RequestGuard:
         if given and hmac.compare_digest(given.encode("latin-1"), self.api_key.encode("utf-8")):
             return None
         message = "invalid API key" if given else "missing API key: send Authorization: Bearer <key>"
-        refused = {"WWW-Authenticate": "Bearer"}
-        if headers.get("content-length", "0") != "0" or "transfer-encoding" in headers:
-            refused["Connection"] = "close"  # its body, unread, would hold the connection (`_UNREAD`)
-        return error_response(401, message, headers=refused)
+        # its body, unread, is read and dropped with a deadline (`server.connections`), the connection kept
+        return error_response(401, message, headers={"WWW-Authenticate": "Bearer"})
 
     async def _bounded_body(self, headers: dict[str, str], receive: Receive) -> tuple[Receive, Any]:
         """Read the whole body (up to the cap, within `body_timeout`) before the app runs; replay it, then
@@ -161,7 +159,7 @@ class RequestGuard:
         rest of the body may still be on its way)."""
         limit = self.max_body_bytes
         deadline = time.monotonic() + self.body_timeout if math.isfinite(self.body_timeout) else None
-        too_big = error_response(413, f"the request body exceeds the limit of {limit} bytes", headers=_UNREAD)
+        too_big = error_response(413, f"the request body exceeds the limit of {limit} bytes")  # the rest: dropped
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             return receive, too_big
@@ -195,19 +193,13 @@ class RequestGuard:
         return replay, None
 
 
-# An answer given before the request's body was read closes the connection: uvicorn would otherwise read and
-# drop the rest of the body, however long it takes to come, with no deadline (each byte starts the keep-alive
-# timeout again), and a client that trickled it would hold the connection for ever.
-_UNREAD = {"Connection": "close"}
-
-
 def _framing(headers: dict[str, str]) -> Any:
     """A 400 that closes the connection for a request with both Content-Length and Transfer-Encoding: h11
     reads its body as chunked, a proxy in front may have read it by its length, so where the next request
     starts is in doubt (request smuggling); RFC 9112, section 6.3, says to close the connection after it."""
     if "content-length" in headers and "transfer-encoding" in headers:
         message = "the request has both Content-Length and Transfer-Encoding: send one (RFC 9112, section 6.3)"
-        return error_response(400, message, headers=_UNREAD)
+        return error_response(400, message, headers={"Connection": "close"})
     return None
 
 
