@@ -113,8 +113,8 @@ def create_app(
 def answer_head(router: APIRouter) -> APIRouter:
     """`router`, each of whose GET routes answers HEAD too (RFC 9110, section 9.3.2: health checkers and
     monitors send it), with the same status and headers and no body (uvicorn sends none): a HEAD route of its
-    own beside each, added once, left out of the OpenAPI schema (one route for both methods gave both the same
-    operation id)."""
+    own beside each with the GET's dependencies and response settings, added once, left out of the OpenAPI
+    schema (one route for both methods gave both the same operation id)."""
     routes = [route for route in router.routes if isinstance(route, APIRoute)]
     heads = {route.path for route in routes if "HEAD" in (route.methods or ())}
     for route in routes:
@@ -126,6 +126,14 @@ def answer_head(router: APIRouter) -> APIRouter:
                 include_in_schema=False,
                 response_model=route.response_model,
                 response_class=route.response_class,
+                status_code=route.status_code,
+                dependencies=route.dependencies,
+                response_model_include=route.response_model_include,
+                response_model_exclude=route.response_model_exclude,
+                response_model_by_alias=route.response_model_by_alias,
+                response_model_exclude_unset=route.response_model_exclude_unset,
+                response_model_exclude_defaults=route.response_model_exclude_defaults,
+                response_model_exclude_none=route.response_model_exclude_none,
             )
     return router
 
