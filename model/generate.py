@@ -80,7 +80,7 @@ class SamplingParams:
             "temperature",
             "must be a finite number >= 0",
         )
-        check(_is_int(self.top_k) and self.top_k >= -1, "top_k", "must be an integer >= 0 (0 or -1 = no limit)")
+        check(_is_int(self.top_k) and self.top_k >= -1, "top_k", "must be an integer >= -1 (0 or -1: no limit)")
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be a number in (0, 1]")

@@ -28,7 +28,8 @@ def run_console(main: Callable[[], int], interrupted: str) -> NoReturn:
         status = 130  # not reached where SIGINT ends the process, as it does on POSIX
     except BrokenPipeError:
         # what is left in stdout's buffer goes nowhere (flushed at exit, it would raise again)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if sys.stdout is not None:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         if hasattr(signal, "SIGPIPE"):
             signal.signal(signal.SIGPIPE, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGPIPE)

@@ -56,7 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="?",
         const="",
         metavar="ADDRESS",
-        help="a cluster's address (auto, ray://host:10001); alone: RAY_ADDRESS, else a local Ray instance",
+        help=(
+            "a cluster's address (auto: one `ray start` made here; ray://host:10001); alone: RAY_ADDRESS, else a "
+            "new local Ray instance"
+        ),
     )
     ray.add_argument("--actors", type=int, default=2, help="model actors (2)")
     ray.add_argument("--cpus-per-actor", type=float, default=1.0, help="CPUs per actor (1)")

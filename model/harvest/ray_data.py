@@ -143,7 +143,8 @@ def _run(
             log.warning("this process is connected to Ray already: the job runs there, not at %r", address)
         if not connected:
             try:
-                ray.init(address=address)
+                # None: RAY_ADDRESS, as Ray reads it; "local": a new instance of our own, not one `ray start` left
+                ray.init(address=address or (None if target else "local"))
             except Exception as e:  # Ray's own types differ by cause (ConnectionError, ValueError, ...)
                 if ray.is_initialized():  # started in part: leave nothing running
                     ray.shutdown()
