@@ -132,6 +132,17 @@ class _BoundedH11Protocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
+        idle = self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE
+        if idle and not self.conn.trailing_data[0] and not self.transport.is_closing():
+            # the rest of a refused request's body came (`_drain_body`), and nothing after it: the connection is
+            # idle, as after an answer, so the keep-alive timeout applies (the headers' would send a 408 to a
+            # client about to reuse the connection)
+            self._stop_header_timer()
+            self._unset_keepalive_if_required()
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
+            return
         self._watch_headers()
 
     def connection_lost(self, exc: Exception | None) -> None:
