@@ -391,9 +391,20 @@ def test_prompts_to_dump_share_passes_of_a_prompt_chunk_with_decode_steps_betwee
         (["hook_embed", "hook_pos_embed"], None, False),
         (["blocks.0.hook_resid_post", "blocks.1.attn.hook_pattern"], "scale", True),
         (["blocks.0.hook_resid_post", "blocks.1.attn.hook_pattern"], "set", True),
+        (["blocks.0.hook_resid_post", "blocks.1.attn.hook_pattern"], "pattern", True),
+        (["blocks.0.hook_resid_post", "blocks.1.attn.hook_pattern"], "ablation", True),
         (["blocks.0.hook_resid_post", "blocks.1.attn.hook_pattern"], "mean", False),
     ],
-    ids=["to the last block", "to the head", "the embeddings", "edited", "set over the prompt", "mean"],
+    ids=[
+        "to the last block",
+        "to the head",
+        "the embeddings",
+        "edited",
+        "set over the prompt",
+        "a pattern's heads and queries",
+        "residual ablation",
+        "mean",
+    ],
 )
 def test_a_prompt_to_dump_whose_pass_outweighs_a_chunk_is_prefilled_a_chunk_a_step(
     loaded: LoadedModel, names: list[str], edit: str | None, in_chunks: bool
@@ -410,6 +421,10 @@ def test_a_prompt_to_dump_whose_pass_outweighs_a_chunk_is_prefilled_a_chunk_a_st
     value = torch.linspace(-1, 1, 40 * C).reshape(40, C) if edit == "set" else None  # a row a position
     factor = 0.5 if edit == "scale" else None
     edits = EditSpec((Edit("blocks.0.hook_attn_out", edit, factor=factor, value=value),)) if edit else None
+    if edit == "pattern":  # queries in each of the three chunks, their keys across them
+        edits = EditSpec((Edit("blocks.0.attn.hook_pattern", "zero", heads=(0,), positions=(3, 20, 35)),))
+    elif edit == "ablation":
+        edits = EditSpec((), ablate_attn=(0,), ablate_mlp=(1,))
     widths: list[int] = []  # tokens of each pass that reaches the embeddings with more than one
 
     async def main() -> Completion:
