@@ -112,7 +112,11 @@ def install_error_handlers(app: FastAPI) -> None:
             404: "no such route",
             405: "method not allowed on this route",
         }
-        return error_response(e.status_code, messages.get(e.status_code, str(e.detail)), headers=dict(e.headers or {}))
+        headers = dict(e.headers or {})
+        allow = [m.strip() for m in headers.get("Allow", "").split(",") if m.strip()]
+        if "GET" in allow and "HEAD" not in allow:  # every GET route has a HEAD twin (`app.answer_head`)
+            headers["Allow"] = ", ".join([*allow, "HEAD"])
+        return error_response(e.status_code, messages.get(e.status_code, str(e.detail)), headers=headers)
 
     @app.exception_handler(Exception)
     async def internal(request: Request, e: Exception) -> JSONResponse:

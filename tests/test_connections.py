@@ -333,6 +333,9 @@ def test_every_get_route_answers_head(loaded: LoadedModel) -> None:
             assert head.content == b"" and head.headers["content-type"] == get.headers["content-type"], path
             if path != "/metrics":  # its counters move between the two
                 assert head.headers["content-length"] == get.headers["content-length"], path
+        refused = client.delete("/health")  # a 405 names both methods the route takes
+        assert refused.status_code == 405 and refused.headers["allow"] == "GET, HEAD", refused.headers
+        assert client.put("/v1/generate").headers["allow"] == "POST"
         schema = client.get("/openapi.json").json()["paths"]
         assert not [path for path, methods in schema.items() if "head" in methods]  # no second operation
 
