@@ -664,7 +664,7 @@ class DecodeBatch:
         for seq, row, best, ok in zip(seqs, logits, argmax, finite, strict=True):
             try:
                 if not ok:
-                    edited = seq.hooks is not None and seq.hooks is not seq.capture
+                    edited = has_edits(seq)
                     why = (
                         "interventions with large factors or values can do this"
                         if edited

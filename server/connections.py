@@ -89,7 +89,8 @@ def bytes_acked(sock: Any) -> int | None:
 
 
 def _raw_response(status: int, reason: str, body: dict[str, Any]) -> bytes:
-    """A whole HTTP/1.1 response that closes the connection, for answers sent outside h11's request cycle."""
+    """A whole HTTP/1.1 response that closes the connection, for answers written past h11 (a request it has
+    not seen, or one it could not parse), the connection closed after them."""
     payload = json.dumps(body).encode()
     head = (
         f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(payload)}\r\n"
@@ -243,15 +244,7 @@ class _BoundedH11Protocol(H11Protocol):
             self.transport.close()
             return
         message = "the request is not valid HTTP/1.1: its request line, headers or body framing could not be read"
-        payload = json.dumps(error_body(400, message)).encode()
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(payload)).encode()),
-            (b"connection", b"close"),
-        ]
-        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=payload)):
-            self.transport.write(self.conn.send(event))
-        self.transport.write(self.conn.send(h11.EndOfMessage()))
+        self.transport.write(_raw_response(400, "Bad Request", error_body(400, message)))  # then closed: h11 is done
         self.transport.close()
 
     def _watch_headers(self) -> None:

@@ -334,7 +334,7 @@ class Engine:
             return False
         if seq.capture is None or seq.hooks is None:
             return True  # nothing to capture: nothing to run
-        if seq.hooks is not seq.capture and needs_whole_prompt(seq.hooks):
+        if has_edits(seq) and needs_whole_prompt(seq.hooks):
             return True  # edits (the hooks before the capture) that need the prompt whole
         config = self.model.config
         return len(seq.prompt) * pass_blocks(config, seq.capture.names) <= self.prefill_chunk * config.n_layer
