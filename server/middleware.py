@@ -32,10 +32,25 @@ OPEN_PATHS = frozenset({"/health", "/"})  # answered without an API key (with /s
 # An incoming X-Request-ID is echoed and logged only if it is this short and printable: 1..128 visible
 # ASCII characters. Any other (a huge one, control characters) is replaced by a fresh id.
 REQUEST_ID = re.compile(r"[!-~]{1,128}")
+# A request target in absolute form (RFC 9112, section 3.2.2): a scheme and an authority before the path.
+ABSOLUTE_FORM = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*")
 
 # A scope key the connection layer (`server.connections`) sets on a request it refuses, with the reason: the
 # guard answers it 503, so that the refusal carries a request id and is logged and counted like any answer.
 REFUSAL = "gpt2.refusal"
+
+
+def origin_form(scope: Scope) -> None:
+    """Take a request target in absolute form (`GET http://host/health HTTP/1.1`, as a client set up for a
+    proxy sends it) by its path: RFC 9112, section 3.2.2, says a server MUST accept it. uvicorn puts the whole
+    target in `path` and `raw_path`, so every route was a 404."""
+    found = ABSOLUTE_FORM.match(scope["path"])
+    if found is not None:
+        scope["path"] = scope["path"][found.end() :] or "/"
+        raw: bytes = scope.get("raw_path") or b""  # matched as latin-1, one character a byte
+        found = ABSOLUTE_FORM.match(raw.decode("latin-1"))
+        if found is not None:
+            scope["raw_path"] = raw[found.end() :] or b"/"
 
 
 def app_path(scope: Scope) -> str:
@@ -91,6 +106,7 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
+        origin_form(scope)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         given = headers.get("x-request-id", "")
         request_id = given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex

@@ -315,6 +315,30 @@ def test_a_partial_request_pipelined_behind_a_whole_one_is_a_408(strict: Running
     assert b"--header-timeout" in second
 
 
+def test_a_request_target_in_absolute_form_is_served_by_its_path(loaded: LoadedModel) -> None:
+    """RFC 9112, section 3.2.2: a server MUST accept `GET http://host/path` (a client set up for a proxy sends
+    it); every route was a 404. The path after the authority is the route, its query kept, and the API key is
+    still asked for on the paths that need it."""
+    generate = {"input_ids": [464, 3797], "max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
+    body = json.dumps(generate).encode()
+    with running(loaded, api_key="k") as r:
+        with r.connect() as sock:
+            assert http_exchange(sock, b"GET http://x/health HTTP/1.1\r\nHost: x\r\n\r\n")[0] == 200
+            refused = http_exchange(sock, b"GET http://x/v1/model HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert refused[0] == 401, refused
+            status, _, answer = http_exchange(
+                sock,
+                b"POST http://example.com:8000/v1/generate?x=1 HTTP/1.1\r\nHost: y\r\nAuthorization: Bearer k\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body),
+            )
+            assert status == 200 and len(answer["choices"][0]["token_ids"]) == 2, answer
+            assert http_exchange(sock, b"GET /a://b HTTP/1.1\r\nHost: x\r\nX-API-Key: k\r\n\r\n")[0] == 404  # a path
+        with r.connect() as sock:  # no path at all: "/", the viewer's page
+            sock.sendall(b"GET HTTPS://x:80 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            page = read_until_closed(sock)
+    assert page.startswith(b"HTTP/1.1 200") and b"text/html" in page.partition(b"\r\n\r\n")[0], page[:300]
+
+
 def test_every_get_route_answers_head(loaded: LoadedModel) -> None:
     """HEAD (RFC 9110, section 9.3.2): the GET's status and headers, no body, on every GET route."""
     from fastapi.routing import APIRoute
