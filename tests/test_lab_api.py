@@ -85,6 +85,35 @@ def test_next_token_runs_a_block_a_job_with_decode_steps_between(
     assert [t["logprob"] for t in body["top"]] == top.values.tolist()
 
 
+@pytest.mark.parametrize(
+    "edit, head_jobs",
+    [
+        ({"hook": "ln_final.hook_normalized", "op": "scale", "factor": 3.0, "positions": [3, 7]}, 3),  # 3 + 3 + 2
+        ({"hook": "unembed.hook_in", "op": "scale", "factor": 0.5}, 3),  # every position, in each part
+        ({"hook": "unembed.hook_in", "op": "mean"}, 1),  # a mean over the prompt needs every position at once
+    ],
+    ids=["positions", "everywhere", "mean"],
+)
+def test_an_edit_in_the_head_runs_it_a_part_a_job(
+    client: TestClient, tiny_model: GPT, monkeypatch: pytest.MonkeyPatch, edit: dict[str, Any], head_jobs: int
+) -> None:
+    """An edit after the last block runs the LM head over every position (1.0-1.7 s at 1,024 tokens of
+    gpt2-small in one job, every stream held): `head_positions` a job, in order, as the edit sees a prompt's
+    chunks, all in one job for a `mean`; the answer is `GPT.forward`'s with the same edit."""
+    from model.analysis import NextTokenPass
+
+    monkeypatch.setattr(NextTokenPass, "head_positions", 3)
+    log = log_engine(client, monkeypatch)
+    body = next_token(client, CLEAN, interventions=[edit])
+    assert log == ["NextTokenPass.step#0"] * (tiny_model.config.n_layer + head_jobs), log
+    spec = EditSpec((Edit(**{**edit, "positions": tuple(edit.get("positions", range(T)))}),))
+    with torch.inference_mode():
+        logits = tiny_model(torch.tensor([CLEAN]), hooks=spec.hooks(tiny_model.config, T), last_only=True)
+    top = torch.log_softmax(logits[0, -1].float(), -1).topk(5)
+    assert [t["id"] for t in body["top"]] == top.indices.tolist()
+    torch.testing.assert_close(torch.tensor([t["logprob"] for t in body["top"]]), top.values, rtol=1e-6, atol=1e-6)
+
+
 # --- interventions take effect, as at model level -----------------------------------------------------
 
 
