@@ -20,6 +20,7 @@ from sae_files import write_sae
 
 from model.hooks import run_with_cache
 from model.lab.sae import SAE, SAEError, load_sae, token_features
+from model.lab.steering import clamp
 
 TOL = 1e-5
 D_IN, D_SAE = 16, 48
@@ -86,6 +87,26 @@ def test_written_out_reference(tmp_path: Path, arch: str, b_dec_in: bool, norm: 
     torch.testing.assert_close(f, f_ref, atol=TOL, rtol=0)
     torch.testing.assert_close(x_hat, x_hat_ref, atol=TOL, rtol=0)
     assert (f > 0).any() and (f == 0).any()  # a sparse code: neither everything nor nothing active
+
+
+@pytest.mark.parametrize(("arch", "b_dec_in", "norm", "extra"), CASES)
+def test_one_feature_and_a_clamp_of_it(tmp_path: Path, arch: str, b_dec_in: bool, norm: str, extra: dict) -> None:
+    """`SAE.feature` is `encode`'s column (from W_enc's one column, but in a topk SAE), and `clamp`, which
+    needs only that feature, is x + decode(f') - decode(f) with f' = f but the feature at its value."""
+    path = write_sae(tmp_path, hook=HOOK, d_in=D_IN, d_sae=D_SAE, architecture=arch, apply_b_dec_to_input=b_dec_in,
+                     normalize_activations=norm, **extra)  # fmt: skip
+    sae = load_sae(path)
+    x = torch.randn(3, 5, D_IN, generator=torch.Generator().manual_seed(4)) * 2
+    f, norm_stats = sae.encode(x), sae.norm_stats(x)
+    on, off = int((f > 0).sum((0, 1)).argmax()), int((f > 0).sum((0, 1)).argmin())
+    for feature in (on, off, D_SAE - 1):
+        torch.testing.assert_close(sae.feature(x, feature), f[..., feature], atol=TOL, rtol=0)
+        for value in (0.0, 2.5):
+            f_new = f.clone()
+            f_new[..., feature] = value
+            expected = x + sae.decode(f_new, norm_stats) - sae.decode(f, norm_stats)
+            torch.testing.assert_close(clamp(x, sae, feature, value), expected, atol=TOL, rtol=0)
+    assert (f[..., on] > 0).any() and (f[..., off] == 0).any()
 
 
 @pytest.fixture(scope="module")

@@ -327,6 +327,15 @@ BAD = {
         "interventions",
         "the SAE reads blocks.1.hook_resid_pre, so clamp its feature there",
     ),
+    "too many clamps of a topk SAE": (
+        "/v1/generate",
+        {
+            "interventions": [{"hook": MLP, "op": "clamp", "sae": "mlp0", "feature": i, "value": 1.0} for i in range(9)]
+            + [{"hook": RES, "op": "clamp", "sae": "res1", "feature": i, "value": 1.0} for i in range(100)]
+        },
+        "interventions",
+        "the interventions clamp 9 features of topk SAEs; at most 8: each encodes every position",
+    ),
     "clamp value not a number": (
         "/v1/next-token",
         {"interventions": [{"hook": RES, "op": "clamp", "sae": "res1", "feature": 0, "value": [1.0]}]},
@@ -383,6 +392,22 @@ def test_bad_input_is_a_400_naming_the_field(client: TestClient, case: tuple[str
     assert error["param"] == param and says in error["message"], error
     ok = post(client, "/v1/features", {"input_ids": IDS[:3], "sae": "res1", "top_k": 2})  # still serving
     assert len(ok["features"]) == 3
+
+
+def test_clamps_within_the_bound_apply_as_on_the_model(client: TestClient, tiny_model: GPT, sae_dirs) -> None:
+    """Eight clamps of a topk SAE (each a whole encode of every position) and a hundred of a standard one (each
+    a dot product and a decoder row a position): served, and what the model gives with the same edits."""
+    res1, mlp0 = load_sae(sae_dirs["res1"]), load_sae(sae_dirs["mlp0"])
+    wire = [{"hook": MLP, "op": "clamp", "sae": "mlp0", "feature": 3 * i, "value": 0.5} for i in range(8)]
+    wire += [{"hook": RES, "op": "clamp", "sae": "res1", "feature": i, "value": 0.1} for i in range(100)]
+    body = post(client, "/v1/next-token", {"input_ids": IDS, "top_k": 5, "interventions": wire})
+    edits = [Edit(MLP, "clamp", 0.5, sae=mlp0, feature=3 * i) for i in range(8)]
+    edits += [Edit(RES, "clamp", 0.1, sae=res1, feature=i) for i in range(100)]
+    with torch.inference_mode():
+        hooks = EditSpec(tuple(edits)).hooks(tiny_model.config, len(IDS))
+        top = torch.log_softmax(tiny_model(torch.tensor([IDS]), hooks=hooks)[0, -1], -1).topk(5)
+    assert [t["id"] for t in body["top"]] == top.indices.tolist()
+    assert [t["logprob"] for t in body["top"]] == pytest.approx(top.values.tolist(), abs=1e-5)
 
 
 def test_an_sae_that_does_not_fit_the_model_ends_start_up(tiny: Checkpoint, tokenizer_dir: Path, tmp_path) -> None:

@@ -50,7 +50,7 @@ def test_identities_leave_logits_unchanged(tiny_model: GPT, sae: SAE) -> None:
     active = int(f.sum(0).argmax())  # a feature that is on at some positions
     assert (f[:, active] > 0).any()
     for p in range(len(IDS)):  # each position's feature clamped to its own present value
-        present = float(sae.encode(sae.read(x[None, [p]]))[0, 0, active])  # as the edit computes it, [1, 1, d]
+        present = float(sae.feature(sae.read(x[None, [p]]), active)[0, 0])  # as the edit computes it, [1, 1, d]
         clamp = Edit(HOOK, "clamp", factor=present, sae=sae, feature=active, positions=(p,))
         assert torch.equal(logits(tiny_model, IDS, clamp), plain)
     # a direction orthogonal to every position's vector: the stream has no component to remove

@@ -244,13 +244,15 @@ class SAE:
             return Norm(mu, 1 / (std + 1e-5), std)
         return None
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """SAELens' `encode`: [..., d_in] -> the feature activations [..., d_sae]."""
+    def _encoder_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What W_enc multiplies: x [..., d_in] normalised, less b_dec where the SAE says so."""
         norm = self.norm_stats(x)
         x_in = (x - norm.shift) * norm.scale_in if norm is not None else x
-        if self.cfg.apply_b_dec_to_input:
-            x_in = x_in - self.b_dec
-        pre = x_in @ self.W_enc + self.b_enc  # [..., d_sae]
+        return x_in - self.b_dec if self.cfg.apply_b_dec_to_input else x_in
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """SAELens' `encode`: [..., d_in] -> the feature activations [..., d_sae]."""
+        pre = self._encoder_input(x) @ self.W_enc + self.b_enc  # [..., d_sae]
         if self.cfg.architecture == "topk":
             if self.cfg.rescale_acts_by_decoder_norm:
                 pre = pre * self.W_dec.norm(dim=-1)
@@ -260,6 +262,18 @@ class SAE:
         f = pre.relu()
         if self.threshold is not None:  # jumprelu
             f = f * (pre > self.threshold).to(f.dtype)
+        return f
+
+    def feature(self, x: torch.Tensor, feature: int) -> torch.Tensor:
+        """Feature `feature`'s activation [...] at inputs x [..., d_in], as `encode` gives it: from W_enc's one
+        column, except in a topk SAE, which encodes in full (whether the feature is among the k largest
+        pre-activations depends on all of them)."""
+        if self.cfg.architecture == "topk":
+            return self.encode(x)[..., feature]
+        pre = self._encoder_input(x) @ self.W_enc[:, feature] + self.b_enc[feature]  # [...]
+        f = pre.relu()
+        if self.threshold is not None:  # jumprelu
+            f = f * (pre > self.threshold[feature]).to(f.dtype)
         return f
 
     def decode(self, f: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:

@@ -75,13 +75,18 @@ def projection_cap(x: torch.Tensor, direction: torch.Tensor, cap: float) -> torc
 
 def clamp(x: torch.Tensor, sae: SAE, feature: int, value: float) -> torch.Tensor:
     """Feature `feature` of `sae` set to `value`: encode, set, decode, and add back the SAE's error term
-    (x - x̂), which is x + decode(f') - decode(f) (exactly x when f' = f)."""
+    (x - x̂), which is x + decode(f') - decode(f). decode is linear in f (its bias and the un-normalisation's
+    shift cancel), so that is x + (value - f_i) times the feature's decoder row, un-normalised: only the
+    feature's own activation is needed (exactly x when it is `value` already)."""
     x_in = sae.read(x)  # [..., d_in] float32
     norm = sae.norm_stats(x_in)
-    f = sae.encode(x_in)  # [..., d_sae]
-    clamped = f.clone()
-    clamped[..., feature] = value
-    delta = sae.decode(clamped, norm) - sae.decode(f, norm)
+    change = value - sae.feature(x_in, feature)  # [...]
+    row = sae.W_dec[feature]  # [d_in]
+    if sae.cfg.rescale_acts_by_decoder_norm:  # decode divides f by each row's norm
+        row = row / row.norm()
+    delta = change[..., None] * row  # [..., d_in]
+    if norm is not None:
+        delta = delta * norm.scale_out
     return x + delta.to(device=x.device, dtype=x.dtype)
 
 
