@@ -189,8 +189,9 @@ def test_centred_residual_stream_equals_transformer_lens(tiny: Checkpoint, tmp_p
     processed.load_and_process_state_dict(
         tl_weights(tiny, cfg), fold_ln=False, center_writing_weights=True, center_unembed=False
     )
+    processed.set_use_hook_mlp_in(True)  # TransformerLens' hook_mlp_in: a copy of resid_mid, centred as well
     ids = torch.tensor([[5, 99, 1234, 7, 42, 300]])
-    hooks = ["blocks.0.hook_mlp_out", "blocks.1.hook_resid_pre"]  # in model order
+    hooks = ["blocks.0.hook_mlp_out", "blocks.1.hook_resid_pre", "blocks.1.hook_mlp_in"]  # in model order
     _, cache = processed.run_with_cache(ids, names_filter=hooks)
     model = load_ours(tiny)
     raw = run_with_cache(model, ids, hooks)

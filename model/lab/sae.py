@@ -49,9 +49,10 @@ HUB_MODEL_KWARGS: dict[str, dict[str, Any]] = {
     "jbloom/GPT2-Small-Feature-Splitting-Experiment-Layer-8": {"center_writing_weights": True},
     "tommmcgrath/gpt2-small-mlp-out-saes": {"center_writing_weights": True},  # gpt2-small-mlp-tm
 }
-# The sites TransformerLens' centring changes: the residual stream and what writes into it.
+# The sites TransformerLens' centring changes: the residual stream (`hook_mlp_in` is a copy of resid_mid) and
+# what writes into it.
 CENTRED_SITES = ("hook_embed", "hook_pos_embed", "hook_resid_pre", "hook_resid_mid", "hook_resid_post",
-                 "hook_attn_out", "hook_mlp_out", "attn.hook_result")  # fmt: skip
+                 "hook_mlp_in", "hook_attn_out", "hook_mlp_out", "attn.hook_result")  # fmt: skip
 
 
 class Norm(NamedTuple):
