@@ -27,6 +27,7 @@ from model.lab.sae import load_sae
 from model.tokenizer import Tokenizer
 
 SAE_REPO, MODEL_REPO, RES_JB = "someone/saes", "someone/tiny-gpt2", "jbloom/GPT2-Small-SAEs-Reformatted"
+MLP_TM, MLP_TM_1 = "tommmcgrath/gpt2-small-mlp-out-saes", "sae_group_gpt2_blocks.1.hook_mlp_out_24576:v0"
 HOOK = "blocks.1.hook_resid_pre"
 
 SCRIPT = r"""
@@ -43,6 +44,8 @@ sae = load_sae("someone/saes/blocks.1.hook_resid_pre@v1")
 x = torch.linspace(-1, 1, 64)
 out["features"] = sae.encode(x).tolist()
 out["source_centred"] = load_sae("jbloom/GPT2-Small-SAEs-Reformatted/blocks.0.hook_resid_pre").centred
+mlp_tm = load_sae("tommmcgrath/gpt2-small-mlp-out-saes/sae_group_gpt2_blocks.1.hook_mlp_out_24576:v0")
+out["scaled"] = [mlp_tm.cfg.normalize_activations, mlp_tm.encode(x).tolist(), mlp_tm.reconstruct(x)[1].tolist()]
 for name, source in [("revision", "someone/saes/blocks.1.hook_resid_pre@v9"), ("repo", "nobody/none/x"),
                      ("file", "someone/saes/blocks.7.hook_resid_pre")]:
     try:
@@ -68,6 +71,8 @@ def hub_root(tmp_path_factory: pytest.TempPathFactory, tiny: Checkpoint) -> Path
     write_byte_tokenizer(repo)  # vocab.json and merges.txt: the loader's fallback when there is no tokenizer.json
     write_sae(root / SAE_REPO / HOOK, hook=HOOK, d_in=64, d_sae=96, seed=7)
     write_sae(root / RES_JB / "blocks.0.hook_resid_pre", hook="blocks.0.hook_resid_pre", d_in=64, d_sae=32, legacy=True)
+    hook = "blocks.1.hook_mlp_out"
+    write_sae(root / MLP_TM / MLP_TM_1, hook=hook, d_in=64, d_sae=48, normalize_activations="expected_average_only_in")
     return root
 
 
@@ -125,6 +130,13 @@ def test_saes_and_checkpoints_through_the_hub(hub_root: Path, tmp_path: Path, ti
     assert (cache / "refs" / "v1").read_text() == commit
     # res-jb's repo: centred, as SAELens' release table says (its cfg.json does not)
     assert out["source_centred"] is True
+    # mlp-tm's repo: its input scale folded in, as SAELens' release table gives it (its files do not)
+    local = load_sae(hub_root / MLP_TM / MLP_TM_1)  # as SAELens' load_from_disk reads it: unscaled
+    x, factor = torch.linspace(-1, 1, 64), 2.3693984005104283
+    assert out["scaled"][0] == "none" and local.cfg.normalize_activations == "expected_average_only_in"
+    assert out["scaled"][1] == pytest.approx(local.encode(factor * x).tolist(), abs=1e-5)
+    assert out["scaled"][2] == pytest.approx((local.reconstruct(factor * x)[1] / factor).tolist(), abs=1e-5)
+    assert out["scaled"][1] != pytest.approx(local.encode(x).tolist(), abs=1e-3)
     # errors name what was asked for
     assert "has no revision 'v9'" in out["revision"]
     assert "no repository 'nobody/none'" in out["repo"]

@@ -232,6 +232,33 @@ def test_centred_releases_as_saelens_release_table_says() -> None:
     assert theirs == HUB_MODEL_KWARGS
 
 
+def test_input_scales_as_saelens_release_table_says(sae_lens, tmp_path: Path) -> None:
+    """gpt2-small-mlp-tm's SAEs were trained on inputs scaled by a factor only SAELens' release table holds
+    (`norm_scaling_factor`): every gpt2-small SAE the table gives one has it here, by repo and folder, and
+    folding it in does what SAELens' own folding does."""
+    from model.lab.sae import HUB_INPUT_SCALING
+
+    yaml = pytest.importorskip("yaml")
+    releases = yaml.safe_load((Path(sae_lens.__file__).parent / "pretrained_saes.yaml").read_text())
+    theirs: dict[str, dict[str, float]] = {}
+    for r in releases.values():
+        scaled = {s["path"]: s["norm_scaling_factor"] for s in r["saes"] if "norm_scaling_factor" in s}
+        if r.get("model") == "gpt2-small" and scaled:
+            theirs[r["repo_id"]] = scaled
+    assert releases["gpt2-small-mlp-tm"]["repo_id"] in theirs
+    assert theirs == HUB_INPUT_SCALING
+    saved = saelens_sae(sae_lens, "standard", True, "expected_average_only_in", {}, seed=3)
+    saved.save_model(tmp_path)
+    folded = sae_lens.SAE.load_from_disk(str(tmp_path))
+    folded.fold_activation_norm_scaling_factor(1.7)
+    ours = load_sae(tmp_path).fold_input_scale(1.7)
+    x = torch.randn(4, D_IN, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.encode(x), folded.encode(x), atol=TOL, rtol=0)
+        torch.testing.assert_close(ours.reconstruct(x)[1], folded.decode(folded.encode(x)), atol=TOL, rtol=0)
+    assert ours.cfg.normalize_activations == folded.cfg.normalize_activations == "none"
+
+
 def test_token_features(tmp_path: Path) -> None:
     sae = load_sae(write_sae(tmp_path, hook=HOOK, d_in=D_IN, d_sae=D_SAE))
     x = torch.randn(4, D_IN, generator=torch.Generator().manual_seed(6))

@@ -23,10 +23,11 @@ value, so it needs nothing.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, TypeGuard, cast
 
@@ -42,12 +43,33 @@ Normalization = Literal["none", "expected_average_only_in", "constant_norm_resca
 NORMALIZATIONS = ("none", "expected_average_only_in", "constant_norm_rescale", "layer_norm")
 CFG_FILE, WEIGHTS_FILE = "cfg.json", "sae_weights.safetensors"
 
+log = logging.getLogger(__name__)
+
 # Releases whose cfg.json does not say how the model was processed, though SAELens' release table
 # (`pretrained_saes.yaml`, `config_overrides`) does: repo id -> the model's `from_pretrained` arguments.
 HUB_MODEL_KWARGS: dict[str, dict[str, Any]] = {
     "jbloom/GPT2-Small-SAEs-Reformatted": {"center_writing_weights": True},  # gpt2-small-res-jb
     "jbloom/GPT2-Small-Feature-Splitting-Experiment-Layer-8": {"center_writing_weights": True},
     "tommmcgrath/gpt2-small-mlp-out-saes": {"center_writing_weights": True},  # gpt2-small-mlp-tm
+}
+# Releases trained on inputs scaled to an average norm of √d_in (`expected_average_only_in`) by a factor their
+# files do not hold, though SAELens' release table does (`norm_scaling_factor`, which its `from_pretrained`
+# folds into the weights): repo id -> {folder: factor}.
+HUB_INPUT_SCALING: dict[str, dict[str, float]] = {
+    "tommmcgrath/gpt2-small-mlp-out-saes": {  # gpt2-small-mlp-tm
+        "sae_group_gpt2_blocks.0.hook_mlp_out_24576:v1": 1.049317316132615,
+        "sae_group_gpt2_blocks.1.hook_mlp_out_24576:v0": 2.3693984005104283,
+        "sae_group_gpt2_blocks.2.hook_mlp_out_24576:v0": 1.6411934982190302,
+        "sae_group_gpt2_blocks.3.hook_mlp_out_24576:v0": 1.8958522157897557,
+        "sae_group_gpt2_blocks.4.hook_mlp_out_24576:v0": 1.81673478700627,
+        "sae_group_gpt2_blocks.5.hook_mlp_out_24576:v0": 1.550234472245924,
+        "sae_group_gpt2_blocks.6.hook_mlp_out_24576:v0": 1.3237742807210804,
+        "sae_group_gpt2_blocks.7.hook_mlp_out_24576:v0": 1.1042905114723296,
+        "sae_group_gpt2_blocks.8.hook_mlp_out_24576:v1": 0.9123762783479742,
+        "sae_group_gpt2_blocks.9.hook_mlp_out_24576:v0": 0.6955335635232373,
+        "sae_group_gpt2_blocks.10.hook_mlp_out_24576:v0": 0.3619728926727644,
+        "sae_group_gpt2_blocks.11.hook_mlp_out_24576:v2": 0.2851548652550073,
+    },
 }
 # The sites TransformerLens' centring changes: the residual stream (`hook_mlp_in` is a copy of resid_mid) and
 # what writes into it.
@@ -229,12 +251,20 @@ class SAE:
     def centred(self) -> bool:
         return self.cfg.center_writing_weights and self.cfg.hook_name.endswith(CENTRED_SITES)
 
+    def fold_input_scale(self, factor: float) -> SAE:
+        """An `expected_average_only_in` SAE's training-time input scale folded into its weights, as SAELens'
+        `fold_activation_norm_scaling_factor`: it encodes x as it encoded x * factor in training, and decodes
+        back to x's scale (W_enc * factor, W_dec / factor, b_dec / factor); then it normalises nothing."""
+        self.W_enc, self.W_dec, self.b_dec = self.W_enc * factor, self.W_dec / factor, self.b_dec / factor
+        self.cfg = replace(self.cfg, normalize_activations="none")
+        return self
+
     def norm_stats(self, x: torch.Tensor) -> Norm | None:
         """How each position's input is normalised before encoding, and the reconstruction un-normalised
         (SAELens' run-time normalisation), or None. `constant_norm_rescale`: x * c with c = √d_in/‖x‖, out
         x̂ / c. `layer_norm`: (x - mu)/(s + 1e-5) with s the unbiased std over d_in, out x̂ s + mu.
-        (`expected_average_only_in` is a training-time scale that SAELens folds into the saved weights: at
-        inference it is the identity, in SAELens too.)"""
+        (`expected_average_only_in` is a training-time scale: folded in at load where SAELens' release
+        table gives it (`fold_input_scale`), else left out, as SAELens' `load_from_disk` leaves it.)"""
         norm = self.cfg.normalize_activations
         if norm == "constant_norm_rescale":
             c = math.sqrt(self.cfg.d_in) / x.norm(dim=-1, keepdim=True)  # [..., 1]
@@ -320,7 +350,7 @@ def load_sae(source: str | Path, device: torch.device | str = "cpu") -> SAE:
     return _download(repo, folder, revision, str(source)).to(device)
 
 
-def _from_dir(path: Path, where: str, model_kwargs: dict[str, Any] | None) -> SAE:
+def _from_dir(path: Path, where: str, model_kwargs: dict[str, Any] | None, input_scale: float | None = None) -> SAE:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -337,7 +367,17 @@ def _from_dir(path: Path, where: str, model_kwargs: dict[str, Any] | None) -> SA
         weights = load_file(str(weights_path))
     except (SafetensorError, OSError) as e:
         raise SAEError(f"{where}: {WEIGHTS_FILE} is not a readable safetensors file: {e}") from None
-    return SAE(SAEConfig.from_dict(cfg, where, model_kwargs), weights, where)
+    sae = SAE(SAEConfig.from_dict(cfg, where, model_kwargs), weights, where)
+    if sae.cfg.normalize_activations == "expected_average_only_in":
+        if input_scale is not None:
+            return sae.fold_input_scale(input_scale)
+        log.warning(
+            "%s: trained on inputs scaled by a factor (normalize_activations: expected_average_only_in) that its "
+            "files do not hold; its features are read from unscaled inputs (for a release SAELens' table lists, "
+            "load it from the hub, which folds the factor in)",
+            where,
+        )
+    return sae
 
 
 def _download(repo: str, folder: str, revision: str | None, where: str) -> SAE:
@@ -355,7 +395,7 @@ def _download(repo: str, folder: str, revision: str | None, where: str) -> SAE:
     ):
         cfg = Path(hf_hub_download(repo, prefix + CFG_FILE, revision=revision))
         hf_hub_download(repo, prefix + WEIGHTS_FILE, revision=revision)
-    return _from_dir(cfg.parent, where, HUB_MODEL_KWARGS.get(repo))
+    return _from_dir(cfg.parent, where, HUB_MODEL_KWARGS.get(repo), HUB_INPUT_SCALING.get(repo, {}).get(folder))
 
 
 def load_saes(specs: Sequence[str], config: GPTConfig, device: torch.device | str = "cpu") -> dict[str, SAE]:
