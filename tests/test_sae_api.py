@@ -425,6 +425,11 @@ def test_an_sae_that_does_not_fit_the_model_ends_start_up(tiny: Checkpoint, toke
     app = create_app(Settings(sae=(f"d={deep}",)), loaded=loaded)
     with pytest.raises(SAEError, match="which this model does not have"), TestClient(app):
         pass
+    n_head = loaded.model.config.n_head  # a pattern's [head] a query and key: its width, but no vector a position
+    pattern = write_sae(tmp_path / "pattern", hook="blocks.0.attn.hook_pattern", d_in=n_head, d_sae=8)
+    app = create_app(Settings(sae=(f"p={pattern}",)), loaded=loaded)
+    with pytest.raises(SAEError, match=r"reads blocks\.0\.attn\.hook_pattern, an attention square"), TestClient(app):
+        pass
 
 
 def test_features_as_a_capture_in_generate(client: TestClient) -> None:

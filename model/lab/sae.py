@@ -401,7 +401,7 @@ def _download(repo: str, folder: str, revision: str | None, where: str) -> SAE:
 def load_saes(specs: Sequence[str], config: GPTConfig, device: torch.device | str = "cpu") -> dict[str, SAE]:
     """The SAEs named `ID=PATH` (a directory, or a hub repo and path), each checked against the model: its
     hook must be one of the model's, with one vector of d_in numbers per position."""
-    from ..hooks import hook_names, site_shape
+    from ..hooks import hook_names, is_attention_square, site_shape
 
     saes: dict[str, SAE] = {}
     for spec in specs:
@@ -414,6 +414,8 @@ def load_saes(specs: Sequence[str], config: GPTConfig, device: torch.device | st
         hook = sae.cfg.hook_name
         if hook not in hook_names(config.n_layer):
             raise SAEError(f"SAE {sae_id!r} ({source}) reads {clip(hook)}, which this model does not have")
+        if is_attention_square(hook):  # [head, query, key] a position: its site shape reads as [head]
+            raise SAEError(f"SAE {sae_id!r} ({source}) reads {hook}, an attention square, not one vector per position")
         site = site_shape(hook, config.n_head, config.d_head, config.d_mlp, config.vocab_size)
         if site != (sae.cfg.d_in,):
             raise SAEError(f"SAE {sae_id!r} ({source}) reads vectors of {sae.cfg.d_in}, but {hook} holds {list(site)}")
