@@ -288,14 +288,15 @@ class Engine:
                     job = self._jobs.popleft() if self._jobs else None
                     admitted: list[_Request] = []
                     while self._waiting and self._active() + len(admitted) < self.max_batch_size:
-                        admitted.append(self._waiting.popleft())  # a cancelled request left the queue already
+                        admitted.append(self._waiting.popleft())  # a request cancelled by now left the queue
                     self.metrics.queue_depth.set(len(self._waiting))
                 if job is not None:
                     self._run_job(job)
                     job = None  # what it holds (a gradient's graph) is not kept while the engine waits
                 self._drop_cancelled()
                 for request in admitted:
-                    self._admit(request)
+                    if not request.cancelled:  # cancelled while the job ran: nothing of it is run
+                        self._admit(request)
                 self._step()
         self._fail_all(EngineStopped("the server is shutting down"))
 

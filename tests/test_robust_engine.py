@@ -243,6 +243,36 @@ def test_a_cancelled_model_call_leaves_the_queue_unrun(loaded: LoadedModel) -> N
     run(main())
 
 
+def test_a_request_cancelled_while_a_call_runs_is_not_run(loaded: LoadedModel) -> None:
+    """The engine takes a call and the requests it can admit from the queue together, then runs the call: a
+    request cancelled meanwhile (it is in neither the queue nor the batch then) was admitted after the call
+    and prefilled and decoded a step (for a prompt to dump, its whole pass, its reservation given back)."""
+    started, release = threading.Event(), threading.Event()
+
+    def job(_: GPT) -> None:
+        started.set()
+        release.wait(30)
+
+    async def main() -> None:
+        with running(loaded) as engine:
+            async with held(engine):
+                call = asyncio.ensure_future(engine.call(job))  # taken with the request, in one turn
+                await asyncio.sleep(0)
+                (stream,) = engine.submit([[464, 3797, 3332]], [greedy_params(50)])
+                before = tokens_generated(engine)
+            await asyncio.to_thread(started.wait, 30)
+            assert stream._request not in engine._waiting  # taken from the queue, not yet in the batch
+            stream.cancel()
+            release.set()
+            await call
+            assert await engine.call(lambda m: 7) == 7  # a step later
+            seq = stream._request.seq
+            assert (seq.prefilled, seq.tokens, tokens_generated(engine) - before) == (0, [], 0)
+            assert engine._active() == 0 and not engine._requests
+
+    run(main())
+
+
 def test_a_running_model_call_whose_caller_is_gone_stops_at_its_next_block(loaded: LoadedModel) -> None:
     """A long job (attribution's verification passes, a steering vector's prompts) whose client left stops as
     its next forward pass enters a block, instead of holding the engine to the end; the engine serves on."""
