@@ -221,8 +221,10 @@ class SequenceState:
         if not tail.endswith("\ufffd"):  # no unfinished multi-byte character: a safe place to cut
             self._clean_text, self._clean_tokens = self.text, len(self.tokens)
         # the text ends before the earliest match of any stop string, whatever their order (matches that overlap,
-        # "log" in "login" and "gin", must all be looked for in the text before it is cut)
-        found = [self.text.find(s, max(0, self.emitted - len(s) + 1)) for s in self.params.stop]
+        # "log" in "login" and "gin", must all be looked for in the text before it is cut); an unfinished
+        # character's placeholder (U+FFFD at the end) is not looked in: it is not yet the character it becomes
+        settled = self.text.rstrip("\ufffd") if tail.endswith("\ufffd") else self.text
+        found = [settled.find(s, max(0, self.emitted - len(s) + 1)) for s in self.params.stop]
         first = min((at for at in found if at != -1), default=None)
         if first is not None:
             self.text, self.finish_reason = self.text[:first], "stop"

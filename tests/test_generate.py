@@ -128,6 +128,12 @@ def test_a_character_split_across_tokens_is_streamed_whole(tokenizer: Tokenizer)
     [result], events = run(ScriptedModel(1, script), [[50]], SamplingParams(max_new_tokens=5, **GREEDY), tokenizer)
     assert [e.text for e in events] == ["a", "", "é", "b", "\ufffd"]  # the unfinished one shows once finished
     assert streamed_text(events) == result.text == "aéb\ufffd"
+    # a stop string that holds U+FFFD is not matched by the placeholder of a character still unfinished, only
+    # by a U+FFFD in the text: "é" in two tokens, then "!", never held one
+    script = [*e_acute, 0, byte_token(tokenizer, 0xFF), 65]  # "é", "!", then a byte no character starts with
+    params = SamplingParams(max_new_tokens=5, stop=("\ufffd",), **GREEDY)
+    [result], events = run(ScriptedModel(1, script), [[50]], params, tokenizer)
+    assert result.text == "é!" and result.finish_reason == "stop" and len(result.token_ids) == 5
 
 
 def test_stop_token_ids(tiny_model: GPT, tokenizer: Tokenizer) -> None:
