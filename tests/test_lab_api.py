@@ -114,6 +114,25 @@ def test_an_edit_in_the_head_runs_it_a_part_a_job(
     torch.testing.assert_close(torch.tensor([t["logprob"] for t in body["top"]]), top.values, rtol=1e-6, atol=1e-6)
 
 
+def test_an_edit_after_the_last_block_is_refused_by_analyze_unless_it_changes_the_highway(client: TestClient) -> None:
+    """The logit lens reads every layer's stream through ln_f and the unembedding as trained (TransformerLens'
+    logit lens), so an edit of ln_final, unembed or the logits changed nothing /v1/analyze gave back: a 400
+    that says so; with gradients it changes the highway's loss, and is taken."""
+    body = {"input_ids": CLEAN, "top_k": 2, "compare_ablated": False}
+    for hook in ("logits", "ln_final.hook_normalized", "unembed.*"):
+        edit = {"interventions": [{"hook": hook, "op": "scale", "factor": 0.0}]}
+        r = client.post("/v1/analyze", json=body | edit)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "interventions", r.text
+        assert "after the last block, changes nothing /v1/analyze measures" in r.json()["error"]["message"]
+    plain = client.post("/v1/analyze", json=body | {"gradients": True}).json()["layers"]
+    edit = {"interventions": [{"hook": "logits", "op": "scale", "factor": 0.0}], "gradients": True}
+    r = client.post("/v1/analyze", json=body | edit)
+    assert r.status_code == 200, r.text
+    edited = r.json()["layers"]
+    assert [x["logit_lens"] for x in edited] == [x["logit_lens"] for x in plain]
+    assert all(x["grad_norm"] == 0 for x in edited) and any(x["grad_norm"] > 0 for x in plain)
+
+
 # --- interventions take effect, as at model level -----------------------------------------------------
 
 

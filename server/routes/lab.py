@@ -14,7 +14,8 @@ from fastapi.responses import FileResponse
 from model.analysis import AnalysisPass, LayerStats
 from model.config import GPTConfig
 from model.generate import GenerationError, validate_prompt
-from model.interventions import EditSpec, NonFiniteActivations
+from model.hooks import HEAD_HOOKS
+from model.interventions import EditSpec, InterventionError, NonFiniteActivations
 from model.lab.gradients import HighwayPass, LayerGradient
 
 from .. import encoding
@@ -79,6 +80,15 @@ async def analyze_prompt(
     if least > settings.max_activation_bytes:  # certainly over: refused before any model work
         raise too_big(least, at_least=True)
     edits = await resolved_edits(req, engine, directions)
+    late = [name for name in edits.sites(config.n_layer) if name in HEAD_HOOKS] if edits else []
+    if late and not req.gradients:
+        raise InterventionError(
+            f"an edit of {late[0]}, after the last block, changes nothing /v1/analyze measures without gradients: "
+            "the logit lens reads each layer's stream through ln_f and the unembedding as trained (as "
+            "TransformerLens' does); with \"gradients\": true it changes the highway's loss, and /v1/next-token "
+            "applies it",
+            "interventions",
+        )
     everything = tuple(range(config.n_layer))
     no_residual = EditSpec(edits.edits if edits else (), everything, everything)
 
