@@ -16,7 +16,7 @@ import torch
 
 from .config import GPTConfig
 from .gpt import GPT
-from .hooks import Hooks, needs_whole_prompt, uses_the_head
+from .hooks import Hooks, head_parts
 from .interventions import HookChain, NonFiniteActivations
 from .overflow import layer_norm_inputs, layer_norm_overflow, variance_overflows
 
@@ -281,12 +281,8 @@ class NextToken:
 class NextTokenPass:
     """The top-k next tokens after `ids` and the entropy of the distribution (with `hooks`: edits applied), a
     piece at a time, each `step` an engine job on the server, decode steps going on between them: the
-    embeddings with block 0, then each block, then the LM head at the last position. Where a hook point after
-    the last block is in use, the head runs over every position, as in `GPT.forward`: `head_positions` a step,
-    in order, as the hooks see a prompt's chunks, or all in one step where they need the whole prompt (a `mean`
-    edit)."""
-
-    head_positions = 256  # a part of the head: about as long as a block over 1,024 positions, on gpt2-small
+    embeddings with block 0, then each block, then the LM head at the last position (`head_parts`: in parts
+    over every position where an edit uses its output there, as in `GPT.forward`)."""
 
     def __init__(self, config: GPTConfig, ids: list[int], top_k: int, hooks: Hooks | None = None) -> None:
         self.ids, self.top_k, self.hooks = ids, top_k, hooks
@@ -310,10 +306,10 @@ class NextTokenPass:
             if x is not None:
                 self._x = x
                 return
-            self._parts = self._head_parts(len(self.ids))
+            self._parts = head_parts(len(self.ids), self.hooks)
         assert self._x is not None
         rows = self._parts.pop(0)
-        logits = model.unembed(self._x[:, rows.start : rows.stop], self.hooks)
+        logits = model.unembed(self._x[:, rows.start : rows.stop], self.hooks, last_only=True)
         if self._parts:
             return
         self._x, logits = None, logits[0, -1].float()  # [vocab]
@@ -323,12 +319,6 @@ class NextTokenPass:
         entropy = -(logprobs.exp() * logprobs).nan_to_num().sum()  # 0 log 0 = 0
         top = torch.topk(logprobs, self.top_k)
         self._next = NextToken(top.values.tolist(), top.indices.tolist(), float(entropy))
-
-    def _head_parts(self, n: int) -> list[range]:
-        if self.hooks is None or not uses_the_head(self.hooks):
-            return [range(n - 1, n)]
-        step = n if needs_whole_prompt(self.hooks) else self.head_positions
-        return [range(i, min(i + step, n)) for i in range(0, n, step)]
 
     def result(self) -> NextToken:
         assert self._next is not None, "the pass is not over"

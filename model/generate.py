@@ -208,6 +208,7 @@ class SequenceState:
             self.finish_reason = "stop" if token in p.stop_token_ids else "eos"
         else:
             self._extend_text()
+        self._cut_at_stop(final=special_stop or len(self.tokens) >= p.max_new_tokens)
         if self.finish_reason is None and len(self.tokens) >= p.max_new_tokens:
             self.finish_reason = "length"
         return TokenEvent(self.index, token, self._release(), lp, self.finish_reason)
@@ -220,10 +221,14 @@ class SequenceState:
         self.text = self._clean_text + tail
         if not tail.endswith("\ufffd"):  # no unfinished multi-byte character: a safe place to cut
             self._clean_text, self._clean_tokens = self.text, len(self.tokens)
-        # the text ends before the earliest match of any stop string, whatever their order (matches that overlap,
-        # "log" in "login" and "gin", must all be looked for in the text before it is cut); an unfinished
-        # character's placeholder (U+FFFD at the end) is not looked in: it is not yet the character it becomes
-        settled = self.text.rstrip("\ufffd") if tail.endswith("\ufffd") else self.text
+
+    def _cut_at_stop(self, final: bool) -> None:
+        """End the text before the earliest match of any stop string, whatever their order (matches that
+        overlap, "log" in "login" and "gin", must all be looked for in the text before it is cut). An
+        unfinished character's placeholder (U+FFFD at the end) is looked in only once no token follows
+        (`final`): until then it is not yet the character it becomes."""
+        unsure = not final and self._clean_tokens < len(self.tokens)
+        settled = self.text.rstrip("\ufffd") if unsure else self.text
         found = [settled.find(s, max(0, self.emitted - len(s) + 1)) for s in self.params.stop]
         first = min((at for at in found if at != -1), default=None)
         if first is not None:

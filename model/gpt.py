@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import GPTConfig
-from .hooks import HookPoint, Hooks, hook_names, uses_the_head
+from .hooks import HookPoint, Hooks, hook_names, uses_the_head, uses_the_logits
 from .kv_cache import KVCache, PackedBatch
 
 # Per-head inputs' changes for the queries, keys and values, [B, T, H, C] each (see Block._attn_input).
@@ -275,10 +275,7 @@ class GPT(nn.Module):
             x = block(x, cache, hooks)
         if isinstance(cache, PackedBatch):
             x = x[:, cache.outputs]
-        elif last_only and not uses_the_head(hooks):
-            x = x[:, -1:]
-        logits = self.unembed(x, hooks)
-        return logits[:, -1:] if last_only else logits
+        return self.unembed(x, hooks, last_only)
 
     def block_by_block(self, idx: torch.Tensor, hooks: Hooks | None = None) -> Iterator[torch.Tensor]:
         """The forward pass over `idx` [B, T] without a cache, a block at a time: the stream [B, T, C] leaving
@@ -289,9 +286,15 @@ class GPT(nn.Module):
             x = block(x, None, hooks)
             yield x
 
-    def unembed(self, x: torch.Tensor, hooks: Hooks | None = None) -> torch.Tensor:
-        """Logits [B, T, vocab] of the streams leaving the last block x [B, T, C]: the final LayerNorm, then the
-        LM head, tied to the token embedding."""
+    def unembed(self, x: torch.Tensor, hooks: Hooks | None = None, last_only: bool = False) -> torch.Tensor:
+        """Logits [B, T, vocab] of the streams leaving the last block x [B, T, C] (only the last position's,
+        [B, 1, vocab], if `last_only`): the final LayerNorm, then the LM head, tied to the token embedding.
+        With `last_only` the other positions go only as far as the hook points in use need them."""
+        if last_only and not uses_the_head(hooks):
+            x = x[:, -1:]
         x = self.hook_unembed_in(self.ln_f(x, hooks), hooks)
+        if last_only and not uses_the_logits(hooks):  # ln_f's hooks saw every position; the product needs one
+            x = x[:, -1:]
         logits = self.hook_unembed_out(self.lm_head(x, self.wte.weight), hooks)  # [B, T, vocab]
-        return self.hook_logits(logits, hooks)
+        logits = self.hook_logits(logits, hooks)
+        return logits[:, -1:] if last_only else logits

@@ -86,6 +86,7 @@ _FIRST = ["hook_embed", "hook_pos_embed"]
 _LAST = ["ln_final.hook_scale", "ln_final.hook_normalized", "unembed.hook_in", "unembed.hook_out", "logits"]
 OPTIONAL_SITES = tuple(site for site, optional in _BLOCK_SITES if optional)
 HEAD_HOOKS = tuple(_LAST)  # after the last block: what needs the logits of every position it covers
+LOGIT_HOOKS = ("unembed.hook_out", "logits")  # the LM head's output
 
 
 @functools.lru_cache(maxsize=4096)  # asked for every hook a glob of a thousand edits matches
@@ -99,6 +100,26 @@ def uses_the_head(hooks: Hooks | None) -> bool:
     """Whether `hooks` ask for or edit a hook point after the last block: then the LM head runs over every
     position, not only those whose logits are needed."""
     return hooks is not None and any(hooks.active(name) for name in HEAD_HOOKS)
+
+
+def uses_the_logits(hooks: Hooks | None) -> bool:
+    """Whether `hooks` ask for or edit the LM head's output (`unembed.hook_out`, `logits`): then it runs over
+    every position, not only those whose logits are needed (for `ln_final.*` and `unembed.hook_in`, the
+    final LayerNorm does; the head's product, the costly part, need not)."""
+    return hooks is not None and any(hooks.active(name) for name in LOGIT_HOOKS)
+
+
+HEAD_POSITIONS = 256  # positions of the LM head a step: about a block's time over 1,024 positions of gpt2-small
+
+
+def head_parts(n_pos: int, hooks: Hooks | None) -> list[range]:
+    """The positions the LM head runs over after a pass's last block, a part a step (a job on the server):
+    where the hooks use its output at every position (`uses_the_logits`), `HEAD_POSITIONS` a part, in order,
+    as they see a prompt's chunks, or in one part where they need the whole prompt at once (a `mean`); else
+    one part (the product at the positions whose logits are wanted only: `GPT.unembed`'s `last_only`)."""
+    if hooks is None or not uses_the_logits(hooks) or needs_whole_prompt(hooks):
+        return [range(n_pos)]
+    return [range(i, min(i + HEAD_POSITIONS, n_pos)) for i in range(0, n_pos, HEAD_POSITIONS)]
 
 
 def needs_whole_prompt(hooks: Hooks) -> bool:
@@ -370,7 +391,7 @@ def run_with_cache(
 class CapturePass:
     """`run_with_cache` a piece at a time, each `step` an engine job on the server, decode steps going on
     between them: the embeddings with block 0, then each block, then the LM head (if a hook point after the
-    last block is asked for), until the last hook point asked for has its value (`StopAfter`)."""
+    last block is asked for; `head_parts`), until the last hook point asked for has its value (`StopAfter`)."""
 
     def __init__(
         self, config: GPTConfig, idx: torch.Tensor | list[int], names: list[str], edits: Hooks | None = None
@@ -379,9 +400,11 @@ class CapturePass:
 
         names = select_hooks(names, config.n_layer)  # in model order: the pass ends at the last
         self.idx, self._capture = idx, Capture(names)
-        self._hooks = StopAfter(self._capture if edits is None else HookChain(edits, self._capture), names[-1])
+        self._wanted: Hooks = self._capture if edits is None else HookChain(edits, self._capture)
+        self._hooks = StopAfter(self._wanted, names[-1])
         self._blocks: Iterator[torch.Tensor] | None = None  # `GPT.block_by_block`, from the first step on
         self._x: torch.Tensor | None = None  # [B, T, C]: the stream leaving the last block run
+        self._parts: list[range] | None = None  # the head's positions, a step each, once the blocks are run
         self._done = False
 
     @property
@@ -397,15 +420,20 @@ class CapturePass:
                 if not isinstance(idx, torch.Tensor):
                     idx = torch.tensor([list(idx)], device=model.wte.weight.device)  # [1, T]
                 self._blocks = model.block_by_block(idx, self._hooks)
-            x = next(self._blocks, None)
-            if x is not None:
-                self._x = x
-                return
-            assert self._x is not None
-            model.unembed(self._x, self._hooks)
-        except StopForward:  # the last value wanted is in
+            if self._parts is None:
+                x = next(self._blocks, None)
+                if x is not None:
+                    self._x = x
+                    return
+                assert self._x is not None
+                self._parts = head_parts(self._x.shape[1], self._wanted)
+            rows, x = self._parts.pop(0), self._x
+            assert x is not None
+            model.unembed(x[:, rows.start : rows.stop], self._hooks)
+        except StopForward:  # the last value wanted is in (of a part of the head: then the next part's turn)
             pass
-        self._done, self._x, self._blocks = True, None, None  # after the LM head, whatever it reached: the end
+        if not self._parts:  # in the blocks, or after the head's last part: the end
+            self._done, self._x, self._blocks = True, None, None
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The values captured, as `Capture.tensors` gives them."""

@@ -10,7 +10,7 @@ whole (`whole_prompt`).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -176,6 +176,10 @@ class EditPlan:
             for t in own:
                 if t.rows is not None and t.rows < need:
                     raise InterventionError(f"{where}: value covers {t.rows} positions, position {need - 1} needed")
+
+    def only_at(self, names: Collection[str]) -> int | None:
+        """The first edit all of whose hook points are among `names` (a glob's every match), or None."""
+        return next((i for i, own in enumerate(self._by_edit) if own and all(t.name in names for t in own)), None)
 
     def _check_split_inputs(self) -> None:
         """An edited per-head input (`hook_q_input`, ...) is normalised by ln_1 on its own path, so an edit

@@ -16,6 +16,7 @@ import re
 import time
 import uuid
 from typing import Any
+from urllib.parse import unquote
 
 from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
@@ -33,7 +34,7 @@ OPEN_PATHS = frozenset({"/health", "/"})  # answered without an API key (with /s
 # ASCII characters. Any other (a huge one, control characters) is replaced by a fresh id.
 REQUEST_ID = re.compile(r"[!-~]{1,128}")
 # A request target in absolute form (RFC 9112, section 3.2.2): a scheme and an authority before the path.
-ABSOLUTE_FORM = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*")
+ABSOLUTE_FORM = re.compile(rb"[A-Za-z][A-Za-z0-9+.-]*://([^/?#]*)")
 
 # A scope key the connection layer (`server.connections`) sets on a request it refuses, with the reason: the
 # guard answers it 503, so that the refusal carries a request id and is logged and counted like any answer.
@@ -42,15 +43,17 @@ REFUSAL = "gpt2.refusal"
 
 def origin_form(scope: Scope) -> None:
     """Take a request target in absolute form (`GET http://host/health HTTP/1.1`, as a client set up for a
-    proxy sends it) by its path: RFC 9112, section 3.2.2, says a server MUST accept it. uvicorn puts the whole
-    target in `path` and `raw_path`, so every route was a 404."""
-    found = ABSOLUTE_FORM.match(scope["path"])
-    if found is not None:
-        scope["path"] = scope["path"][found.end() :] or "/"
-        raw: bytes = scope.get("raw_path") or b""  # matched as latin-1, one character a byte
-        found = ABSOLUTE_FORM.match(raw.decode("latin-1"))
-        if found is not None:
-            scope["raw_path"] = raw[found.end() :] or b"/"
+    proxy sends it) by its path, and its authority as the host: RFC 9112, section 3.2.2, says a server MUST
+    accept it and ignore `Host` then. uvicorn puts the whole target in `raw_path` and `path`, so every route
+    was a 404; the path is derived again from what follows the authority, as uvicorn derives it."""
+    raw: bytes = scope.get("raw_path") or b""
+    found = ABSOLUTE_FORM.match(raw)
+    if found is None:
+        return
+    scope["raw_path"] = raw[found.end() :] or b"/"
+    scope["path"] = unquote(scope["raw_path"].decode("latin-1"))
+    if found.group(1):
+        scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != b"host"] + [(b"host", found.group(1))]
 
 
 def app_path(scope: Scope) -> str:

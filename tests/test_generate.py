@@ -134,6 +134,15 @@ def test_a_character_split_across_tokens_is_streamed_whole(tokenizer: Tokenizer)
     params = SamplingParams(max_new_tokens=5, stop=("\ufffd",), **GREEDY)
     [result], events = run(ScriptedModel(1, script), [[50]], params, tokenizer)
     assert result.text == "é!" and result.finish_reason == "stop" and len(result.token_ids) == 5
+    # and once no token follows (the last one, EOS, a stop token id), the U+FFFD at the end is what it stays
+    script = [64, byte_token(tokenizer, 0xFF)]  # "a", a byte no character starts with
+    for tail, params in (
+        ([], SamplingParams(max_new_tokens=2, stop=("\ufffd",), **GREEDY)),
+        ([], SamplingParams(max_new_tokens=5, stop=("\ufffd",), temperature=0.0)),  # EOS after the script
+        ([65], SamplingParams(max_new_tokens=5, stop=("\ufffd",), stop_token_ids=(65,), **GREEDY)),
+    ):
+        [result], _ = run(ScriptedModel(1, script + tail), [[50]], params, tokenizer)
+        assert (result.text, result.finish_reason) == ("a", "stop"), params
 
 
 def test_stop_token_ids(tiny_model: GPT, tokenizer: Tokenizer) -> None:

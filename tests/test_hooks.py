@@ -396,3 +396,28 @@ def test_run_with_cache_takes_globs_and_any_order_and_refuses_unknown_names(tiny
     for bad in (["blocks.2.hook_resid_post"], ["blocks.0.hook_nope"]):
         with pytest.raises(UnknownHookError, match="no hook point matches it"):
             run_with_cache(tiny_model, ids, bad)
+
+
+def test_a_capture_after_the_lm_head_runs_it_a_part_a_step(tiny_model: GPT, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`CapturePass` (a steering vector's prompts on the server, a job a step) runs the head over a prompt in
+    parts of `HEAD_POSITIONS` where the logits are asked for, one part for a capture before the head's product
+    (ln_final, unembed.hook_in); the values glued together are one forward pass's."""
+    import model.hooks
+    from model.hooks import CapturePass
+
+    monkeypatch.setattr(model.hooks, "HEAD_POSITIONS", 3)
+    ids = [464, 3797, 3332, 319, 262, 2603, 780, 340]
+    L = tiny_model.config.n_layer
+    for names, head_steps in ((["unembed.hook_in", "logits"], 3), (["ln_final.hook_normalized"], 1)):
+        run, steps = CapturePass(tiny_model.config, ids, names), 0
+        while not run.done:
+            run.step(tiny_model)
+            steps += 1
+        assert steps == L + head_steps, names
+        capture = Capture(names)
+        with torch.inference_mode():
+            tiny_model(torch.tensor([ids]), hooks=capture)
+        want, got = capture.tensors(), run.tensors()
+        assert list(got) == names
+        for name in names:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6)

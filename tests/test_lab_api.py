@@ -88,27 +88,31 @@ def test_next_token_runs_a_block_a_job_with_decode_steps_between(
 @pytest.mark.parametrize(
     "edit, head_jobs",
     [
-        ({"hook": "ln_final.hook_normalized", "op": "scale", "factor": 3.0, "positions": [3, 7]}, 3),  # 3 + 3 + 2
-        ({"hook": "unembed.hook_in", "op": "scale", "factor": 0.5}, 3),  # every position, in each part
-        ({"hook": "unembed.hook_in", "op": "mean"}, 1),  # a mean over the prompt needs every position at once
+        ({"hook": "logits", "op": "scale", "factor": 3.0, "positions": [3, 7]}, 3),  # 3 + 3 + 2 positions
+        ({"hook": "unembed.hook_out", "op": "scale", "factor": 0.5}, 3),  # every position, in each part
+        ({"hook": "logits", "op": "mean"}, 1),  # a mean over the prompt needs every position at once
+        ({"hook": "ln_final.hook_normalized", "op": "scale", "factor": 3.0, "positions": [3, 7]}, 1),
+        ({"hook": "unembed.hook_in", "op": "mean"}, 1),
     ],
-    ids=["positions", "everywhere", "mean"],
+    ids=["logits-positions", "logits-everywhere", "logits-mean", "ln_final", "unembed-in-mean"],
 )
 def test_an_edit_in_the_head_runs_it_a_part_a_job(
     client: TestClient, tiny_model: GPT, monkeypatch: pytest.MonkeyPatch, edit: dict[str, Any], head_jobs: int
 ) -> None:
-    """An edit after the last block runs the LM head over every position (1.0-1.7 s at 1,024 tokens of
-    gpt2-small in one job, every stream held): `head_positions` a job, in order, as the edit sees a prompt's
-    chunks, all in one job for a `mean`; the answer is `GPT.forward`'s with the same edit."""
-    from model.analysis import NextTokenPass
+    """An edit of the LM head's output runs the head over every position (1.0-1.7 s at 1,024 tokens of
+    gpt2-small in one job, every stream held): `HEAD_POSITIONS` a job, in order, as the edit sees a prompt's
+    chunks, all in one job for a `mean`; an edit before the head's product (ln_final, unembed.hook_in) runs
+    ln_f over every position and the product at the last only, in one job. The answer is `GPT.forward`'s with
+    the same edit."""
+    import model.hooks
 
-    monkeypatch.setattr(NextTokenPass, "head_positions", 3)
+    monkeypatch.setattr(model.hooks, "HEAD_POSITIONS", 3)
     log = log_engine(client, monkeypatch)
     body = next_token(client, CLEAN, interventions=[edit])
     assert log == ["NextTokenPass.step#0"] * (tiny_model.config.n_layer + head_jobs), log
     spec = EditSpec((Edit(**{**edit, "positions": tuple(edit.get("positions", range(T)))}),))
     with torch.inference_mode():
-        logits = tiny_model(torch.tensor([CLEAN]), hooks=spec.hooks(tiny_model.config, T), last_only=True)
+        logits = tiny_model(torch.tensor([CLEAN]), hooks=spec.hooks(tiny_model.config, T))  # every position
     top = torch.log_softmax(logits[0, -1].float(), -1).topk(5)
     assert [t["id"] for t in body["top"]] == top.indices.tolist()
     torch.testing.assert_close(torch.tensor([t["logprob"] for t in body["top"]]), top.values, rtol=1e-6, atol=1e-6)
@@ -120,10 +124,14 @@ def test_an_edit_after_the_last_block_is_refused_by_analyze_unless_it_changes_th
     that says so; with gradients it changes the highway's loss, and is taken."""
     body = {"input_ids": CLEAN, "top_k": 2, "compare_ablated": False}
     for hook in ("logits", "ln_final.hook_normalized", "unembed.*"):
-        edit = {"interventions": [{"hook": hook, "op": "scale", "factor": 0.0}]}
+        edit = {"interventions": [{"hook": "hook_embed", "op": "scale", "factor": 1.0}, {"hook": hook, "op": "zero"}]}
         r = client.post("/v1/analyze", json=body | edit)
         assert r.status_code == 400 and r.json()["error"]["param"] == "interventions", r.text
-        assert "after the last block, changes nothing /v1/analyze measures" in r.json()["error"]["message"]
+        message = r.json()["error"]["message"]
+        assert message.startswith(f"edit 1 ({hook!r}) applies only after the last block, which changes nothing")
+    # a glob that also matches hook points in the blocks changes what it measures: taken
+    glob = {"interventions": [{"hook": "*hook_normalized", "op": "scale", "factor": 0.5}]}
+    assert client.post("/v1/analyze", json=body | glob).status_code == 200
     plain = client.post("/v1/analyze", json=body | {"gradients": True}).json()["layers"]
     edit = {"interventions": [{"hook": "logits", "op": "scale", "factor": 0.0}], "gradients": True}
     r = client.post("/v1/analyze", json=body | edit)

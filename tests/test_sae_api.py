@@ -428,7 +428,11 @@ def test_an_sae_that_does_not_fit_the_model_ends_start_up(tiny: Checkpoint, toke
     n_head = loaded.model.config.n_head  # a pattern's [head] a query and key: its width, but no vector a position
     pattern = write_sae(tmp_path / "pattern", hook="blocks.0.attn.hook_pattern", d_in=n_head, d_sae=8)
     app = create_app(Settings(sae=(f"p={pattern}",)), loaded=loaded)
-    with pytest.raises(SAEError, match=r"reads blocks\.0\.attn\.hook_pattern, an attention square"), TestClient(app):
+    with pytest.raises(SAEError, match=r"reads blocks\.0\.attn\.hook_pattern, which holds no vector"), TestClient(app):
+        pass
+    scale = write_sae(tmp_path / "scale", hook="blocks.0.ln1.hook_scale", d_in=1, d_sae=8)  # [1] a position
+    app = create_app(Settings(sae=(f"s={scale}",)), loaded=loaded)
+    with pytest.raises(SAEError, match=r"reads blocks\.0\.ln1\.hook_scale, which holds no vector"), TestClient(app):
         pass
 
 

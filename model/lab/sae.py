@@ -373,8 +373,9 @@ def _from_dir(path: Path, where: str, model_kwargs: dict[str, Any] | None, input
             return sae.fold_input_scale(input_scale)
         log.warning(
             "%s: trained on inputs scaled by a factor (normalize_activations: expected_average_only_in) that its "
-            "files do not hold; its features are read from unscaled inputs (for a release SAELens' table lists, "
-            "load it from the hub, which folds the factor in)",
+            "files do not hold; its features are read from unscaled inputs, as SAELens' load_from_disk reads them "
+            "(SAELens' release table gives the factor for gpt2-small-mlp-tm, whose SAEs loaded from the hub have "
+            "it folded in)",
             where,
         )
     return sae
@@ -401,7 +402,7 @@ def _download(repo: str, folder: str, revision: str | None, where: str) -> SAE:
 def load_saes(specs: Sequence[str], config: GPTConfig, device: torch.device | str = "cpu") -> dict[str, SAE]:
     """The SAEs named `ID=PATH` (a directory, or a hub repo and path), each checked against the model: its
     hook must be one of the model's, with one vector of d_in numbers per position."""
-    from ..hooks import hook_names, is_attention_square, site_shape
+    from ..hooks import has_one_vector_per_position, hook_names, site_shape
 
     saes: dict[str, SAE] = {}
     for spec in specs:
@@ -414,8 +415,11 @@ def load_saes(specs: Sequence[str], config: GPTConfig, device: torch.device | st
         hook = sae.cfg.hook_name
         if hook not in hook_names(config.n_layer):
             raise SAEError(f"SAE {sae_id!r} ({source}) reads {clip(hook)}, which this model does not have")
-        if is_attention_square(hook):  # [head, query, key] a position: its site shape reads as [head]
-            raise SAEError(f"SAE {sae_id!r} ({source}) reads {hook}, an attention square, not one vector per position")
+        if not has_one_vector_per_position(hook):  # an attention square's site shape reads as [head]
+            raise SAEError(
+                f"SAE {sae_id!r} ({source}) reads {hook}, which holds no vector a position (an attention square, "
+                "a per-head value or a LayerNorm's scale)"
+            )
         site = site_shape(hook, config.n_head, config.d_head, config.d_mlp, config.vocab_size)
         if site != (sae.cfg.d_in,):
             raise SAEError(f"SAE {sae_id!r} ({source}) reads vectors of {sae.cfg.d_in}, but {hook} holds {list(site)}")

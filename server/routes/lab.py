@@ -80,15 +80,18 @@ async def analyze_prompt(
     if least > settings.max_activation_bytes:  # certainly over: refused before any model work
         raise too_big(least, at_least=True)
     edits = await resolved_edits(req, engine, directions)
-    late = [name for name in edits.sites(config.n_layer) if name in HEAD_HOOKS] if edits else []
-    if late and not req.gradients:
-        raise InterventionError(
-            f"an edit of {late[0]}, after the last block, changes nothing /v1/analyze measures without gradients: "
-            "the logit lens reads each layer's stream through ln_f and the unembedding as trained (as "
-            "TransformerLens' does); with \"gradients\": true it changes the highway's loss, and /v1/next-token "
-            "applies it",
-            "interventions",
-        )
+    if edits is not None and not req.gradients:
+        plan = edits.plan(config)  # made already, off the event loop (`resolved_edits`)
+        plan.check_length(len(ids))  # an edit's own errors first (a position out of range)
+        late = plan.only_at(HEAD_HOOKS)
+        if late is not None:
+            raise InterventionError(
+                f"edit {late} ({plan.edits[late].hook!r}) applies only after the last block, which changes nothing "
+                "/v1/analyze measures without gradients: the logit lens reads each layer's stream through ln_f and "
+                'the unembedding as trained (as TransformerLens\' does); with "gradients": true it changes the '
+                "highway's loss, and /v1/next-token applies it",
+                "interventions",
+            )
     everything = tuple(range(config.n_layer))
     no_residual = EditSpec(edits.edits if edits else (), everything, everything)
 
