@@ -40,12 +40,32 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
 
 
 def _int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] @ (q * scale).T + bias -> [..., N]: our CPU kernel for a few rows, else dequantize + matmul."""
+    """x [..., K] @ (q * scale).T + bias -> [..., N]: our CPU kernel for a few rows, else dequantize + matmul
+    (`_DequantizedProduct` where x needs a gradient)."""
     if kernels.usable(x) and x.device == q.device:
         return kernels.matmul_int8(x, q, scale, bias)
-    w = dequantize_rows(q, scale, x.dtype)  # [N, K], transient
-    y = x @ w.T
+    if torch.is_grad_enabled() and x.requires_grad:
+        y = _DequantizedProduct.apply(x, q, scale)
+    else:
+        y = x @ dequantize_rows(q, scale, x.dtype).T  # [N, K], transient
     return y if bias is None else y + bias
+
+
+class _DequantizedProduct(torch.autograd.Function):
+    """x [..., K] @ (q * scale).T for an x that needs a gradient: the weight is dequantized for the product and
+    again for the gradient, never kept. (Autograd would keep each product's float32 copy for the backward
+    pass, every layer's for as long as a gradient's graph lives: 475 MB for gpt2-small, uncounted by the
+    gradient limits.) The gradient goes to x alone: the int8 weights are no parameters."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(q, scale)  # the model's own buffers: nothing new is held
+        return x @ dequantize_rows(q, scale, x.dtype).T
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        q, scale = ctx.saved_tensors
+        return grad @ dequantize_rows(q, scale, grad.dtype), None, None
 
 
 class Int8Conv1D(nn.Module):

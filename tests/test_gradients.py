@@ -525,6 +525,47 @@ def test_graph_bytes_bounds_what_the_graph_saves(ours64: GPT, names: list[str], 
     assert 0 < sum(saved.values()) <= estimate, (sum(saved.values()), estimate)
 
 
+def test_an_int8_graph_keeps_no_float32_copy_of_the_weights(
+    tiny: Checkpoint, tokenizer_dir: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An int8 projection under autograd dequantizes its weight for the product and again for the gradient:
+    autograd kept each float32 copy for the backward pass (the whole model's, 475 MB on gpt2-small, for as long
+    as the graph lived, outside `graph_bytes`). What the graph saves fits the estimate, as in float32, and the
+    gradients are those of the dequantized weights kept."""
+    import model.quantize
+    from model.loading import load
+
+    ids, names = list(range(100, 116)), ["hook_embed", "blocks.1.hook_resid_mid"]
+
+    def saved_bytes(ours: GPT) -> tuple[int, Any]:
+        """Bytes of what the graph saves that is not the model's own (counted once a storage), the gradients."""
+        own = {t.untyped_storage().data_ptr() for t in [*ours.parameters(), *ours.buffers()]}
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in own:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            result = gradients(ours, ids, Loss(), names)
+        return sum(saved.values()), result
+
+    float32, _ = saved_bytes(load(tiny.path, dtype="float32", device="cpu", tokenizer_dir=tokenizer_dir).model)
+    int8 = load(tiny.path, dtype="int8", device="cpu", tokenizer_dir=tokenizer_dir).model
+    held, got = saved_bytes(int8)
+    assert 0 < held <= float32 <= graph_bytes(int8.config, len(ids), torch.float32), (held, float32)
+
+    def kept(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # autograd keeps the copy
+        return x @ model.quantize.dequantize_rows(q, scale, x.dtype).T
+
+    monkeypatch.setattr(model.quantize._DequantizedProduct, "apply", kept)
+    want = gradients(int8, ids, Loss(), names)
+    assert got.metric == pytest.approx(want.metric, abs=1e-6)
+    for name in names:
+        torch.testing.assert_close(got.grads[name], want.grads[name], rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("switches", ["split", "attn_in"])
 def test_optional_hook_gradients_equal_transformer_lens(tiny: Checkpoint, ours64: GPT, switches: str) -> None:
     """The optional hooks (each head's input copies and output, the MLP's copy of the stream) against a
