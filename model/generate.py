@@ -10,6 +10,7 @@ it is produced; `generate` runs one to the end.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import numbers
 import operator
@@ -40,6 +41,8 @@ from .kernels.decode import FusedDecode
 from .kv_cache import KVCache, PackedBatch
 from .sampling import sample, top_logprobs
 from .tokenizer import EOT_ID, Tokenizer
+
+log = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20
 SEED_RANGE = range(-(2**63), 2**63)  # an int64, as torch's generators take it (and vLLM accepts)
@@ -458,9 +461,15 @@ class DecodeBatch:
         w = self.model.wte.weight
         if w.device.type != "cpu" or w.dtype == torch.float32:
             return
-        most = self.cache.capacity + (self.prefill_chunk or self.cache.max_len)
+        most = min(self.cache.capacity + (self.prefill_chunk or self.cache.max_len), self.model.config.n_positions)
+        log.info(
+            "one pass of each token count a step can carry (1..%d), so that oneDNN's %s kernels exist before the "
+            "first request: seconds, more with a larger prefill chunk",
+            most,
+            str(w.dtype).removeprefix("torch."),
+        )
         with torch.inference_mode():
-            for n in range(1, min(most, self.model.config.n_positions) + 1):
+            for n in range(1, most + 1):
                 self.model(torch.zeros(1, n, dtype=torch.long, device=w.device))  # every logit: the head too
 
     @property

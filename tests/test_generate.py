@@ -314,9 +314,10 @@ def test_prompts_are_prefilled_in_the_order_they_joined(tiny_model: GPT) -> None
         assert (second.prefilled, third.prefilled) == (3, 0)
 
 
-def test_warm_up_runs_every_step_size_in_bfloat16_on_cpu(tiny: Checkpoint) -> None:
+def test_warm_up_runs_every_step_size_in_bfloat16_on_cpu(tiny: Checkpoint, caplog: pytest.LogCaptureFixture) -> None:
     """oneDNN compiles a kernel per shape on first use: a bfloat16 batch runs each token count a step can
-    carry (1 .. rows + prompt-token budget) once; float32 (MKL) needs no warm-up."""
+    carry (1 .. rows + prompt-token budget) once, saying so (with a large prefill chunk it takes minutes);
+    float32 (MKL) needs no warm-up."""
 
     def pass_sizes(dtype: torch.dtype) -> list[int]:
         model = load_ours(tiny, dtype)
@@ -325,8 +326,12 @@ def test_warm_up_runs_every_step_size_in_bfloat16_on_cpu(tiny: Checkpoint) -> No
         DecodeBatch(model, 3, 32, prefill_chunk=4).warm_up()
         return seen
 
-    assert pass_sizes(torch.bfloat16) == list(range(1, 3 + 4 + 1))
+    with caplog.at_level("INFO", logger="model.generate"):
+        assert pass_sizes(torch.bfloat16) == list(range(1, 3 + 4 + 1))
+    assert "one pass of each token count a step can carry (1..7), so that oneDNN's bfloat16 kernels" in caplog.text
+    caplog.clear()
     assert pass_sizes(torch.float32) == []
+    assert not caplog.text
 
 
 # --- refusals --------------------------------------------------------------------------------------
