@@ -85,7 +85,7 @@ _BLOCK_SITES: list[tuple[str, bool]] = [  # (site, optional)
 _FIRST = ["hook_embed", "hook_pos_embed"]
 _LAST = ["ln_final.hook_scale", "ln_final.hook_normalized", "unembed.hook_in", "unembed.hook_out", "logits"]
 OPTIONAL_SITES = tuple(site for site, optional in _BLOCK_SITES if optional)
-HEAD_HOOKS = tuple(_LAST)  # after the last block: what needs the logits of every position it covers
+HEAD_HOOKS = tuple(_LAST)  # after the last block: the final LayerNorm runs over every position they cover
 LOGIT_HOOKS = ("unembed.hook_out", "logits")  # the LM head's output
 
 
@@ -97,8 +97,9 @@ def layer_of(name: str) -> int | None:
 
 
 def uses_the_head(hooks: Hooks | None) -> bool:
-    """Whether `hooks` ask for or edit a hook point after the last block: then the LM head runs over every
-    position, not only those whose logits are needed."""
+    """Whether `hooks` ask for or edit a hook point after the last block: then the final LayerNorm runs over
+    every position, not only those whose logits are needed (and the LM head's product too, if
+    `uses_the_logits`)."""
     return hooks is not None and any(hooks.active(name) for name in HEAD_HOOKS)
 
 
