@@ -52,8 +52,9 @@ def origin_form(scope: Scope) -> None:
         return
     scope["raw_path"] = raw[found.end() :] or b"/"
     scope["path"] = unquote(scope["raw_path"].decode("latin-1"))
-    if found.group(1):
-        scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != b"host"] + [(b"host", found.group(1))]
+    host = found.group(1).rpartition(b"@")[2]  # without any userinfo
+    if host:
+        scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != b"host"] + [(b"host", host)]
 
 
 def app_path(scope: Scope) -> str:

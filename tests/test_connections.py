@@ -337,7 +337,7 @@ def test_a_request_target_in_absolute_form_is_served_by_its_path(loaded: LoadedM
             sock.sendall(b"GET HTTPS://x:80 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             page = read_until_closed(sock)
         with r.connect() as sock:  # the target's authority is the host, not Host (a redirect names it)
-            sock.sendall(b"GET http://good.example/v1/model/ HTTP/1.1\r\nHost: evil.example\r\nX-API-Key: k\r\n"
+            sock.sendall(b"GET http://user@good.example/v1/model/ HTTP/1.1\r\nHost: evil.example\r\nX-API-Key: k\r\n"
                          b"Connection: close\r\n\r\n")  # fmt: skip
             moved = read_until_closed(sock).partition(b"\r\n\r\n")[0].decode().lower()
     assert page.startswith(b"HTTP/1.1 200") and b"text/html" in page.partition(b"\r\n\r\n")[0], page[:300]
