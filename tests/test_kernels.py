@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -385,6 +386,26 @@ def test_falls_back_to_a_slower_build(
     assert ("avx512 build" in caplog.text) == ("avx512" in fails)
 
 
+@needs_kernels
+def test_a_cached_build_loads_where_none_can_be_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With no compiler, a slower build already in the cache is loaded, and the faster ones that cannot be
+    made are named once, with why."""
+    monkeypatch.setenv("GPT2_KERNEL_CACHE", str(tmp_path))
+    kernels.build(isa="avx2")
+    monkeypatch.setattr(kernels, "_compiler", lambda: None)
+    monkeypatch.setattr(kernels, "cpu_isa", lambda: "avx512_vnni")
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: kernels.NEEDS["avx512_vnni"])
+    with caplog.at_level("WARNING", logger="model.kernels"):
+        lib = kernels._library.__wrapped__()
+    assert lib is not None and lib._name == str(kernels.library_path("avx2"))
+    assert caplog.messages == [
+        "the avx512_vnni and avx512 build of our CPU kernels cannot be made (no C++ compiler found (tried $CXX, "
+        "c++, g++, clang++)): the avx2 build in the cache is used"
+    ]
+
+
 def test_build_failure_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPT2_KERNEL_CACHE", str(tmp_path))
     with pytest.raises(RuntimeError, match="failed"):
@@ -419,18 +440,27 @@ def run_fallback(tiny: Checkpoint, env: dict[str, str]) -> tuple[dict, str]:
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
 
-@pytest.mark.parametrize("how", ["no compiler", "turned off"])
+@pytest.mark.parametrize("how", ["no compiler", "unusable cache", "turned off"])
 def test_fallback_without_kernels(tiny: Checkpoint, tmp_path: Path, how: str) -> None:
-    """With no compiler (or GPT2_KERNELS=0) the model loads with the stock layers, says so once, and
-    computes the reference's logits; int8 works too, on the dequantizing path."""
+    """With no compiler, a cache folder that cannot hold a build (or GPT2_KERNELS=0) the model loads with the
+    stock layers, says why once (not once for each ISA it would have tried), and computes the reference's
+    logits; int8 works too, on the dequantizing path."""
     env = {"GPT2_KERNEL_CACHE": str(tmp_path / "empty-cache")}
-    env |= {"CXX": "/nonexistent/c++", "PATH": str(tmp_path)} if how == "no compiler" else {"GPT2_KERNELS": "0"}
+    if how == "no compiler":
+        env |= {"CXX": "/nonexistent/c++", "PATH": str(tmp_path)}
+    elif how == "unusable cache":
+        (tmp_path / "a-file").write_text("not a folder")
+        env |= {"GPT2_KERNEL_CACHE": str(tmp_path / "a-file" / "cache")}
+    else:
+        env |= {"GPT2_KERNELS": "0"}
     report, stderr = run_fallback(tiny, env)
     assert report["available"] is False
     assert (report["layer"], report["head"], report["int8"]) == ("Conv1D", "TiedLMHead", "Int8Conv1D")
-    if how == "no compiler":
+    if how != "turned off":
         assert stderr.count("kernels are not available") == 1, stderr
-        assert "no C++ compiler found" in stderr
+        assert "build of our CPU kernels" not in stderr, stderr
+        why = r"no C\+\+ compiler found" if how == "no compiler" else "the kernel cache .* cannot hold a build"
+        assert re.search(why, stderr), stderr
     with torch.inference_mode():
         expected = tiny.hf(torch.tensor([[1, 2, 3, 4, 5]])).logits[0, -1, :8]
     torch.testing.assert_close(torch.tensor(report["logits"][0]), expected, rtol=0, atol=1e-4)

@@ -91,19 +91,28 @@ def library_path(isa: str | None = None) -> Path:
     return cache_dir() / f"gpt2_kernels-{isa}-{digest.hexdigest()[:16]}.so"
 
 
+class NoBuilds(RuntimeError):
+    """No build can be made here, whatever its ISA: no compiler, or a cache that cannot hold one."""
+
+
 def build(compiler: str | None = None, isa: str | None = None) -> Path:
     """Compile the sources for `isa` (default: this CPU's) into the cache (if it is not there yet, or with
-    `compiler` given) and return the library's path; raises RuntimeError saying why it cannot. Building
-    needs no CPU that runs the result: an image builds every one of ISAS."""
+    `compiler` given) and return the library's path; raises RuntimeError saying why it cannot (`NoBuilds`
+    where no other ISA could be built either). Building needs no CPU that runs the result: an image builds
+    every one of ISAS."""
     isa = isa or cpu_isa()
     path = library_path(isa)
     if compiler is None and path.is_file():
         return path
     compiler = compiler or _compiler()
     if compiler is None:
-        raise RuntimeError("no C++ compiler found (tried $CXX, c++, g++, clang++)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built aside, then moved in one step
+        raise NoBuilds("no C++ compiler found (tried $CXX, c++, g++, clang++)")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        workdir = tempfile.TemporaryDirectory(dir=path.parent)
+    except OSError as e:
+        raise NoBuilds(f"the kernel cache {path.parent} cannot hold a build: {e}") from None
+    with workdir as tmp:  # built aside, then moved in one step
         out = Path(tmp) / path.name
         try:
             done = subprocess.run(
@@ -202,15 +211,26 @@ def _library() -> ctypes.CDLL | None:
         return None
     reason = _cpu_supported()
     if reason is None:
+        unmade, cannot = [], ""  # the builds that cannot be made here, and why (`NoBuilds`): said once, below
         for isa in fallbacks():
             try:
                 lib = ctypes.CDLL(str(build(isa=isa)))
                 reason = None
                 break
+            except NoBuilds as e:  # only a build already in the cache can load
+                reason = cannot = str(e)
+                unmade.append(isa)
             except (RuntimeError, OSError) as e:
                 reason = str(e)
                 if isa != "avx2":
                     log.warning("the %s build of our CPU kernels failed (%s): trying the next one", isa, reason)
+        if reason is None and unmade:
+            log.warning(
+                "the %s build of our CPU kernels cannot be made (%s): the %s build in the cache is used",
+                " and ".join(unmade),
+                cannot,
+                isa,
+            )
     if reason is not None:
         log.warning("our CPU matrix kernels are not available (%s): using stock torch kernels, slower decoding", reason)
         return None
