@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import GPTConfig
-from .gpt import GPT
+from .gpt import GPT, LAST
 from .hooks import Hooks, head_parts
 from .interventions import HookChain, NonFiniteActivations
 from .overflow import layer_norm_inputs, layer_norm_overflow, variance_overflows
@@ -309,7 +309,7 @@ class NextTokenPass:
             self._parts = head_parts(len(self.ids), self.hooks)
         assert self._x is not None
         rows = self._parts.pop(0)
-        logits = model.unembed(self._x[:, rows.start : rows.stop], self.hooks, last_only=True)
+        logits = model.unembed(self._x[:, rows.start : rows.stop], self.hooks, LAST)
         if self._parts:
             return
         self._x, logits = None, logits[0, -1].float()  # [vocab]

@@ -35,6 +35,7 @@ from .hooks import (
     run_until,
     select_hooks,
     uses_the_head,
+    uses_the_logits,
 )
 from .interventions import EditSpec, HookChain
 from .kernels.decode import FusedDecode
@@ -537,33 +538,42 @@ class DecodeBatch:
         in one pass; logits only where a token is wanted."""
         steps = [int(b in decoding) for b in range(len(self.seqs))]  # 1 for a decoding row, 0 for a dummy
         tokens = [s.tokens[-1] if n else 0 for s, n in zip(self.seqs, steps, strict=True)] if decoding else []
-        outputs = list(decoding)
-        spans = []  # each chunk's logits, as a range of `outputs`
+        outputs = list(decoding)  # the packed tokens that leave the last block
+        logit_rows = list(range(len(decoding)))  # those of `outputs` whose logits are wanted
+        spans = []  # each chunk's share of `outputs` (its hooks' after the last block)
+        logit_spans = []  # and of the logits
         for b, start, end in chunks:
-            seq, first = self.seqs[b], len(tokens)
+            seq, n = self.seqs[b], end - start
+            last = end == len(seq.prompt)  # the prompt's last chunk: its last position predicts a new token
+            every = seq.params.prompt_logprobs is not None or uses_the_logits(seq.hooks)
+            kept = n if every or uses_the_head(seq.hooks) else int(last)  # ln_f's hooks see every position
+            wanted = n if every else int(last)
+            spans.append((len(outputs), len(outputs) + kept))
+            logit_spans.append((len(logit_rows), len(logit_rows) + wanted))
+            logit_rows += range(len(outputs) + kept - wanted, len(outputs) + kept)
+            outputs += range(len(tokens) + n - kept, len(tokens) + n)
             tokens += seq.prompt[start:end]
-            every = seq.params.prompt_logprobs is not None or uses_the_head(seq.hooks)
-            wanted = range(first, first + end - start) if every else range(0)
-            if not wanted and end == len(seq.prompt):  # the last: it predicts the first new token
-                wanted = range(first + end - start - 1, first + end - start)
-            spans.append((len(outputs), len(outputs) + len(wanted)))
-            outputs += wanted
         hooks, piece_hooks = self._packed_hooks(decoding, chunks, spans)
-        if self._fused_fits(hooks, len(tokens)):
+        if self._fused_fits(hooks, len(tokens)):  # no hooks: every output's logits are wanted
             logits = self._packed_fused(decoding, chunks, outputs)
         else:
             packed = PackedBatch(
-                self.cache, bool(decoding), [(b, end - start) for b, start, end in chunks], outputs, piece_hooks
+                self.cache,
+                bool(decoding),
+                [(b, end - start) for b, start, end in chunks],
+                outputs,
+                piece_hooks,
+                logit_rows=None if len(logit_rows) == len(outputs) else logit_rows,
             )
             idx = torch.tensor([tokens], device=self.model.wte.weight.device)  # [1, N]
-            logits = self.model(idx, packed, hooks)[0]  # [len(outputs), vocab]
+            logits = self.model(idx, packed, hooks)[0]  # [len(logit_rows), vocab]
         out: list[tuple[SequenceState, TokenEvent | None]] = []
         if decoding:
             self.cache.advance(steps)
             out += self._accept([self.seqs[b] for b in decoding], logits[: len(decoding)])
         for b, _, end in chunks:
             self.cache.set_length(b, end)
-        for (b, start, end), (lo, hi) in zip(chunks, spans, strict=True):
+        for (b, start, end), (lo, hi) in zip(chunks, logit_spans, strict=True):
             out += self._prefilled(self.seqs[b], start, end, logits[lo:hi])
         return out
 

@@ -21,6 +21,8 @@ from .kv_cache import KVCache, PackedBatch
 
 # Per-head inputs' changes for the queries, keys and values, [B, T, H, C] each (see Block._attn_input).
 PerHeadInputs = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+Rows = slice | torch.Tensor  # the positions whose logits are wanted (`GPT.unembed`)
+LAST = slice(-1, None)  # the last position's
 
 
 class Conv1D(nn.Module):
@@ -273,9 +275,10 @@ class GPT(nn.Module):
         x = self.embed(idx, pos, hooks)
         for block in self.h:
             x = block(x, cache, hooks)
+        rows: Rows | None = LAST if last_only else None
         if isinstance(cache, PackedBatch):
-            x = x[:, cache.outputs]
-        return self.unembed(x, hooks, last_only)
+            x, rows = x[:, cache.outputs], cache.logit_rows
+        return self.unembed(x, hooks, rows)
 
     def block_by_block(self, idx: torch.Tensor, hooks: Hooks | None = None) -> Iterator[torch.Tensor]:
         """The forward pass over `idx` [B, T] without a cache, a block at a time: the stream [B, T, C] leaving
@@ -286,15 +289,17 @@ class GPT(nn.Module):
             x = block(x, None, hooks)
             yield x
 
-    def unembed(self, x: torch.Tensor, hooks: Hooks | None = None, last_only: bool = False) -> torch.Tensor:
-        """Logits [B, T, vocab] of the streams leaving the last block x [B, T, C] (only the last position's,
-        [B, 1, vocab], if `last_only`): the final LayerNorm, then the LM head, tied to the token embedding.
-        With `last_only` the other positions go only as far as the hook points in use need them."""
-        if last_only and not uses_the_head(hooks):
-            x = x[:, -1:]
+    def unembed(self, x: torch.Tensor, hooks: Hooks | None = None, rows: Rows | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab] of the streams leaving the last block x [B, T, C] (only those at positions
+        `rows`, [B, len(rows), vocab], if given; `LAST`: the last position's): the final LayerNorm, then the
+        LM head, tied to the token embedding. The other positions go only as far as the hook points in use
+        need them: through the final LayerNorm for its hooks (`uses_the_head`), through the head's product
+        too for its output's (`uses_the_logits`)."""
+        if rows is not None and not uses_the_head(hooks):
+            x, rows = x[:, rows], None
         x = self.hook_unembed_in(self.ln_f(x, hooks), hooks)
-        if last_only and not uses_the_logits(hooks):  # ln_f's hooks saw every position; the product needs one
-            x = x[:, -1:]
+        if rows is not None and not uses_the_logits(hooks):  # ln_f's hooks saw every position; the product not
+            x, rows = x[:, rows], None
         logits = self.hook_unembed_out(self.lm_head(x, self.wte.weight), hooks)  # [B, T, vocab]
         logits = self.hook_logits(logits, hooks)
-        return logits[:, -1:] if last_only else logits
+        return logits if rows is None else logits[:, rows]

@@ -117,7 +117,7 @@ def head_parts(n_pos: int, hooks: Hooks | None) -> list[range]:
     """The positions the LM head runs over after a pass's last block, a part a step (a job on the server):
     where the hooks use its output at every position (`uses_the_logits`), `HEAD_POSITIONS` a part, in order,
     as they see a prompt's chunks, or in one part where they need the whole prompt at once (a `mean`); else
-    one part (the product at the positions whose logits are wanted only: `GPT.unembed`'s `last_only`)."""
+    one part (the product at the positions whose logits are wanted only: `GPT.unembed`'s `rows`)."""
     if hooks is None or not uses_the_logits(hooks) or needs_whole_prompt(hooks):
         return [range(n_pos)]
     return [range(i, min(i + HEAD_POSITIONS, n_pos)) for i in range(0, n_pos, HEAD_POSITIONS)]

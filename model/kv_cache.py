@@ -166,7 +166,8 @@ class PackedBatch:
     for each of the cache's rows in use, then prompt chunks, each of one row. This is continuous batching
     with chunked prefill in one pass: the projections and the MLP see all N tokens as one matrix (the
     weights are read once for all), while attention runs piece by piece, each piece against its own rows'
-    keys (`CausalSelfAttention`). Logits come out only at `outputs` (indices into the N tokens).
+    keys (`CausalSelfAttention`). Logits come out only at `outputs` (indices into the N tokens), or at
+    those of them that `logit_rows` picks.
 
     A row whose prompt is still being prefilled also takes part in the decode piece (every row does), with
     a dummy token written at its length: its own chunk, if it has one in this pass, comes after and
@@ -181,10 +182,12 @@ class PackedBatch:
         chunks: list[tuple[int, int]],
         outputs: list[int],
         piece_hooks: list[Hooks | None] | None = None,
+        logit_rows: list[int] | None = None,
     ) -> None:
         """`decode`: begin with one token per row in use; `chunks`: (row, tokens) for each prompt chunk;
         `piece_hooks`: what each piece's attention scores and patterns are handed to (per piece, since
-        each has its own shape), None for none."""
+        each has its own shape), None for none; `logit_rows`: the `outputs` whose logits are wanted, where
+        not all are (the others go through the final LayerNorm only, for its hooks: `GPT.unembed`)."""
         self.pieces: list[tuple[slice, int, KVCache]] = []  # (its tokens among the N, its rows, its cache)
         n = 0
         if decode:
@@ -197,6 +200,9 @@ class PackedBatch:
         self.piece_hooks = piece_hooks if piece_hooks is not None else [None] * len(self.pieces)
         assert len(self.piece_hooks) == len(self.pieces), "one entry of piece_hooks per piece"
         self.outputs = torch.tensor(outputs, dtype=torch.long, device=cache.k.device)
+        self.logit_rows = (
+            None if logit_rows is None else torch.tensor(logit_rows, dtype=torch.long, device=cache.k.device)
+        )
 
     def begin(self, n_new: int) -> torch.Tensor:
         """Start the pass over the `n_new` packed tokens; return their position ids [1, N]."""

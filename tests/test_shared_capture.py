@@ -200,3 +200,44 @@ def test_concurrent_single_context_clients_get_their_own_values(loaded: LoadedMo
         with torch.inference_mode():
             loaded.model(torch.tensor([ctx]), hooks=capture)
         torch.testing.assert_close(result.activations[name], capture.tensors()[name], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "names, edits",
+    [
+        (["ln_final.hook_normalized"], None),
+        (["blocks.1.hook_resid_post"], EditSpec((Edit("unembed.hook_in", "scale", factor=0.7, positions=(2, 9)),))),
+        (["unembed.hook_in"], EditSpec((Edit("ln_final.hook_scale", "scale", factor=1.5),))),
+    ],
+    ids=["capture", "edit", "both"],
+)
+def test_a_prompt_chunk_hooked_before_the_head_s_product_runs_the_product_at_its_last_position_only(
+    tiny_model: GPT, monkeypatch: pytest.MonkeyPatch, names: list[str], edits: EditSpec | None
+) -> None:
+    """A prompt chunk packed beside decoding rows, whose hooks capture or edit the final LayerNorm or the
+    head's input (`ln_final.*`, `unembed.hook_in`), runs ln_f over its every position for them and the LM
+    head's product (a vocabulary-wide row a position) only where a token is wanted: its prompt's last
+    position. Its tokens and values are still what it gets alone."""
+    products: list[int] = []  # the rows of each pass's head product
+    head = tiny_model.lm_head.forward
+    monkeypatch.setattr(tiny_model.lm_head, "forward", lambda x, w: products.append(x.shape[-2]) or head(x, w))
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    n = tiny_model.config.n_layer
+    plain = new_sequence(tiny_model, 0, PROMPTS[0], greedy, None)
+    hooked = new_sequence(tiny_model, 1, PROMPTS[3], greedy, None, select_hooks(names, n), edits)
+    batch = DecodeBatch(tiny_model, 2, tiny_model.config.n_positions, 4)
+    with torch.inference_mode():
+        batch.add(plain)
+        batch.step()  # the plain prompt alone
+        batch.add(hooked)
+        del products[:]
+        while hooked.prefilled < len(hooked.prompt):  # 11 prompt tokens in chunks, beside a decode token
+            batch.step()
+        assert len(products) > 1 and products == [1] * (len(products) - 1) + [2]  # were the chunks' lengths + 1
+        while batch:
+            batch.step()
+    [want] = generate(tiny_model, [PROMPTS[3]], greedy, hooks=names, edits=edits)
+    got = hooked.result()
+    assert got.token_ids == want.token_ids
+    for name in names:
+        torch.testing.assert_close(got.activations[name], want.activations[name], rtol=1e-4, atol=1e-4, msg=name)
