@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import stat
 from pathlib import Path
 from typing import Any
@@ -58,22 +59,33 @@ def dump_path_problem(path: str | Path) -> str | None:
 def save_dump(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> None:
     """Write `tensors` with `metadata` (values that are not strings are stored as JSON) to `path`, through a
     symlink to the file it names, with the mode of the file it replaces or the one a new file gets from the
-    umask (safetensors writes a temporary file, private to its owner, and renames it over the path). A path
-    `dump_path_problem` refuses is a `ValueError`."""
+    umask: written whole to a temporary file beside it, then renamed over it, so that the path holds the old
+    file or the new one, never a part (an error, Ctrl-C, a full disk). A path `dump_path_problem` refuses is
+    a `ValueError`."""
     if problem := dump_path_problem(path):
         raise ValueError(problem)
     target = Path(path).resolve()
-    new = not target.exists()
-    if new:
-        target.touch()  # created as any new file is: its mode is the one the dump keeps
-    mode = stat.S_IMODE(target.stat().st_mode)
+    temporary = _new_file_beside(target)
     try:
-        save_file(_contiguous(tensors), str(target), metadata=_metadata(metadata))
+        mode = stat.S_IMODE((target if target.exists() else temporary).stat().st_mode)
+        save_file(_contiguous(tensors), str(temporary), metadata=_metadata(metadata))
+        os.chmod(temporary, mode)  # safetensors may have put a file of its own there, private to its owner
+        os.replace(temporary, target)
     except BaseException:
-        if new:
-            target.unlink(missing_ok=True)
+        temporary.unlink(missing_ok=True)
         raise
-    os.chmod(target, mode)
+
+
+def _new_file_beside(target: Path) -> Path:
+    """A new empty file in `target`'s directory, under a name of its own, with the mode any new file gets
+    (the umask's)."""
+    while True:
+        temporary = target.with_name(f".{target.name}.{secrets.token_hex(4)}.part")
+        try:
+            os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return temporary
+        except FileExistsError:
+            continue
 
 
 def dump_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> bytes:

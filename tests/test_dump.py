@@ -71,7 +71,7 @@ def test_non_contiguous_and_low_precision_tensors(tmp_path: Path) -> None:
 
 
 def test_save_dump_follows_symlinks_keeps_modes_and_refuses_devices(tmp_path: Path) -> None:
-    """safetensors renames a temporary file (mode 0600) over the path: `save_dump` writes through a symlink to
+    """A dump is written to a temporary file and renamed over the path: `save_dump` writes through a symlink to
     its file, gives a new file the umask's mode and a replaced one its own, and refuses a pipe it would replace."""
     import os
 
@@ -92,3 +92,27 @@ def test_save_dump_follows_symlinks_keeps_modes_and_refuses_devices(tmp_path: Pa
     with pytest.raises(ValueError, match="it is not a regular file"):
         save_dump(fifo, t, {})
     assert fifo.is_fifo()
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt(), OSError(28, "No space left on device")], ids=["ctrl-c", "full"])
+def test_a_dump_that_fails_midway_leaves_the_old_file_or_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop: BaseException
+) -> None:
+    """Ctrl-C or a full disk while the file is written: the path keeps the file it held (or stays absent), and
+    no temporary file is left beside it (safetensors before 0.8 wrote into the path itself)."""
+    import model.dump
+
+    def half_written(tensors: dict, filename: str, metadata: dict) -> None:
+        Path(filename).write_bytes(b"half a file")
+        raise stop
+
+    t = {"x": torch.ones(2)}
+    old, new = tmp_path / "old.safetensors", tmp_path / "new.safetensors"
+    save_dump(old, t, {"model": "m"})
+    before = old.read_bytes()
+    monkeypatch.setattr(model.dump, "save_file", half_written)
+    for path in (old, new):
+        with pytest.raises(type(stop)):
+            save_dump(path, {"x": torch.zeros(3)}, {})
+    assert old.read_bytes() == before and not new.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.safetensors"]
