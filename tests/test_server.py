@@ -313,8 +313,9 @@ def test_generate_activations_safetensors(client: TestClient, loaded: LoadedMode
         torch.testing.assert_close(
             tensors[name].float(), expected.to(torch_dtype).float(), atol=tolerance, rtol=tolerance
         )
-    meta = safetensors_metadata(blob)
+    meta = safetensors_metadata(blob)  # what every dump's metadata holds (the README's "Loading a dump")
     assert json.loads(meta["token_ids"]) == ids_of(loaded, PROMPTS[0]) + choice["token_ids"]
+    assert meta["text"] == PROMPTS[0] + choice["text"] and meta["model"] == loaded.name
 
 
 def test_generate_activations_stream(client: TestClient, loaded: LoadedModel) -> None:

@@ -254,8 +254,12 @@ class _Reply:
         acts = {name: t for name, t in c.activations.items() if self.hooks is None or name in self.hooks}
         if self.spec.format == "json":
             return encoding.to_json(acts, self.spec.dtype)
-        meta = {"model": self.engine.loaded.name, "token_ids": c.prompt_ids + c.token_ids}
+        meta = {"model": self.engine.loaded.name, "token_ids": c.prompt_ids + c.token_ids, "text": self._text(c)}
         return encoding.to_safetensors_base64(acts, self.spec.dtype, meta)
+
+    def _text(self, c: Completion) -> str:
+        """A dump's text: the prompt's, then the completion's."""
+        return self.engine.tokenizer.decode(c.prompt_ids) + c.text
 
     def file(self, completions: list[Completion], dtype: str, batch: bool) -> bytes:
         """/v1/activations' answer: the dump as a safetensors file, its metadata holding the result. A
@@ -264,7 +268,7 @@ class _Reply:
         acts = [c.activations for c in completions]
         assert all(a is not None for a in acts)
         ids = [c.prompt_ids + c.token_ids for c in completions]
-        texts = [self.engine.tokenizer.decode(c.prompt_ids) + c.text for c in completions]
+        texts = [self._text(c) for c in completions]
         meta = {
             "model": self.engine.loaded.name,
             "token_ids": ids if batch else ids[0],
