@@ -2,7 +2,10 @@
 
 Where things live: the network in `gpt.py` (attention, MLP, the residual adds in `Block.forward`),
 hook points and capture in `hooks.py`, checkpoint loading and export in `loading.py`, the tokenizer in
-`tokenizer.py`, the KV cache in `kv_cache.py`, sampling in `sampling.py`, the decode loop in `generate.py`.
+`tokenizer.py`, the KV cache in `kv_cache.py`, sampling in `sampling.py`, the decode loop in `generate.py`;
+edits in `interventions.py`, the residual-stream analysis in `analysis.py`, SAEs, steering, gradients and
+attribution in `lab/`, the harvest in `harvest/`, the CPU kernels and int8 in `kernels/` and `quantize.py`.
+The README's "Where things live" has the whole map.
 """
 
 from .config import PRESETS, ConfigError, GPTConfig

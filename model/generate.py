@@ -458,7 +458,8 @@ class DecodeBatch:
         """Run one pass of every token count a step of this batch can carry, so that the matrix kernels for
         each shape exist before the first request: oneDNN, behind bfloat16 and float16 on a CPU, compiles
         one per shape the first time it sees it, which would cost that step tens of milliseconds. (float32
-        on a CPU goes to MKL, which compiles nothing; on a GPU the decode step is captured as CUDA graphs.)"""
+        and int8 on a CPU go to our kernels, or to MKL past `max_rows()`, which compile nothing per shape; on a
+        GPU the decode step is captured as CUDA graphs.)"""
         w = self.model.wte.weight
         if w.device.type != "cpu" or w.dtype == torch.float32:
             return

@@ -26,8 +26,8 @@ LAST = slice(-1, None)  # the last position's
 
 
 class Conv1D(nn.Module):
-    """A dense layer, y = x W + b, with W stored [in, out] as OpenAI's checkpoint stores it (their code
-    called it Conv1D). BLAS also streams this layout fastest for the few rows of a decode step."""
+    """A dense layer, y = x W + b, with W of shape [in, out] as OpenAI's checkpoint stores it (their code
+    called it Conv1D); its layout in memory is the one its products read fastest (`loading._stored`)."""
 
     def __init__(self, n_in: int, n_out: int) -> None:
         super().__init__()

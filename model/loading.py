@@ -486,9 +486,9 @@ def load(
     torch.float32, torch.float64 (exactness checks), torch.float16 and torch.bfloat16 (any other is a LoadError).
     `device`: auto (cuda, then mps, then cpu) or a torch device name.
     `tokenizer_dir`: where the tokenizer is, for checkpoints that ship none.
-    `decode_kernels`: float32 on a CPU, the few-row products of decode steps run on our kernels
-    (`model/kernels/`); False keeps stock torch and lays the weights out for products of many rows, for a
-    job that only prefills (a harvest).
+    `decode_kernels`: float32 on a CPU, products of up to `max_rows()` rows (decode steps, prompt chunks, most
+    prefills) run on our kernels (`model/kernels/`); False keeps stock torch and lays the weights out for
+    torch's GEMM, for a job that only runs long prefills (a harvest).
     """
     if tokenizer_dir == "":  # Path("") is the current directory
         raise LoadError("the tokenizer directory is empty: give a directory, or leave it out")

@@ -2,11 +2,12 @@
 channel (symmetric: w ~= q * scale, q in -127..127, scale = max |w| of the channel / 127); activations,
 LayerNorms, biases, embeddings and the KV cache stay float32.
 
-`quantize_(model)` swaps the layers of a loaded float32 model in place. On a CPU the few-row products of a
-decode step run on our int8 kernel (`model/kernels/matmul.h`: inside each product the row of x is rounded to
-int16 with a scale of its own, 15 bits, finer than bfloat16; int32 sums, float32 accumulation and output);
-larger products (prefill), other devices (CUDA) and autograd dequantize the weight and use torch's float32
-matmul. Hooks, edits and dumps work as on float32: they see the float32 activations of the quantized model.
+`quantize_(model)` swaps the layers of a loaded float32 model in place. On a CPU the products of up to
+`kernels.max_rows()` rows (decode steps, prompt chunks and most prefills) run on our int8 kernel
+(`model/kernels/matmul.h`: inside each product the row of x is rounded to int16 with a scale of its own, 15
+bits, finer than bfloat16; int32 sums, float32 accumulation and output); longer products, other devices
+(CUDA) and autograd dequantize the weight and use torch's float32 matmul. Hooks, edits and dumps work as on
+float32: they see the float32 activations of the quantized model.
 `state_dict` (and so `save_checkpoint`) gives the dequantized weights, q * scale, in the float32 layout.
 """
 

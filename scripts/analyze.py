@@ -383,7 +383,7 @@ def fail(message: str) -> int:
 
 
 def console() -> None:
-    """The `gpt2-analyze` command."""
+    """`python scripts/analyze.py ...`, the same program as `gpt2-analyze` (`scripts/console.py`)."""
     run_console(main, "gpt2-analyze: interrupted")
 
 

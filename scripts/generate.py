@@ -187,7 +187,7 @@ def fail(message: str) -> int:
 
 
 def console() -> None:
-    """The `gpt2-generate` command."""
+    """`python scripts/generate.py ...`, the same program as `gpt2-generate` (`scripts/console.py`)."""
     run_console(main, "gpt2-generate: interrupted")
 
 

@@ -211,7 +211,7 @@ def fail(message: str) -> int:
 
 
 def console() -> None:
-    """The `gpt2-harvest` command."""
+    """`python scripts/harvest.py ...`, the same program as `gpt2-harvest` (`scripts/console.py`)."""
     run_console(main, f"gpt2-harvest: {HARVEST_INTERRUPTED}")
 
 

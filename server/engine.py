@@ -13,10 +13,10 @@ ones share a pass; a prompt with edits has a pass of its own. One whose pass wou
 through every block joins the batch and is prefilled a chunk a step, as a generation's, unless its edits need
 the whole prompt at once (`mean`). A cancelled request (client gone) leaves the batch at the next step and
 frees its row; a sequence that fails on its own (non-finite logits, say) ends with its error, and its batch
-goes on. Jobs (`call`: one forward pass for
-an analysis) wait in a queue bounded like the requests' and run one between two steps, so that a burst of
-them does not stall the sequences decoding; a job whose caller is gone leaves the queue, or, once running,
-stops at the next block its forward passes enter."""
+goes on. Jobs (`call`: a piece of a lab request's work, a block of its pass or a part of its measures) wait in a
+queue bounded like the requests' and run one between two steps, so that a burst of them does not stall the
+sequences decoding; a job whose caller is gone leaves the queue, or, once running, stops at the next block its
+forward passes enter."""
 
 from __future__ import annotations
 

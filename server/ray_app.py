@@ -13,8 +13,8 @@ the lab, `/health`, `/metrics`) answers as gpt2-serve's would, for that replica.
 A replica takes as many requests at once as its engine can hold (`max_ongoing_requests` =
 `max_batch_size` + `max_queue`): Serve's default of 5 would keep the continuous batch nearly empty.
 Serve's proxy accepts the connections, so the connection bounds of gpt2-serve (`host`, `port`,
-`header_timeout`, `keep_alive_timeout`, `max_connections`) are the proxy's `http_options` here; the body's
-deadline (`body_timeout`) holds in each replica.
+`header_timeout`, `write_timeout`, `keep_alive_timeout`, `max_connections`) are the proxy's `http_options`
+here (`PROXY_SETTINGS`); the body's deadline (`body_timeout`) holds in each replica.
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def _number(
 
 
 def _autoscaling(args: Mapping[str, Any], settings: Settings) -> dict[str, Any]:
-    """Serve's autoscaler: between min_replicas (1) and max_replicas (min_replicas), aiming at
+    """Serve's autoscaler: between min_replicas (1) and max_replicas (min_replicas, at least 1), aiming at
     target_ongoing_requests per replica (max_batch_size: a full batch, no queue); `replicas` is the
     initial count."""
     low = int(_number(args, "min_replicas", 1, low=0, integer=True))

@@ -37,7 +37,8 @@ class Settings:
         },
     )
     prefill_chunk: int | None = field(
-        default=None, metadata={"help": "prompt tokens per step, packed with decode tokens (default: 64 CPU, 512 GPU)"}
+        default=None,
+        metadata={"help": "prompt tokens per step, packed with decode tokens (default: 512 CUDA, 64 otherwise)"},
     )
     max_new_tokens: int = field(default=1024, metadata={"help": "server-wide cap on tokens per completion"})
     max_activation_bytes: int = field(default=256 * 2**20, metadata={"help": "largest activation dump (bytes)"})

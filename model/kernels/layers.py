@@ -1,5 +1,6 @@
-"""Drop-in layers that send the decode step's few-row products to our kernels (`model.kernels`), and
-everything else (prefill, autograd, other dtypes and devices) to the stock layers they replace.
+"""Drop-in layers that send products of up to `max_rows()` rows (decode steps, prompt chunks, most prefills)
+to our kernels (`model.kernels`), and everything else (longer products, autograd, other dtypes and devices)
+to the stock layers they replace.
 
 `use_kernels(model)` swaps them in after loading; the parameters are the same tensors, so hooks, edits,
 `state_dict` and export see no difference. The weights must lie as the kernels read them, one output's
@@ -19,7 +20,8 @@ from . import available, matmul, usable
 
 
 class KernelConv1D(Conv1D):
-    """`Conv1D` (y = x W + b, W [in, out]) whose few-row products run on our kernel, reading W as W.T [out, in]."""
+    """`Conv1D` (y = x W + b, W [in, out]) whose products of up to `max_rows()` rows run on our kernel, reading W
+    as W.T [out, in]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w_t = self.weight.t()  # [out, in], contiguous rows as _stored lays them out

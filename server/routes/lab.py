@@ -110,8 +110,8 @@ async def analyze_prompt(
 
     async def analysis(spec: EditSpec | None, begun: bool) -> list[LayerStats]:
         """One run's measures, a job a piece (`AnalysisPass`: a block of its pass, or a part of a layer's
-        measures; a whole run at 1,000 tokens once took 24 s of one job on gpt2-small's shape on a CPU, every
-        stream waiting; now its longest job takes about 0.4 s there). `begun`: the request has work done."""
+        measures; a run's pass at 1,000 tokens of gpt2-small's shape on a CPU was once one job of about 4 s,
+        every stream waiting; now its longest job takes about 0.4 s there). `begun`: the request has work done."""
         run = AnalysisPass(config, ids, req.top_k, spec.hooks(config, len(ids)) if spec else None)
         await stepped(request, engine, run, begun)
         return run.result()
