@@ -44,7 +44,11 @@ def create_app(
     on_load_error: Callable[[Exception], None] | None = None,
     on_loaded: Callable[[], None] | None = None,
     sliced: bool = True,
+    client_gone: tuple[type[Exception], ...] = (),
 ) -> FastAPI:
+    """The app for `settings` (`loaded`: a model loaded already, else loaded in the background). `sliced`:
+    answers go out a slice at a time, waiting for room (where sends can wait); `client_gone`: the errors the
+    host raises into a request whose client has left (Ray's `TaskCancelledError`), logged as 499s."""
     settings = settings or Settings()
     metrics = Metrics()
 
@@ -99,6 +103,7 @@ def create_app(
         max_body_bytes=settings.max_body_bytes,
         metrics=metrics,
         body_timeout=settings.body_timeout,
+        client_gone=client_gone,
     )
     if settings.cors_origins:  # outermost, so that preflight requests need no API key
         app.add_middleware(

@@ -36,6 +36,9 @@ _TYPES = {
 }
 
 
+GONE = "the client closed the connection before the answer was ready"  # a 499's message: no one reads it
+
+
 class APIError(Exception):
     def __init__(
         self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None

@@ -8,6 +8,7 @@ through untouched.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -24,7 +25,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .asgi import HTTPOnly
-from .errors import error_response
+from .errors import GONE, error_response
 from .metrics import Metrics
 
 log = logging.getLogger("server.access")
@@ -98,8 +99,10 @@ class RequestGuard:
         max_body_bytes: int,
         metrics: Metrics,
         body_timeout: float = math.inf,
+        client_gone: tuple[type[Exception], ...] = (),
     ) -> None:
         self.app = app
+        self.client_gone = client_gone  # errors a host raises into a request whose client has left
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
@@ -139,6 +142,14 @@ class RequestGuard:
             else:
                 try:
                     await self.app(scope, receive, send_with_id)
+                except asyncio.CancelledError:  # the host gave the request up (Ray Serve: its client left)
+                    status = status if started else 499
+                    raise
+                except self.client_gone:  # no one reads the answer (the 499 that says so), nor a stream's end
+                    if not started:
+                        gone = error_response(499, GONE)
+                        with contextlib.suppress(Exception):
+                            await gone(scope, receive, send_with_id)
                 except Exception:
                     if started:
                         raise

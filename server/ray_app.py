@@ -30,6 +30,7 @@ import ray
 import torch
 from fastapi import FastAPI
 from ray import serve
+from ray.exceptions import TaskCancelledError
 from ray.serve import Application
 
 from model.loading import load_from
@@ -127,7 +128,13 @@ def application(p: Plan) -> Application:
         loaded = load_from(settings)
         release_openmp_pool()  # this thread's, from loading: the engine's thread should keep the only one
         # a replica serves this model for its whole life; its sends to the proxy are queued, never waited on
-        return create_app(settings, loaded=loaded, on_loaded=freeze_long_lived, sliced=False)
+        return create_app(
+            settings,
+            loaded=loaded,
+            on_loaded=freeze_long_lived,
+            sliced=False,
+            client_gone=(TaskCancelledError,),  # raised into a handler whose client left: a 499, not a 500
+        )
 
     @serve.ingress(replica_app)
     class GPT2Replica:

@@ -447,3 +447,51 @@ def test_head_on_the_health_check_and_the_viewer(loaded: LoadedModel) -> None:
             assert r.status_code == 200 and r.content == b""
             assert c.get(path).status_code == 200
         assert c.head(GEN, headers={"Authorization": "Bearer k"}).status_code == 405  # HEAD only where GET is
+
+
+class Gone(Exception):
+    """Stands for what a host raises into a request whose client left (Ray's `TaskCancelledError`)."""
+
+
+@pytest.mark.parametrize("when", ["before the answer", "mid-stream"])
+@pytest.mark.parametrize("how", ["cancelled", "client_gone"])
+def test_a_request_its_host_gives_up_is_a_499_not_an_internal_error(
+    caplog: pytest.LogCaptureFixture, when: str, how: str
+) -> None:
+    """Ray Serve cancels the handler of a request whose client left (asyncio's CancelledError), or raises its
+    TaskCancelledError into it (`create_app(client_gone=...)`): the access log and the metrics say 499 (the
+    stream's 200 where it had begun), not 500, and nothing is logged as an internal error."""
+    from server.metrics import Metrics
+    from server.middleware import RequestGuard
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if when == "mid-stream":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        raise asyncio.CancelledError() if how == "cancelled" else Gone()
+
+    metrics, sent = Metrics(), []
+    guard = RequestGuard(app, api_key=None, max_body_bytes=1024, metrics=metrics, client_gone=(Gone,))
+    scope = {"type": "http", "method": "POST", "path": "/v1/generate", "headers": [], "query_string": b""}
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def run() -> None:
+        if how == "cancelled":
+            with pytest.raises(asyncio.CancelledError):  # cancellation goes on up, as it must
+                await guard(scope, receive, send)
+        else:
+            await guard(scope, receive, send)
+
+    with caplog.at_level("INFO"):
+        asyncio.run(run())
+    status = 200 if when == "mid-stream" else 499
+    assert metrics.registry.get_sample_value("gpt2_requests_total", {"route": "unmatched", "status": str(status)}) == 1
+    assert f'"status": {status}' in caplog.text and "internal error" not in caplog.text, caplog.text
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+    starts = [m["status"] for m in sent if m["type"] == "http.response.start"]
+    assert starts == ([200] if when == "mid-stream" else [] if how == "cancelled" else [499]), sent

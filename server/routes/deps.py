@@ -28,7 +28,7 @@ from model.tokenizer import InvalidTextError
 
 from .. import encoding
 from ..engine import Engine, QueueFull, RequestStream
-from ..errors import APIError, error_body
+from ..errors import GONE, APIError, error_body
 from ..metrics import Metrics
 from ..schemas import Edits
 from ..settings import Settings
@@ -327,7 +327,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
         await asyncio.wait((done, gone), return_when=asyncio.FIRST_COMPLETED)
         if done.done():  # also when the client left in the same turn: the answer (or its error) is read
             return done.result()
-        raise APIError(499, "the client closed the connection before the answer was ready")
+        raise APIError(499, GONE)
     finally:
         done.cancel()
         gone.cancel()
