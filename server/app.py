@@ -21,7 +21,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 
-from model.lab.steering import Directions
+from model.lab.steering import Directions, SharedVectors
 from model.loading import LoadedModel, load_from
 
 from .engine import Engine
@@ -45,17 +45,20 @@ def create_app(
     on_loaded: Callable[[], None] | None = None,
     sliced: bool = True,
     client_gone: tuple[type[Exception], ...] = (),
+    shared_vectors: SharedVectors | None = None,
 ) -> FastAPI:
     """The app for `settings` (`loaded`: a model loaded already, else loaded in the background). `sliced`:
     answers go out a slice at a time, waiting for room (where sends can wait); `client_gone`: the errors the
-    host raises into a request whose client has left (Ray's `TaskCancelledError`), logged as 499s."""
+    host raises into a request whose client has left (Ray's `TaskCancelledError`), logged as 499s;
+    `shared_vectors`: where the steering vectors stored by name are kept with other servers' (a Ray
+    deployment's replicas)."""
     settings = settings or Settings()
     metrics = Metrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if loaded is not None:
-            app.state.directions = sae_routes.load_directions(settings, loaded)
+            app.state.directions = sae_routes.load_directions(settings, loaded, shared_vectors)
             engine = _start_engine(loaded, settings, metrics)
             _loaded(engine, on_loaded)
             app.state.engine = engine
@@ -68,7 +71,7 @@ def create_app(
     def _load_in_background(app: FastAPI) -> None:
         try:
             model = load_from(settings)
-            app.state.directions = sae_routes.load_directions(settings, model)  # --sae: with the model
+            app.state.directions = sae_routes.load_directions(settings, model, shared_vectors)  # --sae: with it
             engine = _start_engine(model, settings, metrics)
             _loaded(engine, on_loaded)  # before the first request: /health says 503 until the engine is set
         except Exception as e:

@@ -33,6 +33,7 @@ from ray import serve
 from ray.exceptions import TaskCancelledError
 from ray.serve import Application
 
+from model.lab.steering import SteeringVector
 from model.loading import load_from
 
 from .app import create_app, freeze_long_lived
@@ -118,6 +119,53 @@ def replica_threads(planned: int) -> int:
     return max(1, math.floor(cpus)) if cpus else planned
 
 
+@ray.remote(num_cpus=0)
+class VectorStore:
+    """The steering vectors stored by name, one store for every replica of an application (a named actor),
+    so that a `{"vector": name}` finds the vector whichever replica stored it and whichever serves the
+    request. In memory, as gpt2-serve's: lost with the actor."""
+
+    def __init__(self) -> None:
+        self.vectors: dict[str, SteeringVector] = {}  # in the order stored
+        self.version = 0
+
+    def store(self, name: str, vector: SteeringVector, max_vectors: int) -> str | None:
+        if name not in self.vectors and len(self.vectors) >= max_vectors:
+            return (
+                f"{len(self.vectors)} steering vectors are stored already, the server's limit "
+                f"(--max-steering-vectors {max_vectors}); reuse a name to replace one: {', '.join(self.vectors)}"
+            )
+        self.vectors[name] = vector
+        self.version += 1
+        return None
+
+    def since(self, version: int) -> tuple[int, dict[str, SteeringVector] | None]:
+        return self.version, (None if version == self.version else self.vectors)
+
+
+def vector_store_name(app_name: str) -> str:
+    """The name of an application's `VectorStore` actor, in the namespace `serve`."""
+    return f"gpt2-steering-vectors-{app_name}"
+
+
+class ReplicaVectors:
+    """`SharedVectors` on the application's `VectorStore` actor: made by the first replica to start, and
+    detached, so that it outlives any one replica (and a redeploy of the application)."""
+
+    def __init__(self, app_name: str) -> None:
+        self.actor = VectorStore.options(  # type: ignore[attr-defined]
+            name=vector_store_name(app_name), namespace="serve", get_if_exists=True, lifetime="detached"
+        ).remote()
+
+    async def store(self, name: str, vector: SteeringVector, max_vectors: int) -> str | None:
+        refusal: str | None = await self.actor.store.remote(name, vector, max_vectors)
+        return refusal
+
+    async def since(self, version: int) -> tuple[int, dict[str, SteeringVector] | None]:
+        got: tuple[int, dict[str, SteeringVector] | None] = await self.actor.since.remote(version)
+        return got
+
+
 def application(p: Plan) -> Application:
     settings, threads = p.settings, p.threads
 
@@ -134,6 +182,7 @@ def application(p: Plan) -> Application:
             on_loaded=freeze_long_lived,
             sliced=False,
             client_gone=(TaskCancelledError,),  # raised into a handler whose client left: a 499, not a 500
+            shared_vectors=ReplicaVectors(serve.get_replica_context().app_name),
         )
 
     @serve.ingress(replica_app)

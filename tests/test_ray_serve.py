@@ -34,7 +34,7 @@ from ray import serve
 
 from model.loading import LoadedModel, load
 from server.app import create_app
-from server.ray_app import DEPLOYMENT, application, plan
+from server.ray_app import DEPLOYMENT, application, plan, vector_store_name
 from server.settings import Settings
 
 APP = "gpt2"
@@ -382,3 +382,34 @@ def test_a_replica_takes_as_many_torch_threads_as_ray_gave_it(monkeypatch: pytes
         assert replica_threads(1) == want, cpus
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     assert replica_threads(4) == 4  # not in a Ray worker: the plan's
+
+
+def test_ray_a_vector_stored_by_name_is_known_to_every_replica(ray_app: str, single: TestClient) -> None:
+    """A steering vector stored by name through one replica is found whichever replica serves a later request
+    (they share one store, `VectorStore`), and /v1/model lists it on each. Last of the tests on `ray_app`:
+    the others compare /v1/model with a server that stores none."""
+    body = {"positive": ["I love it"], "negative": ["I hate it"], "hook": "blocks.0.hook_resid_pre", "name": "joy"}
+    steer = {
+        "prompt": "The weather today",
+        "max_new_tokens": 4,
+        "temperature": 0,
+        "logprobs": 1,
+        "interventions": [
+            {"hook": "blocks.0.hook_resid_pre", "op": "steer", "scale": 4, "direction": {"vector": "joy"}}
+        ],
+    }
+    try:
+        stored = httpx.post(ray_app + "/v1/steering-vectors", json=body, timeout=GUARD)
+        assert stored.status_code == 200 and stored.json()["stored"] == ["joy"], stored.text
+        assert single.post("/v1/steering-vectors", json=body).json()["vector"] == stored.json()["vector"]
+        want = single.post(GEN, json=steer).json()
+        with httpx.Client(base_url=ray_app, timeout=GUARD) as client, ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda _: client.post(GEN, json=steer), range(16)))
+            listed = [client.get("/v1/model").json()["steering_vectors"] for _ in range(10)]
+        for answer in answers:  # were 400s ("no stored steering vector 'joy'") wherever another replica served
+            assert answer.status_code == 200, answer.text
+            assert comparable(GEN, answer.json()) == comparable(GEN, want)
+        assert listed == [["joy"]] * 10
+        assert len({s["pid"] for s in stats()}) == 2
+    finally:
+        ray.kill(ray.get_actor(vector_store_name(APP), namespace="serve"))

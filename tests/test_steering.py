@@ -254,3 +254,46 @@ def test_a_norm_matched_steer_to_zero_is_zero() -> None:
     got = steering.steer(x, x[0].clone(), -1.0, norm_match=True)
     assert torch.equal(got[0], torch.zeros(768)) and got[1].isfinite().all()
     torch.testing.assert_close(got[1].norm(), x[1].norm())
+
+
+def test_directions_sharing_a_store_see_each_other_s_vectors_and_its_limit() -> None:
+    """Two servers' `Directions` on one shared store (as a Ray deployment's replicas on its `VectorStore`):
+    what one publishes, the other has after `refresh`, in the order stored; the store's limit holds across
+    them, and a refused name is stored nowhere."""
+    import asyncio
+
+    class Shared:  # a `SharedVectors` in memory
+        def __init__(self) -> None:
+            self.vectors: dict[str, SteeringVector] = {}
+
+        async def store(self, name: str, vector: SteeringVector, max_vectors: int) -> str | None:
+            if name not in self.vectors and len(self.vectors) >= max_vectors:
+                return f"{len(self.vectors)} steering vectors are stored already"
+            self.vectors[name] = vector
+            return None
+
+        async def since(self, version: int) -> tuple[int, dict[str, SteeringVector] | None]:
+            now = hash(tuple((n, id(v)) for n, v in self.vectors.items()))
+            return now, None if version == now else dict(self.vectors)
+
+    def vector(x: float) -> SteeringVector:
+        return SteeringVector("blocks.0.hook_resid_pre", torch.full((4,), x), 1, 1)
+
+    async def scenario() -> None:
+        shared = Shared()
+        a, b = Directions(max_vectors=2, shared=shared), Directions(max_vectors=2, shared=shared)
+        await a.publish("joy", vector(1.0))
+        with pytest.raises(DirectionError, match="no stored steering vector 'joy'"):
+            b.vector("joy", "direction")  # not taken in yet
+        await b.refresh()
+        assert b.names() == ["joy"] and torch.equal(b.vector("joy", "direction").vector, torch.full((4,), 1.0))
+        await b.publish("calm", vector(2.0))
+        await b.publish("joy", vector(3.0))  # replaces, in place
+        with pytest.raises(DirectionError, match="2 steering vectors are stored already") as refused:
+            await a.publish("anger", vector(4.0))  # a's own copy has room; the shared store has none
+        assert refused.value.param == "name"
+        await a.refresh()
+        assert a.names() == b.names() == ["joy", "calm"] and "anger" not in shared.vectors
+        assert torch.equal(a.vector("joy", "direction").vector, torch.full((4,), 3.0))
+
+    asyncio.run(scenario())

@@ -18,7 +18,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
@@ -117,14 +117,31 @@ class SteeringVector:
     n_negative: int
 
 
+class SharedVectors(Protocol):
+    """Where several servers keep their steering vectors together (the replicas of a Ray deployment:
+    `server.ray_app`), so that a vector one of them stored is known to all."""
+
+    async def store(self, name: str, vector: SteeringVector, max_vectors: int) -> str | None:
+        """Keep `vector` under `name`; why not (the store is full), or None."""
+
+    async def since(self, version: int) -> tuple[int, dict[str, SteeringVector] | None]:
+        """The store's version, and its vectors in the order stored if that is not `version` (else None)."""
+
+
 class Directions:
     """The SAEs loaded at start-up (by id) and the steering vectors computed since (by name, at most
-    `max_vectors`, in memory only): what a request's `{"sae", "feature"}` or `{"vector"}` names."""
+    `max_vectors`, in memory only): what a request's `{"sae", "feature"}` or `{"vector"}` names. With
+    `shared`, the vectors are those of every server that shares it: `refresh` takes in what the others
+    stored, `publish` stores for all."""
 
-    def __init__(self, saes: dict[str, SAE] | None = None, max_vectors: int = 64) -> None:
+    def __init__(
+        self, saes: dict[str, SAE] | None = None, max_vectors: int = 64, shared: SharedVectors | None = None
+    ) -> None:
         self.saes = dict(saes or {})
         self.max_vectors = max_vectors
+        self.shared = shared
         self._vectors: OrderedDict[str, SteeringVector] = OrderedDict()
+        self._version = -1  # of the shared store, when last taken in
 
     def sae(self, sae_id: object, param: str) -> SAE:
         if not isinstance(sae_id, str) or sae_id not in self.saes:
@@ -162,6 +179,20 @@ class Directions:
 
     def names(self) -> list[str]:
         return list(self._vectors)
+
+    async def refresh(self) -> None:
+        """Take in the vectors the other servers sharing the store have stored (with no `shared`: none)."""
+        if self.shared is not None:
+            version, vectors = await self.shared.since(self._version)
+            if vectors is not None:
+                self._vectors, self._version = OrderedDict(vectors), version
+
+    async def publish(self, name: str, vector: SteeringVector, param: str = "name") -> None:
+        """`store`, for every server sharing the store; refused beyond `max_vectors` names there."""
+        self.check_room(name, param)
+        if self.shared is not None and (refusal := await self.shared.store(name, vector, self.max_vectors)):
+            raise DirectionError(refusal, param)
+        self.store(name, vector, param)
 
 
 def contrastive_vector(

@@ -56,6 +56,7 @@ QUANTIZATION_NOTES = {
 
 @router.get("/v1/model")
 async def model_info(engine: EngineDep, directions: DirectionsDep) -> dict[str, Any]:
+    await directions.refresh()
     c, loaded = engine.model.config, engine.loaded
     return {
         "name": loaded.name,

@@ -2,7 +2,8 @@
 `/v1/steering-vectors` measures a contrastive mean difference (and keeps it by name for later edits).
 
 The SAEs are loaded at start-up (`--sae ID=PATH`), never from a path a client names; the stored vectors
-live in this process's memory (`Directions`, bounded by `--max-steering-vectors`), never on disk."""
+live in this process's memory (`Directions`, bounded by `--max-steering-vectors`; a Ray deployment's in one
+store its replicas share, `server.ray_app.VectorStore`), never on disk."""
 
 from __future__ import annotations
 
@@ -17,7 +18,14 @@ from fastapi.responses import Response
 from model.generate import GenerationError, validate_prompt
 from model.hooks import has_one_vector_per_position, hook_names
 from model.lab.sae import SAE, FeatureReading, TokenFeatures, load_saes, token_features
-from model.lab.steering import DirectionError, Directions, contrast, prompt_pass, prompt_reduced
+from model.lab.steering import (
+    DirectionError,
+    Directions,
+    SharedVectors,
+    contrast,
+    prompt_pass,
+    prompt_reduced,
+)
 from model.loading import LoadedModel
 
 from .. import encoding
@@ -42,10 +50,11 @@ from .deps import (
 router = APIRouter(tags=["sae"], route_class=JSONBodyRoute)
 
 
-def load_directions(settings: Settings, loaded: LoadedModel) -> Directions:
-    """The SAEs the settings name (checked against the model, on its device) and an empty vector store."""
+def load_directions(settings: Settings, loaded: LoadedModel, shared: SharedVectors | None = None) -> Directions:
+    """The SAEs the settings name (checked against the model, on its device) and the vector store (empty, or
+    `shared` with other servers)."""
     saes = load_saes(settings.sae, loaded.model.config, loaded.device)
-    return Directions(saes, settings.max_steering_vectors)
+    return Directions(saes, settings.max_steering_vectors, shared)
 
 
 def get_directions(request: Request) -> Directions:
@@ -236,6 +245,7 @@ async def steering_vectors(
     sides = [await _prompts(engine, getattr(req, side), side) for side in ("positive", "negative")]
     try:
         if req.name is not None:  # refused before the work if the store is full
+            await directions.refresh()
             directions.check_room(req.name)
     except DirectionError as e:
         raise GenerationError(str(e), e.param) from None
@@ -249,7 +259,7 @@ async def steering_vectors(
     vector = contrast(req.hook, values[0], values[1])
     if req.name is not None:
         try:
-            directions.store(req.name, vector)
+            await directions.publish(req.name, vector)
         except DirectionError as e:
             raise GenerationError(str(e), e.param) from None
     return {
