@@ -332,8 +332,8 @@ def test_a_manifest_of_another_version_is_refused_in_words(tiny, tokenizer_dir: 
 def test_resume_refuses_other_text_or_weights_at_the_same_path(
     tiny, tokenizer_dir: Path, corpus, tmp_path: Path
 ) -> None:
-    """Text edited in place to the same size, or other weights written over the checkpoint, are not the
-    job the folder holds: refused, not mixed into its shards."""
+    """Text edited in place to the same size, other weights written over the checkpoint, or its config.json
+    edited (another LayerNorm epsilon), are not the job the folder holds: refused, not mixed into its shards."""
     import shutil
 
     from safetensors.torch import save_file
@@ -355,10 +355,40 @@ def test_resume_refuses_other_text_or_weights_at_the_same_path(
     os.utime(model / "model.safetensors", ns=(1, 1))  # the same weights, touched: still this job
     harvest(model, source, out, ["blocks.0.hook_resid_pre"], **opts)
     assert tree_shas(out) == before
+    config = (model / "config.json").read_text()
+    (model / "config.json").write_text(config.replace('"layer_norm_epsilon": 1e-05', '"layer_norm_epsilon": 0.5'))
+    assert (model / "config.json").read_text() != config
+    with pytest.raises(HarvestError, match=r"other arguments \(weights: config\.json changed\)"):
+        harvest(model, source, out, ["blocks.0.hook_resid_pre"], **opts)
+    (model / "config.json").write_text(config)
     state = load_file(model / "model.safetensors")
     save_file({k: v + 1 for k, v in state.items()}, model / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(HarvestError, match=r"other arguments \(weights: "):
+    with pytest.raises(HarvestError, match=r"other arguments \(weights: model\.safetensors changed\)"):
         harvest(model, source, out, ["blocks.0.hook_resid_pre"], **opts)
+    assert tree_shas(out) == before
+
+
+def test_resume_refuses_another_dataset_dict_at_the_same_path(tiny, tokenizer_dir: Path, tmp_path: Path) -> None:
+    """A saved DatasetDict keeps its fingerprint in its split's folder: one saved over another at the same
+    path is refused on resume (it had no identity, and the new text went on after the old)."""
+    import shutil
+
+    datasets = pytest.importorskip("datasets")
+
+    def save(words: list[str]) -> None:
+        shutil.rmtree(source, ignore_errors=True)
+        docs = [" ".join(words[(i + j) % len(words)] for j in range(30)) for i in range(40)]
+        datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": docs})}).save_to_disk(str(source))
+
+    source, out = tmp_path / "hf_dict", tmp_path / "acts"
+    opts = {"tokenizer": str(tokenizer_dir), "device": "cpu", "context_size": 16, "max_tokens": 16 * 8}
+    save(["the", "cat", "sat", "on", "a", "mat"])
+    harvest(tiny.path, source, out, ["blocks.0.hook_resid_pre"], **opts)
+    assert json.loads((out / "manifest.json").read_text())["job"]["source"]["fingerprint"] is not None
+    before = tree_shas(out)
+    save(["other", "text", "entirely", "now"])
+    with pytest.raises(HarvestError, match=r"other arguments \(source: "):
+        harvest(tiny.path, source, out, ["blocks.0.hook_resid_pre"], **opts)
     assert tree_shas(out) == before
 
 

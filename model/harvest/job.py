@@ -317,7 +317,9 @@ def locate_model(spec: HarvestSpec, device: torch.device) -> Located:
     except (LoadError, ConfigError, TokenizerError) as e:
         raise HarvestError(str(e)) from None
     tok_files = [Path(tok_dir) / name for name in tokenizer_files(Path(tok_dir)) or []]  # the ones from_dir read
-    return Located(files.config, tokenizer, dtype, files_identity(files.weights), files_identity(tok_files))
+    config_file = [c for c in (files.weights[0].parent / "config.json",) if c.is_file()]  # its epsilon, its GELU
+    weights = files_identity(files.weights + config_file)
+    return Located(files.config, tokenizer, dtype, weights, files_identity(tok_files))
 
 
 def files_identity(paths: list[Path]) -> list[dict[str, Any]]:

@@ -25,6 +25,7 @@ from .errors import HarvestError
 from .shards import sha256_file
 
 FILE_KINDS = (".txt", ".jsonl", ".parquet")
+TRAIN = "train"  # a DatasetDict's split that is read
 _DOCS_PER_ENCODE = 256  # documents handed to the tokenizer at once (it encodes them on its own threads)
 
 
@@ -41,6 +42,8 @@ class Source:
         """What identifies the text for a manifest (so that a resumed job reads the same text)."""
         if self.dataset_dir is not None:
             state = self.dataset_dir / "state.json"
+            if not state.is_file():  # a DatasetDict's: its split that is read (`_dataset_documents`)
+                state = self.dataset_dir / TRAIN / "state.json"
             fingerprint = json.loads(state.read_text()).get("_fingerprint") if state.is_file() else None
             return {
                 "path": str(self.path),
@@ -172,9 +175,9 @@ def _dataset_documents(path: Path, field: str) -> Iterator[str]:
     except Exception as e:  # datasets raises FileNotFoundError, ArrowInvalid, ...
         raise HarvestError(f"{path}: not a readable Hugging Face datasets directory ({e})") from None
     if isinstance(ds, datasets.DatasetDict):
-        if "train" not in ds:
-            raise HarvestError(f"{path}: a DatasetDict without a 'train' split; its splits are {sorted(ds)}")
-        ds = ds["train"]
+        if TRAIN not in ds:
+            raise HarvestError(f"{path}: a DatasetDict without a '{TRAIN}' split; its splits are {sorted(ds)}")
+        ds = ds[TRAIN]
     if field not in ds.column_names:
         raise HarvestError(
             f"{path}: no text column {field!r}; its columns are {ds.column_names} (choose one with --text-field)"
