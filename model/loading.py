@@ -385,7 +385,9 @@ def load_state(
             )
         if not entry.dtype.is_floating_point:
             raise LoadError(f"tensor {key!r} has dtype {entry.dtype}, expected a floating-point type")
-        t = _read(st, key).to(device=device, dtype=dtype)
+        t = _finite(key, _read(st, key)).to(device=device, dtype=dtype)
+        if dtype == torch.float16:  # the one dtype with a narrower range than a checkpoint's
+            _finite(key, t, "beyond float16's range (±65504): load it as float32 or bfloat16")
         state[name] = _stored(name, t, decode_kernels)
         del t
     if lm_head is not None:
@@ -416,6 +418,16 @@ def _stored(name: str, t: torch.Tensor, decode_kernels: bool = True) -> torch.Te
     w_row_major = t.device.type == "cpu" and t.dtype == torch.float32 and not on_kernels
     is_w = name != "wte.weight"  # a projection is W; wte is W transposed (the LM head is x @ wte.T)
     return t.contiguous() if w_row_major == is_w else t.t().contiguous().t()
+
+
+def _finite(key: str, t: torch.Tensor, why: str = "NaN or infinite: the checkpoint is damaged") -> torch.Tensor:
+    """`t`, refused (a LoadError naming `key`) if any of its values is not finite: a model with one such weight
+    computes NaN logits on some paths and plausible ones on others (torch's fused CPU attention hides a NaN
+    query), so it is refused at the door."""
+    finite = torch.isfinite(t)
+    if not finite.all():
+        raise LoadError(f"tensor {key!r} holds {int((~finite).sum())} values {why}")
+    return t
 
 
 def _read(st: SafetensorsFile, key: str) -> torch.Tensor:

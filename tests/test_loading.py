@@ -577,3 +577,28 @@ def test_a_model_for_prefill_only_keeps_stock_layers_and_the_row_major_layout(ti
     ids = torch.tensor([[464, 3797, 3332, 319, 262, 2603]])
     with torch.inference_mode():
         torch.testing.assert_close(plain(ids), default(ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_a_weight_that_is_not_finite_is_refused(tiny: Checkpoint, tmp_path: Path, value: float) -> None:
+    """One NaN in a query's weights gave NaN logits with a capture and plausible tokens without one (torch's
+    fused CPU attention keeps a NaN query's output finite): a damaged checkpoint is refused at load, naming
+    the tensor, in every dtype."""
+    ckpt = copy_checkpoint(tiny, tmp_path)
+
+    def damage(state: dict[str, torch.Tensor]) -> None:
+        state["transformer.h.0.attn.c_attn.weight"][0, :3] = value
+
+    edit_weights(ckpt, damage)
+    for dtype in ("float32", "bfloat16", "float16", "int8"):
+        with pytest.raises(LoadError, match=r"tensor 'transformer\.h\.0\.attn\.c_attn\.weight' holds 3 values NaN or"):
+            load_weights(ckpt, dtype=dtype, device="cpu")
+
+
+def test_a_weight_beyond_float16_s_range_is_refused_in_float16_only(tiny: Checkpoint, tmp_path: Path) -> None:
+    ckpt = copy_checkpoint(tiny, tmp_path)
+    edit_weights(ckpt, lambda s: s["transformer.h.1.mlp.c_fc.bias"].__setitem__(0, 1e5))
+    with pytest.raises(LoadError, match=r"'transformer\.h\.1\.mlp\.c_fc\.bias' holds 1 values beyond float16's range"):
+        load_weights(ckpt, dtype="float16", device="cpu")
+    load_weights(ckpt, dtype="bfloat16", device="cpu")
+    load_weights(ckpt, **CPU)
