@@ -13,6 +13,7 @@ import json
 import os
 import secrets
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,12 +65,19 @@ def save_dump(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict
     a `ValueError`."""
     if problem := dump_path_problem(path):
         raise ValueError(problem)
+    replace_whole(path, lambda temporary: save_file(_contiguous(tensors), str(temporary), metadata=_metadata(metadata)))
+
+
+def replace_whole(path: str | Path, write: Callable[[Path], None]) -> None:
+    """Have `write` write a file to a temporary path beside `path` (through a symlink, beside the file it names),
+    then rename it over `path`, with the mode of the file it replaces or the one a new file gets from the
+    umask: `path` holds the old file or the new one, never a part. Any error removes the temporary file."""
     target = Path(path).resolve()
     temporary = _new_file_beside(target)
     try:
         mode = stat.S_IMODE((target if target.exists() else temporary).stat().st_mode)
-        save_file(_contiguous(tensors), str(temporary), metadata=_metadata(metadata))
-        os.chmod(temporary, mode)  # safetensors may have put a file of its own there, private to its owner
+        write(temporary)
+        os.chmod(temporary, mode)  # a writer may have put a file of its own there (safetensors does, 0600)
         os.replace(temporary, target)
     except BaseException:
         temporary.unlink(missing_ok=True)
@@ -77,10 +85,10 @@ def save_dump(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict
 
 
 def _new_file_beside(target: Path) -> Path:
-    """A new empty file in `target`'s directory, under a name of its own, with the mode any new file gets
-    (the umask's)."""
+    """A new empty file in `target`'s directory, under a name of its own (ending as `target`'s, for writers
+    that read the format from it), with the mode any new file gets (the umask's)."""
     while True:
-        temporary = target.with_name(f".{target.name}.{secrets.token_hex(4)}.part")
+        temporary = target.with_name(f".{target.stem}.{secrets.token_hex(4)}.part{target.suffix}")
         try:
             os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
             return temporary

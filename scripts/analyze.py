@@ -34,6 +34,7 @@ from gpt2_scripts.generate import read_prompt
 from gpt2_scripts.sae_cli import add_sae_arguments, directions, features_table
 
 from model.analysis import LayerStats, analyze
+from model.dump import replace_whole
 from model.generate import GenerationError, validate_prompt
 from model.interventions import EditSpec, InterventionError
 from model.lab.attribution import Attribution, attribution
@@ -92,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail(problem)
     if not 1 <= args.top_k <= MAX_TOP_K:
         return fail(f"--top-k must be in 1..{MAX_TOP_K}, got {args.top_k}")
+    if sys.stdout is None:  # before the long part
+        return fail("standard output is closed: nowhere to write the tables")
     plt = None
     if args.plot:
         try:
@@ -136,14 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     except InterventionError as e:
         return fail(str(e))
 
-    print(f"{loaded.name}: {len(ids)} tokens; layer -1 is the embeddings, layer L the stream after block L")
-    print(table(normal, ablated, tok))
+    tables = [f"{loaded.name}: {len(ids)} tokens; layer -1 is the embeddings, layer L the stream after block L"]
+    tables.append(table(normal, ablated, tok))
     for sae_id, sae in saes.saes.items():  # --sae: each SAE's features per token
-        print()
-        print(features_table(sae_id, sae, loaded, ids, args.top_k))
+        tables += ["", features_table(sae_id, sae, loaded, ids, args.top_k)]
     if grads is not None:
-        print()
-        print(highway_table(*grads))
+        tables += ["", highway_table(*grads)]
+    if failure := write_out(tables):
+        return fail(failure)
     if plt is not None:
         try:
             plot(plt, args.plot, normal, ablated, f"{loaded.name}: {prompt!r}", grads)
@@ -224,10 +227,7 @@ def plot(
     axes[0].legend()
     fig.suptitle(title if len(title) <= 100 else title[:99] + "…")
     fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=110)
-    finally:
-        plt.close(fig)
+    save_figure(plt, fig, path)
 
 
 _GRAD_COLUMNS = f"{'grad_norm':>10} {'jac_rms':>8} {'|J-I|_rms':>9}"
@@ -295,8 +295,10 @@ def attribution_main(args: argparse.Namespace, plt: Any) -> int:
         result = attribution(loaded.model, clean, corrupt, metric, args.verify)
     except (LoadError, GenerationError, InvalidTextError, InterventionError) as e:
         return fail(str(e))
-    print(f"{loaded.name}: {len(clean)} tokens; metric {args.metric}")
-    print(attribution_table(result, [tok.token_text(t) for t in clean], [tok.token_text(t) for t in corrupt]))
+    tables = [f"{loaded.name}: {len(clean)} tokens; metric {args.metric}"]
+    tables.append(attribution_table(result, [tok.token_text(t) for t in clean], [tok.token_text(t) for t in corrupt]))
+    if failure := write_out(tables):
+        return fail(failure)
     if plt is not None:
         try:
             plot_attribution(plt, args.plot, result, [tok.token_text(t) for t in clean])
@@ -371,8 +373,26 @@ def plot_attribution(plt: Any, path: str, result: Attribution, tokens: list[str]
     left.set_title("attribution at hook_resid_pre")
     right.set_title("attribution at attn.hook_z (every position)")
     fig.tight_layout()
+    save_figure(plt, fig, path)
+
+
+def write_out(lines: list[str]) -> str | None:
+    """Print `lines` to standard output; why they could not be written (a full disk), or None. A reader gone
+    (`| head`) is left to `run_console`, which ends the process as `cat` ends."""
     try:
-        fig.savefig(path, dpi=110)
+        print("\n".join(lines), flush=True)
+    except BrokenPipeError:
+        raise
+    except OSError as e:  # a full disk (`> /dev/full`), say
+        return f"cannot write the tables: {e.strerror or e}"
+    return None
+
+
+def save_figure(plt: Any, fig: Any, path: str) -> None:
+    """Write `fig` to `path` whole (a temporary file renamed over it: a full disk leaves the old file), then
+    let it go."""
+    try:
+        replace_whole(path, lambda temporary: fig.savefig(temporary, dpi=110))
     finally:
         plt.close(fig)
 

@@ -147,3 +147,54 @@ def test_flags_attribution_would_ignore_are_usage_errors(
         parse_args(args)
     assert exit_info.value.code == 2
     assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("attribution", [False, True], ids=["analysis", "attribution"])
+@pytest.mark.parametrize(
+    ("output", "says"),
+    [
+        ("closed", "standard output is closed: nowhere to write the tables"),
+        ("full", "cannot write the tables: No space left on device"),
+    ],
+)
+def test_a_closed_or_full_output_is_one_line(model_args: list[str], output: str, says: str, attribution: bool) -> None:
+    """`>&-` (refused before the work: it wrote nothing, status 0) and `> /dev/full` (a traceback): one line
+    on stderr, status 1, as gpt2-generate."""
+    import os
+
+    prompts = ["--attribution", "The cat sat", "The dog sat"] if attribution else [PROMPT, "--no-ablated"]
+    command = [sys.executable, "-m", "gpt2_scripts.analyze", *prompts, *model_args]
+    if output == "full":
+        if not Path("/dev/full").exists():
+            pytest.skip("no /dev/full on this system")
+        with open("/dev/full", "w") as full:
+            done = subprocess.run(command, cwd=ROOT, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+    else:
+        done = subprocess.run(
+            command, cwd=ROOT, stderr=subprocess.PIPE, text=True, timeout=300, preexec_fn=lambda: os.close(1)
+        )
+    assert done.returncode == 1 and done.stderr == f"gpt2-analyze: error: {says}\n", done.stderr
+
+
+def test_a_plot_that_cannot_be_written_whole_leaves_the_old_file(
+    model_args: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A full disk while the figure is written: the old file stays as it was (it was cut short), and no
+    temporary file is left beside it."""
+    import errno
+
+    import matplotlib.figure
+
+    from gpt2_scripts.analyze import main
+
+    png = tmp_path / "old.png"
+    png.write_bytes(b"the old plot")
+
+    def full(self: object, fname: str, **kwargs: object) -> None:
+        Path(fname).write_bytes(b"\x89PNG half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full)
+    assert main([PROMPT, *model_args, "--no-ablated", "--plot", str(png)]) == 1
+    assert capsys.readouterr().err == f"gpt2-analyze: error: cannot write {png}: No space left on device\n"
+    assert png.read_bytes() == b"the old plot" and [p.name for p in tmp_path.iterdir()] == ["old.png"]
