@@ -3,8 +3,32 @@ the hub's errors said as what to do about them."""
 
 from __future__ import annotations
 
+import functools
+import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from urllib.parse import urlparse
+
+
+def download(repo: str, filename: str, revision: str | None) -> Path:
+    """`hf_hub_download`'s path of `filename` in `repo`; from the local cache alone where the hub's host does
+    not resolve (no network: the client would retry for about 25 s, logging each try, before failing the same
+    way). Its errors are for `hub_errors` to word."""
+    from huggingface_hub import constants, hf_hub_download
+
+    offline = not _resolves(urlparse(constants.ENDPOINT).hostname or "")
+    return Path(hf_hub_download(repo, filename, revision=revision, local_files_only=offline))
+
+
+@functools.lru_cache(maxsize=8)
+def _resolves(host: str) -> bool:
+    """Whether `host` has an address (asked once a process)."""
+    try:
+        socket.getaddrinfo(host, 443)
+    except (OSError, UnicodeError):
+        return False
+    return True
 
 
 @contextmanager

@@ -21,7 +21,7 @@ import torch
 from . import huge_pages, kernels
 from .config import PRESETS, ConfigError, GPTConfig, preset
 from .gpt import GPT
-from .hub import hub_errors
+from .hub import download, hub_errors
 from .json_file import clip, read_json
 from .kernels.layers import use_kernels
 from .quantize import quantize_
@@ -231,11 +231,10 @@ def _index_shards(index: Path) -> list[str]:
 
 def _download(name: str, repo_id: str, revision: str | None) -> CheckpointFiles:
     """Fetch config, weights and tokenizer from the hub (cached; honours HF_HOME and HF_HUB_OFFLINE)."""
-    from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError
 
     def fetch(filename: str) -> Path:
-        return Path(hf_hub_download(repo_id, filename, revision=revision))
+        return download(repo_id, filename, revision)
 
     with hub_errors(
         LoadError,

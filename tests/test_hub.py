@@ -115,6 +115,12 @@ def test_saes_and_checkpoints_through_the_hub(hub_root: Path, tmp_path: Path, ti
         # the same files again, offline: from the cache, not one request
         again, _ = run(env | {"HF_HUB_OFFLINE": "1"}, tty=False)
         assert len(hub.requests) == served
+    # and with a hub whose host has no address (no network, HF_HUB_OFFLINE unset): from the cache at once, where
+    # the client would retry for about 25 s, a warning each try
+    cut_off, said = run(env | {"HF_ENDPOINT": "http://hub.invalid"}, tty=False)
+    assert cut_off["features"] == out["features"] and cut_off["logits"] == out["logits"]
+    assert "Retrying" not in said, said
+    assert "cannot reach the Hugging Face hub" in cut_off["repo"]  # what is not in the cache: the offline error
     # what came over the wire is what the folder holds
     want_sae = load_sae(hub_root / SAE_REPO / HOOK)
     assert out["features"] == pytest.approx(want_sae.encode(torch.linspace(-1, 1, 64)).tolist(), abs=1e-6)

@@ -217,3 +217,11 @@ def test_hostile_names_are_cut_short(tmp_path: Path) -> None:
     with pytest.raises(SAEError, match=r"reads 'blocks\.1\.xxx.*\.\.\., which this model does not have$") as e:
         load_saes([f"s={path}"], config)
     assert len(str(e.value)) < 400
+
+
+def test_a_file_named_as_the_sae_is_a_local_error(tmp_path: Path) -> None:
+    """An SAE's cfg.json given for its folder is not looked for on the hub (which took 25 s offline and said
+    the hub could not be reached): the path exists, so the error says what to give instead."""
+    sae_dir = write_sae(tmp_path / "sae", hook="blocks.0.hook_resid_pre", d_in=8, d_sae=4)
+    with pytest.raises(SAEError, match=r"cfg\.json' is a file: give the SAE's directory"):
+        load_sae(sae_dir / "cfg.json")

@@ -34,7 +34,7 @@ from typing import Any, Literal, NamedTuple, TypeGuard, cast
 import torch
 
 from ..config import GPTConfig
-from ..hub import hub_errors
+from ..hub import download, hub_errors
 from ..json_file import clip, read_json
 
 Architecture = Literal["standard", "topk", "jumprelu"]
@@ -340,6 +340,10 @@ def load_sae(source: str | Path, device: torch.device | str = "cpu") -> SAE:
     path = Path(source).expanduser()
     if path.is_dir():
         return _from_dir(path, str(source), None).to(device)
+    if path.exists():  # a file here is not a hub name either
+        raise SAEError(
+            f"{str(source)!r} is a file: give the SAE's directory (the one holding {CFG_FILE} and {WEIGHTS_FILE})"
+        )
     m = re.fullmatch(r"([\w.-]+/[\w.-]+)((?:/[^@]+)?)(?:@([\w./-]+))?", str(source))
     if m is None or str(source).startswith((".", "/", "~")):
         raise SAEError(
@@ -383,8 +387,6 @@ def _from_dir(path: Path, where: str, model_kwargs: dict[str, Any] | None, input
 
 def _download(repo: str, folder: str, revision: str | None, where: str) -> SAE:
     """Fetch both files from the hub (cached; honours HF_HOME, HF_ENDPOINT and HF_HUB_OFFLINE)."""
-    from huggingface_hub import hf_hub_download
-
     prefix = f"{folder}/" if folder else ""
     with hub_errors(
         SAEError,
@@ -394,8 +396,8 @@ def _download(repo: str, folder: str, revision: str | None, where: str) -> SAE:
         offline="give a local directory instead",
         where=f"{where}: ",
     ):
-        cfg = Path(hf_hub_download(repo, prefix + CFG_FILE, revision=revision))
-        hf_hub_download(repo, prefix + WEIGHTS_FILE, revision=revision)
+        cfg = download(repo, prefix + CFG_FILE, revision)
+        download(repo, prefix + WEIGHTS_FILE, revision)
     return _from_dir(cfg.parent, where, HUB_MODEL_KWARGS.get(repo), HUB_INPUT_SCALING.get(repo, {}).get(folder))
 
 
