@@ -5,8 +5,9 @@ merely exits 130). A reader of the output that goes away (`| head -1`) ends it s
 ends `cat` (Python ignores the signal and raises `BrokenPipeError` instead).
 
 The installed commands start here (`generate`, `analyze`, `harvest`), importing their module inside
-`run_console`: a Ctrl-C while torch is still being imported is the same one line. `empty_flag` is the
-check the three share before any work."""
+`run_console`, with a Ctrl-C held until the import is over (`held_interrupt`: one inside torch's C++
+aborted the process, or left numpy half imported), then the same one line. `empty_flag` is the check the
+three share before any work."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import importlib
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import NoReturn
 
 
@@ -49,8 +51,29 @@ def empty_flag(flags: Iterable[tuple[str, str | None]]) -> str | None:
 HARVEST_INTERRUPTED = "interrupted; run it again with the same arguments to resume"
 
 
+@contextmanager
+def held_interrupt() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT) that comes during the block, and raise it as KeyboardInterrupt once the block is
+    over: an import of torch or numpy interrupted midway can abort the process (a C++ terminate) or leave a
+    module that cannot be imported again."""
+    came: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if came:
+        raise KeyboardInterrupt
+
+
 def _command(module: str, name: str, interrupted: str = "interrupted") -> NoReturn:
-    run_console(lambda: importlib.import_module(f"gpt2_scripts.{module}").main(), f"{name}: {interrupted}")
+    def main() -> int:
+        with held_interrupt():
+            tool = importlib.import_module(f"gpt2_scripts.{module}")
+        status: int = tool.main()
+        return status
+
+    run_console(main, f"{name}: {interrupted}")
 
 
 def generate() -> NoReturn:
