@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import random
 import signal
 import subprocess
@@ -314,6 +315,32 @@ def test_a_job_failing_before_its_first_shard_leaves_no_folder(
     assert ready.is_dir() and not list(ready.iterdir())
     fixed = harvest(tiny.path, source, ready, ["blocks.0.hook_resid_pre"], **tok)
     assert fixed.complete and fixed.n_contexts == 2
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("rows", "x", "a shard's rows is 'x'"),
+        ("file", None, "a shard's file is None"),
+        ("file", "../../etc/passwd", "a shard's file is '../../etc/passwd', not a shard's name"),
+        ("bytes", True, "a shard's bytes is True"),
+        ("first_context", 1.5, "a shard's first_context is 1.5"),
+    ],
+)
+def test_a_damaged_shard_record_is_refused_in_words(
+    tiny, tokenizer_dir: Path, corpus, tmp_path: Path, field: str, value: object, says: str
+) -> None:
+    """A manifest edited by hand (a field of another type, a file outside the folder): one line, not a
+    TypeError from deep in the resume."""
+    source, _ = corpus
+    out = tmp_path / "acts"
+    opts = {"tokenizer": str(tokenizer_dir), "device": "cpu", "context_size": 16, "max_tokens": 16 * 8}
+    harvest(tiny.path, source, out, ["blocks.0.hook_resid_pre"], **opts)
+    saved = json.loads((out / MANIFEST).read_text())
+    saved["shards"][0][field] = value
+    (out / MANIFEST).write_text(json.dumps(saved))
+    with pytest.raises(HarvestError, match=rf"is not a harvest manifest this version can read \({re.escape(says)}\)"):
+        harvest(tiny.path, source, out, ["blocks.0.hook_resid_pre"], **opts)
 
 
 def test_a_manifest_of_another_version_is_refused_in_words(tiny, tokenizer_dir: Path, corpus, tmp_path: Path) -> None:

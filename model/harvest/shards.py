@@ -33,7 +33,8 @@ MANIFEST_VERSION = 3
 _TOKENIZER = "tokenizer_files"  # the job's key that version 3 added: version 2's jobs resume, and get it recorded
 _IDENTITIES = ("source", "weights", _TOKENIZER)  # the job's keys that identify files by name, size and sha256
 _TMP = ".tmp-"
-_OURS = re.compile(r"(manifest|dataset_info|state)\.json|acts-\d{5,}\.(safetensors|arrow)")  # `write_atomic`'s names
+_SHARD = re.compile(r"acts-\d{5,}\.(safetensors|arrow)")  # `shard_name`'s
+_OURS = re.compile(rf"(manifest|dataset_info|state)\.json|{_SHARD.pattern}")  # `write_atomic`'s names
 
 
 def _leftover(path: Path) -> bool:
@@ -57,6 +58,21 @@ class ShardRecord:
     first_context: int
     sha256: str
     bytes: int
+
+    @classmethod
+    def read(cls, saved: Any) -> ShardRecord:
+        """A record as a manifest holds it, checked: a TypeError (or KeyError) where a field is missing or of
+        another type, or the file is not a plain name in the folder."""
+        record = cls(**saved)
+        for name, kind in (("index", int), ("file", str), ("rows", int), ("first_context", int), ("sha256", str)):
+            value = getattr(record, name)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise TypeError(f"a shard's {name} is {value!r}")
+        if not isinstance(record.bytes, int) or isinstance(record.bytes, bool):
+            raise TypeError(f"a shard's bytes is {record.bytes!r}")
+        if not _SHARD.fullmatch(record.file):
+            raise TypeError(f"a shard's file is {record.file!r}, not a shard's name")
+        return record
 
 
 def write_atomic(path: Path, data: bytes) -> str:
@@ -207,7 +223,7 @@ class Manifest:
         try:
             saved = json.loads(path.read_text(encoding="utf-8"))
             saved_job = saved["job"]
-            records = [ShardRecord(**r) for r in saved["shards"]]
+            records = [ShardRecord.read(r) for r in saved["shards"]]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise HarvestError(f"{path} is not a harvest manifest this version can read ({e})") from None
         # version 2 recorded everything but the tokenizer's identity: its job resumes with the tokenizer
