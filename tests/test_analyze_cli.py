@@ -184,7 +184,6 @@ def test_a_plot_that_cannot_be_written_whole_leaves_the_old_file(
     import errno
 
     import matplotlib.figure
-
     from gpt2_scripts.analyze import main
 
     png = tmp_path / "old.png"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import random
+import re
 import signal
 import subprocess
 import sys
