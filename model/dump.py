@@ -44,6 +44,8 @@ def dump_path_problem(path: str | Path) -> str | None:
     """Why a dump cannot be written to `path` (None: it looks writable), to ask before the work that makes
     the dump. The file is written to a temporary name and renamed over the target, which would replace a
     device or a pipe; a symlink is followed to the file it names."""
+    if str(path).endswith("/"):  # Path() drops the slash: "out.safetensors/" would be written as a file
+        return f"cannot write {path}: a file's name does not end in /"
     if not Path(path).parent.is_dir():
         return f"cannot write {path}: no directory {Path(path).parent}"
     try:
@@ -52,6 +54,8 @@ def dump_path_problem(path: str | Path) -> str | None:
         return f"cannot write {path}: {e}"
     if not target.parent.is_dir():
         return f"cannot write {path}: it links to {target}, in no directory"
+    if target.is_dir():
+        return f"cannot write {path}: it is a directory"
     if target.exists() and not stat.S_ISREG(target.stat().st_mode):
         return f"cannot write {path}: it is not a regular file"
     return None

@@ -34,7 +34,7 @@ from gpt2_scripts.generate import read_prompt
 from gpt2_scripts.sae_cli import add_sae_arguments, directions, features_table
 
 from model.analysis import LayerStats, analyze
-from model.dump import replace_whole
+from model.dump import dump_path_problem, replace_whole
 from model.generate import GenerationError, validate_prompt
 from model.interventions import EditSpec, InterventionError
 from model.lab.attribution import Attribution, attribution
@@ -108,10 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             return fail(
                 f"--plot {args.plot}: the name must end in a format matplotlib writes ({', '.join(sorted(formats))})"
             )
-        if not Path(args.plot).parent.is_dir():  # before the long part
-            return fail(f"cannot write {args.plot}: no directory {Path(args.plot).parent}")
-        if Path(args.plot).is_dir():
-            return fail(f"cannot write {args.plot}: it is a directory")
+        if problem := dump_path_problem(args.plot):  # before the long part: a dump's rules (`replace_whole`)
+            return fail(problem)
     if args.attribution:
         return attribution_main(args, plt)
     prompt = read_prompt(args.prompt)

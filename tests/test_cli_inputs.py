@@ -62,6 +62,9 @@ def test_logits_that_overflow_float16_are_one_line(
         ("analyze", [PROMPT, "--model", ""], "--model is empty"),
         ("analyze", [PROMPT, "{model}", "--plot", ""], "--plot is empty"),
         ("analyze", [PROMPT, "{model}", "--plot", "{dir}/a.png"], "a.png: it is a directory"),
+        ("analyze", [PROMPT, "{model}", "--plot", "{dir}/p.png/"], "p.png/: a file's name does not end in /"),
+        ("analyze", [PROMPT, "{model}", "--plot", "{dir}/gone.png"], "gone.png: it links to"),  # dangling
+        ("generate", [PROMPT, "{model}", "--dump-activations", "{dir}/d.st/"], "d.st/: a file's name does not end"),
         ("harvest", ["{dir}/docs.txt", "{model}", "--hooks", "hook_embed", "--out", ""], "--out is empty"),
         ("harvest", ["", "{model}", "--hooks", "hook_embed", "--out", "{dir}/o"], "the source is empty"),
     ],
@@ -75,8 +78,10 @@ def test_empty_arguments_are_refused_before_the_work(
     argv: list[str],
     says: str,
 ) -> None:
-    """An empty name was read as the current directory (--model, --out) or as no option at all, silently."""
+    """An empty name was read as the current directory (--model, --out) or as no option at all, silently; a
+    file name ending in / was written as a file, a plot through a dangling link refused after the work."""
     (tmp_path / "a.png").mkdir()  # a directory with a plot's name: refused before the work, not after
+    (tmp_path / "gone.png").symlink_to(tmp_path / "no-such-dir" / "p.png")
     (tmp_path / "docs.txt").write_text("some text " * 100)
     main = {"generate": generate.main, "analyze": analyze.main, "harvest": harvest.main}[tool]
     full: list[str] = []
@@ -85,4 +90,4 @@ def test_empty_arguments_are_refused_before_the_work(
     assert main(full) == 1
     one_error(capsys, tool, says)
     assert capsys.readouterr().out == ""
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.png", "docs.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.png", "docs.txt", "gone.png"]
