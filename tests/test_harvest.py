@@ -414,7 +414,7 @@ def test_resume_refuses_another_dataset_dict_at_the_same_path(tiny, tokenizer_di
     assert json.loads((out / "manifest.json").read_text())["job"]["source"]["fingerprint"] is not None
     before = tree_shas(out)
     save(["other", "text", "entirely", "now"])
-    with pytest.raises(HarvestError, match=r"other arguments \(source: "):
+    with pytest.raises(HarvestError, match=r"other arguments \(source fingerprint: '\w+' there, '\w+' now\)"):
         harvest(tiny.path, source, out, ["blocks.0.hook_resid_pre"], **opts)
     assert tree_shas(out) == before
 
@@ -748,3 +748,21 @@ def test_a_local_ray_instance_without_room_for_an_actor_is_refused() -> None:
     with pytest.raises(HarvestError, match=r"asks for 4 CPUs and 0.5 GPUs"):
         _check_room({"CPU": 2.0}, 4.0, 0.5, local=True)
     _check_room({"CPU": 2.0}, 1.0, 1.0, local=False)  # a warning, the job goes on
+
+
+def test_a_resume_names_the_flags_that_changed(tiny, tokenizer_dir: Path, tmp_path: Path) -> None:
+    """Another --text-field said as such (it was "source: other files (names, sizes or sha256)", the files
+    being the same), and another --max-tokens by its flag (it was `max_contexts` alone)."""
+    source = tmp_path / "docs.jsonl"
+    source.write_text(
+        "".join(json.dumps({"text": f"a cat {i} " * 20, "body": f"a dog {i} " * 20}) + "\n" for i in range(40))
+    )
+    out = tmp_path / "acts"
+    opts = {"tokenizer": str(tokenizer_dir), "device": "cpu", "context_size": 16, "max_tokens": 16 * 8}
+    harvest(tiny.path, source, out, ["blocks.0.hook_resid_pre"], **opts)
+    with pytest.raises(HarvestError) as refused:
+        harvest(tiny.path, source, out, ["blocks.0.hook_resid_pre"], text_field="body", **opts)
+    assert "source text_field: 'text' there, 'body' now" in str(refused.value)
+    assert "other files" not in str(refused.value)
+    with pytest.raises(HarvestError, match=r"max_contexts \(--max-tokens // --context-size\): 8 there, 4 now"):
+        harvest(tiny.path, source, out, ["blocks.0.hook_resid_pre"], **opts | {"max_tokens": 16 * 4})

@@ -114,9 +114,15 @@ def sha256_file(path: Path) -> str:
 
 def _difference(key: str, there: Any, now: Any) -> str:
     """One argument a restart changed, for the error: both values when short, the files that changed for
-    the files' identities, else that the values differ."""
+    the files' identities (or the source's other fields that did, its text field say), else that the values
+    differ. The job's own names are the flags' where they differ (`max_contexts`: `--max-tokens`)."""
     if key in _IDENTITIES and (changed := _files_changed(there, now)):
         return f"{key}: {changed}"
+    if isinstance(there, dict) and isinstance(now, dict) and there.get("files") == now.get("files"):
+        fields = [k for k in sorted(set(there) | set(now)) if k != "files" and there.get(k) != now.get(k)]
+        return "; ".join(_difference(f"{key} {k}", there.get(k), now.get(k)) for k in fields)
+    if key == "max_contexts":
+        key = "max_contexts (--max-tokens // --context-size)"
     if len(repr(there)) + len(repr(now)) <= 120:
         return f"{key}: {there!r} there, {now!r} now"
     return f"{key}: other {'files (names, sizes or sha256)' if key in _IDENTITIES else 'values'} now"
