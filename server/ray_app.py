@@ -19,6 +19,8 @@ here (`PROXY_SETTINGS`); the body's deadline (`body_timeout`) holds in each repl
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import logging
 import math
 import os
@@ -30,15 +32,17 @@ import ray
 import torch
 from fastapi import FastAPI
 from ray import serve
-from ray.exceptions import TaskCancelledError
+from ray.exceptions import RayActorError, RayError, TaskCancelledError
 from ray.serve import Application
 
-from model.lab.steering import SteeringVector
+from model.lab.steering import SteeringVector, StoredVectors
 from model.loading import load_from
 
 from .app import create_app, freeze_long_lived
 from .settings import Settings, convert
 from .threads import release_openmp_pool
+
+log = logging.getLogger(__name__)
 
 DEPLOYMENT = "gpt2"
 # gpt2-serve's settings that belong to the accepting side, which Serve's proxy is here: where to set them.
@@ -119,50 +123,53 @@ def replica_threads(planned: int) -> int:
     return max(1, math.floor(cpus)) if cpus else planned
 
 
-@ray.remote(num_cpus=0)
-class VectorStore:
-    """The steering vectors stored by name, one store for every replica of an application (a named actor),
-    so that a `{"vector": name}` finds the vector whichever replica stored it and whichever serves the
-    request. In memory, as gpt2-serve's: lost with the actor."""
-
-    def __init__(self) -> None:
-        self.vectors: dict[str, SteeringVector] = {}  # in the order stored
-        self.version = 0
-
-    def store(self, name: str, vector: SteeringVector, max_vectors: int) -> str | None:
-        if name not in self.vectors and len(self.vectors) >= max_vectors:
-            return (
-                f"{len(self.vectors)} steering vectors are stored already, the server's limit "
-                f"(--max-steering-vectors {max_vectors}); reuse a name to replace one: {', '.join(self.vectors)}"
-            )
-        self.vectors[name] = vector
-        self.version += 1
-        return None
-
-    def since(self, version: int) -> tuple[int, dict[str, SteeringVector] | None]:
-        return self.version, (None if version == self.version else self.vectors)
+VectorStore = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(StoredVectors)
+STORE_TIMEOUT_S = 5.0  # a store call slower than this is given up (its error said, the replica's copy kept)
 
 
-def vector_store_name(app_name: str) -> str:
-    """The name of an application's `VectorStore` actor, in the namespace `serve`."""
-    return f"gpt2-steering-vectors-{app_name}"
+def vector_store_name(app_name: str, model: str) -> str:
+    """The name of the `VectorStore` actor of an application serving `model` (its `model` setting), in the
+    namespace `serve`: a redeploy with another model has a store of its own."""
+    return f"gpt2-steering-vectors-{app_name}-{hashlib.sha256(model.encode()).hexdigest()[:12]}"
 
 
 class ReplicaVectors:
-    """`SharedVectors` on the application's `VectorStore` actor: made by the first replica to start, and
-    detached, so that it outlives any one replica (and a redeploy of the application)."""
+    """`SharedVectors` on the application's `VectorStore` actor (`StoredVectors` in a named actor, so that a
+    `{"vector": name}` finds the vector whichever replica stored it): made by the first replica to start,
+    detached so that it outlives any one replica, and restarted (empty, a new epoch) if its process dies.
+    A handle to a store that is gone is looked up again (made again) once; a call that still fails or takes
+    longer than STORE_TIMEOUT_S leaves the replica's copy as it was (`since`) or refuses the store."""
 
-    def __init__(self, app_name: str) -> None:
-        self.actor = VectorStore.options(  # type: ignore[attr-defined]
-            name=vector_store_name(app_name), namespace="serve", get_if_exists=True, lifetime="detached"
-        ).remote()
+    def __init__(self, app_name: str, model: str) -> None:
+        self.name = vector_store_name(app_name, model)
+        self.actor = self._lookup()
+
+    def _lookup(self) -> Any:
+        return VectorStore.options(name=self.name, namespace="serve", get_if_exists=True, lifetime="detached").remote()
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        for attempt in (1, 2):
+            try:
+                return await asyncio.wait_for(getattr(self.actor, method).remote(*args), STORE_TIMEOUT_S)
+            except RayActorError:
+                if attempt == 2:
+                    raise
+                self.actor = self._lookup()
+        raise AssertionError("not reached")
 
     async def store(self, name: str, vector: SteeringVector, max_vectors: int) -> str | None:
-        refusal: str | None = await self.actor.store.remote(name, vector, max_vectors)
+        try:
+            refusal: str | None = await self._call("store", name, vector, max_vectors)
+        except (RayError, asyncio.TimeoutError) as e:
+            return f"the store of steering vectors the replicas share cannot be reached ({type(e).__name__})"
         return refusal
 
-    async def since(self, version: int) -> tuple[int, dict[str, SteeringVector] | None]:
-        got: tuple[int, dict[str, SteeringVector] | None] = await self.actor.since.remote(version)
+    async def since(self, version: str) -> tuple[str, dict[str, SteeringVector] | None]:
+        try:
+            got: tuple[str, dict[str, SteeringVector] | None] = await self._call("since", version)
+        except (RayError, asyncio.TimeoutError) as e:
+            log.warning("the shared steering vectors cannot be read (%s): this replica's copy is used", e)
+            return version, None
         return got
 
 
@@ -182,7 +189,7 @@ def application(p: Plan) -> Application:
             on_loaded=freeze_long_lived,
             sliced=False,
             client_gone=(TaskCancelledError,),  # raised into a handler whose client left: a 499, not a 500
-            shared_vectors=ReplicaVectors(serve.get_replica_context().app_name),
+            shared_vectors=ReplicaVectors(serve.get_replica_context().app_name, settings.model),
         )
 
     @serve.ingress(replica_app)

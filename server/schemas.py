@@ -192,6 +192,10 @@ class Edits(Strict):
     interventions: list[InterventionSpec] | None = Field(default=None, max_length=MAX_INTERVENTIONS)
     residual: ResidualSpec | None = None
 
+    def names_a_vector(self) -> bool:
+        """Whether an edit's direction names a stored steering vector (`{"vector": name}`)."""
+        return any(isinstance(i.direction, NamedVector) for i in self.interventions or [])
+
     def edit_spec(self, n_layer: int, directions: Directions | None = None) -> EditSpec | None:
         """`directions`: the SAEs and stored vectors a steering edit's direction may name."""
         if not self.interventions and self.residual is None:

@@ -384,7 +384,9 @@ def test_a_replica_takes_as_many_torch_threads_as_ray_gave_it(monkeypatch: pytes
     assert replica_threads(4) == 4  # not in a Ray worker: the plan's
 
 
-def test_ray_a_vector_stored_by_name_is_known_to_every_replica(ray_app: str, single: TestClient) -> None:
+def test_ray_a_vector_stored_by_name_is_known_to_every_replica(
+    ray_app: str, single: TestClient, args: dict[str, Any]
+) -> None:
     """A steering vector stored by name through one replica is found whichever replica serves a later request
     (they share one store, `VectorStore`), and /v1/model lists it on each. Last of the tests on `ray_app`:
     the others compare /v1/model with a server that stores none."""
@@ -411,5 +413,11 @@ def test_ray_a_vector_stored_by_name_is_known_to_every_replica(ray_app: str, sin
             assert comparable(GEN, answer.json()) == comparable(GEN, want)
         assert listed == [["joy"]] * 10
         assert len({s["pid"] for s in stats()}) == 2
+        # the store's actor killed: the replicas make it again (empty) and go on; a 400, never a 500
+        ray.kill(ray.get_actor(vector_store_name(APP, args["model"]), namespace="serve"))
+        gone = [httpx.post(ray_app + GEN, json=steer, timeout=GUARD) for _ in range(6)]
+        assert {(g.status_code, "no stored steering vector 'joy'" in g.text) for g in gone} == {(400, True)}
+        again = httpx.post(ray_app + "/v1/steering-vectors", json=body, timeout=GUARD)
+        assert again.status_code == 200 and again.json()["stored"] == ["joy"], again.text
     finally:
-        ray.kill(ray.get_actor(vector_store_name(APP), namespace="serve"))
+        ray.kill(ray.get_actor(vector_store_name(APP, args["model"]), namespace="serve"))

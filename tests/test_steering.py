@@ -257,24 +257,22 @@ def test_a_norm_matched_steer_to_zero_is_zero() -> None:
 
 
 def test_directions_sharing_a_store_see_each_other_s_vectors_and_its_limit() -> None:
-    """Two servers' `Directions` on one shared store (as a Ray deployment's replicas on its `VectorStore`):
-    what one publishes, the other has after `refresh`, in the order stored; the store's limit holds across
-    them, and a refused name is stored nowhere."""
+    """Two servers' `Directions` on one `StoredVectors` (as a Ray deployment's replicas on its `VectorStore`
+    actor): what one publishes, the other has after `refresh`, in the order stored; the store's limit holds
+    across them, a refused name is stored nowhere, and a store made again (emptied) is taken in as such."""
     import asyncio
 
-    class Shared:  # a `SharedVectors` in memory
+    from model.lab.steering import StoredVectors
+
+    class Shared:  # `SharedVectors` on a StoredVectors in this process, as ReplicaVectors is on the actor's
         def __init__(self) -> None:
-            self.vectors: dict[str, SteeringVector] = {}
+            self.store_ = StoredVectors()
 
         async def store(self, name: str, vector: SteeringVector, max_vectors: int) -> str | None:
-            if name not in self.vectors and len(self.vectors) >= max_vectors:
-                return f"{len(self.vectors)} steering vectors are stored already"
-            self.vectors[name] = vector
-            return None
+            return self.store_.store(name, vector, max_vectors)
 
-        async def since(self, version: int) -> tuple[int, dict[str, SteeringVector] | None]:
-            now = hash(tuple((n, id(v)) for n, v in self.vectors.items()))
-            return now, None if version == now else dict(self.vectors)
+        async def since(self, version: str) -> tuple[str, dict[str, SteeringVector] | None]:
+            return self.store_.since(version)
 
     def vector(x: float) -> SteeringVector:
         return SteeringVector("blocks.0.hook_resid_pre", torch.full((4,), x), 1, 1)
@@ -293,7 +291,10 @@ def test_directions_sharing_a_store_see_each_other_s_vectors_and_its_limit() -> 
             await a.publish("anger", vector(4.0))  # a's own copy has room; the shared store has none
         assert refused.value.param == "name"
         await a.refresh()
-        assert a.names() == b.names() == ["joy", "calm"] and "anger" not in shared.vectors
+        assert a.names() == b.names() == ["joy", "calm"] and "anger" not in shared.store_.vectors
         assert torch.equal(a.vector("joy", "direction").vector, torch.full((4,), 3.0))
+        shared.store_ = StoredVectors()  # the store's process died and was made again: empty, a new epoch
+        await a.refresh()
+        assert a.names() == []
 
     asyncio.run(scenario())

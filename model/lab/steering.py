@@ -15,6 +15,7 @@ interventions (`model/interventions.py`) choose the layers and positions and cal
 from __future__ import annotations
 
 import math
+import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -124,8 +125,41 @@ class SharedVectors(Protocol):
     async def store(self, name: str, vector: SteeringVector, max_vectors: int) -> str | None:
         """Keep `vector` under `name`; why not (the store is full), or None."""
 
-    async def since(self, version: int) -> tuple[int, dict[str, SteeringVector] | None]:
-        """The store's version, and its vectors in the order stored if that is not `version` (else None)."""
+    async def since(self, version: str) -> tuple[str, dict[str, SteeringVector] | None]:
+        """The store's version (a token that names its contents: another store, or the same one restarted,
+        never gives one it gave before), and its vectors in the order stored if that is not `version` (else
+        None)."""
+
+
+class StoredVectors:
+    """The steering vectors several servers share, by name, in the order stored (`SharedVectors`' other side:
+    a Ray deployment keeps one in a named actor, `server.ray_app.VectorStore`). Its versions are tokens of
+    an epoch of its own and a count, so that a store made again (emptied) never gives a version a server
+    holds for another content."""
+
+    def __init__(self) -> None:
+        self.vectors: dict[str, SteeringVector] = {}
+        self.epoch, self.count = uuid.uuid4().hex, 0
+
+    def store(self, name: str, vector: SteeringVector, max_vectors: int) -> str | None:
+        """Keep `vector` under `name`; why not (the store is full), or None."""
+        if name not in self.vectors and len(self.vectors) >= max_vectors:
+            return full_store(list(self.vectors), max_vectors)
+        self.vectors[name] = vector
+        self.count += 1
+        return None
+
+    def since(self, version: str) -> tuple[str, dict[str, SteeringVector] | None]:
+        now = f"{self.epoch}:{self.count}"
+        return now, (None if version == now else dict(self.vectors))
+
+
+def full_store(names: list[str], max_vectors: int) -> str:
+    """The refusal of a name beyond `max_vectors` stored ones."""
+    return (
+        f"{len(names)} steering vectors are stored already, the server's limit (--max-steering-vectors "
+        f"{max_vectors}); reuse a name to replace one: {', '.join(names)}"
+    )
 
 
 class Directions:
@@ -141,7 +175,7 @@ class Directions:
         self.max_vectors = max_vectors
         self.shared = shared
         self._vectors: OrderedDict[str, SteeringVector] = OrderedDict()
-        self._version = -1  # of the shared store, when last taken in
+        self._version = ""  # of the shared store, when last taken in (none yet)
 
     def sae(self, sae_id: object, param: str) -> SAE:
         if not isinstance(sae_id, str) or sae_id not in self.saes:
@@ -171,11 +205,7 @@ class Directions:
         if not name or len(name) > 128 or not name.isprintable():
             raise DirectionError(f"name must be 1..128 printable characters, got {name!r}", param)
         if name not in self._vectors and len(self._vectors) >= self.max_vectors:
-            raise DirectionError(
-                f"{len(self._vectors)} steering vectors are stored already, the server's limit "
-                f"(--max-steering-vectors {self.max_vectors}); reuse a name to replace one: {', '.join(self._vectors)}",
-                param,
-            )
+            raise DirectionError(full_store(list(self._vectors), self.max_vectors), param)
 
     def names(self) -> list[str]:
         return list(self._vectors)

@@ -291,7 +291,8 @@ async def resolved_edits(req: Edits, engine: Engine, directions: Directions) -> 
     thousand globbed edits take a few hundred milliseconds (more on gpt2-xl's 1,111 hook points), and the event
     loop keeps serving meanwhile."""
     config = engine.model.config
-    await directions.refresh()  # the vectors other replicas stored (a Ray deployment's)
+    if req.names_a_vector():
+        await directions.refresh()  # the vectors other replicas stored (a Ray deployment's)
 
     def resolve() -> EditSpec | None:
         spec = req.edit_spec(config.n_layer, directions)

@@ -262,6 +262,7 @@ async def steering_vectors(
             await directions.publish(req.name, vector)
         except DirectionError as e:
             raise GenerationError(str(e), e.param) from None
+    await directions.refresh()  # what the other replicas stored meanwhile, for "stored"
     return {
         "name": req.name,
         "hook": req.hook,
