@@ -766,3 +766,23 @@ def test_a_resume_names_the_flags_that_changed(tiny, tokenizer_dir: Path, tmp_pa
     assert "other files" not in str(refused.value)
     with pytest.raises(HarvestError, match=r"max_contexts \(--max-tokens // --context-size\): 8 there, 4 now"):
         harvest(tiny.path, source, out, ["blocks.0.hook_resid_pre"], **opts | {"max_tokens": 16 * 4})
+
+
+def test_a_job_started_before_config_json_counted_resumes_and_records_it(
+    tiny, tokenizer_dir: Path, corpus, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A manifest written before the model's config.json was part of its identity (its `weights` without it)
+    resumes with the same arguments, saying so, and records it from then on; an edit after that is refused."""
+    source, _ = corpus
+    out = tmp_path / "acts"
+    opts = {"tokenizer": str(tokenizer_dir), "device": "cpu", "context_size": 16, "max_tokens": 16 * 8}
+    harvest(tiny.path, source, out, ["blocks.0.hook_resid_pre"], shard_size=4, **opts)
+    saved = json.loads((out / MANIFEST).read_text())
+    assert [f["name"] for f in saved["job"]["weights"]] == ["model.safetensors", "config.json"]
+    saved["job"]["weights"] = saved["job"]["weights"][:-1]
+    (out / MANIFEST).write_text(json.dumps(saved))
+    (out / "acts-00001.safetensors").unlink()  # a shard the resume computes, and records the job with
+    with caplog.at_level("WARNING", logger="model.harvest.shards"):
+        assert harvest(tiny.path, source, out, ["blocks.0.hook_resid_pre"], shard_size=4, **opts).complete
+    assert "did not record the model's config.json: resuming with what is there now" in caplog.text
+    assert [f["name"] for f in json.loads((out / MANIFEST).read_text())["job"]["weights"]][-1] == "config.json"

@@ -64,12 +64,11 @@ class ShardRecord:
         """A record as a manifest holds it, checked: a TypeError (or KeyError) where a field is missing or of
         another type, or the file is not a plain name in the folder."""
         record = cls(**saved)
-        for name, kind in (("index", int), ("file", str), ("rows", int), ("first_context", int), ("sha256", str)):
+        fields = (("index", int), ("file", str), ("rows", int), ("first_context", int), ("sha256", str), ("bytes", int))
+        for name, kind in fields:
             value = getattr(record, name)
             if not isinstance(value, kind) or isinstance(value, bool):
                 raise TypeError(f"a shard's {name} is {value!r}")
-        if not isinstance(record.bytes, int) or isinstance(record.bytes, bool):
-            raise TypeError(f"a shard's bytes is {record.bytes!r}")
         if not _SHARD.fullmatch(record.file):
             raise TypeError(f"a shard's file is {record.file!r}, not a shard's name")
         return record
@@ -120,12 +119,38 @@ def _difference(key: str, there: Any, now: Any) -> str:
         return f"{key}: {changed}"
     if isinstance(there, dict) and isinstance(now, dict) and there.get("files") == now.get("files"):
         fields = [k for k in sorted(set(there) | set(now)) if k != "files" and there.get(k) != now.get(k)]
-        return "; ".join(_difference(f"{key} {k}", there.get(k), now.get(k)) for k in fields)
+        if fields:
+            return "; ".join(_difference(f"{key} {k}", there.get(k), now.get(k)) for k in fields)
     if key == "max_contexts":
         key = "max_contexts (--max-tokens // --context-size)"
     if len(repr(there)) + len(repr(now)) <= 120:
         return f"{key}: {there!r} there, {now!r} now"
     return f"{key}: other {'files (names, sizes or sha256)' if key in _IDENTITIES else 'values'} now"
+
+
+def _identities_added(saved: dict[str, Any], now: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """`saved` with the identities that gpt2-harvest records since 2026-12-05 and did not before, taken from
+    `now` where the rest agrees, and said: the model's `config.json` beside its weight files, a DatasetDict's
+    fingerprint. (What they were as the job started cannot be known: a job started before resumes.)"""
+    out = dict(saved)
+    weights: list[dict[str, Any]] = now.get("weights") or []  # `now` is this version's job: its types are known
+    source: dict[str, Any] = now["source"]
+    if weights and weights[-1]["name"] == "config.json" and saved.get("weights") == weights[:-1]:
+        out["weights"] = weights
+    if source["kind"] == "datasets" and saved.get("source") == source | {"fingerprint": None}:
+        out["source"] = source
+    if out != saved:
+        log.warning(
+            "%s was started by a gpt2-harvest that did not record %s: resuming with what is there now, recorded "
+            "from now on",
+            out_dir,
+            " or ".join(
+                what
+                for key, what in (("weights", "the model's config.json"), ("source", "the dataset's fingerprint"))
+                if out.get(key) != saved.get(key)
+            ),
+        )
+    return out
 
 
 def _comparable(job: dict[str, Any]) -> dict[str, Any]:
@@ -243,6 +268,7 @@ class Manifest:
             )
         if upgrade:
             saved_job = saved_job | {_TOKENIZER: self.job.get(_TOKENIZER)}
+        saved_job = _identities_added(saved_job, self.job, self.out_dir)
         saved_job, job = _comparable(saved_job), _comparable(self.job)
         if saved_job != job:
             diffs = [_difference(k, saved_job.get(k), job.get(k)) for k in sorted(set(saved_job) | set(job))
