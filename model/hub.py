@@ -3,8 +3,8 @@ the hub's errors said as what to do about them."""
 
 from __future__ import annotations
 
-import functools
 import socket
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,21 +13,28 @@ from urllib.parse import urlparse
 
 def download(repo: str, filename: str, revision: str | None) -> Path:
     """`hf_hub_download`'s path of `filename` in `repo`; from the local cache alone where the hub's host does
-    not resolve (no network: the client would retry for about 25 s, logging each try, before failing the same
-    way). Its errors are for `hub_errors` to word."""
+    not resolve and no proxy would reach it (no network: the client would retry for about 25 s, logging each
+    try, before failing the same way). Its errors are for `hub_errors` to word."""
     from huggingface_hub import constants, hf_hub_download
 
-    offline = not _resolves(urlparse(constants.ENDPOINT).hostname or "")
+    url = urlparse(constants.ENDPOINT)
+    host = url.hostname or ""
+    proxied = url.scheme in urllib.request.getproxies() and not urllib.request.proxy_bypass(host)
+    offline = not (constants.HF_HUB_OFFLINE or proxied or _resolves(host))
     return Path(hf_hub_download(repo, filename, revision=revision, local_files_only=offline))
 
 
-@functools.lru_cache(maxsize=8)
+_RESOLVED: set[str] = set()  # hosts that had an address: a failure is asked again (a network not up yet)
+
+
 def _resolves(host: str) -> bool:
-    """Whether `host` has an address (asked once a process)."""
-    try:
-        socket.getaddrinfo(host, 443)
-    except (OSError, UnicodeError):
-        return False
+    """Whether `host` has an address."""
+    if host not in _RESOLVED:
+        try:
+            socket.getaddrinfo(host, 443)
+        except (OSError, UnicodeError):
+            return False
+        _RESOLVED.add(host)
     return True
 
 

@@ -56,6 +56,9 @@ def held_interrupt() -> Iterator[None]:
     """Hold a Ctrl-C (SIGINT) that comes during the block, and raise it as KeyboardInterrupt once the block is
     over: an import of torch or numpy interrupted midway can abort the process (a C++ terminate) or leave a
     module that cannot be imported again."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started so (nohup, `&` in a script): nothing comes
+        yield
+        return
     came: list[int] = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
     try:

@@ -358,12 +358,19 @@ def test_an_interrupt_is_held_until_the_block_is_over() -> None:
 
     from gpt2_scripts.console import held_interrupt
 
-    finished = False
+    finished, before = False, signal.getsignal(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt), held_interrupt():
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.05)  # a signal handler runs here: it only takes note
         finished = True
-    assert finished and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert finished and signal.getsignal(signal.SIGINT) is before
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # started with SIGINT ignored (nohup): it stays ignored
+    try:
+        with held_interrupt():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 # --- where the output cannot go ---------------------------------------------------------------

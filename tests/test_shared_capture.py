@@ -206,7 +206,7 @@ def test_concurrent_single_context_clients_get_their_own_values(loaded: LoadedMo
     "names, edits",
     [
         (["ln_final.hook_normalized"], None),
-        (["blocks.1.hook_resid_post"], EditSpec((Edit("unembed.hook_in", "scale", factor=0.7, positions=(2, 9)),))),
+        (["unembed.hook_in"], EditSpec((Edit("unembed.hook_in", "scale", factor=0.7, positions=(2, 9, 10)),))),
         (["unembed.hook_in"], EditSpec((Edit("ln_final.hook_scale", "scale", factor=1.5),))),
     ],
     ids=["capture", "edit", "both"],
