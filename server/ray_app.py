@@ -148,14 +148,11 @@ class ReplicaVectors:
         return VectorStore.options(name=self.name, namespace="serve", get_if_exists=True, lifetime="detached").remote()
 
     async def _call(self, method: str, *args: Any) -> Any:
-        for attempt in (1, 2):
-            try:
-                return await asyncio.wait_for(getattr(self.actor, method).remote(*args), STORE_TIMEOUT_S)
-            except RayActorError:
-                if attempt == 2:
-                    raise
-                self.actor = self._lookup()
-        raise AssertionError("not reached")
+        try:
+            return await asyncio.wait_for(getattr(self.actor, method).remote(*args), STORE_TIMEOUT_S)
+        except RayActorError:  # the store is gone for good (killed): look it up again, made again if need be
+            self.actor = self._lookup()
+            return await asyncio.wait_for(getattr(self.actor, method).remote(*args), STORE_TIMEOUT_S)
 
     async def store(self, name: str, vector: SteeringVector, max_vectors: int) -> str | None:
         try:
