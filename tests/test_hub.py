@@ -117,7 +117,7 @@ def test_saes_and_checkpoints_through_the_hub(hub_root: Path, tmp_path: Path, ti
         assert len(hub.requests) == served
     # and with a hub whose host has no address (no network, HF_HUB_OFFLINE unset): from the cache at once, where
     # the client would retry for about 25 s, a warning each try
-    cut_off, said = run(env | {"HF_ENDPOINT": "http://hub.invalid"}, tty=False)
+    cut_off, said = run(env | {"HF_ENDPOINT": "http://hub.invalid", "no_proxy": "*"}, tty=False)  # no proxy either
     assert cut_off["features"] == out["features"] and cut_off["logits"] == out["logits"]
     assert "Retrying" not in said, said
     assert "cannot reach the Hugging Face hub" in cut_off["repo"]  # what is not in the cache: the offline error
