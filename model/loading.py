@@ -120,6 +120,7 @@ class CheckpointFiles:
     config: GPTConfig
     tokenizer_dir: Path | None
     revision: str | None = None
+    config_file: Path | None = None  # the config.json `config` was read from (None: a preset)
 
 
 def hub_repo(name: str) -> str | None:
@@ -148,8 +149,9 @@ def locate(source: str | Path, *, revision: str | None = None, preset_name: str 
     if path.is_file():
         if path.suffix != ".safetensors":
             raise LoadError(f"{path} is not a .safetensors file; give a checkpoint directory or a .safetensors file")
-        if (path.parent / "config.json").is_file():
-            config = _config_and_preset(path.parent / "config.json", preset_name)
+        config_file = path.parent / "config.json" if (path.parent / "config.json").is_file() else None
+        if config_file is not None:
+            config = _config_and_preset(config_file, preset_name)
         elif preset_name is not None:
             config = preset(preset_name)
         else:
@@ -158,7 +160,7 @@ def locate(source: str | Path, *, revision: str | None = None, preset_name: str 
                 "so name its shape with a preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, distilgpt2)"
             )
         tok_dir = path.parent if tokenizer_files(path.parent) else None
-        return CheckpointFiles(str(source), [path], config, tok_dir)
+        return CheckpointFiles(str(source), [path], config, tok_dir, config_file=config_file)
     text = str(source)
     if (repo := hub_repo(text)) is not None:
         return _download(text, repo, revision)
@@ -169,8 +171,9 @@ def locate(source: str | Path, *, revision: str | None = None, preset_name: str 
 
 
 def _locate_dir(path: Path, name: str, preset_name: str | None) -> CheckpointFiles:
-    if (path / "config.json").is_file():
-        config = _config_and_preset(path / "config.json", preset_name)
+    config_file = path / "config.json" if (path / "config.json").is_file() else None
+    if config_file is not None:
+        config = _config_and_preset(config_file, preset_name)
     elif preset_name is not None:
         config = preset(preset_name)
     else:
@@ -190,7 +193,7 @@ def _locate_dir(path: Path, name: str, preset_name: str | None) -> CheckpointFil
         )
     else:
         raise LoadError(f"no model.safetensors in {path}")
-    return CheckpointFiles(name, weights, config, path if tokenizer_files(path) else None)
+    return CheckpointFiles(name, weights, config, path if tokenizer_files(path) else None, config_file=config_file)
 
 
 def _config_and_preset(config_file: Path, preset_name: str | None) -> GPTConfig:
@@ -243,14 +246,15 @@ def _download(name: str, repo_id: str, revision: str | None) -> CheckpointFiles:
         missing=lambda e: f"repository {repo_id!r} lacks a file this loader needs: {e}",
         offline="pass a local checkpoint directory instead (for example --model ./gpt2)",
     ):
-        config = GPTConfig.from_json_file(fetch("config.json"))
+        config_file = fetch("config.json")
+        config = GPTConfig.from_json_file(config_file)
         weights = fetch("model.safetensors")
         try:
             tok_dir: Path | None = fetch("tokenizer.json").parent
         except EntryNotFoundError:
             fetch("vocab.json")
             tok_dir = fetch("merges.txt").parent
-    return CheckpointFiles(name, [weights], config, tok_dir, revision)
+    return CheckpointFiles(name, [weights], config, tok_dir, revision, config_file)
 
 
 # --- reading the weights -----------------------------------------------------------------------

@@ -317,7 +317,7 @@ def locate_model(spec: HarvestSpec, device: torch.device) -> Located:
     except (LoadError, ConfigError, TokenizerError) as e:
         raise HarvestError(str(e)) from None
     tok_files = [Path(tok_dir) / name for name in tokenizer_files(Path(tok_dir)) or []]  # the ones from_dir read
-    config_file = [c for c in (files.weights[0].parent / "config.json",) if c.is_file()]  # its epsilon, its GELU
+    config_file = [files.config_file] if files.config_file is not None else []  # its epsilon, its GELU
     weights = files_identity(files.weights + config_file)
     return Located(files.config, tokenizer, dtype, weights, files_identity(tok_files))
 
