@@ -85,6 +85,13 @@ class Norm(NamedTuple):
     scale_out: torch.Tensor
 
 
+def _gated(pre: torch.Tensor, threshold: torch.Tensor | None) -> torch.Tensor:
+    """Feature activations from pre-activations: ReLU, and with a `threshold` (JumpReLU) zero where the
+    pre-activation does not exceed it."""
+    f = pre.relu()
+    return f if threshold is None else f * (pre > threshold).to(f.dtype)
+
+
 class SAEError(ValueError):
     """An SAE that cannot be loaded or used: the message names the file, field or value, and what is valid."""
 
@@ -290,10 +297,7 @@ class SAE:
             assert self.cfg.k is not None
             top = pre.topk(self.cfg.k, dim=-1, sorted=False)
             return torch.zeros_like(pre).scatter_(-1, top.indices, top.values.relu())
-        f = pre.relu()
-        if self.threshold is not None:  # jumprelu
-            f = f * (pre > self.threshold).to(f.dtype)
-        return f
+        return _gated(pre, self.threshold)
 
     def feature(self, x: torch.Tensor, feature: int) -> torch.Tensor:
         """Feature `feature`'s activation [...] at inputs x [..., d_in], as `encode` gives it: from W_enc's one
@@ -302,10 +306,7 @@ class SAE:
         if self.cfg.architecture == "topk":
             return self.encode(x)[..., feature]
         pre = self._encoder_input(x) @ self.W_enc[:, feature] + self.b_enc[feature]  # [...]
-        f = pre.relu()
-        if self.threshold is not None:  # jumprelu
-            f = f * (pre > self.threshold[feature]).to(f.dtype)
-        return f
+        return _gated(pre, None if self.threshold is None else self.threshold[feature])
 
     def decode(self, f: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:
         """SAELens' `decode`: feature activations [..., d_sae] -> the reconstruction [..., d_in]. `norm`:
