@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -64,11 +64,10 @@ class ShardRecord:
         """A record as a manifest holds it, checked: a TypeError (or KeyError) where a field is missing or of
         another type, or the file is not a plain name in the folder."""
         record = cls(**saved)
-        fields = (("index", int), ("file", str), ("rows", int), ("first_context", int), ("sha256", str), ("bytes", int))
-        for name, kind in fields:
-            value = getattr(record, name)
-            if not isinstance(value, kind) or isinstance(value, bool):
-                raise TypeError(f"a shard's {name} is {value!r}")
+        for field in fields(record):  # each an int or a str, as annotated
+            value = getattr(record, field.name)
+            if not isinstance(value, {"int": int, "str": str}[str(field.type)]) or isinstance(value, bool):
+                raise TypeError(f"a shard's {field.name} is {value!r}")
         if not _SHARD.fullmatch(record.file):
             raise TypeError(f"a shard's file is {record.file!r}, not a shard's name")
         return record
