@@ -7,6 +7,7 @@ encodes without unknown tokens and decodes back to itself. `<|endoftext|>` (id 5
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -14,6 +15,9 @@ from tokenizers import decoders, models, pre_tokenizers, processors
 
 EOT = "<|endoftext|>"
 EOT_ID = 50256
+# One space or newline between two characters that are not white space (Python's `\s`, which holds every
+# character the pre-tokenizer's `\s` does): where GPT-2's text can be cut (`Tokenizer.cut`).
+_CUT = re.compile(r"(?<=\S)[ \n](?=\S)")
 
 
 class TokenizerError(ValueError):
@@ -51,6 +55,7 @@ class Tokenizer:
             raise TokenizerError(f"the tokenizer has no {EOT} token")
         self.eot_id: int = eot
         self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
+        self._cuttable = _splits_as_gpt2(tok)
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> Tokenizer:
@@ -78,6 +83,34 @@ class Tokenizer:
             check_unicode(text, i)
         tok = self._tok if special else self._plain
         return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
+
+    def cut(self, text: str, lo: int, hi: int) -> int:
+        """The last place in `text` after `lo` and at most `hi` where it can be cut so that its two sides,
+        encoded each on its own, give the ids of the whole; 0 where there is none (and always with a
+        tokenizer that does not split text as GPT-2's does).
+
+        GPT-2's pre-tokenizer splits text (around `<|endoftext|>`) into pieces with the regular expression
+
+            's|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+
+
+        and BPE merges only within a piece. No piece runs from a character that is not white space into the
+        space after it, so a single space between two such characters opens a piece (` cat`, ` 42`, ` (`),
+        and a single newline between them is a piece of its own, at the end of a text as well. So the text
+        can be cut before such a space or after such a newline: each side splits into the whole's pieces."""
+        if not self._cuttable:
+            return 0
+        end = min(len(text), hi + 2)  # the space at hi (or the newline before it) and the character after
+        width = 256
+        while True:  # look back from hi, further each time
+            start = max(lo - 1, hi - width, 0)
+            last = 0
+            for m in _CUT.finditer(text, start, end):  # (?<=\S) still sees the character before `start`
+                place = m.start() + (m.group() == "\n")
+                if lo < place <= hi:
+                    last = place
+            if last or start == max(lo - 1, 0):
+                return last
+            width *= 8
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
@@ -113,6 +146,21 @@ def check_unicode(text: str, item: int = 0) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise InvalidTextError(item, e.start, text[e.start]) from None
+
+
+def _splits_as_gpt2(tok: _HFTokenizer) -> bool:
+    """Whether `tok` splits text as GPT-2's tokenizer does (what `Tokenizer.cut` relies on): no normalizer,
+    the byte-level pre-tokenizer with GPT-2's regular expression and no space added in front, and no added
+    token with white space in it."""
+    spec = json.loads(tok.to_str())
+    pre = spec.get("pre_tokenizer") or {}
+    return (
+        spec.get("normalizer") is None
+        and pre.get("type") == "ByteLevel"
+        and pre.get("use_regex", True)
+        and not pre.get("add_prefix_space", True)
+        and not any(re.search(r"\s", t.get("content", " ")) for t in spec.get("added_tokens", []))
+    )
 
 
 def _byte_level_bpe(vocab_path: Path, merges_path: Path) -> _HFTokenizer:

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from model.harvest import MANIFEST, HarvestError, harvest, open_source, pack
 from model.harvest.job import HarvestSpec, open_job
-from model.harvest.text import tokenize
+from model.harvest.text import Source, tokenize
 from model.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +64,13 @@ def test_pack_is_saelens_packing(prepend_bos: bool) -> None:
             docs.append(doc)
         context = rnd.randint(2, 9)
         bos = EOT_ID if prepend_bos else None
-        ours = list(pack(docs, context, bos, EOT_ID))
+        ours = list(pack([(d, True) for d in docs], context, bos, EOT_ID))
+        # the same documents in pieces (as `tokenize` gives a long one) pack the same
+        pieces = []
+        for d in docs:
+            cuts = sorted(rnd.sample(range(1, len(d)), rnd.randint(0, len(d) - 1))) if len(d) > 1 else []
+            pieces += [(d[a:b], a == 0) for a, b in zip([0, *cuts], [*cuts, len(d)], strict=True)]
+        assert list(pack(pieces, context, bos, EOT_ID)) == ours, (trial, pieces, context)
         theirs = concat_and_batch_sequences(
             iter(torch.tensor(d, dtype=torch.long) for d in docs),
             context,
@@ -76,10 +82,14 @@ def test_pack_is_saelens_packing(prepend_bos: bool) -> None:
 
 def test_pack_refuses_a_context_the_bos_fills() -> None:
     with pytest.raises(HarvestError, match="context size 1"):
-        list(pack([[1, 2, 3]], 1, EOT_ID, EOT_ID))
+        list(pack([([1, 2, 3], True)], 1, EOT_ID, EOT_ID))
 
 
 # --- sources -----------------------------------------------------------------------------------
+
+
+def texts(source: Source) -> list[str]:
+    return ["".join(parts) for parts in source.documents()]
 
 
 def test_sources_read_in_order(tmp_path: Path) -> None:
@@ -95,14 +105,14 @@ def test_sources_read_in_order(tmp_path: Path) -> None:
     (folder / ".hidden.txt").write_text("skipped", encoding="utf-8")
     (folder / "notes.md").write_text("not a source", encoding="utf-8")
     expected = ["first file, one document\nwith two lines", "second", "third", "fourth", "fifth"]
-    assert list(open_source(folder, "body").documents()) == expected  # path order, hidden and other files skipped
+    assert texts(open_source(folder, "body")) == expected  # path order, hidden and other files skipped
 
     ds_dir = tmp_path / "hf"
     datasets.Dataset.from_dict({"text": ["x", "y"], "n": [1, 2]}).save_to_disk(str(ds_dir))
-    assert list(open_source(ds_dir).documents()) == ["x", "y"]
+    assert texts(open_source(ds_dir)) == ["x", "y"]
     dict_dir = tmp_path / "hf_dict"
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["t"]})}).save_to_disk(str(dict_dir))
-    assert list(open_source(dict_dir).documents()) == ["t"]
+    assert texts(open_source(dict_dir)) == ["t"]
 
 
 @pytest.mark.parametrize(
@@ -122,7 +132,58 @@ def test_source_errors_name_the_file(tmp_path: Path, name: str, content: str | b
     path = tmp_path / name
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
     with pytest.raises(HarvestError, match=message):
-        list(open_source(path, field).documents())
+        texts(open_source(path, field))
+
+
+def test_a_txt_file_reads_as_read_text(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A .txt file is read in blocks (here of 7 bytes, so characters and CRLFs fall across them): the text
+    is what `Path.read_text` gives (newlines made \\n), and a bad byte is named by its place in the file."""
+    from model.harvest import text
+
+    monkeypatch.setattr(text, "_TXT_BLOCK", 7)
+    path = tmp_path / "doc.txt"
+    raw = "\ufeffone\r\ntwo\rthree\n\u00e9t\u00e9 \u65e5\u672c\U0001f600 end\r".encode()
+    for block_end in range(1, 8):  # a CRLF, and each multi-byte character, cut at every place
+        path.write_bytes(b"x" * block_end + raw)
+        assert texts(open_source(path)) == [path.read_text(encoding="utf-8")]
+    path.write_bytes(b"ab\xc3\xa9cd\xe6\x97\xa5\xe6\x97")  # a character cut short by the end of the file
+    with pytest.raises(HarvestError, match=r"doc\.txt: not UTF-8 text \(byte 9\): unexpected end of data"):
+        texts(open_source(path))
+    path.write_bytes("\u00e9".encode() * 10 + b"\xff")
+    with pytest.raises(HarvestError, match=r"not UTF-8 text \(byte 20\): invalid start byte"):
+        texts(open_source(path))
+
+
+def test_long_documents_tokenize_in_pieces(
+    tokenizer: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A document longer than a piece is tokenized in pieces cut where `Tokenizer.cut` allows, read a block
+    at a time from a .txt file: the pieces' ids are the whole document's, and only the first opens it."""
+    from model.harvest import text
+    from tests.test_tokenizer import CUT_POOL
+
+    monkeypatch.setattr(text, "_TXT_BLOCK", 61)
+    monkeypatch.setattr(text, "_PIECE_CHARS", 40)
+    monkeypatch.setattr(text, "_CHARS_PER_ENCODE", 300)
+    rnd = random.Random(3)
+    long_doc = "".join(rnd.choice(CUT_POOL) for _ in range(3000))
+    docs = [long_doc, "short one", "", "y" * 500 + " then words after a run with no cut", "z" * 700, " a" * 300]
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text(long_doc, encoding="utf-8", newline="")
+    rows = "".join(json.dumps({"text": d}) + "\n" for d in docs[1:])
+    (tmp_path / "corpus" / "b.jsonl").write_text(rows, encoding="utf-8")
+    long_doc = long_doc.replace("\r\n", "\n").replace("\r", "\n")  # as read_text reads the file
+    docs[0] = long_doc
+    pieces = list(tokenize(open_source(tmp_path / "corpus").documents(), tokenizer))
+    by_doc: list[list[list[int]]] = []
+    for ids, opens in pieces:
+        if opens:
+            by_doc.append([])
+        by_doc[-1].append(ids)
+    nonempty = [d for d in docs if d]
+    assert [[i for ids in p for i in ids] for p in by_doc] == [tokenizer.encode(d) for d in nonempty]
+    assert len(by_doc[0]) > len(long_doc) // 100  # in pieces of about 40 characters ...
+    assert [len(p) for p in by_doc[1:]] == [1, 2, 1, 15]  # ... where a cut can be found
 
 
 def test_parquet_missing_column(tmp_path: Path) -> None:
@@ -131,7 +192,7 @@ def test_parquet_missing_column(tmp_path: Path) -> None:
 
     pq.write_table(pa.table({"body": ["a"]}), tmp_path / "x.parquet")
     with pytest.raises(HarvestError, match=r"no text column 'text'; its columns are \['body'\]"):
-        list(open_source(tmp_path / "x.parquet").documents())
+        texts(open_source(tmp_path / "x.parquet"))
 
 
 def test_missing_and_empty_sources(tmp_path: Path) -> None:
@@ -157,7 +218,7 @@ def expected_contexts(docs: list[str], tokenizer: Tokenizer, context: int) -> to
     """SAELens' own packing of our tokenizer's ids."""
     from sae_lens.tokenization_and_batching import concat_and_batch_sequences
 
-    ids = [torch.tensor(t, dtype=torch.long) for t in tokenize(docs, tokenizer)]
+    ids = [torch.tensor(tokenizer.encode(d), dtype=torch.long) for d in docs]
     return torch.stack(list(concat_and_batch_sequences(iter(ids), context, EOT_ID, None, EOT_ID)))
 
 

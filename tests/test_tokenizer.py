@@ -3,6 +3,7 @@ shared/gpt2-tokenizer/README.md), from both file forms, and the byte-level round
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -95,3 +96,59 @@ def test_round_trip_on_any_text(tokenizer: Tokenizer, text: str) -> None:
         assert all(0 <= i < tokenizer.vocab_size for i in ids)
         assert tokenizer.decode(ids) == text
         assert (EOT_ID in ids) == (special and EOT in text)
+
+
+# The pieces text is made of where a cut is easy to get wrong: runs of white space of every kind (Unicode's
+# White_Space, and Python's own extras such as U+001C), contractions, digits, punctuation, letters that are
+# not ASCII, and `<|endoftext|>`.
+CUT_POOL = [
+    *["the", " cat", "'s", "'t", "'re", " 42", "7", ",", ".", "!?", " (", "'", "-", "x", "é", "日本", "😀"],
+    *["\n", "\n\n", " ", "  ", "\t", "\r\n", "\x0b", "\x1c", "\x85", "\u00a0", "\u1680", "\u2003", "\u2028"],
+    *["\u202f", "\u3000", "\u180e", "\u200b", EOT, "<|endoftext|"],
+]
+
+
+@settings(max_examples=400, deadline=None, database=None)
+@given(text=st.lists(st.sampled_from(CUT_POOL), max_size=50).map("".join) | st.text(max_size=50))
+@example(text="a b\nc  d\n\ne <|endoftext|> f\n<|endoftext|>\ng")
+def test_a_cut_keeps_the_ids(tokenizer: Tokenizer, text: str) -> None:
+    """`cut` is where a long text is tokenized in two (the harvest's pieces): both sides' ids are the whole's."""
+    for special in (True, False):
+        whole = tokenizer.encode(text, special=special)
+        for lo in (0, len(text) // 2):
+            for hi in range(lo, len(text) + 1):
+                cut = tokenizer.cut(text, lo, hi)
+                assert cut == 0 or lo < cut <= hi
+                if cut:
+                    assert tokenizer.encode(text[:cut], special) + tokenizer.encode(text[cut:], special) == whole
+
+
+def test_where_cut_cuts(tok: Tokenizer) -> None:
+    assert tok.cut("hello world", 0, 11) == 5  # before the space
+    assert tok.cut("hello\nworld", 0, 11) == 6  # after the newline
+    assert tok.cut("a b c d", 0, 4) == 3  # the last at or before hi
+    assert tok.cut("a b c d", 3, 4) == 0  # ... and after lo
+    text = "x" * 10_000 + " y" + "z" * 10_000
+    assert tok.cut(text, 0, len(text)) == 10_000  # found far back
+    for text in ("word", "a  b", "a\n\nb", "a \nb", " a", "a ", "a\tb", "a\u00a0b", "a\u2028b", "a\x1cb"):
+        assert tok.cut(text, 0, len(text)) == 0, text
+    # Python's \s (what `cut` takes for white space) holds every White_Space character of Unicode, which
+    # the tokenizers library's \s is, so no cut sits beside a character the pre-tokenizer takes for a space
+    white_space = [*range(0x09, 0x0E), 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028, 0x2029, 0x202F]
+    assert all(chr(c).isspace() for c in [*white_space, 0x205F, 0x3000])
+
+
+def test_no_cut_for_a_tokenizer_that_splits_otherwise(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """A tokenizer.json whose pre-tokenizer adds a space in front (or has a normalizer, or a special token
+    with a space in it) would give other ids on a cut's far side: such text is never cut."""
+    spec = json.loads((tokenizer_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    assert Tokenizer.from_dir(tokenizer_dir).cut("a b", 0, 3) == 1
+    variants = [
+        {**spec, "pre_tokenizer": {**spec["pre_tokenizer"], "add_prefix_space": True}},
+        {**spec, "normalizer": {"type": "Lowercase"}},
+        {**spec, "added_tokens": [*spec["added_tokens"], {**spec["added_tokens"][0], "id": 50257, "content": "a b"}]},
+    ]
+    for i, variant in enumerate(variants):
+        (tmp_path / str(i)).mkdir()
+        (tmp_path / str(i) / "tokenizer.json").write_text(json.dumps(variant), encoding="utf-8")
+        assert Tokenizer.from_dir(tmp_path / str(i)).cut("a b", 0, 3) == 0, variant

@@ -10,10 +10,15 @@ BOS when `prepend_bos`, no per-sequence token, and the separator BOS): each cont
 between them, a document longer than the room left runs on into the next context, and the last,
 incomplete context is dropped. The same source and arguments always give the same contexts in the same
 order, which is what resuming an interrupted job relies on.
+
+A long document is read (a `.txt` file) and tokenized in pieces, cut only where the tokenizer's ids do not
+change (`Tokenizer.cut`), so memory follows the piece, not the document.
 """
 
 from __future__ import annotations
 
+import codecs
+import io
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -26,7 +31,10 @@ from .shards import sha256_file
 
 FILE_KINDS = (".txt", ".jsonl", ".parquet")
 TRAIN = "train"  # a DatasetDict's split that is read
-_DOCS_PER_ENCODE = 256  # documents handed to the tokenizer at once (it encodes them on its own threads)
+_DOCS_PER_ENCODE = 256  # texts handed to the tokenizer at once (it encodes them on its own threads) ...
+_CHARS_PER_ENCODE = 1 << 20  # ... up to about this many characters (its memory: ~170 bytes a character)
+_PIECE_CHARS = 1 << 16  # a longer document is tokenized in pieces of about this many characters
+_TXT_BLOCK = 1 << 20  # bytes of a .txt file read at once
 
 
 @dataclass(frozen=True)
@@ -61,8 +69,9 @@ class Source:
     def _name(self, f: Path) -> str:
         return f.name if f == self.path else f.relative_to(self.path).as_posix()
 
-    def documents(self) -> Iterator[str]:
-        """Every document's text, in order."""
+    def documents(self) -> Iterator[Iterable[str]]:
+        """Every document's text, in order, each as its text's parts in order (a `.txt` file's in blocks
+        as it is read; read each document's to its end before the next)."""
         if self.dataset_dir is not None:
             yield from _dataset_documents(self.dataset_dir, self.text_field)
             return
@@ -108,16 +117,32 @@ def _is_datasets_dir(path: Path) -> bool:
     )
 
 
-def _file_documents(path: Path, field: str) -> Iterator[str]:
+def _file_documents(path: Path, field: str) -> Iterator[Iterable[str]]:
     if path.suffix == ".txt":
-        try:
-            yield path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise HarvestError(f"{path}: not UTF-8 text (byte {e.start}): {e.reason}") from None
+        yield _txt_blocks(path)
     elif path.suffix == ".jsonl":
-        yield from _jsonl_documents(path, field)
+        yield from ((text,) for text in _jsonl_documents(path, field))
     else:
-        yield from _parquet_documents(path, field)
+        yield from ((text,) for text in _parquet_documents(path, field))
+
+
+def _txt_blocks(path: Path) -> Iterator[str]:
+    """A .txt file's text, a block at a time, as `Path.read_text` reads it (UTF-8, newlines made `\\n`)."""
+    decoder = io.IncrementalNewlineDecoder(codecs.getincrementaldecoder("utf-8")(), translate=True)
+    read = 0  # bytes handed to the decoder so far
+    with path.open("rb") as f:
+        while True:
+            raw = f.read(_TXT_BLOCK)
+            held = len(decoder.getstate()[0])  # the bytes of a character cut at the last block's end
+            try:
+                text = decoder.decode(raw, final=not raw)
+            except UnicodeDecodeError as e:
+                raise HarvestError(f"{path}: not UTF-8 text (byte {read - held + e.start}): {e.reason}") from None
+            read += len(raw)
+            if text:
+                yield text
+            if not raw:
+                return
 
 
 def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
@@ -195,17 +220,52 @@ def _text(value: object, where: str, field: str) -> str:
     return value
 
 
-def tokenize(documents: Iterable[str], tokenizer: Tokenizer) -> Iterator[list[int]]:
-    """Each document's token ids (no BOS; `<|endoftext|>` written in the text is the special token, as
-    SAELens' `to_tokens` reads it), encoded a few hundred documents at a time."""
+def tokenize(documents: Iterable[Iterable[str]], tokenizer: Tokenizer) -> Iterator[tuple[list[int], bool]]:
+    """The documents' token ids (no BOS; `<|endoftext|>` written in the text is the special token, as
+    SAELens' `to_tokens` reads it) as (ids, whether they open a document): a document's ids in one piece,
+    or in several where it is long (`_pieces`), the same ids as the whole. Encoded a few hundred texts or
+    about a million characters at a time."""
     group: list[str] = []
-    for doc in documents:
-        group.append(doc)
-        if len(group) == _DOCS_PER_ENCODE:
-            yield from _encode(group, tokenizer)
-            group = []
+    opens: list[bool] = []
+    chars = 0
+    for parts in documents:
+        for i, piece in enumerate(_pieces(parts, tokenizer)):
+            group.append(piece)
+            opens.append(i == 0)
+            chars += len(piece)
+            if len(group) == _DOCS_PER_ENCODE or chars >= _CHARS_PER_ENCODE:
+                yield from zip(_encode(group, tokenizer), opens, strict=True)
+                group, opens, chars = [], [], 0
     if group:
-        yield from _encode(group, tokenizer)
+        yield from zip(_encode(group, tokenizer), opens, strict=True)
+
+
+def _pieces(parts: Iterable[str], tokenizer: Tokenizer) -> Iterator[str]:
+    """A document's text, given in `parts`, in pieces of about `_PIECE_CHARS` characters or more, cut where
+    the tokenizer gives each piece the ids the whole has there (`Tokenizer.cut`); in one piece where it
+    cannot be cut. Nothing for an empty document."""
+    text, start, bare = "", 0, 0  # text[start:] is still to come; no cut at or before `bare`
+    held: list[str] = []  # parts after `text` with no cut in them, joined only once one comes (or at the end)
+    for part in parts:
+        edge = (held[-1] if held else text)[-2:]  # a cut at the seam needs the characters before it
+        if not tokenizer.cut(edge + part, 0, len(edge) + len(part)):
+            held.append(part)
+            continue
+        text, bare, start = text[start:] + "".join(held) + part, max(bare - start, 0), 0
+        held = []
+        while len(text) - start > _PIECE_CHARS:
+            lo, hi = max(start, bare), start + _PIECE_CHARS
+            cut = tokenizer.cut(text, lo, hi)  # the last before the mark, or one soon after it
+            while not cut and hi < len(text):
+                lo, hi = max(lo, hi), min(2 * hi - start, len(text))
+                cut = tokenizer.cut(text, lo, hi)
+            if not cut:
+                bare = max(len(text) - 2, 0)  # a cut needs the character after its space: look there again
+                break
+            yield text[start:cut]
+            start = cut
+    if rest := text[start:] + "".join(held):
+        yield rest
 
 
 def _encode(group: list[str], tokenizer: Tokenizer) -> list[list[int]]:
@@ -216,16 +276,18 @@ def _encode(group: list[str], tokenizer: Tokenizer) -> list[list[int]]:
 
 
 def pack(
-    token_docs: Iterable[list[int]], context_size: int, bos_id: int | None, separator_id: int | None
+    pieces: Iterable[tuple[list[int], bool]], context_size: int, bos_id: int | None, separator_id: int | None
 ) -> Iterator[list[int]]:
-    """Contexts of exactly `context_size` tokens from documents' ids, as SAELens'
+    """Contexts of exactly `context_size` tokens from documents' ids, given as (ids, whether they open a
+    document) as `tokenize` gives them, the way SAELens'
     `concat_and_batch_sequences(begin_batch_token_id=bos_id, sequence_separator_token_id=separator_id)`
-    makes them: `bos_id` opens each context (unless its first token is that id already), `separator_id`
-    goes between documents (unless the next one starts with it), the rest is dropped."""
+    makes them from whole documents: `bos_id` opens each context (unless its first token is that id
+    already), `separator_id` goes between documents (unless the next one starts with it), the rest is
+    dropped."""
     if context_size < 1 or (bos_id is not None and context_size < 2):
         raise HarvestError(f"context size {context_size} is too small: it must be at least 2 with a BOS, 1 without")
     context: list[int] | None = None
-    for tokens in token_docs:
+    for tokens, opens in pieces:
         offset = 0
         while offset < len(tokens):
             first = tokens[offset]
@@ -234,7 +296,7 @@ def pack(
                 take = context_size - len(prefix)
                 context = prefix + tokens[offset : offset + take]
             else:
-                prefix = [separator_id] if separator_id is not None and first != separator_id else []
+                prefix = [separator_id] if opens and separator_id is not None and first != separator_id else []
                 room = context_size - len(context)
                 take = max(room - len(prefix), 0)
                 context = context + prefix[:room] + tokens[offset : offset + take]
