@@ -15,7 +15,7 @@ import re
 import sys
 
 from gpt2_scripts.console import empty_flag, run_console
-from gpt2_scripts.sae_cli import add_sae_arguments, directions, steering_edits
+from gpt2_scripts.sae_cli import add_sae_arguments, directions, steering_edits, steering_specs
 from safetensors import SafetensorError
 
 from model.dump import dump_path_problem, save_dump
@@ -101,10 +101,11 @@ def main(argv: list[str] | None = None) -> int:  # Ctrl-C leaves nothing half-wr
             ignore_eos=args.ignore_eos,
             logprobs=args.show_logprobs,
         )
+        steer = steering_specs(args.steer)  # a typo found before the model loads
         loaded = load_from(args)
         tok = loaded.tokenizer
         hooks = (args.hooks or ["*"]) if args.dump_activations else None
-        edits = steering_edits(args.steer, directions(args, loaded), loaded.model.config.n_layer)
+        edits = steering_edits(steer, directions(args, loaded), loaded.model.config.n_layer)
         generation = Generation(loaded.model, [tok.encode(prompt)], params, tok, hooks, edits)
     except GenerationError as e:
         return fail(in_flags(e))

@@ -13,14 +13,19 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
 import torch
 
 from model.hooks import run_with_cache
 from model.interventions import EditSpec, InterventionError
+from model.json_file import clip
 from model.lab.sae import SAE, token_features
 from model.lab.steering import Directions
 from model.loading import LoadedModel
+
+if TYPE_CHECKING:
+    from server.schemas import InterventionSpec
 
 
 def add_sae_arguments(p: argparse.ArgumentParser, steer: bool) -> None:
@@ -46,23 +51,39 @@ def directions(args: argparse.Namespace, loaded: LoadedModel) -> Directions:
     """The SAEs named by `--sae`, checked against the model (`SAEError` names what is wrong)."""
     from model.lab.sae import load_saes
 
-    return Directions(load_saes(args.sae, loaded.model.config, loaded.device))
+    saes = load_saes(args.sae, loaded.model.config, loaded.device)
+    no_store = 'the command line stores no vectors: give the direction as numbers or {"sae": ID, "feature": N}'
+    return Directions(saes, load_hint="give one with --sae ID=PATH", store_hint=no_store)
 
 
-def steering_edits(texts: list[str], found: Directions, n_layer: int) -> EditSpec | None:
-    """The `--steer` edits, read by the HTTP API's own schema (`InterventionError` says what is wrong)."""
+def steering_specs(texts: list[str]) -> list[InterventionSpec]:
+    """The `--steer` edits, read as the HTTP API reads a request's `interventions` entries: its own schema,
+    each object naming a key once (`InterventionError` says what is wrong). Before the model loads."""
     from pydantic import ValidationError
 
-    from server.schemas import InterventionSpec, edit_spec
+    from server.json_body import DuplicateKeyError, loads
+    from server.schemas import InterventionSpec
 
     specs = []
     for i, text in enumerate(texts):
+        where = f"--steer {i + 1} ({clip(text)})"
         try:
-            specs.append(InterventionSpec.model_validate_json(text))
+            specs.append(InterventionSpec.model_validate(loads(text.encode())))
+        except DuplicateKeyError as e:
+            raise InterventionError(f"{where}: names the key {e.param!r} more than once") from None
         except ValidationError as e:
             problem = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'edit'}: {err['msg']}" for err in e.errors())
-            raise InterventionError(f"--steer {i + 1} ({text!r}): {problem}") from None
-    return edit_spec(specs, None, n_layer, found) if specs else None
+            raise InterventionError(f"{where}: {clip(problem, str)}") from None
+        except (ValueError, RecursionError) as e:  # not JSON, nested too deeply, a number of 4300+ digits
+            raise InterventionError(f"{where}: not a JSON object: {clip(e, str)}") from None
+    return specs
+
+
+def steering_edits(specs: list[InterventionSpec], found: Directions, n_layer: int) -> EditSpec | None:
+    """The `--steer` edits with their directions resolved (`InterventionError` says what is wrong)."""
+    from server.schemas import edit_spec
+
+    return edit_spec(specs, None, n_layer, found, where=lambda i: f"--steer {i + 1}") if specs else None
 
 
 def features_table(sae_id: str, sae: SAE, loaded: LoadedModel, ids: list[int], top_k: int) -> str:

@@ -21,7 +21,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 
-from model.lab.steering import Directions, SharedVectors
+from model.lab.steering import SharedVectors
 from model.loading import LoadedModel, load_from
 
 from .engine import Engine
@@ -89,7 +89,7 @@ def create_app(
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.engine = None
-    app.state.directions = Directions(max_vectors=settings.max_steering_vectors)
+    app.state.directions = sae_routes.server_directions(settings)
     app.state.dump_budget = DumpBudget(settings.dump_bytes_in_flight, settings.max_queue, metrics)
     app.state.graph_turn = GraphTurn(settings.max_queue)
     install_error_handlers(app)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import math
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 import torch
@@ -208,14 +209,18 @@ def edit_spec(
     residual: ResidualSpec | None,
     n_layer: int,
     directions: Directions | None = None,
+    where: Callable[[int], str] = lambda i: f"interventions[{i}]",
 ) -> EditSpec:
+    """The edits a request's `interventions` and `residual` ask for; `where(i)` names the i-th edit in an
+    error (a command line's `--steer` names them as its own)."""
+
     def layers(spec: list[int] | Literal["all"]) -> tuple[int, ...]:
         # a set of layers: a repeat is dropped here, once, so the list the model checks on every sequence of
         # the request is n_layer long at most (a million repeats in a body once cost seconds of event loop)
         return tuple(range(n_layer)) if spec == "all" else tuple(dict.fromkeys(spec))
 
     spec = EditSpec(
-        tuple(e.edit(directions, f"interventions[{i}]") for i, e in enumerate(interventions)),
+        tuple(e.edit(directions, where(i)) for i, e in enumerate(interventions)),
         layers(residual.attn) if residual else (),
         layers(residual.mlp) if residual else (),
     )

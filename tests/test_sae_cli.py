@@ -55,6 +55,12 @@ def test_generate_with_steering_equals_the_model_level_run(
         ({"hook": HOOK, "op": "steer", "scale": 1.0, "direction": [1.0, 2.0]}, "direction of shape [2] does not fit"),
         ({"hook": HOOK, "op": "steer", "direction": [1.0] * 64}, "scale must be a finite number"),
         ({"hook": HOOK, "op": "tilt"}, "--steer 1"),
+        ({"hook": HOOK, "op": "steer", "direction": [1.0] * 64}, "--steer 1.scale"),  # named as the flag, not
+        ({"hook": HOOK, "op": "scale", "factor": 2, "scale": 3}, "--steer 1.scale does not apply"),  # the API's field
+        (
+            {"hook": HOOK, "op": "steer", "scale": 1.0, "direction": {"vector": "v"}},
+            "stored: none (the command line stores no vectors: give the direction as numbers or",
+        ),
     ],
 )
 def test_bad_steering_is_one_line(tiny: Checkpoint, tokenizer_dir: Path, sae_dir: Path, capsys, steer, says) -> None:
@@ -62,6 +68,31 @@ def test_bad_steering_is_one_line(tiny: Checkpoint, tokenizer_dir: Path, sae_dir
     assert generate.main(args) == 1
     err = capsys.readouterr().err
     assert err.startswith("gpt2-generate: error: ") and says in err and err.count("\n") == 1, err
+    assert "interventions[" not in err and "POST" not in err and "start the server" not in err
+
+
+def test_steering_with_no_sae_says_to_give_one(tiny: Checkpoint, tokenizer_dir: Path, capsys) -> None:
+    steer = {"hook": HOOK, "op": "steer", "scale": 1.0, "direction": {"sae": "s", "feature": 0}}
+    assert generate.main([PROMPT, *checkpoint_args(tiny, tokenizer_dir), "--steer", json.dumps(steer)]) == 1
+    assert "unknown SAE 's'; loaded SAEs: none (give one with --sae ID=PATH)\n" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ('{"hook": "h", "op": "steer", "op": "scale", "factor": 2}', "names the key 'op' more than once"),
+        ('{"hook": "h", "op": "scale", "factor": 2', "not a JSON object: Expecting ',' delimiter"),
+        ('{"hook": "h", "op": "scale", "factor": 1' + "0" * 5000 + "}", "not a JSON object: Exceeds the limit"),
+        ("[" * 100_000 + "]" * 100_000, "not a JSON object"),
+        (json.dumps({"hook": "x" * 5000, "op": "scale", "factor": 2}), "a hook name or glob of 5000 characters"),
+    ],
+)
+def test_a_steer_that_is_not_an_edit_is_refused_before_the_model_loads(tmp_path: Path, capsys, text, says) -> None:
+    """As the server reads a request: each key once, a clear line (clipped: a value can be megabytes long)."""
+    assert generate.main([PROMPT, "--model", str(tmp_path / "no-model"), "--steer", text]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("gpt2-generate: error: --steer 1 (") and says in err, err
+    assert err.count("\n") == 1 and len(err) < 1000, err
 
 
 def test_an_sae_path_that_is_not_one(tiny: Checkpoint, tokenizer_dir: Path, tmp_path: Path, capsys) -> None:

@@ -203,6 +203,23 @@ def test_directions_store_is_bounded(sae: SAE) -> None:
         lib.sae("x", "sae")
     with pytest.raises(DirectionError, match=r"feature 256 of SAE 's' is out of range 0\.\.255"):
         lib.feature("s", 256, "direction")
+
+
+def test_none_loaded_or_stored_says_how_the_front_end_gets_one() -> None:
+    from server.routes.sae import server_directions
+    from server.settings import Settings
+
+    with pytest.raises(DirectionError, match=r"loaded SAEs: none$"):
+        Directions().sae("x", "sae")
+    with pytest.raises(DirectionError, match=r"loaded SAEs: none \(load one\)$"):
+        Directions(load_hint="load one").sae("x", "sae")
+    with pytest.raises(DirectionError, match=r"stored: none \(store one\)$"):
+        Directions(store_hint="store one").vector("v", "direction")
+    server = server_directions(Settings(model="gpt2"))
+    with pytest.raises(DirectionError, match=r"none \(start the server with --sae ID=PATH\)$"):
+        server.sae("x", "sae")
+    with pytest.raises(DirectionError, match=r"none \(POST /v1/steering-vectors with a name stores one\)$"):
+        server.vector("v", "direction")
     assert steering.STEERING_OPS == ("steer", "orthogonal", "projection_cap", "clamp")
 
 

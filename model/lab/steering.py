@@ -154,6 +154,10 @@ class StoredVectors:
         return now, (None if version == now else dict(self.vectors))
 
 
+def _none(hint: str) -> str:
+    return f"none ({hint})" if hint else "none"
+
+
 def full_store(names: list[str], max_vectors: int) -> str:
     """The refusal of a name beyond `max_vectors` stored ones."""
     return (
@@ -166,12 +170,20 @@ class Directions:
     """The SAEs loaded at start-up (by id) and the steering vectors computed since (by name, at most
     `max_vectors`, in memory only): what a request's `{"sae", "feature"}` or `{"vector"}` names. With
     `shared`, the vectors are those of every server that shares it: `refresh` takes in what the others
-    stored, `publish` stores for all."""
+    stored, `publish` stores for all. `load_hint` and `store_hint` say how the front end (the server, a
+    command line) loads an SAE and stores a vector, in the error that finds none."""
 
     def __init__(
-        self, saes: dict[str, SAE] | None = None, max_vectors: int = 64, shared: SharedVectors | None = None
+        self,
+        saes: dict[str, SAE] | None = None,
+        max_vectors: int = 64,
+        shared: SharedVectors | None = None,
+        *,
+        load_hint: str = "",
+        store_hint: str = "",
     ) -> None:
         self.saes = dict(saes or {})
+        self.load_hint, self.store_hint = load_hint, store_hint
         self.max_vectors = max_vectors
         self.shared = shared
         self._vectors: OrderedDict[str, SteeringVector] = OrderedDict()
@@ -179,7 +191,7 @@ class Directions:
 
     def sae(self, sae_id: object, param: str) -> SAE:
         if not isinstance(sae_id, str) or sae_id not in self.saes:
-            loaded = ", ".join(sorted(self.saes)) or "none (start the server with --sae ID=PATH)"
+            loaded = ", ".join(sorted(self.saes)) or _none(self.load_hint)
             raise DirectionError(f"unknown SAE {sae_id!r}; loaded SAEs: {loaded}", param)
         return self.saes[sae_id]
 
@@ -191,7 +203,7 @@ class Directions:
 
     def vector(self, name: object, param: str) -> SteeringVector:
         if not isinstance(name, str) or name not in self._vectors:
-            stored = ", ".join(self._vectors) or "none (POST /v1/steering-vectors with a name stores one)"
+            stored = ", ".join(self._vectors) or _none(self.store_hint)
             raise DirectionError(f"no stored steering vector {name!r}; stored: {stored}", param)
         return self._vectors[name]
 

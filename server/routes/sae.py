@@ -53,8 +53,20 @@ router = APIRouter(tags=["sae"], route_class=JSONBodyRoute)
 def load_directions(settings: Settings, loaded: LoadedModel, shared: SharedVectors | None = None) -> Directions:
     """The SAEs the settings name (checked against the model, on its device) and the vector store (empty, or
     `shared` with other servers)."""
-    saes = load_saes(settings.sae, loaded.model.config, loaded.device)
-    return Directions(saes, settings.max_steering_vectors, shared)
+    return server_directions(settings, load_saes(settings.sae, loaded.model.config, loaded.device), shared)
+
+
+def server_directions(
+    settings: Settings, saes: dict[str, SAE] | None = None, shared: SharedVectors | None = None
+) -> Directions:
+    """`Directions` whose errors say how a server gets an SAE and stores a vector."""
+    return Directions(
+        saes,
+        settings.max_steering_vectors,
+        shared,
+        load_hint="start the server with --sae ID=PATH",
+        store_hint="POST /v1/steering-vectors with a name stores one",
+    )
 
 
 def get_directions(request: Request) -> Directions:
