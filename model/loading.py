@@ -388,9 +388,9 @@ def load_state(
             )
         if not entry.dtype.is_floating_point:
             raise LoadError(f"tensor {key!r} has dtype {entry.dtype}, expected a floating-point type")
-        t = _finite(key, _read(st, key)).to(device=device, dtype=dtype)
-        if dtype == torch.float16:  # the one dtype with a narrower range than a checkpoint's
-            _finite(key, t, "beyond float16's range (±65504): load it as float32 or bfloat16")
+        read = _read(st, key)
+        t = _finite(key, read, read.to(device=device, dtype=dtype))
+        del read
         state[name] = _stored(name, t, decode_kernels)
         del t
     if lm_head is not None:
@@ -423,14 +423,23 @@ def _stored(name: str, t: torch.Tensor, decode_kernels: bool = True) -> torch.Te
     return t.contiguous() if w_row_major == is_w else t.t().contiguous().t()
 
 
-def _finite(key: str, t: torch.Tensor, why: str = "NaN or infinite: the checkpoint is damaged") -> torch.Tensor:
-    """`t`, refused (a LoadError naming `key`) if any of its values is not finite: a model with one such weight
+def _finite(key: str, read: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """`t` (tensor `key` as `read` from the checkpoint, in the dtype and on the device it is loaded to),
+    refused (a LoadError naming `key`) if any of its values is not finite: a model with one such weight
     computes NaN logits on some paths and plausible ones on others (torch's fused CPU attention hides a NaN
-    query), so it is refused at the door."""
+    query), so it is refused at the door. Checked once, on `t`; `read` only says why: damaged, or beyond the
+    range of the dtype it is loaded in (float16's ±65504)."""
     finite = torch.isfinite(t)
-    if not finite.all():
-        raise LoadError(f"tensor {key!r} holds {int((~finite).sum())} values {why}")
-    return t
+    if bool(finite.all()):
+        return t
+    damaged = int((~torch.isfinite(read)).sum())
+    if damaged:
+        raise LoadError(f"tensor {key!r} holds {damaged} values NaN or infinite: the checkpoint is damaged")
+    name = str(t.dtype).removeprefix("torch.")
+    limit = f"{torch.finfo(t.dtype).max:.6g}"
+    raise LoadError(
+        f"tensor {key!r} holds {int((~finite).sum())} values beyond {name}'s range (±{limit}): load as float32"
+    )
 
 
 def _read(st: SafetensorsFile, key: str) -> torch.Tensor:
