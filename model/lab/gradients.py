@@ -234,7 +234,7 @@ class MetricPass:
 
     Forward: the embeddings with block 0, then each block, then the LM head over the rows the metric reads,
     `head_rows` at a time (every row at once where a hook point after the last block is asked for or
-    edited). Each piece starts from a leaf of a graph of its own, and the graphs start at the first piece a
+    edited: the final LayerNorm over every row, the head's product too if its output is, `GPT.unembed`). Each piece starts from a leaf of a graph of its own, and the graphs start at the first piece a
     wanted hook point is in (the pieces before it run without one, as in one pass). Backward: each part of
     the head as it runs, then each block, last first: ∂metric/∂(its output) in, `torch.autograd.grad`
     through its graph alone, ∂metric/∂(its input) out, with the gradient at each wanted hook point in it.
@@ -330,11 +330,9 @@ class MetricPass:
         back to the stream at those rows."""
         assert self._x is not None
         seen, inp = len(self.values), _leaf(self._x[:, rows.start : rows.stop])
-        logits = model.unembed(inp, self._hooks)[0]  # [rows, vocab]
-        read = rows
-        if self._whole_head:  # the metric reads its own rows of them
-            read = metric_rows(self.metric, len(self.ids))
-            logits = logits[read.start : read.stop]
+        read = metric_rows(self.metric, len(self.ids)) if self._whole_head else rows  # the rows the metric reads
+        # [rows read, vocab]: where the head's hooks see every row, the product runs only where it must
+        logits = model.unembed(inp, self._hooks, slice(read.start, read.stop) if self._whole_head else None)[0]
         share = metric_share(self.metric, logits, self.targets, read)
         self._value += float(share.detach())
         grad = self._through(_Stage(inp, share, list(self.values)[seen:]), torch.ones_like(share), retain=False)
