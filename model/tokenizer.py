@@ -150,8 +150,9 @@ def check_unicode(text: str, item: int = 0) -> None:
 
 def _splits_as_gpt2(tok: _HFTokenizer) -> bool:
     """Whether `tok` splits text as GPT-2's tokenizer does (what `Tokenizer.cut` relies on): no normalizer,
-    the byte-level pre-tokenizer with GPT-2's regular expression and no space added in front, and no added
-    token with white space in it."""
+    the byte-level pre-tokenizer with GPT-2's regular expression and no space added in front, no added token
+    with white space in it or that takes the white space beside it (`lstrip`, `rstrip`), and no truncation
+    or padding (which would apply to each side)."""
     spec = json.loads(tok.to_str())
     pre = spec.get("pre_tokenizer") or {}
     return (
@@ -159,7 +160,12 @@ def _splits_as_gpt2(tok: _HFTokenizer) -> bool:
         and pre.get("type") == "ByteLevel"
         and pre.get("use_regex", True)
         and not pre.get("add_prefix_space", True)
-        and not any(re.search(r"\s", t.get("content", " ")) for t in spec.get("added_tokens", []))
+        and spec.get("truncation") is None
+        and spec.get("padding") is None
+        and not any(
+            re.search(r"\s", t.get("content", " ")) or t.get("lstrip") or t.get("rstrip")
+            for t in spec.get("added_tokens", [])
+        )
     )
 
 

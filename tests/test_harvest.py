@@ -184,6 +184,14 @@ def test_long_documents_tokenize_in_pieces(
     assert [[i for ids in p for i in ids] for p in by_doc] == [tokenizer.encode(d) for d in nonempty]
     assert len(by_doc[0]) > len(long_doc) // 100  # in pieces of about 40 characters ...
     assert [len(p) for p in by_doc[1:]] == [1, 2, 1, 15]  # ... where a cut can be found
+    # a cut at the seam of two parts, one of them a single space
+    assert list(text._pieces(iter(["x" * 100, " ", "y" * 100]), tokenizer)) == ["x" * 100, " " + "y" * 100]
+    # a datasets directory's rows too
+    import datasets
+
+    datasets.Dataset.from_dict({"text": [" a" * 100, "b"]}).save_to_disk(str(tmp_path / "ds"))
+    rows = list(tokenize(open_source(tmp_path / "ds").documents(), tokenizer))
+    assert [opens for _, opens in rows] == [True, False, False, False, False, True]
 
 
 def test_parquet_missing_column(tmp_path: Path) -> None:

@@ -139,14 +139,19 @@ def test_where_cut_cuts(tok: Tokenizer) -> None:
 
 
 def test_no_cut_for_a_tokenizer_that_splits_otherwise(tokenizer_dir: Path, tmp_path: Path) -> None:
-    """A tokenizer.json whose pre-tokenizer adds a space in front (or has a normalizer, or a special token
-    with a space in it) would give other ids on a cut's far side: such text is never cut."""
+    """A tokenizer.json whose pre-tokenizer adds a space in front (or has a normalizer, a special token with
+    a space in it or that takes the spaces beside it, truncation) would give other ids on a cut's far side
+    (with `rstrip`, "a<|endoftext|> b" is [64, 50256, 65] whole and [64, 50256, 275] cut before the space):
+    such text is never cut."""
     spec = json.loads((tokenizer_dir / "tokenizer.json").read_text(encoding="utf-8"))
     assert Tokenizer.from_dir(tokenizer_dir).cut("a b", 0, 3) == 1
     variants = [
         {**spec, "pre_tokenizer": {**spec["pre_tokenizer"], "add_prefix_space": True}},
         {**spec, "normalizer": {"type": "Lowercase"}},
         {**spec, "added_tokens": [*spec["added_tokens"], {**spec["added_tokens"][0], "id": 50257, "content": "a b"}]},
+        {**spec, "added_tokens": [{**spec["added_tokens"][0], "rstrip": True}]},
+        {**spec, "added_tokens": [{**spec["added_tokens"][0], "lstrip": True}]},
+        {**spec, "truncation": {"direction": "Right", "max_length": 2, "strategy": "LongestFirst", "stride": 0}},
     ]
     for i, variant in enumerate(variants):
         (tmp_path / str(i)).mkdir()

@@ -73,7 +73,7 @@ class Source:
         """Every document's text, in order, each as its text's parts in order (a `.txt` file's in blocks
         as it is read; read each document's to its end before the next)."""
         if self.dataset_dir is not None:
-            yield from _dataset_documents(self.dataset_dir, self.text_field)
+            yield from ((text,) for text in _dataset_documents(self.dataset_dir, self.text_field))
             return
         for f in self.files:
             yield from _file_documents(f, self.text_field)
@@ -229,6 +229,7 @@ def tokenize(documents: Iterable[Iterable[str]], tokenizer: Tokenizer) -> Iterat
     opens: list[bool] = []
     chars = 0
     for parts in documents:
+        assert not isinstance(parts, str), "a document is given as its parts: (text,) for one in one part"
         for i, piece in enumerate(_pieces(parts, tokenizer)):
             group.append(piece)
             opens.append(i == 0)
@@ -241,23 +242,25 @@ def tokenize(documents: Iterable[Iterable[str]], tokenizer: Tokenizer) -> Iterat
 
 
 def _pieces(parts: Iterable[str], tokenizer: Tokenizer) -> Iterator[str]:
-    """A document's text, given in `parts`, in pieces of about `_PIECE_CHARS` characters or more, cut where
-    the tokenizer gives each piece the ids the whole has there (`Tokenizer.cut`); in one piece where it
-    cannot be cut. Nothing for an empty document."""
+    """A document's text, given in `parts`, in pieces cut where the tokenizer gives each piece the ids the
+    whole has there (`Tokenizer.cut`): each ends at the last cut within `_PIECE_CHARS` characters of its
+    start, or where there is none (a run of text that cannot be cut), within `_PIECE_CHARS` after the run;
+    a text that cannot be cut at all is one piece. Nothing for an empty document."""
     text, start, bare = "", 0, 0  # text[start:] is still to come; no cut at or before `bare`
     held: list[str] = []  # parts after `text` with no cut in them, joined only once one comes (or at the end)
+    tail = ""  # the text's last two characters so far: a cut at a part's start needs them
     for part in parts:
-        edge = (held[-1] if held else text)[-2:]  # a cut at the seam needs the characters before it
-        if not tokenizer.cut(edge + part, 0, len(edge) + len(part)):
+        seam, tail = tail + part, (tail + part)[-2:]
+        if not tokenizer.cut(seam, 0, len(seam)):
             held.append(part)
             continue
         text, bare, start = text[start:] + "".join(held) + part, max(bare - start, 0), 0
         held = []
         while len(text) - start > _PIECE_CHARS:
             lo, hi = max(start, bare), start + _PIECE_CHARS
-            cut = tokenizer.cut(text, lo, hi)  # the last before the mark, or one soon after it
-            while not cut and hi < len(text):
-                lo, hi = max(lo, hi), min(2 * hi - start, len(text))
+            cut = tokenizer.cut(text, lo, hi)
+            while not cut and hi < len(text):  # none: the first window after it that holds one
+                lo, hi = max(lo, hi), min(hi + _PIECE_CHARS, len(text))
                 cut = tokenizer.cut(text, lo, hi)
             if not cut:
                 bare = max(len(text) - 2, 0)  # a cut needs the character after its space: look there again

@@ -234,8 +234,9 @@ class MetricPass:
 
     Forward: the embeddings with block 0, then each block, then the LM head over the rows the metric reads,
     `head_rows` at a time (every row at once where a hook point after the last block is asked for or
-    edited: the final LayerNorm over every row, the head's product too if its output is, `GPT.unembed`). Each piece starts from a leaf of a graph of its own, and the graphs start at the first piece a
-    wanted hook point is in (the pieces before it run without one, as in one pass). Backward: each part of
+    edited: the final LayerNorm over every row, the head's product too if its output is, `GPT.unembed`).
+    Each piece starts from a leaf of a graph of its own, and the graphs start at the first piece a wanted
+    hook point is in (the pieces before it run without one, as in one pass). Backward: each part of
     the head as it runs, then each block, last first: ∂metric/∂(its output) in, `torch.autograd.grad`
     through its graph alone, ∂metric/∂(its input) out, with the gradient at each wanted hook point in it.
     That is the chain rule, as one backward pass applies it; a piece's graph is let go of once the gradient
