@@ -15,9 +15,12 @@ from tokenizers import decoders, models, pre_tokenizers, processors
 
 EOT = "<|endoftext|>"
 EOT_ID = 50256
-# One space or newline between two characters that are not white space (Python's `\s`, which holds every
-# character the pre-tokenizer's `\s` does): where GPT-2's text can be cut (`Tokenizer.cut`).
-_CUT = re.compile(r"(?<=\S)[ \n](?=\S)")
+# Where GPT-2's text can be cut (`Tokenizer.cut`): before the last character of a run of white space (the
+# pre-tokenizer's `\s`, Unicode's White_Space) that a character other than white space follows (Python's
+# `\S`: its `\s` holds every White_Space character and U+001C-U+001F besides), unless that character is
+# `<` (which may open `<|endoftext|>`) and the run is longer than one.
+_WHITE_SPACE = "\t-\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+_CUT = re.compile(f"[{_WHITE_SPACE}](?=[^\\s<])|(?<=\\S)[{_WHITE_SPACE}](?=<)")
 
 
 class TokenizerError(ValueError):
@@ -93,21 +96,23 @@ class Tokenizer:
 
             's|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+
 
-        and BPE merges only within a piece. No piece runs from a character that is not white space into the
-        space after it, so a single space between two such characters opens a piece (` cat`, ` 42`, ` (`),
-        and a single newline between them is a piece of its own, at the end of a text as well. So the text
-        can be cut before such a space or after such a newline: each side splits into the whole's pieces."""
+        and BPE merges only within a piece, and matching from a place reads only the text after it. No piece
+        runs from a character that is not white space into the white space after it, and a run of white space
+        that a character other than white space follows splits into the run but its last character
+        (`\\s+(?!\\S)`, which a text that ends there matches too) and that last character, alone or opening the
+        next piece (` cat`, ` 42`, `\\n(`). So the text can be cut before that last character: each side splits
+        into the whole's pieces. Not where a longer run ends at `<|endoftext|>`: that ends its piece of text,
+        so the whole run is one piece there."""
         if not self._cuttable:
             return 0
-        end = min(len(text), hi + 2)  # the space at hi (or the newline before it) and the character after
+        end = min(len(text), hi + 2)  # the white space at hi and the character after it
         width = 256
         while True:  # look back from hi, further each time
             start = max(lo - 1, hi - width, 0)
             last = 0
             for m in _CUT.finditer(text, start, end):  # (?<=\S) still sees the character before `start`
-                place = m.start() + (m.group() == "\n")
-                if lo < place <= hi:
-                    last = place
+                if lo < m.start() <= hi:
+                    last = m.start()
             if last or start == max(lo - 1, 0):
                 return last
             width *= 8

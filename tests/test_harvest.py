@@ -194,6 +194,57 @@ def test_long_documents_tokenize_in_pieces(
     assert [opens for _, opens in rows] == [True, False, False, False, False, True]
 
 
+def test_a_file_changed_while_it_is_read_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job's manifest names each file by the sha256 it had when the job began; a file read a block at a
+    time (a .txt), a line at a time (a .jsonl) or a row group at a time (a .parquet) that changed by the end
+    of its reading would have given contexts of neither text: refused, as a resume would be."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from model.harvest import text
+
+    monkeypatch.setattr(text, "_TXT_BLOCK", 8)
+    doc = tmp_path / "doc.txt"
+    doc.write_text("one two three four five six", encoding="utf-8")
+    source = open_source(doc)
+    began = source.describe()
+    assert texts(source) == ["one two three four five six"]  # no `began`: not checked
+    (parts,) = list(source.documents(began))
+    blocks = iter(parts)
+    assert next(blocks) == "one two "
+    with doc.open("a", encoding="utf-8") as f:  # appended to after its first block was read
+        f.write(" seven")
+    with pytest.raises(HarvestError, match=r"doc\.txt changed while the job read it, so its contexts could mix"):
+        list(blocks)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"text": "a"}\n{"text": "b"}\n', encoding="utf-8")
+    table = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"text": ["a", "b"]}), table)
+    for path, change in [(rows, lambda: rows.write_text('{"text": "a"}\n{"text": "c"}\n')), (table, None)]:
+        source = open_source(path)
+        began = source.describe()
+        assert ["".join(d) for d in source.documents(began)] == ["a", "b"]  # unchanged: read as it is
+        if change is None:
+            pq.write_table(pa.table({"text": ["a", "c"]}), table)
+        else:
+            change()
+        with pytest.raises(HarvestError, match=f"{path.name} changed while the job read it"):
+            [list(d) for d in source.documents(began)]
+
+
+def test_a_txt_file_that_is_not_utf8_is_refused_before_any_work(tiny, tokenizer_dir: Path, tmp_path: Path) -> None:
+    """Its bytes are checked as the job takes its sha256, before the first shard: a bad byte at the end of a
+    long file once let the job write the shards of everything before it, then fail on every resume."""
+    doc = tmp_path / "doc.txt"
+    doc.write_bytes(b"the cat sat on the mat. " * 2000 + b"\xe4\xb8")
+    with pytest.raises(HarvestError, match=r"doc\.txt: not UTF-8 text \(byte 48000\): unexpected end of data"):
+        open_source(doc).describe()
+    out = tmp_path / "acts"
+    with pytest.raises(HarvestError, match=r"not UTF-8 text \(byte 48000\)"):
+        harvest(tiny.path, doc, out, ["blocks.0.hook_resid_pre"], tokenizer=str(tokenizer_dir), device="cpu")
+    assert not out.exists()
+
+
 def test_parquet_missing_column(tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -104,7 +104,7 @@ def test_round_trip_on_any_text(tokenizer: Tokenizer, text: str) -> None:
 CUT_POOL = [
     *["the", " cat", "'s", "'t", "'re", " 42", "7", ",", ".", "!?", " (", "'", "-", "x", "é", "日本", "😀"],
     *["\n", "\n\n", " ", "  ", "\t", "\r\n", "\x0b", "\x1c", "\x85", "\u00a0", "\u1680", "\u2003", "\u2028"],
-    *["\u202f", "\u3000", "\u180e", "\u200b", EOT, "<|endoftext|"],
+    *["\u202f", "\u3000", "\u180e", "\u200b", "\ufeff", "\x1f", "<", " <", EOT, "<|endoftext|"],
 ]
 
 
@@ -125,15 +125,20 @@ def test_a_cut_keeps_the_ids(tokenizer: Tokenizer, text: str) -> None:
 
 def test_where_cut_cuts(tok: Tokenizer) -> None:
     assert tok.cut("hello world", 0, 11) == 5  # before the space
-    assert tok.cut("hello\nworld", 0, 11) == 6  # after the newline
+    assert tok.cut("hello\nworld", 0, 11) == 5  # before the newline
     assert tok.cut("a b c d", 0, 4) == 3  # the last at or before hi
     assert tok.cut("a b c d", 3, 4) == 0  # ... and after lo
     text = "x" * 10_000 + " y" + "z" * 10_000
     assert tok.cut(text, 0, len(text)) == 10_000  # found far back
-    for text in ("word", "a  b", "a\n\nb", "a \nb", " a", "a ", "a\tb", "a\u00a0b", "a\u2028b", "a\x1cb"):
+    # before the last character of a run of white space: paragraphs, indents, any kind of white space
+    for text in ("a  b", "a\n\nb", "a \nb", "。\n\u3000\u3000b", "a\r\n\tb", "a\u00a0\u2028b"):
+        assert tok.cut(text, 0, len(text)) == len(text) - 2, text
+    assert tok.cut("a\tb", 0, 3) == tok.cut("a\u3000b", 0, 3) == tok.cut("a <|endoftext|>", 0, 15) == 1
+    # none: at the ends, beside U+001C (white space to Python, not to Unicode), a longer run before <|
+    for text in ("word", " a", "a ", "a\x1cb", "a  <|endoftext|>"):
         assert tok.cut(text, 0, len(text)) == 0, text
-    # Python's \s (what `cut` takes for white space) holds every White_Space character of Unicode, which
-    # the tokenizers library's \s is, so no cut sits beside a character the pre-tokenizer takes for a space
+    # Python's \s (what `cut` takes for white space beside the cut) holds every White_Space character of
+    # Unicode, which the tokenizers library's \s is, so no cut sits beside a character it takes for a space
     white_space = [*range(0x09, 0x0E), 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028, 0x2029, 0x202F]
     assert all(chr(c).isspace() for c in [*white_space, 0x205F, 0x3000])
 

@@ -218,7 +218,8 @@ def shard_tokens(plan: Plan, tokenizer: Tokenizer) -> Iterator[tuple[int, int, n
     in order; every shard but the last has `plan.shard_size` rows."""
     spec = plan.spec
     source = open_source(spec.source, spec.text_field)
-    contexts = pack(tokenize(source.documents(), tokenizer), spec.context_size, plan.bos_id, plan.separator_id)
+    documents = source.documents(plan.source)  # checked against the files the job began with
+    contexts = pack(tokenize(documents, tokenizer), spec.context_size, plan.bos_id, plan.separator_id)
     if plan.max_contexts is not None:
         contexts = islice(contexts, plan.max_contexts)
     index = first = 0

@@ -18,6 +18,7 @@ change (`Tokenizer.cut`), so memory follows the piece, not the document.
 from __future__ import annotations
 
 import codecs
+import hashlib
 import io
 import json
 from collections.abc import Iterable, Iterator
@@ -32,7 +33,7 @@ from .shards import sha256_file
 FILE_KINDS = (".txt", ".jsonl", ".parquet")
 TRAIN = "train"  # a DatasetDict's split that is read
 _DOCS_PER_ENCODE = 256  # texts handed to the tokenizer at once (it encodes them on its own threads) ...
-_CHARS_PER_ENCODE = 1 << 20  # ... up to about this many characters (its memory: ~170 bytes a character)
+_CHARS_PER_ENCODE = 1 << 18  # ... up to about this many characters (its memory: 170-240 bytes a byte of UTF-8)
 _PIECE_CHARS = 1 << 16  # a longer document is tokenized in pieces of about this many characters
 _TXT_BLOCK = 1 << 20  # bytes of a .txt file read at once
 
@@ -63,20 +64,23 @@ class Source:
             "path": str(self.path),
             "kind": "files",
             "text_field": self.text_field,
-            "files": [{"name": self._name(f), "bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in self.files],
+            "files": [{"name": self._name(f), "bytes": f.stat().st_size, "sha256": _sha256(f)} for f in self.files],
         }
 
     def _name(self, f: Path) -> str:
         return f.name if f == self.path else f.relative_to(self.path).as_posix()
 
-    def documents(self) -> Iterator[Iterable[str]]:
+    def documents(self, began: dict[str, Any] | None = None) -> Iterator[Iterable[str]]:
         """Every document's text, in order, each as its text's parts in order (a `.txt` file's in blocks
-        as it is read; read each document's to its end before the next)."""
+        as it is read; read each document's to its end before the next). `began`: what `describe` said
+        when the job began; a file whose bytes are other by the end of its reading is then a HarvestError
+        (it changed while the job read it, and the contexts would mix its two texts)."""
         if self.dataset_dir is not None:
             yield from ((text,) for text in _dataset_documents(self.dataset_dir, self.text_field))
             return
+        sha256 = {f["name"]: f["sha256"] for f in (began or {}).get("files", [])}
         for f in self.files:
-            yield from _file_documents(f, self.text_field)
+            yield from _file_documents(f, self.text_field, sha256.get(self._name(f)))
 
 
 def open_source(path: str | Path, text_field: str = "text") -> Source:
@@ -117,17 +121,49 @@ def _is_datasets_dir(path: Path) -> bool:
     )
 
 
-def _file_documents(path: Path, field: str) -> Iterator[Iterable[str]]:
+def _file_documents(path: Path, field: str, sha256: str | None) -> Iterator[Iterable[str]]:
+    """The documents of one file; `sha256`: its bytes' when the job began (None: not checked)."""
     if path.suffix == ".txt":
-        yield _txt_blocks(path)
+        yield _txt_blocks(path, sha256)
     elif path.suffix == ".jsonl":
-        yield from ((text,) for text in _jsonl_documents(path, field))
+        yield from ((text,) for text in _jsonl_documents(path, field, sha256))
     else:
         yield from ((text,) for text in _parquet_documents(path, field))
+        _unchanged(path, sha256, sha256_file(path) if sha256 is not None else None)
 
 
-def _txt_blocks(path: Path) -> Iterator[str]:
-    """A .txt file's text, a block at a time, as `Path.read_text` reads it (UTF-8, newlines made `\\n`)."""
+def _unchanged(path: Path, began: str | None, now: str | None) -> None:
+    if began != now:
+        raise HarvestError(
+            f"{path} changed while the job read it, so its contexts could mix its old text and its new: "
+            "run the job again in a new --out"
+        )
+
+
+def _sha256(path: Path) -> str:
+    """A file's sha256; a .txt file's bytes are checked to be UTF-8 on the way (`_decoded`), so that a bad
+    byte stops the job before its work, not after the shards of the text before it."""
+    if path.suffix != ".txt":
+        return sha256_file(path)
+    digest = hashlib.sha256()
+    for raw, _ in _decoded(path):
+        digest.update(raw)
+    return digest.hexdigest()
+
+
+def _txt_blocks(path: Path, sha256: str | None) -> Iterator[str]:
+    """A .txt file's text, a block at a time (`_decoded`), its bytes checked against `sha256` at the end."""
+    digest = hashlib.sha256()
+    for raw, text in _decoded(path):
+        digest.update(raw)
+        if text:
+            yield text
+    _unchanged(path, sha256, digest.hexdigest() if sha256 is not None else None)
+
+
+def _decoded(path: Path) -> Iterator[tuple[bytes, str]]:
+    """A .txt file's bytes a block at a time, each with its text as `Path.read_text` reads it (UTF-8,
+    newlines made `\\n`; a character or a CRLF cut at a block's end comes with the next block's text)."""
     decoder = io.IncrementalNewlineDecoder(codecs.getincrementaldecoder("utf-8")(), translate=True)
     read = 0  # bytes handed to the decoder so far
     with path.open("rb") as f:
@@ -139,15 +175,16 @@ def _txt_blocks(path: Path) -> Iterator[str]:
             except UnicodeDecodeError as e:
                 raise HarvestError(f"{path}: not UTF-8 text (byte {read - held + e.start}): {e.reason}") from None
             read += len(raw)
-            if text:
-                yield text
+            yield raw, text
             if not raw:
                 return
 
 
-def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
+def _jsonl_documents(path: Path, field: str, sha256: str | None) -> Iterator[str]:
+    digest = hashlib.sha256()
     with path.open("rb") as f:
         for number, raw in enumerate(f, start=1):
+            digest.update(raw)
             if not raw.strip():
                 continue
             try:
@@ -169,6 +206,7 @@ def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
             except InvalidTextError as e:
                 raise HarvestError(f"{path} line {number}: {field!r} is {e}") from None
             yield text
+    _unchanged(path, sha256, digest.hexdigest() if sha256 is not None else None)
 
 
 def _parquet_documents(path: Path, field: str) -> Iterator[str]:
