@@ -437,9 +437,8 @@ def _finite(key: str, read: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         raise LoadError(f"tensor {key!r} holds {damaged} values NaN or infinite: the checkpoint is damaged")
     name = str(t.dtype).removeprefix("torch.")
     limit = f"{torch.finfo(t.dtype).max:.6g}"
-    raise LoadError(
-        f"tensor {key!r} holds {int((~finite).sum())} values beyond {name}'s range (±{limit}): load as float32"
-    )
+    wider = ": load it as float32" if t.dtype != torch.float32 else ""  # (a float64 checkpoint's, say)
+    raise LoadError(f"tensor {key!r} holds {int((~finite).sum())} values beyond {name}'s range (±{limit}){wider}")
 
 
 def _read(st: SafetensorsFile, key: str) -> torch.Tensor:

@@ -156,8 +156,9 @@ def check_unicode(text: str, item: int = 0) -> None:
 def _splits_as_gpt2(tok: _HFTokenizer) -> bool:
     """Whether `tok` splits text as GPT-2's tokenizer does (what `Tokenizer.cut` relies on): no normalizer,
     the byte-level pre-tokenizer with GPT-2's regular expression and no space added in front, no added token
-    with white space in it or that takes the white space beside it (`lstrip`, `rstrip`), and no truncation
-    or padding (which would apply to each side)."""
+    but those that open with `<` (a run of white space before one is a piece of its own: the cut's rule
+    keeps away from `<`), none with white space in it or that takes the white space beside it (`lstrip`,
+    `rstrip`), and no truncation or padding (which would apply to each side)."""
     spec = json.loads(tok.to_str())
     pre = spec.get("pre_tokenizer") or {}
     return (
@@ -167,8 +168,11 @@ def _splits_as_gpt2(tok: _HFTokenizer) -> bool:
         and not pre.get("add_prefix_space", True)
         and spec.get("truncation") is None
         and spec.get("padding") is None
-        and not any(
-            re.search(r"\s", t.get("content", " ")) or t.get("lstrip") or t.get("rstrip")
+        and all(
+            t.get("content", "").startswith("<")
+            and not re.search(r"\s", t["content"])
+            and not t.get("lstrip")
+            and not t.get("rstrip")
             for t in spec.get("added_tokens", [])
         )
     )

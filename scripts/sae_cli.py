@@ -61,6 +61,7 @@ def steering_specs(texts: list[str]) -> list[InterventionSpec]:
     each object naming a key once (`InterventionError` says what is wrong). Before the model loads."""
     from pydantic import ValidationError
 
+    from server.errors import validation_message
     from server.json_body import DuplicateKeyError, loads
     from server.schemas import InterventionSpec
 
@@ -72,8 +73,9 @@ def steering_specs(texts: list[str]) -> list[InterventionSpec]:
         except DuplicateKeyError as e:
             raise InterventionError(f"{where}: names the key {e.param!r} more than once") from None
         except ValidationError as e:
-            problem = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'edit'}: {err['msg']}" for err in e.errors())
-            raise InterventionError(f"{where}: {clip(problem, str)}") from None
+            problem = validation_message(e.errors())[0].replace("\r", "\\r").replace("\n", "\\n")  # one line
+            problem = problem if len(problem) <= 1000 else problem[:1000] + "..."  # a key can be megabytes long
+            raise InterventionError(f"{where}: {problem}") from None
         except (ValueError, RecursionError) as e:  # not JSON, nested too deeply, a number of 4300+ digits
             raise InterventionError(f"{where}: not a JSON object: {clip(e, str)}") from None
     return specs

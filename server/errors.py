@@ -100,11 +100,7 @@ def install_error_handlers(app: FastAPI) -> None:
             )
         if not loc:
             return error_response(400, _body_problem(first.get("type"), request.headers.get("content-type")))
-        union = _union_error(e.errors())
-        if union is not None:
-            return error_response(400, union, loc[0])
-        message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")  # a validator's own words
-        return error_response(400, f"{'.'.join(loc)}: {message}", loc[0])
+        return error_response(400, *validation_message(e.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -126,6 +122,19 @@ def install_error_handlers(app: FastAPI) -> None:
         request_id = request.scope.get("state", {}).get("request_id", "?")
         log.exception("internal error (request %s)", request_id, exc_info=e)
         return error_response(500, f"internal server error (request id {request_id})")
+
+
+def validation_message(errors: Sequence[Any]) -> tuple[str, str]:
+    """The one message a body's validation errors make, and the field it names: the first error, in the form
+    of a union it came closest to (`_union_error`), in a validator's own words. Also the command line's, for
+    an edit given as JSON (`--steer`)."""
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    union = _union_error(errors)
+    if union is not None:
+        return union, loc[0]
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")  # a validator's own words
+    return (f"{'.'.join(loc)}: {message}" if loc else message), (loc[0] if loc else "body")
 
 
 def _union_error(errors: Sequence[Any]) -> str | None:

@@ -386,7 +386,7 @@ def test_a_gradient_in_the_head_runs_its_product_only_where_it_must(
     ours64: GPT, names: list[str], metric: Metric, product_rows: list[int]
 ) -> None:
     """A gradient at a hook point after the last block runs the head in one part (its hooks see every row),
-    but the LM head's product, the costly part (1.0-1.7 s at 1,024 tokens of gpt2-small on 2 cores), only
+    but the LM head's product, the costly part (1.1-1.2 s of the pass at 1,024 tokens of gpt2-small on 2 cores), only
     at the rows the metric reads, unless its output is asked for or edited."""
     rows: list[int] = []
     handle = ours64.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[-2]))

@@ -230,6 +230,13 @@ def test_a_file_changed_while_it_is_read_is_refused(tmp_path: Path, monkeypatch:
             change()
         with pytest.raises(HarvestError, match=f"{path.name} changed while the job read it"):
             [list(d) for d in source.documents(began)]
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "a.txt").write_text("a")
+    began = open_source(folder).describe()
+    (folder / "b.txt").write_text("b")  # a file added since: the manifest would not name it
+    with pytest.raises(HarvestError, match=r"the files in .*folder changed since the job began"):
+        [list(d) for d in open_source(folder).documents(began)]
 
 
 def test_a_txt_file_that_is_not_utf8_is_refused_before_any_work(tiny, tokenizer_dir: Path, tmp_path: Path) -> None:

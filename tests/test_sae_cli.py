@@ -85,6 +85,10 @@ def test_steering_with_no_sae_says_to_give_one(tiny: Checkpoint, tokenizer_dir: 
         ('{"hook": "h", "op": "scale", "factor": 1' + "0" * 5000 + "}", "not a JSON object: Exceeds the limit"),
         ("[" * 100_000 + "]" * 100_000, "not a JSON object"),
         (json.dumps({"hook": "x" * 5000, "op": "scale", "factor": 2}), "a hook name or glob of 5000 characters"),
+        ('{"hook": "h", "op": "tilt"}', "op: Input should be 'zero', 'mean', "),  # the server's words, whole
+        ('{"hook": "h", "op": "tilt"}', "'projection_cap' or 'clamp'"),
+        ('{"hook": "h", "op": "steer", "scale": 1, "direction": {"sae": "s"}}', "): direction.feature: Field required"),
+        ('{"hook": "h", "op": "scale", "factor": 2, "a\\nb": 1}', "): a\\nb: Extra inputs are not permitted"),
     ],
 )
 def test_a_steer_that_is_not_an_edit_is_refused_before_the_model_loads(tmp_path: Path, capsys, text, says) -> None:

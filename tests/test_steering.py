@@ -203,6 +203,7 @@ def test_directions_store_is_bounded(sae: SAE) -> None:
         lib.sae("x", "sae")
     with pytest.raises(DirectionError, match=r"feature 256 of SAE 's' is out of range 0\.\.255"):
         lib.feature("s", 256, "direction")
+    assert steering.STEERING_OPS == ("steer", "orthogonal", "projection_cap", "clamp")
 
 
 def test_none_loaded_or_stored_says_how_the_front_end_gets_one() -> None:
@@ -220,7 +221,6 @@ def test_none_loaded_or_stored_says_how_the_front_end_gets_one() -> None:
         server.sae("x", "sae")
     with pytest.raises(DirectionError, match=r"none \(POST /v1/steering-vectors with a name stores one\)$"):
         server.vector("v", "direction")
-    assert steering.STEERING_OPS == ("steer", "orthogonal", "projection_cap", "clamp")
 
 
 @pytest.mark.parametrize(

@@ -155,6 +155,8 @@ def test_no_cut_for_a_tokenizer_that_splits_otherwise(tokenizer_dir: Path, tmp_p
         {**spec, "normalizer": {"type": "Lowercase"}},
         {**spec, "added_tokens": [*spec["added_tokens"], {**spec["added_tokens"][0], "id": 50257, "content": "a b"}]},
         {**spec, "added_tokens": [{**spec["added_tokens"][0], "rstrip": True}]},
+        # "a\n\n[X]" is [64, 628, 50257] whole: [X] ends the text before it, as <|endoftext|> does
+        {**spec, "added_tokens": [*spec["added_tokens"], {**spec["added_tokens"][0], "id": 50257, "content": "[X]"}]},
         {**spec, "added_tokens": [{**spec["added_tokens"][0], "lstrip": True}]},
         {**spec, "truncation": {"direction": "Right", "max_length": 2, "strategy": "LongestFirst", "stride": 0}},
     ]

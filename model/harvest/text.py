@@ -73,12 +73,16 @@ class Source:
     def documents(self, began: dict[str, Any] | None = None) -> Iterator[Iterable[str]]:
         """Every document's text, in order, each as its text's parts in order (a `.txt` file's in blocks
         as it is read; read each document's to its end before the next). `began`: what `describe` said
-        when the job began; a file whose bytes are other by the end of its reading is then a HarvestError
-        (it changed while the job read it, and the contexts would mix its two texts)."""
+        when the job began; a file added or gone since then, or whose bytes differ by the end of its
+        reading, is then a HarvestError (the contexts would mix two texts)."""
         if self.dataset_dir is not None:
             yield from ((text,) for text in _dataset_documents(self.dataset_dir, self.text_field))
             return
         sha256 = {f["name"]: f["sha256"] for f in (began or {}).get("files", [])}
+        if began is not None and list(sha256) != [self._name(f) for f in self.files]:
+            raise HarvestError(
+                f"the files in {self.path} changed since the job began: run the job again in a new --out"
+            )
         for f in self.files:
             yield from _file_documents(f, self.text_field, sha256.get(self._name(f)))
 
@@ -262,7 +266,7 @@ def tokenize(documents: Iterable[Iterable[str]], tokenizer: Tokenizer) -> Iterat
     """The documents' token ids (no BOS; `<|endoftext|>` written in the text is the special token, as
     SAELens' `to_tokens` reads it) as (ids, whether they open a document): a document's ids in one piece,
     or in several where it is long (`_pieces`), the same ids as the whole. Encoded a few hundred texts or
-    about a million characters at a time."""
+    about `_CHARS_PER_ENCODE` characters at a time."""
     group: list[str] = []
     opens: list[bool] = []
     chars = 0
