@@ -31,6 +31,7 @@ from typing import Any
 
 from gpt2_scripts.console import empty_flag, run_console
 from gpt2_scripts.generate import read_prompt
+from gpt2_scripts.json_flag import read_json_flag
 from gpt2_scripts.sae_cli import add_sae_arguments, directions, features_table
 
 from model.analysis import LayerStats, analyze
@@ -310,18 +311,12 @@ def parse_metric(text: str, tok: Tokenizer) -> Metric:
     """`loss`, or the metric as the HTTP API takes it (JSON), with token texts turned into ids."""
     if text.strip() == "loss":
         return Loss()
-    from pydantic import TypeAdapter, ValidationError
+    from pydantic import TypeAdapter
 
     from server.schemas import MetricSpec
 
     adapter: TypeAdapter[Any] = TypeAdapter(MetricSpec)
-    try:
-        spec = adapter.validate_json(text)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise GenerationError(f"--metric {text!r}: {where + ': ' if where else ''}{first['msg']}") from None
-    return spec.metric(tok)
+    return read_json_flag("--metric", text, adapter.validate_python, GenerationError).metric(tok)
 
 
 def attribution_table(result: Attribution, clean: list[str], corrupt: list[str]) -> str:

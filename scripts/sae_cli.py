@@ -16,10 +16,10 @@ import json
 from typing import TYPE_CHECKING
 
 import torch
+from gpt2_scripts.json_flag import read_json_flag
 
 from model.hooks import run_with_cache
 from model.interventions import EditSpec, InterventionError
-from model.json_file import clip
 from model.lab.sae import SAE, token_features
 from model.lab.steering import Directions
 from model.loading import LoadedModel
@@ -57,28 +57,12 @@ def directions(args: argparse.Namespace, loaded: LoadedModel) -> Directions:
 
 
 def steering_specs(texts: list[str]) -> list[InterventionSpec]:
-    """The `--steer` edits, read as the HTTP API reads a request's `interventions` entries: its own schema,
-    each object naming a key once (`InterventionError` says what is wrong). Before the model loads."""
-    from pydantic import ValidationError
-
-    from server.errors import validation_message
-    from server.json_body import DuplicateKeyError, loads
+    """The `--steer` edits, read as the HTTP API reads a request's `interventions` entries (`read_json_flag`;
+    `InterventionError` says what is wrong). Before the model loads."""
     from server.schemas import InterventionSpec
 
-    specs = []
-    for i, text in enumerate(texts):
-        where = f"--steer {i + 1} ({clip(text)})"
-        try:
-            specs.append(InterventionSpec.model_validate(loads(text.encode())))
-        except DuplicateKeyError as e:
-            raise InterventionError(f"{where}: names the key {e.param!r} more than once") from None
-        except ValidationError as e:
-            problem = validation_message(e.errors())[0].replace("\r", "\\r").replace("\n", "\\n")  # one line
-            problem = problem if len(problem) <= 1000 else problem[:1000] + "..."  # a key can be megabytes long
-            raise InterventionError(f"{where}: {problem}") from None
-        except (ValueError, RecursionError) as e:  # not JSON, nested too deeply, a number of 4300+ digits
-            raise InterventionError(f"{where}: not a JSON object: {clip(e, str)}") from None
-    return specs
+    validate = InterventionSpec.model_validate
+    return [read_json_flag(f"--steer {i + 1}", text, validate, InterventionError) for i, text in enumerate(texts)]
 
 
 def steering_edits(specs: list[InterventionSpec], found: Directions, n_layer: int) -> EditSpec | None:

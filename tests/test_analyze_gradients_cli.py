@@ -79,9 +79,11 @@ def test_attribution_tables_and_plot(model_args: list[str], tiny: Checkpoint, tm
     [
         (["--attribution", CLEAN, "The dog", "--metric", "loss"], "same length"),
         (["--attribution", CLEAN, CORRUPTED, "--metric", '{"type": "kl"}'], "--metric"),
+        (["--attribution", CLEAN, CORRUPTED, "--metric", '{"type": "loss", "type": "logprob"}'], "key 'type' more"),
+        (["--attribution", CLEAN, CORRUPTED, "--metric", '{"type": "logprob"}'], "logprob.token: Field required"),
         (["Hi", "--gradients"], "at least 2 tokens"),
     ],
-    ids=["lengths", "metric-type", "one-token"],
+    ids=["lengths", "metric-type", "metric-key-twice", "metric-field", "one-token"],
 )
 def test_bad_input_is_one_line(model_args: list[str], args: list[str], message: str) -> None:
     r = gpt2_analyze(*args, *model_args)
