@@ -418,6 +418,37 @@ def test_job_errors(tiny, tokenizer_dir: Path, corpus, tmp_path: Path) -> None:
         harvest(tiny.path, short, tmp_path / "b", ["blocks.0.hook_resid_pre"], **tok)
 
 
+def test_ctrl_c_does_not_wait_for_the_text_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The text is read and tokenized a shard ahead on a thread of its own; a job that fails waits for it to
+    let go of its files (up to 5 s), but a Ctrl-C does not: a long text in the tokenizer's hands held the
+    interrupted job for those 5 s."""
+    import threading
+
+    from model.harvest import job
+
+    joined: list[threading.Thread] = []
+    real_join = threading.Thread.join
+    monkeypatch.setattr(threading.Thread, "join", lambda t, timeout=None: joined.append(t) or real_join(t, timeout))
+    held = threading.Event()
+
+    def shards():  # the next shard's text stays in the tokenizer's hands until the test lets go
+        yield 0, 0, np.zeros((1, 2), dtype=np.int32)
+        held.wait()
+        yield 1, 1, np.zeros((1, 2), dtype=np.int32)
+
+    for interrupt, waits in ((KeyboardInterrupt, False), (RuntimeError, True)):
+        ahead = job._prefetched(shards())
+        assert next(ahead)[0] == 0
+        if waits:
+            held.set()  # so that the wait is short
+        with pytest.raises(interrupt):
+            ahead.throw(interrupt)
+        assert any(t.name == "harvest-text" for t in joined) == waits, interrupt
+        held.set()  # the thread ends
+        joined.clear()
+        held.clear()
+
+
 def test_a_job_failing_before_its_first_shard_leaves_no_folder(
     tiny, tokenizer_dir: Path, corpus, tmp_path: Path
 ) -> None:

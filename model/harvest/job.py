@@ -432,14 +432,19 @@ def _prefetched(shards: Iterator[tuple[int, int, np.ndarray]]) -> Iterator[tuple
 
     thread = threading.Thread(target=work, name="harvest-text", daemon=True)
     thread.start()
+    interrupted = False
     try:
         while (item := q.get()) is not done:
             if isinstance(item, BaseException):
                 raise item
             yield item
+    except KeyboardInterrupt:  # the user wants out now: not after the text in the tokenizer's hands
+        interrupted = True
+        raise
     finally:
         stop.set()
-        thread.join(timeout=5)
+        if not interrupted:
+            thread.join(timeout=5)
 
 
 def harvest(
