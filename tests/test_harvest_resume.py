@@ -4,6 +4,7 @@ job is refused by, at once, and which a killed job leaves holding nothing)."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -250,6 +251,26 @@ def test_a_lock_file_removed_as_its_holder_finishes_is_not_held_twice(
     finally:
         second.release()
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("error", "warned"), [(errno.EROFS, False), (errno.EACCES, True)])
+def test_a_folder_that_cannot_be_locked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, error: int, warned: bool
+) -> None:
+    """A folder whose lock file cannot be made is used unlocked, with a warning that nothing keeps a second
+    job out; not on a read-only filesystem, where no job can write (a complete job's folder is read there,
+    and a job that would write fails in one line, which the warning stood before)."""
+    real_open = os.open
+
+    def open_but_the_lock(path: str | Path, *args: Any) -> int:
+        if str(path).endswith(LOCK):
+            raise OSError(error, os.strerror(error))
+        return real_open(path, *args)
+
+    monkeypatch.setattr(os, "open", open_but_the_lock)
+    with caplog.at_level(logging.WARNING, logger="model.harvest.lock"):
+        assert FolderLock.acquire(tmp_path) is None
+    assert ("nothing keeps a second harvest job" in caplog.text) == warned
 
 
 def test_a_lock_whose_file_was_removed_leaves_the_next_holder_s_file(tmp_path: Path) -> None:

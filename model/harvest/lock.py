@@ -8,6 +8,7 @@ the job's driver locks: Ray's workers write their shards into the folder under t
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -30,7 +31,8 @@ class FolderLock:
     def acquire(cls, folder: Path) -> FolderLock | None:
         """Lock `folder` for this job, or refuse at once (`HarvestError`) if another job holds it; None
         where the filesystem or the system cannot lock (then a warning says that nothing keeps a second job
-        out)."""
+        out; none on a read-only filesystem, where a complete job reads its folder and any other fails in one
+        line as it writes)."""
         try:
             import fcntl  # POSIX: imported here, so that `model` imports on Windows too
         except ImportError:
@@ -43,7 +45,8 @@ class FolderLock:
             except OSError as e:
                 if not folder.is_dir():  # a job failing before its first shard removed it as this one started
                     raise HarvestError(f"{folder} was removed as this job started: start it again") from None
-                _warn_unlocked(folder, e.strerror)
+                if e.errno != errno.EROFS:  # a read-only folder needs no lock: no job can write there
+                    _warn_unlocked(folder, e.strerror)
                 return None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
