@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors
@@ -51,14 +52,15 @@ class Tokenizer:
 
     def __init__(self, tok: _HFTokenizer) -> None:
         self._tok = tok
-        self._plain = _HFTokenizer.from_str(tok.to_str())  # same vocabulary, special tokens read as text
+        spec = tok.to_str()  # ~2 MB of JSON for GPT-2's: made once
+        self._plain = _HFTokenizer.from_str(spec)  # same vocabulary, special tokens read as text
         self._plain.encode_special_tokens = True
         eot = tok.token_to_id(EOT)
         if eot is None:
             raise TokenizerError(f"the tokenizer has no {EOT} token")
         self.eot_id: int = eot
         self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
-        self._cuttable = _splits_as_gpt2(tok)
+        self._cuttable = _splits_as_gpt2(json.loads(spec))
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> Tokenizer:
@@ -153,13 +155,12 @@ def check_unicode(text: str, item: int = 0) -> None:
         raise InvalidTextError(item, e.start, text[e.start]) from None
 
 
-def _splits_as_gpt2(tok: _HFTokenizer) -> bool:
-    """Whether `tok` splits text as GPT-2's tokenizer does (what `Tokenizer.cut` relies on): no normalizer,
-    the byte-level pre-tokenizer with GPT-2's regular expression and no space added in front, no added token
-    but those that open with `<` (a run of white space before one is a piece of its own: the cut's rule
-    keeps away from `<`), none with white space in it or that takes the white space beside it (`lstrip`,
-    `rstrip`), and no truncation or padding (which would apply to each side)."""
-    spec = json.loads(tok.to_str())
+def _splits_as_gpt2(spec: dict[str, Any]) -> bool:
+    """Whether the tokenizer whose tokenizer.json is `spec` splits text as GPT-2's does (what `Tokenizer.cut`
+    relies on): no normalizer, the byte-level pre-tokenizer with GPT-2's regular expression and no space
+    added in front, no added token but those that open with `<` (a run of white space before one is a piece
+    of its own: the cut's rule keeps away from `<`), none with white space in it or that takes the white
+    space beside it (`lstrip`, `rstrip`), and no truncation or padding (which would apply to each side)."""
     pre = spec.get("pre_tokenizer") or {}
     return (
         spec.get("normalizer") is None
