@@ -289,6 +289,10 @@ class GPT(nn.Module):
             x = block(x, None, hooks)
             yield x
 
+    def final_norm(self, x: torch.Tensor, hooks: Hooks | None = None) -> torch.Tensor:
+        """The streams leaving the last block x [B, T, C] through the final LayerNorm: what the LM head reads."""
+        return self.hook_unembed_in(self.ln_f(x, hooks), hooks)
+
     def unembed(self, x: torch.Tensor, hooks: Hooks | None = None, rows: Rows | None = None) -> torch.Tensor:
         """Logits [B, T, vocab] of the streams leaving the last block x [B, T, C] (only those at positions
         `rows`, [B, len(rows), vocab], if given; `LAST`: the last position's): the final LayerNorm, then the
@@ -297,7 +301,7 @@ class GPT(nn.Module):
         too for its output's (`uses_the_logits`)."""
         if rows is not None and not uses_the_head(hooks):
             x, rows = x[:, rows], None
-        x = self.hook_unembed_in(self.ln_f(x, hooks), hooks)
+        x = self.final_norm(x, hooks)
         if rows is not None and not uses_the_logits(hooks):  # ln_f's hooks saw every position; the product not
             x, rows = x[:, rows], None
         logits = self.hook_unembed_out(self.lm_head(x, self.wte.weight), hooks)  # [B, T, vocab]

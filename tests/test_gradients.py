@@ -378,16 +378,20 @@ def test_a_piece_at_a_time_equals_one_graph(
     ("names", "metric", "product_rows"),
     [
         (["ln_final.hook_normalized"], LogProb(2068, 5), [1]),  # the final LayerNorm over every row, the
-        (["unembed.hook_in"], Loss((3, 7)), [4]),  # head's product only where the metric reads
-        (["logits"], LogProb(2068, 5), [T]),  # its output asked for: every row
+        (["unembed.hook_in"], Loss((3, 7)), [3, 1]),  # head's product only where the metric reads, in parts
+        (["ln_final.hook_scale"], Loss(), [3, 3, 1]),
+        (["blocks.1.hook_resid_post"], Loss(), [3, 3, 1]),
+        (["logits"], LogProb(2068, 5), [T]),  # its output asked for: every row at once
     ],
 )
 def test_a_gradient_in_the_head_runs_its_product_only_where_it_must(
-    ours64: GPT, names: list[str], metric: Metric, product_rows: list[int]
+    ours64: GPT, monkeypatch: pytest.MonkeyPatch, names: list[str], metric: Metric, product_rows: list[int]
 ) -> None:
-    """A gradient at a hook point after the last block runs the head in one part (its hooks see every row),
-    but the LM head's product, the costly part (1.1-1.2 s of the pass at 1,024 tokens of gpt2-small on 2 cores), only
-    at the rows the metric reads, unless its output is asked for or edited."""
+    """A gradient at a hook point after the last block runs the final LayerNorm over every row (its hooks see
+    them all), but the LM head's product, the costly part, only at the rows the metric reads, in parts of
+    `head_rows` (3 here), as for any other hook point: the loss over 1,024 tokens of gpt2-small ran as one
+    job of 1.3 s on 2 cores. Every row in one part where the head's output is asked for or edited."""
+    monkeypatch.setattr(MetricPass, "head_rows", 3)
     rows: list[int] = []
     handle = ours64.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[-2]))
     try:
@@ -413,13 +417,20 @@ def test_the_loss_in_parts_of_the_head_equals_transformers(
 
 @pytest.mark.parametrize(
     ("names", "back"),
-    [(["hook_embed"], 2), (["blocks.0.hook_mlp_out"], 2), (["blocks.1.hook_resid_pre"], 1), (["logits"], 0)],
+    [
+        (["hook_embed"], 2),
+        (["blocks.0.hook_mlp_out"], 2),
+        (["blocks.1.hook_resid_pre"], 1),
+        (["ln_final.hook_normalized"], 0),  # the final LayerNorm goes back with the head's last part
+        (["logits"], 0),
+    ],
 )
 def test_the_pieces_are_the_blocks_the_head_s_parts_and_the_blocks_back_to_the_first_wanted(
     ours64: GPT, monkeypatch: pytest.MonkeyPatch, names: list[str], back: int
 ) -> None:
-    """Steps: each block forward (the first with the embeddings), each part of the head (3 rows: the loss's
-    7 positions in 3 parts; every row in one where a head hook point is wanted), then each block back down to
+    """Steps: each block forward (the first with the embeddings, the last with the final LayerNorm), each part
+    of the head (3 rows: the loss's 7 positions in 3 parts; every row in one where the head's output is
+    wanted), then each block back down to
     the first with a wanted hook point (the embeddings with block 0). The graphs start there: the blocks
     before it run without one."""
     monkeypatch.setattr(MetricPass, "head_rows", 3)

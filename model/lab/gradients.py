@@ -22,7 +22,7 @@ import torch
 
 from ..config import GPTConfig
 from ..gpt import GPT
-from ..hooks import Hooks, select_hooks, uses_the_head
+from ..hooks import Hooks, select_hooks, uses_the_head, uses_the_logits
 from ..interventions import EditSpec, HookChain, InterventionError, split_input_clashes
 from ..overflow import layer_norm_inputs, layer_norm_overflow, variance_overflows
 
@@ -232,12 +232,13 @@ class MetricPass:
     at a time: each `step` is bounded work, which the server runs as an engine job of its own, decode steps
     going on between them (the README gives the times).
 
-    Forward: the embeddings with block 0, then each block, then the LM head over the rows the metric reads,
-    `head_rows` at a time (every row at once where a hook point after the last block is asked for or
-    edited: the final LayerNorm over every row, the head's product too if its output is, `GPT.unembed`).
-    Each piece starts from a leaf of a graph of its own, and the graphs start at the first piece a wanted
-    hook point is in (the pieces before it run without one, as in one pass). Backward: each part of
-    the head as it runs, then each block, last first: ∂metric/∂(its output) in, `torch.autograd.grad`
+    Forward: the embeddings with block 0, then each block (the last with the final LayerNorm over the rows
+    the metric reads, or over every row where a hook point after the last block is asked for or edited, as
+    in one pass), then the head's product over the rows the metric reads, `head_rows` at a time (the whole
+    head over every row at once where its output is asked for or edited: `uses_the_logits`). Each piece
+    starts from a leaf of a graph of its own, and the graphs start at the first piece a wanted hook point is
+    in (the pieces before it run without one, as in one pass). Backward: each part of the head as it runs
+    (the last with the final LayerNorm), then each block, last first: ∂metric/∂(its output) in, `torch.autograd.grad`
     through its graph alone, ∂metric/∂(its input) out, with the gradient at each wanted hook point in it.
     That is the chain rule, as one backward pass applies it; a piece's graph is let go of once the gradient
     is through it (unless `retain_graph`, for `HighwayPass`). `also`: hooks that read the values after the
@@ -266,12 +267,19 @@ class MetricPass:
         self._hooks, self._watch = watched(hooks, edits, config, len(ids))
         self._blamed = refusal.edits_param if edits is not None else refusal.param  # what the errors name
         self._n_layer = config.n_layer
-        # the head's parts: every row in one where a hook point after the last block is in use, as in one pass
-        self._whole_head = uses_the_head(self._hooks)
-        rows = range(len(ids)) if self._whole_head else metric_rows(metric, len(ids))
+        # the final LayerNorm's rows: every row where a hook point after the last block is in use (its hooks
+        # see them all, as in one pass), else the metric's; the head's parts: the metric's rows, or every row
+        # in one where the head's output is hooked
+        read = metric_rows(metric, len(ids))
+        self._whole_head = uses_the_logits(self._hooks)
+        self._normed = range(len(ids)) if uses_the_head(self._hooks) else read
+        rows = self._normed if self._whole_head else read
         step = len(rows) if self._whole_head else self.head_rows
         self._parts = [rows[i : i + step] for i in range(0, len(rows), step)]  # not run yet
-        self._x: torch.Tensor | None = None  # [1, T, C]: the stream entering the next block, then leaving the last
+        # [1, T, C]: the stream entering the next block, then leaving the last ([1, len(_normed), C] through
+        # the final LayerNorm, but for the whole head)
+        self._x: torch.Tensor | None = None
+        self._final_norm: _Stage | None = None  # the final LayerNorm's piece, where it has a graph
         self._blocks = 0  # blocks run
         self._stages: list[_Stage] = []  # the pieces before the head with a graph, to go back through
         self._grad: torch.Tensor | None = None  # ∂metric/∂(the output of the next piece back); None: zero
@@ -296,6 +304,8 @@ class MetricPass:
                 self._forward_block(model)
             elif self._parts:
                 self._head_part(model, self._parts.pop(0))
+                if not self._parts and self._stages and self._stages[-1] is self._final_norm:
+                    self._back()  # the final LayerNorm's piece: too small for a job
             else:
                 self._back()
                 if self._stages and self._stages[-1].inp is None:  # the embeddings' piece: too small for a job
@@ -315,30 +325,40 @@ class MetricPass:
         self._keep(inp, self._x, seen)
         self._blocks += 1
         if self._blocks == self._n_layer:
+            if not self._whole_head:
+                seen, inp, normed = len(self.values), _leaf(self._x), self._normed
+                self._x = model.final_norm(inp[:, normed.start : normed.stop], self._hooks)
+                self._final_norm = self._keep(inp, self._x, seen)
             self._watch.check(self._blamed, self.refusal.overflow)  # ln_final's input is in too
             if self._x.requires_grad:
                 self._grad = torch.zeros_like(self._x)  # the head's parts fill in their rows
 
-    def _keep(self, inp: torch.Tensor | None, out: torch.Tensor, seen: int) -> None:
-        """Keep a piece just run, to go back through, where it has a graph or reached a wanted hook point.
-        `inp`: its input (None for the embeddings'); where that has no graph, nothing before it is wanted."""
+    def _keep(self, inp: torch.Tensor | None, out: torch.Tensor, seen: int) -> _Stage | None:
+        """Keep a piece just run, to go back through, where it has a graph or reached a wanted hook point (and
+        return it). `inp`: its input (None for the embeddings'); where that has no graph, nothing before it is
+        wanted."""
         names = list(self.values)[seen:]
-        if out.requires_grad or names:
-            self._stages.append(_Stage(inp, out, names))
+        if not (out.requires_grad or names):
+            return None
+        self._stages.append(_Stage(inp, out, names))
+        return self._stages[-1]
 
     def _head_part(self, model: GPT, rows: range) -> None:
-        """The LM head over `rows` of the stream, the metric's share of its logits, and, at once, the gradient
-        back to the stream at those rows."""
+        """The head's product over `rows` of the normalised stream (the whole head over every row, where its
+        output is hooked), the metric's share of its logits, and, at once, the gradient back at those rows."""
         assert self._x is not None
-        seen, inp = len(self.values), _leaf(self._x[:, rows.start : rows.stop])
-        read = metric_rows(self.metric, len(self.ids)) if self._whole_head else rows  # the rows the metric reads
-        # [rows read, vocab]: where the head's hooks see every row, the product runs only where it must
-        logits = model.unembed(inp, self._hooks, slice(read.start, read.stop) if self._whole_head else None)[0]
+        at = slice(rows.start - self._normed.start, rows.stop - self._normed.start)  # those rows of `_x`
+        seen, inp = len(self.values), _leaf(self._x[:, at])
+        if self._whole_head:  # [rows the metric reads, vocab]: its hooks see every row's
+            read = metric_rows(self.metric, len(self.ids))
+            logits = model.unembed(inp, self._hooks, slice(read.start, read.stop))[0]
+        else:
+            read, logits = rows, model.lm_head(inp, model.wte.weight)[0]
         share = metric_share(self.metric, logits, self.targets, read)
         self._value += float(share.detach())
         grad = self._through(_Stage(inp, share, list(self.values)[seen:]), torch.ones_like(share), retain=False)
         if grad is not None and self._grad is not None:
-            self._grad[:, rows.start : rows.stop] = grad
+            self._grad[:, at] = grad
         if not self._parts and not math.isfinite(self._value):  # refused before any block goes back
             raise MetricError(
                 f"{self.refusal.subject} is not finite ({self._value}): {self.refusal.consequence}", self._blamed
