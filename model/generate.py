@@ -60,6 +60,10 @@ class GenerationError(ValueError):
         self.param = param
 
 
+class ContextLengthError(GenerationError):
+    """A prompt, or a prompt with the tokens asked for after it, longer than the model's context."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 32
@@ -357,7 +361,8 @@ def validate_prompt(model: GPT, prompt: Sequence[int], max_new_tokens: int, para
             f"a prompt given as a tensor must be 1-D and of integers, got {prompt.dim()}-D {prompt.dtype}", param
         )
     if len(prompt) > n_ctx:  # first: the checks below take a second of Python over two million ids
-        raise GenerationError(f"the prompt ({len(prompt)} tokens) is longer than the context of {n_ctx} tokens", param)
+        message = f"the prompt ({len(prompt)} tokens) is longer than the context of {n_ctx} tokens"
+        raise ContextLengthError(message, param)
     if isinstance(prompt, torch.Tensor):
         prompt = prompt.tolist()
     ids = [operator.index(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in prompt]
@@ -370,7 +375,7 @@ def validate_prompt(model: GPT, prompt: Sequence[int], max_new_tokens: int, para
     if bad:
         raise GenerationError(f"token id {bad[0]!r} is outside the vocabulary (0..{vocab - 1})", param)
     if len(ids) + max_new_tokens > n_ctx:
-        raise GenerationError(
+        raise ContextLengthError(
             f"the prompt ({len(ids)} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
             f"context of {n_ctx} tokens",
             "max_new_tokens",

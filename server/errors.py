@@ -1,5 +1,6 @@
-"""Every error leaves as JSON `{"error": {"type", "message", "param"}}` with the right status; a 500
-never carries a traceback (it is logged with the request id instead)."""
+"""Every error leaves as JSON `{"error": {"type", "message", "param", "code"}}` with the right status (`code`:
+OpenAI's for the errors it has one for, else null); a 500 never carries a traceback (it is logged with the
+request id instead)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from model.generate import GenerationError
+from model.generate import ContextLengthError, GenerationError
 from model.hooks import UnknownHookError
 from model.interventions import InterventionError
 
@@ -41,22 +42,33 @@ GONE = "the client closed the connection before the answer was ready"  # a 499's
 
 class APIError(Exception):
     def __init__(
-        self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.headers = status, message, param, headers
+        self.status, self.message, self.param, self.headers, self.code = status, message, param, headers, code
 
 
 def error_response(
-    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None, code: str | None = None
 ) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    """`{"error": {"type", "message", "param"}}`, the shape of every error (also one sent mid-stream)."""
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """`{"error": {"type", "message", "param", "code"}}`, the shape of every error (also one sent mid-stream)."""
     param = None if param is None else printable(param)
-    return {"error": {"type": _TYPES.get(status, "error"), "message": printable(message), "param": param}}
+    kind = _TYPES.get(status, "error")
+    return {"error": {"type": kind, "message": printable(message), "param": param, "code": code}}
+
+
+def generation_error_body(e: GenerationError) -> dict[str, Any]:
+    """The error of a request that cannot be generated (`code` "context_length_exceeded" for one too long)."""
+    return error_body(400, str(e), e.param, "context_length_exceeded" if isinstance(e, ContextLengthError) else None)
 
 
 def printable(text: str) -> str:
@@ -68,11 +80,11 @@ def printable(text: str) -> str:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return error_response(e.status, e.message, e.param, e.headers)
+        return error_response(e.status, e.message, e.param, e.headers, e.code)
 
     @app.exception_handler(GenerationError)
     async def generation_error(_: Request, e: GenerationError) -> JSONResponse:
-        return error_response(400, str(e), e.param)
+        return JSONResponse(generation_error_body(e), status_code=400)
 
     @app.exception_handler(UnknownHookError)
     async def unknown_hook(_: Request, e: UnknownHookError) -> JSONResponse:

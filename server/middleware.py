@@ -171,18 +171,23 @@ class RequestGuard:
             log.info(json.dumps(line))
 
     def _check_key(self, path: str, headers: dict[str, str]) -> Any:
-        """`Authorization: Bearer KEY` (the scheme in any case, RFC 7235) or `X-API-Key: KEY`. The key is
-        compared as UTF-8 bytes, so a non-ASCII key matches when the client sends it UTF-8 encoded."""
+        """`Authorization: Bearer KEY` (the scheme in any case, RFC 7235) or `X-API-Key: KEY`; either may hold
+        the key where a client sends both (an OpenAI client sends a Bearer token of its own beside a header
+        added for this server). The key is compared as UTF-8 bytes, so a non-ASCII key matches when the
+        client sends it UTF-8 encoded."""
         if self.api_key is None or path in OPEN_PATHS or path.startswith("/static/"):
             return None
         scheme, _, token = headers.get("authorization", "").strip().partition(" ")
-        given = (token.strip() if scheme.lower() == "bearer" else "") or headers.get("x-api-key", "")
+        given = [k for k in (token.strip() if scheme.lower() == "bearer" else "", headers.get("x-api-key", "")) if k]
         # Headers were decoded as latin-1, byte for byte: encoding back gives the bytes that were sent.
-        if given and hmac.compare_digest(given.encode("latin-1"), self.api_key.encode("utf-8")):
+        key = self.api_key.encode("utf-8")
+        if any(hmac.compare_digest(k.encode("latin-1"), key) for k in given):
             return None
         message = "invalid API key" if given else "missing API key: send Authorization: Bearer <key>"
         # its body, unread, is read and dropped with a deadline (`server.connections`), the connection kept
-        return error_response(401, message, headers={"WWW-Authenticate": "Bearer"})
+        return error_response(
+            401, message, headers={"WWW-Authenticate": "Bearer"}, code="invalid_api_key" if given else None
+        )
 
     async def _bounded_body(self, headers: dict[str, str], receive: Receive) -> tuple[Receive, Any]:
         """Read the whole body (up to the cap, within `body_timeout`) before the app runs; replay it, then

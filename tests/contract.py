@@ -32,6 +32,7 @@ class Bad:
     status: int = 400
     param: Any = ANY
     method: str = "POST"
+    code: str | None = None  # OpenAI's `code`: null but for the errors it has one for
     content: bytes | None = None  # sent as is, instead of `body`
 
     def send(self, client: httpx.Client, **kwargs: Any) -> httpx.Response:
@@ -41,6 +42,9 @@ class Bad:
         if self.body is None:
             return client.request(self.method, self.path, **kwargs)
         return client.request(self.method, self.path, json=self.body, **kwargs)
+
+
+TOO_LONG = "context_length_exceeded"  # OpenAI's code for a prompt (with the tokens asked for) past the context
 
 
 def hi(**fields: Any) -> dict[str, Any]:
@@ -55,8 +59,8 @@ CASES = [
     Bad("no-prompt", GEN, {}, param="prompt"),
     Bad("prompt-and-input-ids", GEN, {"prompt": "Hi", "input_ids": [1]}, param="prompt"),
     # lengths against the context (128) and the server's cap (64)
-    Bad("beyond-context", GEN, {"input_ids": [464] * 100, "max_new_tokens": 60}, param="max_new_tokens"),
-    Bad("prompt-over-context", GEN, {"input_ids": [464] * 129, "max_new_tokens": 0}, param="input_ids"),
+    Bad("beyond-context", GEN, {"input_ids": [464] * 100, "max_new_tokens": 60}, param="max_new_tokens", code=TOO_LONG),
+    Bad("prompt-over-context", GEN, {"input_ids": [464] * 129, "max_new_tokens": 0}, param="input_ids", code=TOO_LONG),
     Bad("max-new-tokens-negative", GEN, hi(max_new_tokens=-1), param="max_new_tokens"),
     Bad("max-new-tokens-over-cap", GEN, hi(max_new_tokens=65), param="max_new_tokens"),
     # sampling values
@@ -101,8 +105,8 @@ CASES = [
     Bad("openai-empty-prompt-list", CMPL, {"prompt": []}, param="prompt"),
     Bad("openai-max-tokens-over-cap", CMPL, hi(max_tokens=65), param="max_tokens"),
     Bad("openai-max-tokens-negative", CMPL, hi(max_tokens=-1), param="max_tokens"),
-    Bad("openai-beyond-context", CMPL, {"prompt": [464] * 100, "max_tokens": 60}, param="max_tokens"),
-    Bad("openai-prompt-over-context", CMPL, {"prompt": [464] * 129, "max_tokens": 0}, param="prompt"),
+    Bad("openai-beyond-context", CMPL, {"prompt": [464] * 100, "max_tokens": 60}, param="max_tokens", code=TOO_LONG),
+    Bad("openai-prompt-over-context", CMPL, {"prompt": [464] * 129, "max_tokens": 0}, param="prompt", code=TOO_LONG),
     Bad("stop-token-ids-over-256", GEN, hi(stop_token_ids=list(range(257))), param="stop_token_ids"),
     Bad("openai-temperature-negative", CMPL, hi(temperature=-1.0), param="temperature"),
     Bad("openai-temperature-string", CMPL, hi(temperature="1"), param="temperature"),
@@ -154,19 +158,23 @@ HARMLESS_OPENAI_FIELDS = {
 }
 
 
-def assert_error(response: httpx.Response, status: int, param: Any = ANY) -> dict[str, Any]:
-    """`response` is the JSON error the contract asks for: `{"error": {"type", "message", "param"}}`."""
+def assert_error(response: httpx.Response, status: int, param: Any = ANY, code: Any = ANY) -> dict[str, Any]:
+    """`response` is the JSON error the contract asks for: `{"error": {"type", "message", "param", "code"}}`
+    (`code` null but for the errors OpenAI gives one)."""
     assert response.status_code == status, response.text
     assert response.headers["content-type"].startswith("application/json")
     body = response.json()
     assert set(body) == {"error"}, body
     error = body["error"]
-    assert set(error) == {"type", "message", "param"}, body
+    assert set(error) == {"type", "message", "param", "code"}, body
     assert isinstance(error["type"], str) and error["type"]
+    assert error["code"] is None or isinstance(error["code"], str), body
     assert isinstance(error["message"], str) and error["message"]
     assert "Traceback" not in response.text and 'File "' not in response.text
     if param is not ANY:
         assert error["param"] == param, body
+    if code is not ANY:
+        assert error["code"] == code, body
     return error
 
 

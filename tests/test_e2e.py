@@ -310,7 +310,7 @@ def test_32_concurrent_clients(main: Server, http: httpx.Client, loaded: LoadedM
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input(http: httpx.Client, case: Bad) -> None:
-    assert_error(case.send(http), case.status, case.param)
+    assert_error(case.send(http), case.status, case.param, case.code)
     assert_still_serving(http)
 
 
@@ -335,9 +335,9 @@ def test_client_disconnects_mid_stream(main: Server, http: httpx.Client) -> None
 
 def test_api_key(keyed: Server, loaded: LoadedModel, model_name: str) -> None:
     assert httpx.get(keyed.url + "/health").status_code == 200
-    for headers in ({}, {"Authorization": "Bearer wrong"}):
+    for headers, code in (({}, None), ({"Authorization": "Bearer wrong"}, "invalid_api_key")):
         r = httpx.get(keyed.url + "/v1/models", headers=headers)
-        assert_error(r, 401, None)
+        assert_error(r, 401, None, code)
         assert_error(httpx.post(keyed.url + GEN, json={"prompt": "Hi"}, headers=headers), 401)
     with keyed.client() as c:
         assert c.get("/v1/models").status_code == 200
@@ -345,8 +345,14 @@ def test_api_key(keyed: Server, loaded: LoadedModel, model_name: str) -> None:
     out = good.completions.create(model=model_name, prompt=PROMPTS[0], max_tokens=3, temperature=0)
     assert out.choices[0].text == greedy(loaded, ids_of(loaded, PROMPTS[0]), 3).text
     bad = openai.OpenAI(base_url=keyed.url + "/v1", api_key="wrong", max_retries=0)
-    with pytest.raises(openai.AuthenticationError):
+    with pytest.raises(openai.AuthenticationError) as refused:
         bad.completions.create(model=model_name, prompt="Hi", max_tokens=1)
+    assert refused.value.code == "invalid_api_key"
+    # the key in X-API-Key beside the client's own Bearer token (an OpenAI client always sends one)
+    beside = openai.OpenAI(
+        base_url=keyed.url + "/v1", api_key="unused", default_headers={"X-API-Key": API_KEY}, max_retries=0
+    )
+    assert beside.completions.create(model=model_name, prompt="Hi", max_tokens=1).choices[0].text is not None
 
 
 def test_model_that_cannot_load_exits(tmp_path: Path, tokenizer_dir: Path) -> None:

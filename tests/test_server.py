@@ -585,7 +585,7 @@ def test_models_retrieve(client: TestClient, loaded: LoadedModel) -> None:
     r = client.get(f"/v1/models/{entry['id']}")
     assert r.status_code == 200 and r.json() == entry
     assert entry["owned_by"] == "local"  # a checkpoint directory: no hub owner
-    error = assert_error(client.get("/v1/models/gpt2-nope"), 404, "model")
+    error = assert_error(client.get("/v1/models/gpt2-nope"), 404, "model", "model_not_found")
     assert "'gpt2-nope' does not exist" in error["message"]
 
 
@@ -704,13 +704,17 @@ def test_body_over_limit_without_content_length(client: TestClient) -> None:
 def test_api_key(loaded: LoadedModel) -> None:
     with serve(loaded, api_key="s3cret") as c:
         assert c.get("/health").status_code == 200
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cre"}):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cre"}, {"X-API-Key": "wrong"}):
             r = c.get("/v1/models", headers=headers)
-            assert_error(r, 401, None)
+            assert_error(r, 401, None, "invalid_api_key" if "wrong" in str(headers) else None)  # OpenAI's codes
             assert r.headers["www-authenticate"] == "Bearer"
             assert_error(c.post(GEN, json={"prompt": "Hi", "max_new_tokens": 1}, headers=headers), 401)
         auth = {"Authorization": "Bearer s3cret"}
         assert c.get("/v1/models", headers=auth).status_code == 200
+        # either header may hold the key when both are sent (the other, a client's own, is then not the key)
+        for both in ({"Authorization": "Bearer unused", "X-API-Key": "s3cret"}, auth | {"X-API-Key": "unused"}):
+            assert c.get("/v1/models", headers=both).status_code == 200
+        assert_error(c.get("/v1/models", headers={"Authorization": "Bearer a", "X-API-Key": "b"}), 401, None)
         r = c.post(GEN, json={"prompt": "Hi", "max_new_tokens": 1}, headers=auth)
         assert r.status_code == 200, r.text
 

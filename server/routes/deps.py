@@ -28,7 +28,7 @@ from model.tokenizer import InvalidTextError
 
 from .. import encoding
 from ..engine import Engine, QueueFull, RequestStream
-from ..errors import GONE, APIError, error_body
+from ..errors import GONE, APIError, error_body, generation_error_body
 from ..metrics import Metrics
 from ..schemas import Edits
 from ..settings import Settings
@@ -401,7 +401,7 @@ def sse(events: AsyncIterator[dict[str, Any] | bytes]) -> StreamingResponse:
                 data = event if isinstance(event, bytes) else json.dumps(event).encode()
                 yield b"data: " + data + b"\n\n"
         except GenerationError as e:  # this request's own fault, found mid-stream (e.g. its edits blew up)
-            yield f"data: {json.dumps(error_body(400, str(e), e.param))}\n\n".encode()
+            yield f"data: {json.dumps(generation_error_body(e))}\n\n".encode()
         except Exception as e:  # the status line is gone already: say it in the stream
             log.exception("stream failed", exc_info=e)
             yield f"data: {json.dumps(error_body(500, 'generation failed; the stream ends here'))}\n\n".encode()

@@ -39,7 +39,8 @@ async def model(model_id: str, engine: EngineDep) -> dict[str, Any]:
     """OpenAI's model retrieval: the served model by the id /v1/models lists (a local path's slashes too)."""
     if model_id != engine.loaded.name:
         served = engine.loaded.name
-        raise APIError(404, f"the model {model_id!r} does not exist: this server serves {served!r}", "model")
+        message = f"the model {model_id!r} does not exist: this server serves {served!r}"
+        raise APIError(404, message, "model", code="model_not_found")
     return _model_card(engine)
 
 
@@ -80,7 +81,7 @@ def _openai_names() -> Iterator[None]:
         if e.param not in OPENAI_NAMES:
             raise
         name = OPENAI_NAMES[e.param]
-        raise GenerationError(str(e).replace(e.param, name), name) from None
+        raise type(e)(str(e).replace(e.param, name), name) from None  # of its kind: a ContextLengthError stays one
 
 
 class _Reply:
