@@ -183,7 +183,14 @@ class RequestGuard:
         key = self.api_key.encode("utf-8")
         if any(hmac.compare_digest(k.encode("latin-1"), key) for k in given):
             return None
-        message = "invalid API key" if given else "missing API key: send Authorization: Bearer <key>"
+        if given:
+            message = "invalid API key"
+        elif scheme:  # a credential of another scheme (Basic ...), or a bare key with no scheme
+            message = (
+                "missing API key: the Authorization header holds no Bearer token; send Authorization: Bearer <key>"
+            )
+        else:
+            message = "missing API key: send Authorization: Bearer <key>"
         # its body, unread, is read and dropped with a deadline (`server.connections`), the connection kept
         return error_response(
             401, message, headers={"WWW-Authenticate": "Bearer"}, code="invalid_api_key" if given else None

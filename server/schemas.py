@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from model.generate import SEED_RANGE, GenerationError, SamplingParams
+from model.generate import SEED_RANGE, ContextLengthError, GenerationError, SamplingParams
 from model.hooks import UnknownHookError, select_hooks
 from model.interventions import Edit, EditSpec, InterventionError
 from model.lab.gradients import LogitDiff, LogProb, Loss, Metric
@@ -317,8 +317,8 @@ class GenerateRequest(Edits):
     activations: ActivationSpec | None = None
     features: FeatureCapture | None = Field(default=None, description="an SAE's features at every position")
 
-    def sampling_params(self, max_new_tokens_cap: int) -> SamplingParams:
-        check_cap(self.max_new_tokens, max_new_tokens_cap, "max_new_tokens")
+    def sampling_params(self, max_new_tokens_cap: int, n_ctx: int) -> SamplingParams:
+        check_cap(self.max_new_tokens, max_new_tokens_cap, "max_new_tokens", n_ctx)
         return SamplingParams(
             max_new_tokens=self.max_new_tokens,
             temperature=self.temperature,
@@ -542,7 +542,7 @@ class CompletionRequest(BaseModel):
         """The engine's sequences: each prompt `n` times, the j-th sample seeded with seed + j (wrapping
         within int64), with `max_tokens` (null: as many as fit the context, up to the server's cap)."""
         if self.max_tokens is not None:
-            check_cap(self.max_tokens, cap, "max_tokens")
+            check_cap(self.max_tokens, cap, "max_tokens", n_ctx)
         seqs, params = [], []
         for prompt in prompts:
             max_tokens = max(0, min(cap, n_ctx - len(prompt))) if self.max_tokens is None else self.max_tokens
@@ -587,10 +587,17 @@ def valid_text(text: str, where: str, param: str | None = None) -> str:
     return text
 
 
-def check_cap(value: int, cap: int, param: str) -> None:
+def check_cap(value: int, cap: int, param: str, n_ctx: int) -> None:
+    """`value` of the new tokens a request asks for (`param`) within the server's `cap`; one that leaves no
+    room for a prompt in the context of `n_ctx` tokens is said to be that (OpenAI's `context_length_exceeded`,
+    on which a client shrinks it), whatever the cap."""
     if value < 0:  # checked here too, so that the error names the field of this API (max_tokens)
         raise GenerationError(f"{param} must be an integer >= 0, got {value}", param)
     if value > cap:
+        if value >= n_ctx:
+            raise ContextLengthError(
+                f"{param} ({value}) leaves no room for a prompt in the context of {n_ctx} tokens", param
+            )
         raise GenerationError(f"{param} must be at most {cap} (the server's limit), got {value}", param)
 
 
@@ -616,8 +623,8 @@ class FeaturesRequest(Edits, FeatureCapture):
     temperature: float = 1.0
     seed: int | None = None
 
-    def sampling_params(self, max_new_tokens_cap: int) -> SamplingParams:
-        check_cap(self.max_new_tokens, max_new_tokens_cap, "max_new_tokens")
+    def sampling_params(self, max_new_tokens_cap: int, n_ctx: int) -> SamplingParams:
+        check_cap(self.max_new_tokens, max_new_tokens_cap, "max_new_tokens", n_ctx)
         return SamplingParams(
             max_new_tokens=self.max_new_tokens,
             temperature=self.temperature,

@@ -63,6 +63,8 @@ CASES = [
     Bad("prompt-over-context", GEN, {"input_ids": [464] * 129, "max_new_tokens": 0}, param="input_ids", code=TOO_LONG),
     Bad("max-new-tokens-negative", GEN, hi(max_new_tokens=-1), param="max_new_tokens"),
     Bad("max-new-tokens-over-cap", GEN, hi(max_new_tokens=65), param="max_new_tokens"),
+    # over the cap and past the whole context: said as the context's (OpenAI's code, on which clients shrink it)
+    Bad("max-new-tokens-past-context", GEN, hi(max_new_tokens=128), param="max_new_tokens", code=TOO_LONG),
     # sampling values
     Bad("temperature-negative", GEN, hi(temperature=-0.1), param="temperature"),
     Bad("top-p-zero", GEN, hi(top_p=0.0), param="top_p"),
@@ -104,6 +106,7 @@ CASES = [
     Bad("openai-empty-prompt", CMPL, {"prompt": ""}, param="prompt"),
     Bad("openai-empty-prompt-list", CMPL, {"prompt": []}, param="prompt"),
     Bad("openai-max-tokens-over-cap", CMPL, hi(max_tokens=65), param="max_tokens"),
+    Bad("openai-max-tokens-past-context", CMPL, hi(max_tokens=5000), param="max_tokens", code=TOO_LONG),
     Bad("openai-max-tokens-negative", CMPL, hi(max_tokens=-1), param="max_tokens"),
     Bad("openai-beyond-context", CMPL, {"prompt": [464] * 100, "max_tokens": 60}, param="max_tokens", code=TOO_LONG),
     Bad("openai-prompt-over-context", CMPL, {"prompt": [464] * 129, "max_tokens": 0}, param="prompt", code=TOO_LONG),

@@ -375,29 +375,42 @@ def test_a_piece_at_a_time_equals_one_graph(
 
 
 @pytest.mark.parametrize(
-    ("names", "metric", "product_rows"),
+    ("names", "metric", "normed_rows", "product_rows"),
     [
-        (["ln_final.hook_normalized"], LogProb(2068, 5), [1]),  # the final LayerNorm over every row, the
-        (["unembed.hook_in"], Loss((3, 7)), [3, 1]),  # head's product only where the metric reads, in parts
-        (["ln_final.hook_scale"], Loss(), [3, 3, 1]),
-        (["blocks.1.hook_resid_post"], Loss(), [3, 3, 1]),
-        (["logits"], LogProb(2068, 5), [T]),  # its output asked for: every row at once
+        (["ln_final.hook_normalized"], LogProb(2068, 5), T, [1]),  # the final LayerNorm over every row, the
+        (["unembed.hook_in"], Loss((3, 7)), T, [3, 1]),  # head's product only where the metric reads, in parts
+        (["ln_final.hook_scale"], Loss(), T, [3, 3, 1]),
+        (["blocks.1.hook_resid_post"], Loss(), T - 1, [3, 3, 1]),  # no hook after the last block: only those
+        (["blocks.1.hook_resid_post"], LogProb(2068, 5), 1, [1]),
+        (["logits"], LogProb(2068, 5), T, [T]),  # its output asked for: every row at once
     ],
 )
 def test_a_gradient_in_the_head_runs_its_product_only_where_it_must(
-    ours64: GPT, monkeypatch: pytest.MonkeyPatch, names: list[str], metric: Metric, product_rows: list[int]
+    ours64: GPT,
+    monkeypatch: pytest.MonkeyPatch,
+    names: list[str],
+    metric: Metric,
+    normed_rows: int,
+    product_rows: list[int],
 ) -> None:
     """A gradient at a hook point after the last block runs the final LayerNorm over every row (its hooks see
-    them all), but the LM head's product, the costly part, only at the rows the metric reads, in parts of
-    `head_rows` (3 here), as for any other hook point: the loss over 1,024 tokens of gpt2-small ran as one
-    job of 1.3 s on 2 cores. Every row in one part where the head's output is asked for or edited."""
+    them all; without one, it runs over the metric's rows alone), but the LM head's product, the costly
+    part, only at the rows the metric reads, in parts of `head_rows` (3 here), as for any other hook point:
+    the loss over 1,024 tokens of gpt2-small ran as one job of 1.3 s on 2 cores. Every row in one part
+    where the head's output is asked for or edited."""
     monkeypatch.setattr(MetricPass, "head_rows", 3)
+    normed: list[int] = []
     rows: list[int] = []
-    handle = ours64.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[-2]))
+    handles = [
+        ours64.ln_f.register_forward_hook(lambda module, args, out: normed.append(args[0].shape[-2])),
+        ours64.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[-2])),
+    ]
     try:
         got = gradients(ours64, PROMPT, metric, names)
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
+    assert normed == [normed_rows]
     assert rows == product_rows
     value, want = one_graph(ours64, PROMPT, metric, names, None)
     assert got.metric == pytest.approx(value, rel=1e-12, abs=1e-12)
@@ -422,7 +435,7 @@ def test_the_loss_in_parts_of_the_head_equals_transformers(
         (["blocks.0.hook_mlp_out"], 2),
         (["blocks.1.hook_resid_pre"], 1),
         (["ln_final.hook_normalized"], 0),  # the final LayerNorm goes back with the head's last part
-        (["logits"], 0),
+        (["logits"], 1),  # the whole head (hooked after its product) goes back in a job of its own
     ],
 )
 def test_the_pieces_are_the_blocks_the_head_s_parts_and_the_blocks_back_to_the_first_wanted(
@@ -430,7 +443,7 @@ def test_the_pieces_are_the_blocks_the_head_s_parts_and_the_blocks_back_to_the_f
 ) -> None:
     """Steps: each block forward (the first with the embeddings, the last with the final LayerNorm), each part
     of the head (3 rows: the loss's 7 positions in 3 parts; every row in one where the head's output is
-    wanted), then each block back down to
+    wanted, and back in another), then each block back down to
     the first with a wanted hook point (the embeddings with block 0). The graphs start there: the blocks
     before it run without one."""
     monkeypatch.setattr(MetricPass, "head_rows", 3)

@@ -706,7 +706,9 @@ def test_api_key(loaded: LoadedModel) -> None:
         assert c.get("/health").status_code == 200
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cre"}, {"X-API-Key": "wrong"}):
             r = c.get("/v1/models", headers=headers)
-            assert_error(r, 401, None, "invalid_api_key" if "wrong" in str(headers) else None)  # OpenAI's codes
+            error = assert_error(r, 401, None, "invalid_api_key" if "wrong" in str(headers) else None)  # OpenAI's codes
+            if "Authorization" in headers and "wrong" not in str(headers):  # a key with no scheme: said so
+                assert "holds no Bearer token" in error["message"], error
             assert r.headers["www-authenticate"] == "Bearer"
             assert_error(c.post(GEN, json={"prompt": "Hi", "max_new_tokens": 1}, headers=headers), 401)
         auth = {"Authorization": "Bearer s3cret"}

@@ -238,13 +238,14 @@ class MetricPass:
     head over every row at once where its output is asked for or edited: `uses_the_logits`). Each piece
     starts from a leaf of a graph of its own, and the graphs start at the first piece a wanted hook point is
     in (the pieces before it run without one, as in one pass). Backward: each part of the head as it runs
-    (the last with the final LayerNorm), then each block, last first: ∂metric/∂(its output) in, `torch.autograd.grad`
-    through its graph alone, ∂metric/∂(its input) out, with the gradient at each wanted hook point in it.
-    That is the chain rule, as one backward pass applies it; a piece's graph is let go of once the gradient
-    is through it (unless `retain_graph`, for `HighwayPass`). `also`: hooks that read the values after the
-    gradient hooks (a `Capture`); `targets`: the loss's tokens, if not `ids`. A LayerNorm whose variance
-    overflows is refused (`MetricError`, worded by `refusal`) before the head runs, a metric that is not
-    finite before any block goes back: every gradient through it would be 0, or not finite."""
+    (the last with the final LayerNorm; the whole head's way back, a job of its own), then each block, last
+    first: ∂metric/∂(its output) in, `torch.autograd.grad` through its graph alone, ∂metric/∂(its input)
+    out, with the gradient at each wanted hook point in it. That is the chain rule, as one backward pass
+    applies it; a piece's graph is let go of once the gradient is through it (unless `retain_graph`, for
+    `HighwayPass`, but for the head's). `also`: hooks that read the values after the gradient hooks (a
+    `Capture`); `targets`: the loss's tokens, if not `ids`. A LayerNorm whose variance overflows is refused
+    (`MetricError`, worded by `refusal`) before the head runs, a metric that is not finite before any block
+    goes back: every gradient through it would be 0, or not finite."""
 
     head_rows = 128  # rows of the LM head a part: as long as a block's piece, about, on gpt2-small's shape
 
@@ -270,16 +271,18 @@ class MetricPass:
         # the final LayerNorm's rows: every row where a hook point after the last block is in use (its hooks
         # see them all, as in one pass), else the metric's; the head's parts: the metric's rows, or every row
         # in one where the head's output is hooked
-        read = metric_rows(metric, len(ids))
-        self._whole_head = uses_the_logits(self._hooks)
-        self._normed = range(len(ids)) if uses_the_head(self._hooks) else read
-        rows = self._normed if self._whole_head else read
+        self._read = metric_rows(metric, len(ids))
+        self._whole_head = uses_the_logits(self._hooks)  # then `_normed` is every row too: the logits are head hooks
+        self._normed = range(len(ids)) if uses_the_head(self._hooks) else self._read
+        rows = self._normed if self._whole_head else self._read
         step = len(rows) if self._whole_head else self.head_rows
         self._parts = [rows[i : i + step] for i in range(0, len(rows), step)]  # not run yet
         # [1, T, C]: the stream entering the next block, then leaving the last ([1, len(_normed), C] through
         # the final LayerNorm, but for the whole head)
         self._x: torch.Tensor | None = None
-        self._final_norm: _Stage | None = None  # the final LayerNorm's piece, where it has a graph
+        # the head's piece that goes back on its own (the final LayerNorm's, with the head's last part; the whole
+        # head's, a job of its own), where it has a graph: no one needs that graph after it
+        self._head_stage: _Stage | None = None
         self._blocks = 0  # blocks run
         self._stages: list[_Stage] = []  # the pieces before the head with a graph, to go back through
         self._grad: torch.Tensor | None = None  # ∂metric/∂(the output of the next piece back); None: zero
@@ -296,15 +299,16 @@ class MetricPass:
         return self.capture.values
 
     def step(self, model: GPT) -> None:
-        """The next piece: a block forward (the first with the embeddings), a part of the head forward and back,
-        or a block back (the first with the embeddings)."""
+        """The next piece: a block forward (the first with the embeddings, the last with the final LayerNorm), a
+        part of the head forward and back (the last with the final LayerNorm back; the whole head forward, then
+        back), or a block back (the first with the embeddings)."""
         assert not self.done, "the pass is over"
         with torch.inference_mode(False), torch.enable_grad():
             if self._blocks < self._n_layer:
                 self._forward_block(model)
             elif self._parts:
                 self._head_part(model, self._parts.pop(0))
-                if not self._parts and self._stages and self._stages[-1] is self._final_norm:
+                if not (self._parts or self._whole_head) and self._stages and self._stages[-1] is self._head_stage:
                     self._back()  # the final LayerNorm's piece: too small for a job
             else:
                 self._back()
@@ -328,7 +332,7 @@ class MetricPass:
             if not self._whole_head:
                 seen, inp, normed = len(self.values), _leaf(self._x), self._normed
                 self._x = model.final_norm(inp[:, normed.start : normed.stop], self._hooks)
-                self._final_norm = self._keep(inp, self._x, seen)
+                self._head_stage = self._keep(inp, self._x, seen)
             self._watch.check(self._blamed, self.refusal.overflow)  # ln_final's input is in too
             if self._x.requires_grad:
                 self._grad = torch.zeros_like(self._x)  # the head's parts fill in their rows
@@ -344,29 +348,33 @@ class MetricPass:
         return self._stages[-1]
 
     def _head_part(self, model: GPT, rows: range) -> None:
-        """The head's product over `rows` of the normalised stream (the whole head over every row, where its
-        output is hooked), the metric's share of its logits, and, at once, the gradient back at those rows."""
+        """The head's product over `rows` of the normalised stream, the metric's share of its logits, and, at
+        once, the gradient back at those rows; or the whole head over every row, where its output is hooked,
+        whose way back (through the product at every row) is then a job of its own."""
         assert self._x is not None
         at = slice(rows.start - self._normed.start, rows.stop - self._normed.start)  # those rows of `_x`
         seen, inp = len(self.values), _leaf(self._x[:, at])
         if self._whole_head:  # [rows the metric reads, vocab]: its hooks see every row's
-            read = metric_rows(self.metric, len(self.ids))
-            logits = model.unembed(inp, self._hooks, slice(read.start, read.stop))[0]
+            logits = model.unembed(inp, self._hooks, slice(self._read.start, self._read.stop))[0]
+            share = metric_share(self.metric, logits, self.targets, self._read)
+            self._head_stage = self._keep(inp, share, seen)
+            self._grad = None if self._head_stage is None else torch.ones_like(share)
         else:
-            read, logits = rows, model.lm_head(inp, model.wte.weight)[0]
-        share = metric_share(self.metric, logits, self.targets, read)
+            logits = model.lm_head(inp, model.wte.weight)[0]  # [len(rows), vocab]
+            share = metric_share(self.metric, logits, self.targets, rows)
+            grad = self._through(_Stage(inp, share, list(self.values)[seen:]), torch.ones_like(share), retain=False)
+            if grad is not None and self._grad is not None:
+                self._grad[:, at] = grad
         self._value += float(share.detach())
-        grad = self._through(_Stage(inp, share, list(self.values)[seen:]), torch.ones_like(share), retain=False)
-        if grad is not None and self._grad is not None:
-            self._grad[:, at] = grad
         if not self._parts and not math.isfinite(self._value):  # refused before any block goes back
             raise MetricError(
                 f"{self.refusal.subject} is not finite ({self._value}): {self.refusal.consequence}", self._blamed
             )
 
     def _back(self) -> None:
-        """Back through the last piece not gone through yet."""
-        self._grad = self._through(self._stages.pop(), self._grad, retain=self.retain_graph)
+        """Back through the last piece not gone through yet (its graph kept if `retain_graph`, but the head's)."""
+        stage = self._stages.pop()
+        self._grad = self._through(stage, self._grad, self.retain_graph and stage is not self._head_stage)
         if self._grad is None:  # its input has no graph, or the gradient is 0 from here down
             for earlier in self._stages:
                 self.grads |= {n: torch.zeros_like(self.values[n].detach()) for n in earlier.names}

@@ -90,7 +90,7 @@ async def generate(
     hold: DumpHoldDep,
 ) -> Response:
     prompts = await token_ids(engine, req.prompt, req.input_ids)
-    params = req.sampling_params(settings.max_new_tokens)
+    params = req.sampling_params(settings.max_new_tokens, engine.model.config.n_positions)
     hooks, dump_bytes = await _checked_hooks(engine, settings, req.activations, prompts, params.max_new_tokens)
     reader = feature_reader(directions, req.features, "features.")  # SAE features: a capture of its hook
     what, feature_bytes = DUMP, 0
@@ -121,7 +121,7 @@ async def activations(
     if req.stream:
         raise GenerationError("/v1/activations answers with one file: stream is not supported", "stream")
     prompts = await token_ids(engine, req.prompt, req.input_ids)
-    params = req.sampling_params(settings.max_new_tokens)
+    params = req.sampling_params(settings.max_new_tokens, engine.model.config.n_positions)
     if len(prompts) > 1:
         _check_stackable(prompts, params.max_new_tokens, prompt_field(req.input_ids))
     spec = req.activations

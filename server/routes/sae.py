@@ -182,7 +182,7 @@ async def features(
     assert reader is not None
     sae = reader.sae
     prompts = await token_ids(engine, req.prompt, req.input_ids)
-    params = req.sampling_params(settings.max_new_tokens)
+    params = req.sampling_params(settings.max_new_tokens, engine.model.config.n_positions)
     n_tokens = len(prompts[0]) + params.max_new_tokens
     size = reader.check_size(n_tokens, req.format, settings.max_activation_bytes)
     edits = await resolved_edits(req, engine, directions)
