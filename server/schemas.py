@@ -465,10 +465,12 @@ class DetokenizeRequest(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    """OpenAI's `stream_options`: whether the stream ends with a usage chunk (other options are ignored)."""
+    """OpenAI's `stream_options`: whether the stream ends with a usage chunk, and vLLM's: whether every chunk
+    carries its choice's usage so far (with `include_usage`; other options are ignored)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool | None = False  # null: the default
+    continuous_usage_stats: bool | None = False
 
 
 class CompletionRequest(BaseModel):

@@ -501,6 +501,29 @@ def test_completions_stream(client: TestClient, loaded: LoadedModel) -> None:
     assert all("usage" not in c or c["usage"] is None for c in without_usage)
 
 
+def test_completions_stream_with_continuous_usage(client: TestClient, loaded: LoadedModel) -> None:
+    """vLLM's `continuous_usage_stats`: every chunk carries its choice's usage so far (its prompt's tokens,
+    and those it has generated), the last chunk the whole request's; without `include_usage`, none (it was
+    accepted and ignored)."""
+    request = {"prompt": PROMPTS[:2], "max_tokens": 4, "temperature": 0, "n": 2, "stream": True, "echo": True}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    *chunks, last = sse_events(client.post(CMPL, json=request | {"stream_options": options}).text)
+    whole = post_ok(client, CMPL, request | {"stream": False})
+    assert last["choices"] == [] and last["usage"] == whole["usage"]
+    finals = {}
+    for i in range(4):
+        mine = [c for c in chunks if c["choices"][0]["index"] == i]
+        prompt = len(ids_of(loaded, PROMPTS[i // 2]))
+        done = [c["usage"]["completion_tokens"] for c in mine]
+        assert done == sorted(done) and done[0] == 0  # the echoed prompt first, then one more a token
+        assert all(c["usage"]["prompt_tokens"] == prompt for c in mine)
+        assert all(c["usage"]["total_tokens"] == prompt + d for c, d in zip(mine, done, strict=True))
+        finals[i] = done[-1]
+    assert sum(finals.values()) == whole["usage"]["completion_tokens"] == 16
+    plain = sse_events(client.post(CMPL, json=request | {"stream_options": {"continuous_usage_stats": True}}).text)
+    assert all("usage" not in c for c in plain)
+
+
 def test_stream_options_without_stream_is_a_400(client: TestClient) -> None:
     """As OpenAI answers it: stream_options is only allowed with stream true (it was silently dropped)."""
     body = {"prompt": PROMPTS[0], "max_tokens": 2, "stream_options": {"include_usage": True}}

@@ -165,10 +165,20 @@ class _Reply:
     async def stream(self, streams: list[RequestStream]) -> AsyncIterator[dict[str, Any]]:
         index = {id(s): i for i, s in enumerate(streams)}
         offsets: dict[int, _TextOffsets] = {}  # per choice, from its first event on
-        usage = self.req.stream_options is not None and self.req.stream_options.include_usage
+        options = self.req.stream_options
+        usage = options is not None and bool(options.include_usage)
+        continuous = usage and options is not None and bool(options.continuous_usage_stats)
+        generated = [0] * len(streams)  # per choice, its tokens so far
 
-        def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:  # with usage asked for, null until the last
-            return self._envelope(choices) | ({"usage": None} if usage else {})
+        def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
+            """With usage asked for, null until the last chunk; with vLLM's continuous usage, the choice's own
+            so far (its prompt's tokens, and the tokens it has generated)."""
+            if not continuous:
+                return self._envelope(choices) | ({"usage": None} if usage else {})
+            (choice,) = choices
+            prompt, done = len(streams[choice["index"]].prompt), generated[choice["index"]]
+            counts = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+            return self._envelope(choices) | {"usage": counts}
 
         async for stream, event in merged(streams):
             i = index[id(stream)]
@@ -177,6 +187,7 @@ class _Reply:
                 if echoed is not None:
                     yield chunk([echoed])
             if event is not None:
+                generated[i] += 1
                 logprobs = None
                 if self.req.logprobs is not None and event.logprob is not None:
                     logprobs = self._logprobs([event.logprob], [event.token_id], offsets[i])
