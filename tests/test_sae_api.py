@@ -434,6 +434,21 @@ def test_an_sae_that_does_not_fit_the_model_ends_start_up(tiny: Checkpoint, toke
     app = create_app(Settings(sae=(f"s={scale}",)), loaded=loaded)
     with pytest.raises(SAEError, match=r"reads blocks\.0\.ln1\.hook_scale, which holds no vector"), TestClient(app):
         pass
+    # SAELens' attention SAEs flatten hook_z's heads (n_head x d_head): said to be what is not supported here
+    config = loaded.model.config
+    z = write_sae(tmp_path / "z", hook="blocks.0.attn.hook_z", d_in=config.n_head * config.d_head, d_sae=8)
+    app = create_app(Settings(sae=(f"z={z}",)), loaded=loaded)
+    with pytest.raises(SAEError, match=r"attention SAEs read each position's heads flattened"), TestClient(app):
+        pass
+    flat = write_sae(
+        tmp_path / "flat", hook=RES, d_in=64, d_sae=8, reshape_activations="hook_z"
+    )  # SAELens refuses it too
+    app = create_app(Settings(sae=(f"f={flat}",)), loaded=loaded)
+    with pytest.raises(SAEError, match=r"reshape_activations 'hook_z' is not supported"), TestClient(app):
+        pass
+    plain = write_sae(tmp_path / "plain", hook=RES, d_in=64, d_sae=8, reshape_activations="none")  # the default
+    with TestClient(create_app(Settings(sae=(f"p={plain}",)), loaded=loaded)) as c:
+        assert c.get("/v1/model").status_code == 200
 
 
 def test_features_as_a_capture_in_generate(client: TestClient) -> None:

@@ -162,6 +162,12 @@ class SAEConfig:
                 f"{where}: d_in and d_sae must be below 2**63 (no tensor has a longer dimension), "
                 f"got {clip(d_in)} and {clip(d_sae)}"
             )
+        reshape = field("reshape_activations")
+        if reshape not in (None, "none"):
+            raise SAEError(
+                f"{where}: reshape_activations {clip(reshape)} is not supported (SAELens gives it to SAEs of hook_z, "
+                "whose heads it flattens): only SAEs of one vector a position are"
+            )
         k = cfg.get("k")
         if k is None:
             k = _object(cfg, "activation_fn_kwargs", where).get("k")
@@ -418,6 +424,11 @@ def load_saes(specs: Sequence[str], config: GPTConfig, device: torch.device | st
         hook = sae.cfg.hook_name
         if hook not in hook_names(config.n_layer):
             raise SAEError(f"SAE {sae_id!r} ({source}) reads {clip(hook)}, which this model does not have")
+        if hook.endswith("attn.hook_z"):
+            raise SAEError(
+                f"SAE {sae_id!r} ({source}) reads {hook}: SAELens' attention SAEs read each position's heads "
+                "flattened into one vector of n_head x d_head, which this server does not do (not supported)"
+            )
         if not has_one_vector_per_position(hook):  # an attention square's site shape reads as [head]
             raise SAEError(
                 f"SAE {sae_id!r} ({source}) reads {hook}, which holds no vector a position (an attention square, "
