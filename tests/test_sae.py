@@ -11,6 +11,7 @@ own weight processing.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -275,6 +276,16 @@ def test_token_features(tmp_path: Path) -> None:
     asked = token_features(sae, x, None, [3, 0, 3])
     assert [[i for i, _ in r.features] for r in asked] == [[3, 0, 3]] * 4
     assert asked[2].features[0][1] == pytest.approx(float(f[2, 3]))
+    # a large finite stream (edits can drive one there): its error is finite, where the float32 sum of squares
+    # overflowed to inf (null over HTTP)
+    big = x * 1e25
+    f, x_hat = sae.reconstruct(big)
+    (row, *_) = token_features(sae, big, 3, None)
+    err = (big[0] - x_hat[0]).double()
+    assert row.error_norm == pytest.approx(float(err.norm()), rel=1e-5) and math.isfinite(row.error_norm)
+    assert row.mse == pytest.approx(float(err.pow(2).mean()), rel=1e-5) and math.isfinite(row.mse)
+    centred = (big[0] - big[0].mean()).double()
+    assert row.variance_explained == pytest.approx(1 - float(err.pow(2).sum() / centred.pow(2).sum()), rel=1e-4)
 
 
 def test_bad_files(tmp_path: Path) -> None:

@@ -461,8 +461,8 @@ def token_features(sae: SAE, x: torch.Tensor, top_k: int | None, ids: list[int] 
     largest (positive ones only) or the values of feature `ids`."""
     x_in = sae.read(x)  # [T, d_in]
     f, x_hat = sae.reconstruct(x_in)  # [T, d_sae], [T, d_in]
-    err = (x_in - x_hat).pow(2).sum(-1)  # [T]
-    spread = (x_in - x_in.mean(-1, keepdim=True)).pow(2).sum(-1)  # [T]
+    err = _norm(x_in - x_hat)  # [T]: ‖x - x̂‖
+    spread = _norm(x_in - x_in.mean(-1, keepdim=True))  # [T]
     finite = f.isfinite().all(-1).tolist()  # [T]: a NaN compares false, so it would count as inactive
     out = []
     for t in range(x_in.shape[0]):
@@ -474,10 +474,18 @@ def token_features(sae: SAE, x: torch.Tensor, top_k: int | None, ids: list[int] 
             assert top_k is not None
             top = f[t].topk(min(top_k, sae.cfg.d_sae))
             chosen = [(int(i), float(v)) for v, i in zip(top.values, top.indices, strict=True) if v > 0]
-        e, s = float(err[t]), float(spread[t])
+        norm = float(err[t])
+        e, s = norm * norm, float(spread[t]) ** 2  # in Python's float64: squares of large finite norms are finite
         l0 = int((f[t] > 0).sum()) if finite[t] else None
-        out.append(TokenFeatures(chosen, l0, e / sae.cfg.d_in, math.sqrt(e), 1 - e / s if s > 0 else None))
+        out.append(TokenFeatures(chosen, l0, e / sae.cfg.d_in, norm, 1 - e / s if s > 0 else None))
     return out
+
+
+def _norm(v: torch.Tensor) -> torch.Tensor:
+    """‖v‖ over the last dimension, [...], with the largest |entry| taken out first: summing the squares
+    themselves overflows float32 from entries of about 1e19 (edits can drive a stream there)."""
+    top = v.abs().amax(-1, keepdim=True)
+    return top.squeeze(-1) * (v / top.clamp_min(torch.finfo(v.dtype).tiny)).norm(dim=-1)
 
 
 class FeatureReading:
