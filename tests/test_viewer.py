@@ -177,10 +177,11 @@ def test_viewer_renders_a_run(page: Any) -> None:
 
 
 def test_viewer_shows_api_errors(page: Any) -> None:
-    # /v1/generate refuses the request (over the server's cap); /v1/analyze still answers and is drawn.
+    # /v1/generate refuses the request (past the context, and the server's cap); /v1/analyze still answers and
+    # is drawn.
     state = run_prompt(page, "Hello there", max_new_tokens=100_000)
     assert state == "error"
     errors = page.inner_text("#errors")
     assert "/v1/generate failed (400" in errors
-    assert "max_new_tokens must be at most" in errors
+    assert "max_new_tokens (100000) leaves no room for a prompt in the context" in errors
     assert page.locator("#lens-table tbody tr").count() == N_LAYER + 1
