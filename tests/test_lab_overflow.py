@@ -17,7 +17,7 @@ from model.gpt import GPT
 from model.hooks import Capture
 from model.interventions import Edit, EditSpec, NonFiniteActivations
 from model.lab.attribution import attribution
-from model.lab.gradients import Loss, MetricError, gradients, highway
+from model.lab.gradients import LogProb, Loss, MetricError, gradients, highway
 from model.overflow import variance_overflows
 
 PROMPT = [464, 3797, 3332, 319, 262, 2603, 780, 340]  # "The cat sat on the mat because it"
@@ -116,3 +116,26 @@ def test_float64_has_the_range_and_still_answers(tiny: Checkpoint) -> None:
         assert isinstance(edit, Edit)
         got = gradients(model, PROMPT, Loss(), ["hook_embed"], EditSpec((edit,))).grads["hook_embed"]
         assert got.isfinite().all() and got[0, 3].abs().sum() > 0  # position 3's too, through its LayerNorms
+
+
+@pytest.mark.parametrize(("edit", "ln"), CASES)
+def test_an_overflow_after_the_positions_the_metric_reads_is_not_refused(tiny_model: GPT, edit: Edit, ln: str) -> None:
+    """Attention is causal: a LayerNorm that overflows at position 3 changes nothing the logits at position 2
+    read. A metric there gets the run's own gradients (those of the run without the edit, 0 from position 3
+    on); one that reads position 3 is still refused."""
+    names = ["blocks.0.hook_resid_pre", "hook_embed"]
+    got = gradients(tiny_model, PROMPT, LogProb(2068, 2), names, EditSpec((edit,)))
+    plain = gradients(tiny_model, PROMPT, LogProb(2068, 2), names)
+    assert got.metric == plain.metric
+    for name in names:
+        torch.testing.assert_close(got.grads[name], plain.grads[name], rtol=0, atol=0, msg=name)
+        assert (got.grads[name][0, 3:] == 0).all()
+    with pytest.raises(MetricError, match=rf"^LayerNorm {ln} overflowed"):
+        gradients(tiny_model, PROMPT, LogProb(2068, 3), names, EditSpec((edit,)))
+
+
+def test_the_highway_refuses_an_overflow_at_the_last_position(tiny_model: GPT) -> None:
+    """The loss reads no logits at the last position, but the highway's Jacobians read every position."""
+    last = Edit("blocks.0.hook_resid_post", "scale", factor=HUGE, positions=(len(PROMPT) - 1,))
+    with pytest.raises(MetricError, match=r"^LayerNorm blocks\.1\.ln1 overflowed: the edits"):
+        highway(tiny_model, PROMPT, EditSpec((last,)), probes=1)

@@ -141,11 +141,14 @@ class GradientHooks:
 class LayerNormWatch:
     """Hooks that note, for each LayerNorm the pass reaches, whether its variance overflows
     (`variance_overflows`: then it normalises the stream to 0, and the gradient through it is 0 with a finite
-    metric). Reads only, and keeps the answers on the device: `check` looks at them once, after the pass."""
+    metric) at one of the first `positions`, those the metric's logits can depend on (attention is causal:
+    a later position's overflow changes nothing it reads). Reads only, and keeps the answers on the device:
+    `check` looks at them once, after the pass."""
 
-    def __init__(self, n_layer: int, edited: bool) -> None:
+    def __init__(self, n_layer: int, edited: bool, positions: int) -> None:
         self._inputs = layer_norm_inputs(n_layer)
         self.edited = edited  # whether edits ran (they are what the message blames)
+        self.positions = positions
         self._seen: list[tuple[str, torch.dtype, torch.Tensor]] = []  # (LayerNorm, input dtype, overflowed)
 
     def active(self, name: str) -> bool:
@@ -154,7 +157,7 @@ class LayerNormWatch:
     def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
         ln = self._inputs.get(name)
         if ln is not None:
-            self._seen.append((ln, x.dtype, variance_overflows(x)))
+            self._seen.append((ln, x.dtype, variance_overflows(x[:, : self.positions])))  # [1, pos, ...]
         return x
 
     def check(self, param: str, then: str = "") -> None:
@@ -168,10 +171,12 @@ class LayerNormWatch:
                 raise MetricError(layer_norm_overflow(ln, dtype, self.edited) + then, param)
 
 
-def watched(hooks: Hooks, edits: EditSpec | None, config: GPTConfig, n_tokens: int) -> tuple[Hooks, LayerNormWatch]:
-    """The hooks of a run with `edits` whose hook points `hooks` (a gradient capture) see after the edits,
-    with a `LayerNormWatch` behind them."""
-    watch = LayerNormWatch(config.n_layer, edited=edits is not None)
+def watched(
+    hooks: Hooks, edits: EditSpec | None, config: GPTConfig, n_tokens: int, positions: int
+) -> tuple[Hooks, LayerNormWatch]:
+    """The hooks of a run over `n_tokens` with `edits` whose hook points `hooks` (a gradient capture) see after
+    the edits, with a `LayerNormWatch` over the first `positions` behind them."""
+    watch = LayerNormWatch(config.n_layer, edited=edits is not None, positions=positions)
     chain = HookChain(hooks, watch)
     edited = edits.hooks(config, n_tokens, then=chain) if edits is not None else None
     return edited or chain, watch
@@ -243,9 +248,11 @@ class MetricPass:
     out, with the gradient at each wanted hook point in it. That is the chain rule, as one backward pass
     applies it; a piece's graph is let go of once the gradient is through it (unless `retain_graph`, for
     `HighwayPass`, but for the head's). `also`: hooks that read the values after the gradient hooks (a
-    `Capture`); `targets`: the loss's tokens, if not `ids`. A LayerNorm whose variance overflows is refused
-    (`MetricError`, worded by `refusal`) before the head runs, a metric that is not finite before any block
-    goes back: every gradient through it would be 0, or not finite."""
+    `Capture`); `targets`: the loss's tokens, if not `ids`. A LayerNorm whose variance overflows at a position
+    the metric depends on (up to the last it reads; at any with `watch_every_position`, for `HighwayPass`,
+    whose Jacobians read them all) is refused (`MetricError`, worded by `refusal`) before the head runs, a
+    metric that is not finite before any block goes back: every gradient through it would be 0, or not
+    finite."""
 
     head_rows = 128  # rows of the LM head a part: as long as a block's piece, about, on gpt2-small's shape
 
@@ -260,18 +267,20 @@ class MetricPass:
         also: Hooks | None = None,
         targets: list[int] | None = None,
         retain_graph: bool = False,
+        watch_every_position: bool = False,
     ) -> None:
         self.ids, self.metric, self.refusal, self.retain_graph = ids, metric, refusal, retain_graph
         self.targets = ids if targets is None else targets
         self.capture = GradientHooks(wrt)
         hooks = self.capture if also is None else HookChain(self.capture, also)
-        self._hooks, self._watch = watched(hooks, edits, config, len(ids))
+        self._read = metric_rows(metric, len(ids))
+        watch = len(ids) if watch_every_position else self._read.stop
+        self._hooks, self._watch = watched(hooks, edits, config, len(ids), watch)
         self._blamed = refusal.edits_param if edits is not None else refusal.param  # what the errors name
         self._n_layer = config.n_layer
         # the final LayerNorm's rows: every row where a hook point after the last block is in use (its hooks
         # see them all, as in one pass), else the metric's; the head's parts: the metric's rows, or every row
         # in one where the head's output is hooked
-        self._read = metric_rows(metric, len(ids))
         self._whole_head = uses_the_logits(self._hooks)  # then `_normed` is every row too: the logits are head hooks
         self._normed = range(len(ids)) if uses_the_head(self._hooks) else self._read
         rows = self._normed if self._whole_head else self._read
@@ -481,7 +490,7 @@ class HighwayPass:
         self._pre = [f"blocks.{i}.hook_resid_pre" for i in range(L)]
         self._post = [f"blocks.{i}.hook_resid_post" for i in range(L)]
         wrt = [n for pair in zip(self._pre, self._post, strict=True) for n in pair]
-        self._loss = MetricPass(config, ids, Loss(), wrt, HIGHWAY, edits, retain_graph=True)
+        self._loss = MetricPass(config, ids, Loss(), wrt, HIGHWAY, edits, retain_graph=True, watch_every_position=True)
         self._probes, self._seed = probes, seed
         self._u: torch.Tensor | None = None  # [probes, 1, T, C]
         self._blocks = [FrobeniusEstimate() for _ in range(L)]
