@@ -19,7 +19,7 @@ from model.loading import hub_repo
 from ..engine import Engine, RequestStream
 from ..errors import APIError
 from ..json_body import JSONBodyRoute
-from ..schemas import CompletionRequest
+from ..schemas import CompletionRequest, StreamOptions
 from ..threads import run_in_threadpool
 from .deps import EngineDep, SettingsDep, json_response, merged, openai_prompt_ids, results, sse
 
@@ -165,9 +165,9 @@ class _Reply:
     async def stream(self, streams: list[RequestStream]) -> AsyncIterator[dict[str, Any]]:
         index = {id(s): i for i, s in enumerate(streams)}
         offsets: dict[int, _TextOffsets] = {}  # per choice, from its first event on
-        options = self.req.stream_options
-        usage = options is not None and bool(options.include_usage)
-        continuous = usage and options is not None and bool(options.continuous_usage_stats)
+        options = self.req.stream_options or StreamOptions()
+        usage = bool(options.include_usage)
+        continuous = usage and bool(options.continuous_usage_stats)
         generated = [0] * len(streams)  # per choice, its tokens so far
 
         def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
