@@ -474,8 +474,8 @@ def token_features(sae: SAE, x: torch.Tensor, top_k: int | None, ids: list[int] 
             assert top_k is not None
             top = f[t].topk(min(top_k, sae.cfg.d_sae))
             chosen = [(int(i), float(v)) for v, i in zip(top.values, top.indices, strict=True) if v > 0]
-        norm = float(err[t])
-        e, s = norm * norm, float(spread[t]) ** 2  # in Python's float64: squares of large finite norms are finite
+        norm, spread_t = float(err[t]), float(spread[t])
+        e, s = norm * norm, spread_t * spread_t  # in Python's float64: the squares of float32 norms are finite
         l0 = int((f[t] > 0).sum()) if finite[t] else None
         out.append(TokenFeatures(chosen, l0, e / sae.cfg.d_in, norm, 1 - e / s if s > 0 else None))
     return out
