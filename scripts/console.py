@@ -4,6 +4,8 @@ on the tool sees it killed by the signal and stops too (bash carries on with a l
 merely exits 130). A reader of the output that goes away (`| head -1`) ends it silently by SIGPIPE, as it
 ends `cat` (Python ignores the signal and raises `BrokenPipeError` instead).
 
+A second Ctrl-C, during the first one's clean-up, ends the process at once (`_interrupt_once`).
+
 The installed commands start here (`generate`, `analyze`, `harvest`), importing their module inside
 `run_console`, with a Ctrl-C held until the import is over (`held_interrupt`: one inside torch's C++
 aborted the process, or left numpy half imported), then the same one line. `empty_flag` is the check the
@@ -21,6 +23,8 @@ from typing import NoReturn
 
 
 def run_console(main: Callable[[], int], interrupted: str) -> NoReturn:
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where it is ignored (nohup)
+        signal.signal(signal.SIGINT, _interrupt_once)
     try:
         status = main()
     except KeyboardInterrupt:
@@ -37,6 +41,14 @@ def run_console(main: Callable[[], int], interrupted: str) -> NoReturn:
             os.kill(os.getpid(), signal.SIGPIPE)
         status = 1  # not reached where SIGPIPE ends the process
     sys.exit(status)
+
+
+def _interrupt_once(signum: int, frame: object) -> None:
+    """Python's Ctrl-C, a KeyboardInterrupt, once: a second one, while the first one's clean-up runs (a
+    generator closed as its frame goes, a harvest letting go of its files), ends the process by SIGINT at
+    once, where it broke into that clean-up (Python printed "Exception ignored in ..." and a traceback)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    raise KeyboardInterrupt
 
 
 def empty_flag(flags: Iterable[tuple[str, str | None]]) -> str | None:

@@ -327,6 +327,44 @@ def test_ctrl_c_ends_the_tool_by_sigint_without_a_traceback(tool: str, ckpt_with
     assert f"gpt2-{tool}: interrupted" in err and "Traceback" not in err, err
 
 
+def test_a_second_ctrl_c_during_the_clean_up_ends_the_tool_at_once(ckpt_with_tokenizer: Path, tmp_path) -> None:
+    """The first Ctrl-C unwinds the job, closing a generator whose clean-up takes 30 s here (then notes that it
+    finished); a second one then ends the process by SIGINT at once, where it broke into that clean-up
+    ("Exception ignored in <generator ...>" and a traceback on stderr)."""
+    (tmp_path / "docs.txt").write_text("some text")
+    args = [str(tmp_path / "docs.txt"), "--model", str(ckpt_with_tokenizer), "--hooks", "hook_embed"]
+    args += ["--out", str(tmp_path / "acts")]
+    job = (
+        "import time, pathlib\n"
+        "def text():\n"
+        "    try:\n"
+        "        yield 1\n"
+        "    finally:\n"
+        "        time.sleep(30)\n"
+        f"        pathlib.Path({str(tmp_path / 'cleaned')!r}).touch()\n"
+        "def run(*a, **k):\n"
+        "    for _ in text():  # unwound out of the loop, the generator is closed at once\n"
+        "        time.sleep(60)\n"
+    )
+    code = (
+        f"import sys; sys.argv = ['gpt2-harvest', *{args!r}]; import gpt2_scripts.harvest as cli\n{job}"
+        "cli.run_harvest = run; print('ready', flush=True); cli.console()"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        time.sleep(1.0)  # in the job
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)  # in the generator's clean-up
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGINT, err
+    assert "Exception ignored" not in err and "Traceback" not in err, err
+    assert not (tmp_path / "cleaned").exists()  # ended at the second signal, not after the clean-up
+
+
 @pytest.mark.parametrize("tool", ["generate", "analyze", "harvest"])
 def test_ctrl_c_while_the_tool_still_imports_is_one_line(tool: str) -> None:
     """The installed commands (`gpt2_scripts.console`) import their module inside `run_console`, so a Ctrl-C
