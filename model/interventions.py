@@ -280,6 +280,12 @@ class EditPlan:
         return site
 
 
+def takes_whole_prompt(edits: Sequence[Edit]) -> bool:
+    """Whether an edit takes in the whole prompt at once: a `mean`, over its positions (through it, a later
+    position reaches the earlier ones)."""
+    return any(e.op == "mean" for e in edits)
+
+
 class Interventions:
     """Applies `edits` to one sequence of `n_tokens` positions at most (prompt plus new tokens). `plan`:
     the edits resolved already (`EditPlan(edits, config)`), shared by the sequences of a request."""
@@ -292,7 +298,7 @@ class Interventions:
         self._means: dict[_Target, torch.Tensor] = {}  # a `mean` edit's mean over the prompt
         # a `mean` edit takes its mean over the first pass, which must be the whole prompt; the others edit each
         # pass's positions as they come (`_seen` counts them)
-        self.whole_prompt = any(e.op == "mean" for e in self.plan.edits)
+        self.whole_prompt = takes_whole_prompt(self.plan.edits)
 
     def active(self, name: str) -> bool:
         return name in self.plan.targets

@@ -134,6 +134,14 @@ def test_an_overflow_after_the_positions_the_metric_reads_is_not_refused(tiny_mo
         gradients(tiny_model, PROMPT, LogProb(2068, 3), names, EditSpec((edit,)))
 
 
+def test_an_overflow_a_mean_carries_back_to_the_metric_is_refused(tiny_model: GPT) -> None:
+    """A `mean` over the positions carries a later position's overflowed LayerNorm into the earlier ones: the
+    metric at position 2 then reads it, and the run is refused, as one that overflows where it reads."""
+    spec = EditSpec((huge("blocks.0.hook_resid_post"), Edit("blocks.1.hook_attn_out", "mean")))
+    with pytest.raises(MetricError, match=r"^LayerNorm blocks\.1\.ln1 overflowed: the edits"):
+        gradients(tiny_model, PROMPT, LogProb(2068, 2), ["hook_embed"], spec)
+
+
 def test_the_highway_refuses_an_overflow_at_the_last_position(tiny_model: GPT) -> None:
     """The loss reads no logits at the last position, but the highway's Jacobians read every position."""
     last = Edit("blocks.0.hook_resid_post", "scale", factor=HUGE, positions=(len(PROMPT) - 1,))

@@ -23,7 +23,7 @@ import torch
 from ..config import GPTConfig
 from ..gpt import GPT
 from ..hooks import Hooks, select_hooks, uses_the_head, uses_the_logits
-from ..interventions import EditSpec, HookChain, InterventionError, split_input_clashes
+from ..interventions import EditSpec, HookChain, InterventionError, split_input_clashes, takes_whole_prompt
 from ..overflow import layer_norm_inputs, layer_norm_overflow, variance_overflows
 
 
@@ -142,8 +142,8 @@ class LayerNormWatch:
     """Hooks that note, for each LayerNorm the pass reaches, whether its variance overflows
     (`variance_overflows`: then it normalises the stream to 0, and the gradient through it is 0 with a finite
     metric) at one of the first `positions`, those the metric's logits can depend on (attention is causal:
-    a later position's overflow changes nothing it reads). Reads only, and keeps the answers on the device:
-    `check` looks at them once, after the pass."""
+    a later position's overflow changes nothing it reads, unless a `mean` edit carries it back). Reads only,
+    and keeps the answers on the device: `check` looks at them once, after the pass."""
 
     def __init__(self, n_layer: int, edited: bool, positions: int) -> None:
         self._inputs = layer_norm_inputs(n_layer)
@@ -175,8 +175,10 @@ def watched(
     hooks: Hooks, edits: EditSpec | None, config: GPTConfig, n_tokens: int, positions: int
 ) -> tuple[Hooks, LayerNormWatch]:
     """The hooks of a run over `n_tokens` with `edits` whose hook points `hooks` (a gradient capture) see after
-    the edits, with a `LayerNormWatch` over the first `positions` behind them."""
-    watch = LayerNormWatch(config.n_layer, edited=edits is not None, positions=positions)
+    the edits, with a `LayerNormWatch` over the first `positions` behind them (over every position where an
+    edit takes in the whole prompt, a `mean`: through it, a later position reaches the earlier ones)."""
+    whole = edits is not None and takes_whole_prompt(edits.edits)
+    watch = LayerNormWatch(config.n_layer, edited=edits is not None, positions=n_tokens if whole else positions)
     chain = HookChain(hooks, watch)
     edited = edits.hooks(config, n_tokens, then=chain) if edits is not None else None
     return edited or chain, watch
