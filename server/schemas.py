@@ -466,7 +466,8 @@ class DetokenizeRequest(BaseModel):
 
 class StreamOptions(BaseModel):
     """OpenAI's `stream_options`: whether the stream ends with a usage chunk, and vLLM's: whether every chunk
-    carries its choice's usage so far (with `include_usage`; other options are ignored)."""
+    carries its choice's usage so far (and the stream ends with one, as vLLM's `include_usage` defaults to
+    true; other options are ignored)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool | None = False  # null: the default

@@ -503,8 +503,8 @@ def test_completions_stream(client: TestClient, loaded: LoadedModel) -> None:
 
 def test_completions_stream_with_continuous_usage(client: TestClient, loaded: LoadedModel) -> None:
     """vLLM's `continuous_usage_stats`: every chunk carries its choice's usage so far (its prompt's tokens,
-    and those it has generated), the last chunk the whole request's; without `include_usage`, none (it was
-    accepted and ignored)."""
+    and those it has generated), the last chunk the whole request's (it was accepted and ignored); alone,
+    the same, as in vLLM, whose `include_usage` defaults to true."""
     request = {"prompt": PROMPTS[:2], "max_tokens": 4, "temperature": 0, "n": 2, "stream": True, "echo": True}
     options = {"include_usage": True, "continuous_usage_stats": True}
     *chunks, last = sse_events(client.post(CMPL, json=request | {"stream_options": options}).text)
@@ -520,8 +520,15 @@ def test_completions_stream_with_continuous_usage(client: TestClient, loaded: Lo
         assert all(c["usage"]["total_tokens"] == prompt + d for c, d in zip(mine, done, strict=True))
         finals[i] = done[-1]
     assert sum(finals.values()) == whole["usage"]["completion_tokens"] == 16
-    plain = sse_events(client.post(CMPL, json=request | {"stream_options": {"continuous_usage_stats": True}}).text)
-    assert all("usage" not in c for c in plain)
+    *alone, alone_last = sse_events(
+        client.post(CMPL, json=request | {"stream_options": {"continuous_usage_stats": True}}).text
+    )
+    assert alone_last == last | {"id": alone_last["id"], "created": alone_last["created"]}
+
+    def per_choice(events: list[dict[str, Any]]) -> list[list[dict[str, int]]]:  # the choices' usages, in order
+        return [[c["usage"] for c in events if c["choices"][0]["index"] == i] for i in range(4)]
+
+    assert per_choice(alone) == per_choice(chunks)
 
 
 def test_stream_options_without_stream_is_a_400(client: TestClient) -> None:

@@ -166,8 +166,8 @@ class _Reply:
         index = {id(s): i for i, s in enumerate(streams)}
         offsets: dict[int, _TextOffsets] = {}  # per choice, from its first event on
         options = self.req.stream_options or StreamOptions()
-        usage = bool(options.include_usage)
-        continuous = usage and bool(options.continuous_usage_stats)
+        continuous = bool(options.continuous_usage_stats)  # implies include_usage, as vLLM's default has it
+        usage = bool(options.include_usage) or continuous
         generated = [0] * len(streams)  # per choice, its tokens so far
 
         def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
