@@ -345,7 +345,7 @@ class MetricPass:
                 self._x = model.final_norm(inp[:, normed.start : normed.stop], self._hooks)
                 self._head_stage = self._keep(inp, self._x, seen)
             self._watch.check(self._blamed, self.refusal.overflow)  # ln_final's input is in too
-            if self._x.requires_grad:
+            if self._x.requires_grad and not self._whole_head:
                 self._grad = torch.zeros_like(self._x)  # the head's parts fill in their rows
 
     def _keep(self, inp: torch.Tensor | None, out: torch.Tensor, seen: int) -> _Stage | None:

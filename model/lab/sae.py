@@ -427,7 +427,7 @@ def load_saes(specs: Sequence[str], config: GPTConfig, device: torch.device | st
         if hook.endswith("attn.hook_z"):
             raise SAEError(
                 f"SAE {sae_id!r} ({source}) reads {hook}: SAELens' attention SAEs read each position's heads "
-                "flattened into one vector of n_head x d_head, which this server does not do (not supported)"
+                "flattened into one vector of n_head x d_head, which this server does not support"
             )
         if not has_one_vector_per_position(hook):  # an attention square's site shape reads as [head]
             raise SAEError(
