@@ -304,6 +304,11 @@ class GPT(nn.Module):
         x = self.final_norm(x, hooks)
         if rows is not None and not uses_the_logits(hooks):  # ln_f's hooks saw every position; the product not
             x, rows = x[:, rows], None
-        logits = self.hook_unembed_out(self.lm_head(x, self.wte.weight), hooks)  # [B, T, vocab]
-        logits = self.hook_logits(logits, hooks)
+        logits = self.head(x, hooks)  # [B, T, vocab]
         return logits if rows is None else logits[:, rows]
+
+    def head(self, x: torch.Tensor, hooks: Hooks | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab] of the streams through the final LayerNorm x [B, T, C]: the LM head's product,
+        tied to the token embedding, with the hooks of its output."""
+        logits = self.hook_unembed_out(self.lm_head(x, self.wte.weight), hooks)
+        return self.hook_logits(logits, hooks)

@@ -22,7 +22,7 @@ import torch
 
 from ..config import GPTConfig
 from ..gpt import GPT
-from ..hooks import Hooks, select_hooks, uses_the_head, uses_the_logits
+from ..hooks import LOGIT_HOOKS, Hooks, needs_whole_prompt, select_hooks, uses_the_head, uses_the_logits
 from ..interventions import EditSpec, HookChain, InterventionError, split_input_clashes, takes_whole_prompt
 from ..overflow import layer_norm_inputs, layer_norm_overflow, variance_overflows
 
@@ -241,8 +241,9 @@ class MetricPass:
 
     Forward: the embeddings with block 0, then each block (the last with the final LayerNorm over the rows
     the metric reads, or over every row where a hook point after the last block is asked for or edited, as
-    in one pass), then the head's product over the rows the metric reads, `head_rows` at a time (the whole
-    head over every row at once where its output is asked for or edited: `uses_the_logits`). Each piece
+    in one pass), then the head's product over the rows the metric reads, `head_rows` at a time (over every
+    row, in order, where its output is edited or captured, `uses_the_logits`; the whole head over every row
+    at once where a hook there needs them so: a gradient at it, one value, or a `mean`). Each piece
     starts from a leaf of a graph of its own, and the graphs start at the first piece a wanted hook point is
     in (the pieces before it run without one, as in one pass). Backward: each part of the head as it runs
     (the last with the final LayerNorm; the whole head's way back, a job of its own), then each block, last
@@ -281,11 +282,17 @@ class MetricPass:
         self._blamed = refusal.edits_param if edits is not None else refusal.param  # what the errors name
         self._n_layer = config.n_layer
         # the final LayerNorm's rows: every row where a hook point after the last block is in use (its hooks
-        # see them all, as in one pass), else the metric's; the head's parts: the metric's rows, or every row
-        # in one where the head's output is hooked
-        self._whole_head = uses_the_logits(self._hooks)  # then `_normed` is every row too: the logits are head hooks
+        # see them all, as in one pass), else the metric's. The head's parts: the metric's rows; where the
+        # head's output is hooked, every row, in order (as a long prompt's chunks come), or in one part where
+        # a hook there needs them at once (a gradient, one value over every row; a `mean` edit)
+        at_logits = uses_the_logits(self._hooks)  # then `_normed` is every row too: the logits are head hooks
+        self._whole_head = at_logits and (
+            any(self.capture.active(name) for name in LOGIT_HOOKS)
+            or (also is not None and needs_whole_prompt(also))
+            or (edits is not None and takes_whole_prompt(edits.edits))
+        )
         self._normed = range(len(ids)) if uses_the_head(self._hooks) else self._read
-        rows = self._normed if self._whole_head else self._read
+        rows = self._normed if at_logits else self._read
         step = len(rows) if self._whole_head else self.head_rows
         self._parts = [rows[i : i + step] for i in range(0, len(rows), step)]  # not run yet
         # [1, T, C]: the stream entering the next block, then leaving the last ([1, len(_normed), C] through
@@ -359,24 +366,29 @@ class MetricPass:
         return self._stages[-1]
 
     def _head_part(self, model: GPT, rows: range) -> None:
-        """The head's product over `rows` of the normalised stream, the metric's share of its logits, and, at
-        once, the gradient back at those rows; or the whole head over every row, where its output is hooked,
-        whose way back (through the product at every row) is then a job of its own."""
+        """The head's product over `rows` of the normalised stream (with the hooks of its output, where they
+        take the rows a part at a time), the metric's share of the logits of those of them it reads, and, at
+        once, the gradient back at those rows; or the whole head over every row, where a hook of its output
+        needs them at once, whose way back (through the product at every row) is then a job of its own."""
         assert self._x is not None
         at = slice(rows.start - self._normed.start, rows.stop - self._normed.start)  # those rows of `_x`
         seen, inp = len(self.values), _leaf(self._x[:, at])
         if self._whole_head:  # [rows the metric reads, vocab]: its hooks see every row's
             logits = model.unembed(inp, self._hooks, slice(self._read.start, self._read.stop))[0]
             share = metric_share(self.metric, logits, self.targets, self._read)
+            self._value += float(share.detach())
             self._head_stage = self._keep(inp, share, seen)
             self._grad = None if self._head_stage is None else torch.ones_like(share)
         else:
-            logits = model.lm_head(inp, model.wte.weight)[0]  # [len(rows), vocab]
-            share = metric_share(self.metric, logits, self.targets, rows)
-            grad = self._through(_Stage(inp, share, list(self.values)[seen:]), torch.ones_like(share), retain=False)
-            if grad is not None and self._grad is not None:
-                self._grad[:, at] = grad
-        self._value += float(share.detach())
+            logits = model.head(inp, self._hooks)[0]  # [len(rows), vocab]
+            read = range(max(rows.start, self._read.start), min(rows.stop, self._read.stop))  # a part may read none
+            if read:
+                logits = logits[read.start - rows.start : read.stop - rows.start]
+                share = metric_share(self.metric, logits, self.targets, read)
+                self._value += float(share.detach())
+                grad = self._through(_Stage(inp, share, list(self.values)[seen:]), torch.ones_like(share), retain=False)
+                if grad is not None and self._grad is not None:
+                    self._grad[:, at] = grad
         if not self._parts and not math.isfinite(self._value):  # refused before any block goes back
             raise MetricError(
                 f"{self.refusal.subject} is not finite ({self._value}): {self.refusal.consequence}", self._blamed
