@@ -243,7 +243,8 @@ class MetricPass:
     the metric reads, or over every row where a hook point after the last block is asked for or edited, as
     in one pass), then the head's product over the rows the metric reads, `head_rows` at a time (over every
     row, in order, where its output is edited or captured, `uses_the_logits`; the whole head over every row
-    at once where a hook there needs them so: a gradient at it, one value, or a `mean`). Each piece
+    at once where a hook there needs them so: a gradient at it, which is one value over every row, `also`
+    hooks that need the whole prompt, or any `mean` edit). Each piece
     starts from a leaf of a graph of its own, and the graphs start at the first piece a wanted hook point is
     in (the pieces before it run without one, as in one pass). Backward: each part of the head as it runs
     (the last with the final LayerNorm; the whole head's way back, a job of its own), then each block, last
