@@ -91,7 +91,7 @@ class SamplingParams:
         check(_is_int(self.top_k) and self.top_k >= -1, "top_k", "must be an integer >= -1 (0 or -1: no limit)")
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
-        check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be a number in (0, 1]")
+        check(_is_num(self.top_p) and 0 <= self.top_p <= 1, "top_p", "must be a number in [0, 1]")
         check(
             self.seed is None or (_is_int(self.seed) and self.seed in SEED_RANGE),
             "seed",

@@ -30,7 +30,7 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, g
 
 def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose probability adds up to at least `top_p` (always the
-    most likely one, also for a top_p that rounds to 0 in float32)."""
+    most likely one: top_p 0, as OpenAI allows it, keeps that one alone)."""
     sorted_logits, order = torch.sort(logits, descending=True)
     probs = torch.softmax(sorted_logits, dim=-1)
     drop_sorted = probs.cumsum(dim=-1) - probs >= top_p  # the more likely tokens already reach top_p

@@ -475,13 +475,13 @@ class StreamOptions(BaseModel):
 
 
 class CompletionRequest(BaseModel):
-    """OpenAI's legacy completions. Unknown fields are ignored; known ones we do not implement are refused
-    when their value would change the result (see `check`). Any `model` name is accepted, there being one
-    model, and echoed back; the server's own name is in /v1/models."""
+    """OpenAI's legacy completions, with vLLM's sampling extensions. Unknown fields are ignored; known ones
+    (OpenAI's, chat's and vLLM's) that we do not implement are refused where their value would change the
+    result (see `check`). `model` is checked against the served names by the route."""
 
     model_config = ConfigDict(strict=True, extra="allow")
     model: str | None = None
-    prompt: OpenAIPrompt
+    prompt: OpenAIPrompt | None = None  # null, "" or []: <|endoftext|>, the start of a document
     max_tokens: int | None = 16
     temperature: float | None = None
     top_p: float | None = None
@@ -496,6 +496,7 @@ class CompletionRequest(BaseModel):
     top_k: int | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
+    return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:N"
 
     @model_validator(mode="before")
     @classmethod
@@ -511,23 +512,16 @@ class CompletionRequest(BaseModel):
         if self.model is not None:
             valid_text(self.model, "model")
         extra = self.model_extra or {}
-        neutral: dict[str, Any] = {  # null is OpenAI's default for each: not set
-            "presence_penalty": 0,
-            "frequency_penalty": 0,
-            "repetition_penalty": 1,
-            "logit_bias": {},
-            "suffix": "",
-            "min_tokens": 0,
-            "min_p": 0,
-            "use_beam_search": False,
-        }
         bias = extra.get("logit_bias")
         if isinstance(bias, dict) and all(_is_zero(v) for v in bias.values()):  # biases of 0 change nothing
             extra = {k: v for k, v in extra.items() if k != "logit_bias"}
-        for name, value in neutral.items():
+        for name, value in _NEUTRAL.items():
             given = extra.get(name)
             if given is not None and (given != value or isinstance(given, bool) != isinstance(value, bool)):
                 raise GenerationError(f"{name}={given!r} is not supported by this server", name)
+        for name, hint in _UNSUPPORTED.items():
+            if extra.get(name) is not None:
+                raise GenerationError(f"{name} is not supported by this server{hint}", name)
         best_of = extra.get("best_of")
         if best_of is not None:
             if not isinstance(best_of, int) or isinstance(best_of, bool):
@@ -567,6 +561,44 @@ class CompletionRequest(BaseModel):
             logprobs=self.logprobs,
             prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None,
         )
+
+
+# Fields of OpenAI's and vLLM's completions that this server does not implement, each at the value that
+# changes nothing (null, their default, too): another value is refused, never silently ignored.
+_NEUTRAL: dict[str, Any] = {
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "repetition_penalty": 1,
+    "logit_bias": {},
+    "suffix": "",
+    "min_tokens": 0,
+    "min_p": 0,
+    "use_beam_search": False,
+    "include_stop_str_in_output": False,
+    "bad_words": [],
+    "response_format": {"type": "text"},
+}
+_CHAT = ": GPT-2 is not a chat model (this is /v1/completions; send a prompt)"
+# Fields that change the answer at any value but null, with what to do instead.
+_UNSUPPORTED: dict[str, str] = {
+    "allowed_token_ids": "",
+    "logits_processors": "",
+    "truncate_prompt_tokens": "",
+    "prompt_embeds": "",
+    "prompt_logprobs": " (echo with logprobs gives the prompt's)",
+    "guided_json": "",
+    "guided_regex": "",
+    "guided_choice": "",
+    "guided_grammar": "",
+    "structured_outputs": "",
+    "max_completion_tokens": " on /v1/completions (chat completions' name; this API's is max_tokens)",
+    "top_logprobs": " on /v1/completions (chat completions' name; this API's is logprobs, an integer)",
+    "messages": _CHAT,
+    "tools": _CHAT,
+    "tool_choice": _CHAT,
+    "functions": _CHAT,
+    "function_call": _CHAT,
+}
 
 
 def _is_zero(value: Any) -> bool:

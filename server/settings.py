@@ -63,6 +63,14 @@ class Settings:
             "repeat": True,
         },
     )
+    served_model_name: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "a name the OpenAI API answers to (default: --model as given); repeatable (comma-separated in "
+            "the variable): /v1/models lists each, and a request for any other model is a 404",
+            "repeat": True,
+        },
+    )
     max_steering_vectors: int = field(default=64, metadata={"help": "steering vectors kept by name, in memory"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error or critical"})
     # Slow and idle clients (see server/connections.py): each bound frees a connection a client holds.
@@ -168,9 +176,9 @@ def convert(name: str, raw: Any) -> Any:
     """The value of setting `name` from `raw` (text, as a flag or variable gives it, or a value of the right type
     already, as a Serve config's YAML does); a ValueError says what was wrong ("must be an integer, got 'abc'")."""
     kind = {f.name: f.type for f in fields(Settings)}[name]
-    if name == "cors_origins":
+    if name in ("cors_origins", "served_model_name"):
         items = raw.split(",") if isinstance(raw, str) else raw
-        return tuple(o.strip() for o in items if o.strip())
+        return tuple(str(o).strip() for o in items if str(o).strip())
     if name == "sae":
         items = raw.split(",") if isinstance(raw, str) else raw
         saes = tuple(str(o).strip() for o in items if str(o).strip())

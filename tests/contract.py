@@ -67,7 +67,7 @@ CASES = [
     Bad("max-new-tokens-past-context", GEN, hi(max_new_tokens=128), param="max_new_tokens", code=TOO_LONG),
     # sampling values
     Bad("temperature-negative", GEN, hi(temperature=-0.1), param="temperature"),
-    Bad("top-p-zero", GEN, hi(top_p=0.0), param="top_p"),
+    Bad("top-p-negative", GEN, hi(top_p=-0.01), param="top_p"),
     Bad("top-p-over-one", GEN, hi(top_p=1.5), param="top_p"),
     Bad("top-k-negative", GEN, hi(top_k=-2), param="top_k"),
     Bad("logprobs-over-20", GEN, hi(logprobs=21), param="logprobs"),
@@ -103,8 +103,9 @@ CASES = [
     Bad("detokenize-vocab", "/detokenize", {"tokens": [50257]}, param="tokens"),
     Bad("detokenize-string", "/detokenize", {"tokens": "abc"}, param="tokens"),
     # OpenAI completions
-    Bad("openai-empty-prompt", CMPL, {"prompt": ""}, param="prompt"),
-    Bad("openai-empty-prompt-list", CMPL, {"prompt": []}, param="prompt"),
+    Bad("openai-prompt-number", CMPL, {"prompt": 5}, param="prompt"),  # (an empty prompt is <|endoftext|>)
+    Bad("openai-unknown-model", CMPL, hi(model="davinci-002"), status=404, param="model", code="model_not_found"),
+    Bad("openai-chat-fields", CMPL, hi(messages=[{"role": "user", "content": "Hi"}]), param="messages"),
     Bad("openai-max-tokens-over-cap", CMPL, hi(max_tokens=65), param="max_tokens"),
     Bad("openai-max-tokens-past-context", CMPL, hi(max_tokens=5000), param="max_tokens", code=TOO_LONG),
     Bad("openai-max-tokens-negative", CMPL, hi(max_tokens=-1), param="max_tokens"),
@@ -133,7 +134,7 @@ CASES = [
     Bad("openai-malformed-json", CMPL, content=b"{", param=None),
     # routes and methods
     Bad("unknown-route", "/v1/nothing", method="GET", status=404, param=None),
-    Bad("chat-completions", "/v1/chat/completions", {"messages": []}, status=404, param=None),
+    Bad("chat-completions", "/v1/chat/completions", {"messages": []}, status=404, param="model"),  # not a chat model
     Bad("get-generate", GEN, method="GET", status=405, param=None),
     Bad("post-health", "/health", {}, status=405, param=None),
     Bad("delete-models", "/v1/models", method="DELETE", status=405, param=None),

@@ -142,6 +142,7 @@ def server(checkpoint_dir: Path, tokenizer_dir: Path, tmp_path_factory: pytest.T
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     args = ["--model", str(checkpoint_dir), "--tokenizer", str(tokenizer_dir), "--port", str(port)]
+    args += ["--served-model-name", "gpt2-tiny"]  # the name the harness asks for (any other would be a 404)
     process = launch([*args, "--device", "cpu", "--dtype", "float32", "--log-level", "warning"], log, OFFLINE)
     try:
         yield Server(f"http://127.0.0.1:{port}", log)

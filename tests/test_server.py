@@ -40,6 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import server.app as app_module
 from model.hooks import OPTIONAL_SITES, hook_names
 from model.loading import LoadedModel
+from model.tokenizer import EOT_ID
 from server.app import create_app
 from server.schemas import CompletionRequest
 
@@ -383,11 +384,11 @@ def test_activations_endpoint_with_generation(client: TestClient, loaded: Loaded
 
 
 def test_completions_shape_and_greedy(client: TestClient, loaded: LoadedModel) -> None:
-    body = post_ok(client, CMPL, {"model": "gpt2", "prompt": PROMPTS[1], "max_tokens": 7, "temperature": 0})
+    body = post_ok(client, CMPL, {"model": loaded.name, "prompt": PROMPTS[1], "max_tokens": 7, "temperature": 0})
     assert body["id"].startswith("cmpl-")
     assert body["object"] == "text_completion"
     assert isinstance(body["created"], int) and abs(body["created"] - time.time()) < 600
-    assert body["model"] == "gpt2"
+    assert body["model"] == loaded.name
     (choice,) = body["choices"]
     assert set(choice) == {"text", "index", "logprobs", "finish_reason"}
     ref = greedy(loaded, ids_of(loaded, PROMPTS[1]), 7)
@@ -633,11 +634,109 @@ def test_models_retrieve(client: TestClient, loaded: LoadedModel) -> None:
         ("n", "2"),  # null is accepted, other types are not
         ("echo", 1),
         ("stream", "yes"),
+        # vLLM's fields that change the answer: refused, not ignored
+        ("include_stop_str_in_output", True),
+        ("bad_words", ["Hello"]),
+        ("response_format", {"type": "json_object"}),
+        ("allowed_token_ids", [11]),
+        ("allowed_token_ids", []),
+        ("logits_processors", ["x"]),
+        ("truncate_prompt_tokens", 2),
+        ("prompt_logprobs", 1),
+        ("guided_choice", ["a", "b"]),
+        ("guided_json", {"type": "object"}),
+        ("guided_regex", "[ab]+"),
+        ("structured_outputs", {"choice": ["a"]}),
+        # chat completions' fields, sent to the legacy API by mistake
+        ("max_completion_tokens", 2),
+        ("top_logprobs", 2),
+        ("messages", [{"role": "user", "content": "Hi"}]),
+        ("tools", []),
+        ("return_tokens_as_token_ids", "yes"),
     ],
 )
 def test_completions_refuse_other_values(client: TestClient, field: str, value: Any) -> None:
     error = assert_error(client.post(CMPL, json={"prompt": "Hi", "max_tokens": 1, field: value}), 400, field)
     assert field in error["message"]
+    assert_still_serving(client)
+
+
+def test_completions_neutral_values_accepted(client: TestClient) -> None:
+    """The neutral value (or null) of a field this server does not implement changes nothing."""
+    base = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+    plain = post_ok(client, CMPL, base)["choices"]
+    neutral = {
+        "include_stop_str_in_output": False,
+        "bad_words": [],
+        "response_format": {"type": "text"},
+        "allowed_token_ids": None,
+        "max_completion_tokens": None,
+        "messages": None,
+        "guided_json": None,
+    }
+    assert post_ok(client, CMPL, base | neutral)["choices"] == plain
+
+
+def test_completions_model_names(loaded: LoadedModel) -> None:
+    """`model` is a served name (the model as given, or each --served-model-name), else a 404 as OpenAI and
+    vLLM answer it: never GPT-2's text under another model's name."""
+    body = {"prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0}
+    with serve(loaded) as client:
+        (card,) = client.get("/v1/models").json()["data"]
+        assert card["id"] == loaded.name
+        assert post_ok(client, CMPL, body | {"model": loaded.name})["model"] == loaded.name
+        assert post_ok(client, CMPL, body)["model"] == loaded.name
+        for wrong in ("gpt-3.5-turbo-instruct", "gpt2", ""):
+            for stream in (False, True):
+                r = client.post(CMPL, json=body | {"model": wrong, "stream": stream})
+                error = assert_error(r, 404, "model", "model_not_found")
+                assert f"{wrong!r} does not exist" in error["message"] and repr(loaded.name) in error["message"]
+        assert_still_serving(client)
+    with serve(loaded, served_model_name=("gpt2", "my-gpt2")) as client:
+        cards = client.get("/v1/models").json()["data"]
+        assert [c["id"] for c in cards] == ["gpt2", "my-gpt2"]
+        assert client.get("/v1/models/my-gpt2").json() == cards[1]
+        assert_error(client.get(f"/v1/models/{loaded.name}"), 404, "model", "model_not_found")
+        first = post_ok(client, CMPL, body | {"model": "gpt2"})
+        assert first["model"] == "gpt2"
+        second = post_ok(client, CMPL, body | {"model": "my-gpt2"})
+        assert second["model"] == "my-gpt2" and second["choices"] == first["choices"]
+        assert post_ok(client, CMPL, body)["model"] == "gpt2"  # left out: the first served name
+        assert_error(client.post(CMPL, json=body | {"model": loaded.name}), 404, "model", "model_not_found")
+
+
+def test_completions_empty_prompt_is_document_start(client: TestClient, loaded: LoadedModel) -> None:
+    """A missing or empty prompt is <|endoftext|> (OpenAI: "as from the beginning of a new document")."""
+    expected = greedy(loaded, [EOT_ID], 5)
+    body = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    for prompt in ({}, {"prompt": None}, {"prompt": ""}, {"prompt": []}, {"prompt": [""]}, {"prompt": [[]]}):
+        out = post_ok(client, CMPL, body | prompt)
+        assert [c["text"] for c in out["choices"]] == [expected.text], prompt
+        assert out["usage"]["prompt_tokens"] == 1
+    both = post_ok(client, CMPL, body | {"prompt": ["", PROMPTS[0]], "echo": True})
+    assert both["choices"][0]["text"] == "<|endoftext|>" + expected.text
+    assert both["choices"][1]["text"].startswith(PROMPTS[0])
+
+
+def test_completions_tokens_as_ids(client: TestClient) -> None:
+    """vLLM's return_tokens_as_token_ids: logprobs' tokens and top_logprobs' keys as `token_id:N`."""
+    body = {"prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0, "logprobs": 2, "echo": True}
+    named = post_ok(client, CMPL, body)["choices"][0]
+    as_ids = post_ok(client, CMPL, body | {"return_tokens_as_token_ids": True})["choices"][0]
+    assert as_ids["text"] == named["text"]
+    ids = [int(t.removeprefix("token_id:")) for t in as_ids["logprobs"]["tokens"]]
+    assert all(t.startswith("token_id:") for t in as_ids["logprobs"]["tokens"])
+    assert len(ids) == len(named["logprobs"]["tokens"])
+    assert as_ids["logprobs"]["token_logprobs"] == named["logprobs"]["token_logprobs"]
+    for top in as_ids["logprobs"]["top_logprobs"][1:]:
+        assert all(k.startswith("token_id:") for k in top)
+
+
+def test_chat_completions_is_not_served(client: TestClient) -> None:
+    """GPT-2 has no chat format: OpenAI's answer for a completions model, not a bare "no such route"."""
+    r = client.post("/v1/chat/completions", json={"model": "gpt2", "messages": [{"role": "user", "content": "Hi"}]})
+    error = assert_error(r, 404, "model")
+    assert "not a chat model" in error["message"] and "v1/completions" in error["message"]
     assert_still_serving(client)
 
 

@@ -15,11 +15,13 @@ from fastapi.responses import Response
 
 from model.generate import Completion, GenerationError, TokenLogprob
 from model.loading import hub_repo
+from model.tokenizer import EOT_ID
 
 from ..engine import Engine, RequestStream
 from ..errors import APIError
 from ..json_body import JSONBodyRoute
 from ..schemas import CompletionRequest, StreamOptions
+from ..settings import Settings
 from ..threads import run_in_threadpool
 from .deps import EngineDep, SettingsDep, json_response, merged, openai_prompt_ids, results, sse
 
@@ -30,23 +32,34 @@ OPENAI_NAMES = {"max_new_tokens": "max_tokens"}  # the engine's name -> this API
 
 
 @router.get("/v1/models")
-async def models(engine: EngineDep) -> dict[str, Any]:
-    return {"object": "list", "data": [_model_card(engine)]}
+async def models(engine: EngineDep, settings: SettingsDep) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(engine, name) for name in served_names(engine, settings)]}
 
 
 @router.get("/v1/models/{model_id:path}")
-async def model(model_id: str, engine: EngineDep) -> dict[str, Any]:
-    """OpenAI's model retrieval: the served model by the id /v1/models lists (a local path's slashes too)."""
-    if model_id != engine.loaded.name:
-        served = engine.loaded.name
-        message = f"the model {model_id!r} does not exist: this server serves {served!r}"
+async def model(model_id: str, engine: EngineDep, settings: SettingsDep) -> dict[str, Any]:
+    """OpenAI's model retrieval: the served model by an id /v1/models lists (a local path's slashes too)."""
+    _check_model(model_id, served_names(engine, settings))
+    return _model_card(engine, model_id)
+
+
+def served_names(engine: Engine, settings: Settings) -> tuple[str, ...]:
+    """The names this API answers to: `--served-model-name`'s, else the model's as it was given."""
+    return settings.served_model_name or (engine.loaded.name,)
+
+
+def _check_model(name: str, names: tuple[str, ...]) -> None:
+    """A model this server does not serve is a 404, as OpenAI and vLLM answer it: never another model's text
+    under the name asked for."""
+    if name not in names:
+        served = ", ".join(repr(n) for n in names)
+        message = f"the model {name!r} does not exist: this server serves {served}"
         raise APIError(404, message, "model", code="model_not_found")
-    return _model_card(engine)
 
 
-def _model_card(engine: Engine) -> dict[str, Any]:
-    name = engine.loaded.name
-    repo = None if Path(name).expanduser().exists() else hub_repo(name)  # as `locate` read the name
+def _model_card(engine: Engine, name: str) -> dict[str, Any]:
+    loaded = engine.loaded.name
+    repo = None if Path(loaded).expanduser().exists() else hub_repo(loaded)  # as `locate` read the name
     owner = repo.partition("/")[0] if repo is not None else "local"
     return {
         "id": name,
@@ -60,16 +73,30 @@ def _model_card(engine: Engine) -> dict[str, Any]:
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request, engine: EngineDep, settings: SettingsDep) -> Response:
     req.check()
-    prompts = await openai_prompt_ids(engine, req.prompt)
+    names = served_names(engine, settings)
+    if req.model is not None:
+        _check_model(req.model, names)
+    # an empty or missing prompt is <|endoftext|>, as OpenAI reads it: "as from the beginning of a new document"
+    prompts = [ids or [EOT_ID] for ids in await openai_prompt_ids(engine, req.prompt or "")]
     with _openai_names():
         sequences = req.sequences(prompts, engine.model.config.n_positions, settings.max_new_tokens)
         too_many_prompts = len(prompts) > engine.max_queue  # then no n could help
         streams = engine.submit(*sequences, count_param="n" if req.n > 1 and not too_many_prompts else "prompt")
-    reply = _Reply(engine, req)
+    reply = _Reply(engine, req, req.model or names[0])
     if req.stream:
         return sse(reply.stream(streams))
     completions = await results(streams, request)
     return await json_response(reply.body, completions)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions() -> Response:
+    """GPT-2 has no chat format: answered as OpenAI answers a chat request for a completions model."""
+    message = (
+        "This is not a chat model and thus not supported in the v1/chat/completions endpoint. "
+        "Did you mean to use v1/completions?"
+    )
+    raise APIError(404, message, "model")
 
 
 @contextmanager
@@ -85,11 +112,10 @@ def _openai_names() -> Iterator[None]:
 
 
 class _Reply:
-    def __init__(self, engine: Engine, req: CompletionRequest) -> None:
-        self.engine, self.req = engine, req
+    def __init__(self, engine: Engine, req: CompletionRequest, model: str) -> None:
+        self.engine, self.req, self.model = engine, req, model
         self.id = "cmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
-        self.model = req.model or engine.loaded.name
 
     def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -103,7 +129,9 @@ class _Reply:
     def _token(self, token_id: int) -> str:
         """A token as OpenAI shows it: its text, or `bytes:\\xNN...` for a piece of a multi-byte character, or
         `<|id:N|>` for an id the tokenizer does not know (a vocabulary padded past it, as nanoGPT pads to
-        50304), so distinct tokens never share a name."""
+        50304), so distinct tokens never share a name; `token_id:N` for each token if the request asks so."""
+        if self.req.return_tokens_as_token_ids:
+            return f"token_id:{token_id}"
         text = self.engine.tokenizer.token_text(token_id)  # <|id:N|> past the tokenizer's vocabulary
         if "\ufffd" not in text:
             return text
