@@ -163,6 +163,23 @@ def test_equals_saelens(sae_lens, tmp_path: Path, arch: str, b_dec_in: bool, nor
             torch.testing.assert_close(ours.decode(f), theirs.decode(f), atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("arch", ["standard", "jumprelu"])
+def test_decoder_norm_flag_is_topk_only(sae_lens, tmp_path: Path, arch: str) -> None:
+    """rescale_acts_by_decoder_norm is a field of SAELens' topk config alone: a standard or jumprelu cfg.json
+    that carries it reads as SAELens reads it, without it (reconstructions were 2-20 apart)."""
+    path = write_sae(tmp_path, hook=HOOK, d_in=D_IN, d_sae=D_SAE, architecture=arch, rescale_acts_by_decoder_norm=True)
+    ours = load_sae(path)
+    assert not ours.cfg.rescale_acts_by_decoder_norm
+    theirs = sae_lens.SAE.load_from_disk(str(path))
+    x = torch.randn(4, 6, D_IN, generator=torch.Generator().manual_seed(6)) * 3
+    with torch.no_grad():
+        f_theirs = theirs.encode(x)
+        f_ours, x_hat_ours = ours.reconstruct(x)
+        torch.testing.assert_close(f_ours, f_theirs, atol=TOL, rtol=0)
+        torch.testing.assert_close(x_hat_ours, theirs.decode(f_theirs), atol=TOL, rtol=0)
+    assert int((f_ours > 0).sum()) > 0
+
+
 def test_legacy_layout_at_the_top_level(sae_lens, tmp_path: Path) -> None:
     """res-jb's files on the hub: hook_point at the top level, normalize_activations a boolean, no architecture."""
     path = write_sae(tmp_path / "legacy", hook="blocks.0.hook_resid_pre", d_in=D_IN, d_sae=D_SAE, legacy=True)

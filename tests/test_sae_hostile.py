@@ -154,7 +154,10 @@ def test_non_finite_threshold_and_float64_overflow(tmp_path: Path) -> None:
         ({"d_sae": ..., "expansion_factor": "3"}, "field expansion_factor must be a positive integer, got '3'"),
         ({"apply_b_dec_to_input": "false"}, "field apply_b_dec_to_input must be true or false, got 'false'"),
         ({"apply_b_dec_to_input": 0}, "field apply_b_dec_to_input must be true or false, got 0"),
-        ({"rescale_acts_by_decoder_norm": "no"}, "field rescale_acts_by_decoder_norm must be true or false, got 'no'"),
+        (
+            {"architecture": "topk", "k": 4, "rescale_acts_by_decoder_norm": "no"},
+            "field rescale_acts_by_decoder_norm must be true or false, got 'no'",
+        ),
         ({"metadata": [1], "hook_name": HOOK}, r"field metadata must be a JSON object, got \[1\]"),
         ({"metadata": {"hook_name": ["blocks.1.hook_resid_pre"]}}, r"field hook_name must be a string, got \["),
         ({"metadata": {"hook_name": HOOK, "model_name": 7}}, "field model_name must be a string, got 7"),

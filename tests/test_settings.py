@@ -14,7 +14,6 @@ def test_flags_override_the_environment_which_overrides_defaults() -> None:
     assert (s.max_batch_size, s.port, s.cors_origins, s.max_queue) == (4, 9100, ("http://a", "http://b"), 256)
 
 
-
 def test_served_model_names() -> None:
     """--served-model-name repeats; its variable holds several, comma-separated; the flag wins."""
     assert parse_settings([], environ={}).served_model_name == ()

@@ -183,7 +183,9 @@ class SAEConfig:
             apply_b_dec_to_input=_flag(cfg, "apply_b_dec_to_input", True, where),
             normalize_activations=cast(Normalization, norm),
             k=k if architecture == "topk" else None,
-            rescale_acts_by_decoder_norm=_flag(cfg, "rescale_acts_by_decoder_norm", False, where),
+            # topk's alone: SAELens' other configs have no such field, and drop it where a cfg.json has it
+            rescale_acts_by_decoder_norm=architecture == "topk"
+            and _flag(cfg, "rescale_acts_by_decoder_norm", False, where),
             center_writing_weights=_flag(kwargs, "center_writing_weights", False, where),
             model_name=model_name,
         )
