@@ -730,10 +730,17 @@ class DecodeBatch:
                 self.model(idx, self.cache.row(b), seq.hooks, last_only=True)
             except Exception as e:  # this sequence's own pass: it fails alone
                 seq.finish_reason, seq.error = "error", e
-        self.cache.remove_row(b)
+        self.cache.remove_row(b, _written(seq), _written(self.seqs[-1]))
         self.seqs[b], self.joined[b] = self.seqs[-1], self.joined[-1]
         self.seqs.pop()
         self.joined.pop()
+
+
+def _written(seq: SequenceState) -> int:
+    """How many of its row's first positions a sequence may have written, failed passes included: its
+    prompt's (and a prefilling row's placeholder, within them), and each token fed after it (the last one
+    sampled is fed once at most, to capture it)."""
+    return len(seq.prompt) + len(seq.tokens)
 
 
 class Generation:

@@ -81,15 +81,29 @@ class KVCache:
         self.lengths.append(0)
         return self.batch_size - 1
 
-    def remove_row(self, b: int) -> None:
-        """Free row `b`. The last row moves into its place (copying only its stored positions)."""
+    def remove_row(self, b: int, written: int, last_written: int) -> None:
+        """Free row `b`, whose first `written` positions its sequence may have written. The last row (its
+        first `last_written`) moves into its place, copying only its stored positions. Every position freed
+        is zeroed: a later sequence's attention multiplies the positions of its row past its length before
+        it masks them (a ragged batch's keys run to its longest row), and a masked key that is inf, left by
+        a sequence whose edits overflowed, would still make that softmax NaN."""
         last = self.batch_size - 1
-        if b != last:
+        if b == last:
+            self._zero(b, 0, written)
+        else:
             n = self.lengths[last]
             self.k[:, b, :, :n] = self.k[:, last, :, :n]
             self.v[:, b, :, :n] = self.v[:, last, :, :n]
+            self._zero(b, n, written)
+            self._zero(last, 0, last_written)
             self.lengths[b] = n
         self.lengths.pop()
+
+    def _zero(self, b: int, start: int, end: int) -> None:
+        end = min(end, self.max_len)
+        if start < end:
+            self.k[:, b, :, start:end] = 0
+            self.v[:, b, :, start:end] = 0
 
     # --- one forward pass ---------------------------------------------------------------
 

@@ -205,6 +205,28 @@ def test_kv_cache_with_ragged_rows_matches_full_forward(tiny_model: GPT) -> None
                 assert max_diff(logits[b], full) <= F32, (b, step)
 
 
+def test_a_freed_row_holds_nothing_of_its_sequence(tiny_model: GPT) -> None:
+    """Leaving zeroes every position the sequence may have written, in its own row and in the last row's old
+    place when that row moves in: a later sequence's masked positions (read up to the longest row's length,
+    multiplied before masked) hold nothing, not an inf a sequence's edits left."""
+    config = tiny_model.config
+    cache = KVCache.empty(config, 3, 20, dtype=torch.float32, device="cpu")
+    for b, n in enumerate([12, 7, 9]):
+        cache.add_row()
+        cache.k[:, b], cache.v[:, b] = float("inf"), float("nan")  # past its length too (a failed pass)
+        cache.set_length(b, n)
+    kept = cache.k[:, 2, :, :9].clone()
+    cache.remove_row(0, written=20, last_written=20)  # row 2 (9 positions stored) moves into row 0
+    assert cache.lengths == [9, 7]
+    assert torch.equal(cache.k[:, 0, :, :9], kept)
+    assert not cache.k[:, 0, :, 9:].any() and not cache.v[:, 0, :, 9:].any()
+    assert not cache.k[:, 2].any() and not cache.v[:, 2].any()
+    cache.remove_row(1, written=8, last_written=8)  # the last row: zeroed where written, nothing moves
+    assert cache.lengths == [9]
+    assert not cache.k[:, 1, :, :8].any() and not cache.v[:, 1, :, :8].any()
+    assert cache.k[:, 1, :, 8:].isinf().all()  # beyond `written`: not touched
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_packed_pass_equals_separate_passes(tiny: Checkpoint, dtype: torch.dtype) -> None:
     """One PackedBatch pass (a decode token for each of three ragged rows, a dummy for the row still

@@ -93,6 +93,35 @@ def test_edits_that_blow_up_a_stream_end_it_with_a_client_error(loaded: LoadedMo
         assert_still_serving(c)
 
 
+@pytest.mark.parametrize("legit", [False, True])
+def test_a_sequence_whose_keys_overflowed_leaves_nothing_in_its_row(loaded: LoadedModel, legit: bool) -> None:
+    """Keys a sequence's edits made inf leave with it (whether it failed, or hid them from its own output and
+    succeeded): a later plain sequence in its row, decoding beside a longer hooked one (a pass that reads
+    every row's keys up to the longest row's, masked), gets the tokens it gets alone. It failed with "the
+    logits became non-finite" before."""
+    inf_keys = [{"hook": "blocks.0.attn.hook_k", "op": "scale", "factor": 3e38, "heads": [0]}] * 2
+    if legit:  # head 0's scores zeroed: its inf keys never reach this sequence's own output
+        inf_keys.append({"hook": "blocks.0.attn.hook_attn_scores", "op": "zero", "heads": [0]})
+    overflowing = {"input_ids": list(range(1000, 1060)), "max_new_tokens": 3, **GREEDY, "interventions": inf_keys}
+    hooked = {"input_ids": list(range(2000, 2050)), "max_new_tokens": 5, **GREEDY}
+    with serve(loaded, max_batch_size=2) as c, ThreadPoolExecutor(2) as pool:
+        want = greedy_ids(c, "Hello world", 20)
+        r = c.post(GEN, json=overflowing)
+        if legit:
+            assert r.status_code == 200, r.text
+        else:
+            assert_error(r, 400, "interventions")
+        with engine_held(c) as engine:  # the plain one takes row 0 (the overflowing one's), the hooked one row 1
+            depth = engine.metrics.registry.get_sample_value
+            plain = pool.submit(c.post, GEN, json={"prompt": "Hello world", "max_new_tokens": 20, **GREEDY})
+            wait_until(lambda: depth("gpt2_queue_depth") == 1)
+            capture = pool.submit(c.post, GEN, json=hooked | {"activations": {"hooks": ["blocks.0.hook_resid_pre"]}})
+            wait_until(lambda: depth("gpt2_queue_depth") == 2)
+        assert plain.result(30).json()["choices"][0]["token_ids"] == want
+        assert capture.result(30).status_code == 200
+        assert_still_serving(c)
+
+
 def test_a_failing_sequence_ends_alone_in_the_shared_batch(
     loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
