@@ -53,7 +53,7 @@ def write_sae(
             "d_sae": d_sae,
             "apply_b_dec_to_input": True,
             "normalize_activations": "none",
-            "metadata": {"hook_name": hook, "model_name": "tiny"},
+            "metadata": {"hook_name": hook, "model_name": "tiny", "sae_lens_version": "6.0.0"},
         }
     body.update(cfg)
     directory.mkdir(parents=True, exist_ok=True)
