@@ -316,6 +316,11 @@ def test_ray_options_follow_from_the_settings() -> None:
     gpu = plan({"device": "cuda"}, environ={"GPT2_MAX_BATCH_SIZE": "32"})
     assert gpu.options["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0}
     assert gpu.options["max_ongoing_requests"] == 32 + 256  # the variable, as gpt2-serve reads it
+    # a list setting: YAML's list, `serve run`'s comma-separated text, or the variable's
+    assert plan({"served_model_name": ["gpt2", "b"]}, environ={}).settings.served_model_name == ("gpt2", "b")
+    assert plan({"served_model_name": "gpt2,b"}, environ={}).settings.served_model_name == ("gpt2", "b")
+    named = plan({}, environ={"GPT2_SERVED_MODEL_NAME": "gpt2"})
+    assert named.settings.served_model_name == ("gpt2",)
 
 
 def test_ray_autoscaling_is_exposed() -> None:
