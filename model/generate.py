@@ -367,7 +367,11 @@ def validate_prompt(model: GPT, prompt: Sequence[int], max_new_tokens: int, para
         prompt = prompt.tolist()
     ids = [operator.index(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in prompt]
     if not ids:
-        raise GenerationError("the prompt is empty: give at least one token", param)
+        raise GenerationError(
+            'the prompt is empty: give at least one token ("<|endoftext|>" starts a new document: unconditional '
+            "samples)",
+            param,
+        )
     odd = [t for t in ids if not _is_int(t)]
     if odd:
         raise GenerationError(f"token ids must be integers, got {odd[0]!r}", param)

@@ -196,7 +196,7 @@ def test_bad_dtype(ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str]
 
 def test_bad_top_p(ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["hi", "--model", str(ckpt_with_tokenizer), "--top-p", "1.5"]) == 1
-    assert capsys.readouterr().err == "gpt2-generate: error: --top-p must be a number in (0, 1], got 1.5\n"
+    assert capsys.readouterr().err == "gpt2-generate: error: --top-p must be a number in [0, 1], got 1.5\n"
 
 
 def test_show_logprobs(ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str]) -> None:
