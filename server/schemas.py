@@ -575,6 +575,8 @@ _NEUTRAL: dict[str, Any] = {
     "min_p": 0,
     "use_beam_search": False,
     "include_stop_str_in_output": False,
+    "skip_special_tokens": False,  # the text is every token's: <|endoftext|> too, where one is generated or echoed
+    "spaces_between_special_tokens": False,
     "bad_words": [],
     "response_format": {"type": "text"},
 }

@@ -172,16 +172,23 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
         raise  # unreachable: p.error exits
 
 
+def _texts(raw: Any) -> tuple[str, ...]:
+    """A list setting's items: comma-separated text (a flag's, a variable's) or a list of texts (repeated flags,
+    a Serve config's YAML), blank ones dropped."""
+    items = raw.split(",") if isinstance(raw, str) else raw
+    if not isinstance(items, (list, tuple)) or not all(isinstance(o, str) for o in items):
+        raise ValueError(f"must be text or a list of texts, got {raw!r}")
+    return tuple(o.strip() for o in items if o.strip())
+
+
 def convert(name: str, raw: Any) -> Any:
     """The value of setting `name` from `raw` (text, as a flag or variable gives it, or a value of the right type
     already, as a Serve config's YAML does); a ValueError says what was wrong ("must be an integer, got 'abc'")."""
     kind = {f.name: f.type for f in fields(Settings)}[name]
     if name in ("cors_origins", "served_model_name"):
-        items = raw.split(",") if isinstance(raw, str) else raw
-        return tuple(str(o).strip() for o in items if str(o).strip())
+        return _texts(raw)
     if name == "sae":
-        items = raw.split(",") if isinstance(raw, str) else raw
-        saes = tuple(str(o).strip() for o in items if str(o).strip())
+        saes = _texts(raw)
         for spec in saes:
             if not re.fullmatch(r"[^=]+=.+", spec):
                 raise ValueError(f"must be ID=PATH (e.g. res8=./saes/blocks.8.hook_resid_pre), got {spec!r}")

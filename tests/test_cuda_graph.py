@@ -10,6 +10,7 @@ import torch
 
 from model.cuda_graph import buckets
 from model.generate import Completion, DecodeBatch, SamplingParams, new_sequence
+from model.interventions import Edit, EditSpec
 from model.loading import load_weights
 
 
@@ -66,6 +67,30 @@ def test_static_decode_equals_eager_on_cpu(tiny) -> None:
         assert a.token_ids == b.token_ids
         diffs = [abs(x.logprob - y.logprob) for x, y in zip(a.logprobs or [], b.logprobs or [], strict=True)]
         assert max(diffs) < 1e-4
+
+
+def test_static_decode_after_an_overflowing_sequence(tiny) -> None:
+    """The fixed-shape step reads every row's keys up to the cache's length, masked: keys a sequence's edits
+    made inf leave with it, so a plain sequence in its row, alone in the batch, decodes as in a fresh batch."""
+    model = load_weights(tiny.path, device="cpu")
+    inf_keys = EditSpec((Edit("blocks.0.attn.hook_k", "scale", factor=3e38, heads=(0,)),) * 2)
+
+    def plain_after(overflowing: bool) -> list[int]:
+        with torch.inference_mode():
+            batch = DecodeBatch(model, 2, 96, prefill_chunk=64, static=True)
+            if overflowing:
+                params = SamplingParams(max_new_tokens=3, temperature=0)
+                batch.add(new_sequence(model, 0, list(range(1000, 1060)), params, None, edits=inf_keys))
+                while len(batch):
+                    batch.step()
+            plain = new_sequence(model, 1, [15496, 995], SamplingParams(max_new_tokens=10, temperature=0), None)
+            batch.add(plain)
+            while len(batch):
+                batch.step()
+        assert plain.error is None, plain.error
+        return plain.tokens
+
+    assert plain_after(overflowing=True) == plain_after(overflowing=False)
 
 
 @cuda

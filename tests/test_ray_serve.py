@@ -354,6 +354,10 @@ def test_ray_autoscaling_is_exposed() -> None:
         ({"device": "cuda", "num_gpus": 0}, "device=cuda needs a GPU per replica: num_gpus must be above 0"),
         ({"min_replicas": 3, "max_replicas": 2}, "max_replicas (2) must be at least min_replicas (3)"),
         ({"max_replicas": 2, "replicas": 5}, "replicas (5) must be between min_replicas (1) and max_replicas (2)"),
+        ({"served_model_name": 2}, "served_model_name must be text or a list of texts, got 2"),
+        ({"served_model_name": ["a", None]}, "served_model_name must be text or a list of texts, got ['a', None]"),
+        ({"sae": None}, "sae must be text or a list of texts, got None"),
+        ({"cors_origins": {"a": 1}}, "cors_origins must be text or a list of texts"),
     ],
 )
 def test_ray_a_bad_argument_names_itself(args: dict[str, Any], says: str) -> None:

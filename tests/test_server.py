@@ -10,7 +10,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -636,6 +636,8 @@ def test_models_retrieve(client: TestClient, loaded: LoadedModel) -> None:
         ("stream", "yes"),
         # vLLM's fields that change the answer: refused, not ignored
         ("include_stop_str_in_output", True),
+        ("skip_special_tokens", True),
+        ("spaces_between_special_tokens", True),
         ("bad_words", ["Hello"]),
         ("response_format", {"type": "json_object"}),
         ("allowed_token_ids", [11]),
@@ -686,7 +688,8 @@ def test_completions_model_names(loaded: LoadedModel) -> None:
         assert card["id"] == loaded.name
         assert post_ok(client, CMPL, body | {"model": loaded.name})["model"] == loaded.name
         assert post_ok(client, CMPL, body)["model"] == loaded.name
-        for wrong in ("gpt-3.5-turbo-instruct", "gpt2", ""):
+        assert post_ok(client, CMPL, body | {"model": ""})["model"] == loaded.name  # as vLLM: the served model
+        for wrong in ("gpt-3.5-turbo-instruct", "gpt2", " "):
             for stream in (False, True):
                 r = client.post(CMPL, json=body | {"model": wrong, "stream": stream})
                 error = assert_error(r, 404, "model", "model_not_found")
@@ -718,18 +721,28 @@ def test_completions_empty_prompt_is_document_start(client: TestClient, loaded: 
     assert both["choices"][1]["text"].startswith(PROMPTS[0])
 
 
-def test_completions_tokens_as_ids(client: TestClient) -> None:
-    """vLLM's return_tokens_as_token_ids: logprobs' tokens and top_logprobs' keys as `token_id:N`."""
+def test_completions_tokens_as_ids(client: TestClient, loaded: LoadedModel) -> None:
+    """vLLM's return_tokens_as_token_ids: logprobs' tokens and top_logprobs' keys as `token_id:N`, N each
+    token's id (the prompt's, echoed, then the completion's), with the same log-probabilities."""
     body = {"prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0, "logprobs": 2, "echo": True}
-    named = post_ok(client, CMPL, body)["choices"][0]
-    as_ids = post_ok(client, CMPL, body | {"return_tokens_as_token_ids": True})["choices"][0]
-    assert as_ids["text"] == named["text"]
-    ids = [int(t.removeprefix("token_id:")) for t in as_ids["logprobs"]["tokens"]]
-    assert all(t.startswith("token_id:") for t in as_ids["logprobs"]["tokens"])
-    assert len(ids) == len(named["logprobs"]["tokens"])
-    assert as_ids["logprobs"]["token_logprobs"] == named["logprobs"]["token_logprobs"]
-    for top in as_ids["logprobs"]["top_logprobs"][1:]:
-        assert all(k.startswith("token_id:") for k in top)
+    named = post_ok(client, CMPL, body)["choices"][0]["logprobs"]
+    choice = post_ok(client, CMPL, body | {"return_tokens_as_token_ids": True})["choices"][0]
+    as_ids = choice["logprobs"]
+
+    def ids(names: Iterable[str]) -> list[int]:
+        assert all(re.fullmatch(r"token_id:\d+", n) for n in names), names
+        return [int(n.removeprefix("token_id:")) for n in names]
+
+    prompt = ids_of(loaded, PROMPTS[0])
+    assert ids(as_ids["tokens"]) == prompt + greedy(loaded, prompt, 3).token_ids
+    assert choice["text"] == PROMPTS[0] + greedy(loaded, prompt, 3).text
+    assert as_ids["token_logprobs"] == named["token_logprobs"]
+    text = loaded.tokenizer.token_text
+    for by_id, by_name in zip(as_ids["top_logprobs"][1:], named["top_logprobs"][1:], strict=True):
+        assert sorted(by_id.values()) == sorted(by_name.values())
+        for i, logprob in zip(ids(by_id), by_id.values(), strict=True):
+            if "\ufffd" not in text(i):  # a piece of a character is named by its bytes
+                assert by_name[text(i)] == logprob
 
 
 def test_chat_completions_is_not_served(client: TestClient) -> None:

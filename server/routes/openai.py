@@ -15,7 +15,6 @@ from fastapi.responses import Response
 
 from model.generate import Completion, GenerationError, TokenLogprob
 from model.loading import hub_repo
-from model.tokenizer import EOT_ID
 
 from ..engine import Engine, RequestStream
 from ..errors import APIError
@@ -74,10 +73,11 @@ def _model_card(engine: Engine, name: str) -> dict[str, Any]:
 async def completions(req: CompletionRequest, request: Request, engine: EngineDep, settings: SettingsDep) -> Response:
     req.check()
     names = served_names(engine, settings)
-    if req.model is not None:
+    if req.model:  # null or "": the served model, as vLLM takes them
         _check_model(req.model, names)
     # an empty or missing prompt is <|endoftext|>, as OpenAI reads it: "as from the beginning of a new document"
-    prompts = [ids or [EOT_ID] for ids in await openai_prompt_ids(engine, req.prompt or "")]
+    eot = engine.tokenizer.eot_id
+    prompts = [ids or [eot] for ids in await openai_prompt_ids(engine, req.prompt or "")]
     with _openai_names():
         sequences = req.sequences(prompts, engine.model.config.n_positions, settings.max_new_tokens)
         too_many_prompts = len(prompts) > engine.max_queue  # then no n could help
