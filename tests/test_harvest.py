@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -598,7 +599,6 @@ def test_a_failed_write_leaves_no_temporary_file(tmp_path: Path, monkeypatch: py
 
 def test_saelens_format_read_by_saelens(tiny, tokenizer_dir: Path, corpus, tmp_path: Path) -> None:
     import datasets
-    from sae_lens.training.activations_store import ActivationsStore
 
     source, docs = corpus
     out = tmp_path / "cache"
@@ -628,28 +628,36 @@ def test_saelens_format_read_by_saelens(tiny, tokenizer_dir: Path, corpus, tmp_p
         hf = tiny.hf(contexts, output_hidden_states=True)
     torch.testing.assert_close(rows["blocks.1.hook_resid_pre"], hf.hidden_states[1], atol=1e-4, rtol=1e-4)
 
-    store = ActivationsStore(  # SAELens' own reader of cached activations, as its training runner builds it
+    store = activations_store(out, "blocks.1.hook_resid_pre", 32, 64, len(contexts))
+    acts, token_ids = store.get_raw_llm_batch()
+    assert acts.shape == (4 * 32, 64)
+    torch.testing.assert_close(acts, hf.hidden_states[1][:4].reshape(-1, 64), atol=1e-4, rtol=1e-4)
+    assert token_ids is not None and torch.equal(token_ids.long(), contexts[:4].reshape(-1))
+
+
+def activations_store(path: Path, hook: str, context_size: int, d_in: int, n_contexts: int) -> Any:
+    """SAELens' own reader of the cached activations at `path`, as its training runner builds it: batches of 4
+    contexts (`get_raw_llm_batch`: [4 * context_size, d_in] and their token ids)."""
+    from sae_lens.training.activations_store import ActivationsStore
+
+    return ActivationsStore(
         model=None,  # type: ignore[arg-type]
         dataset=None,  # type: ignore[arg-type]
         streaming=False,
-        hook_name="blocks.1.hook_resid_pre",
+        hook_name=hook,
         hook_head_index=None,
-        context_size=32,
-        d_in=64,
+        context_size=context_size,
+        d_in=d_in,
         n_batches_in_buffer=2,
-        total_training_tokens=len(contexts) * 32,
+        total_training_tokens=n_contexts * context_size,
         store_batch_size_prompts=4,
         train_batch_size_tokens=64,
         prepend_bos=True,
         normalize_activations="none",
         device=torch.device("cpu"),
         dtype="float32",
-        cached_activations_path=str(out),
+        cached_activations_path=str(path),
     )
-    acts, token_ids = store.get_raw_llm_batch()
-    assert acts.shape == (4 * 32, 64)
-    torch.testing.assert_close(acts, hf.hidden_states[1][:4].reshape(-1, 64), atol=1e-4, rtol=1e-4)
-    assert token_ids is not None and torch.equal(token_ids.long(), contexts[:4].reshape(-1))
 
 
 # --- the command line --------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from inprocess import post_ok, serve
 from sae_files import write_sae
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file
+from test_harvest import activations_store
 
 from model.gpt import GPT
 from model.hooks import hook_names, is_optional
@@ -454,8 +455,6 @@ def test_harvested_sites_read_by_saelens_activations_store(
     """A harvest in SAELens' format at a site other than the residual stream (the MLP's d_mlp-wide activation,
     the final LayerNorm's output): SAELens' ActivationsStore reads, batch by batch, TransformerLens' values at
     that hook on the token ids it reads with them."""
-    from sae_lens.training.activations_store import ActivationsStore
-
     from model.harvest import harvest
 
     words = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "from", "home"]
@@ -479,24 +478,7 @@ def test_harvested_sites_read_by_saelens_activations_store(
     )
     n = manifest.n_contexts
     assert n is not None and n >= 8
-    store = ActivationsStore(  # as SAELens' training runner builds it over cached activations
-        model=None,
-        dataset=None,
-        streaming=False,
-        hook_name=hook,
-        hook_head_index=None,
-        context_size=context,
-        d_in=d_in,
-        n_batches_in_buffer=2,
-        total_training_tokens=n * context,
-        store_batch_size_prompts=4,
-        train_batch_size_tokens=32,
-        prepend_bos=True,
-        normalize_activations="none",
-        device=torch.device("cpu"),
-        dtype="float32",
-        cached_activations_path=str(out),
-    )
+    store = activations_store(out, hook, context, d_in, n)
     for _ in range(n // 4):
         acts, token_ids = store.get_raw_llm_batch()
         assert token_ids is not None
