@@ -382,7 +382,9 @@ def test_a_piece_at_a_time_equals_one_graph(
         (["ln_final.hook_scale"], Loss(), T, [3, 3, 1]),
         (["blocks.1.hook_resid_post"], Loss(), T - 1, [3, 3, 1]),  # no hook after the last block: only those
         (["blocks.1.hook_resid_post"], LogProb(2068, 5), 1, [1]),
-        (["logits"], LogProb(2068, 5), T, [T]),  # its output asked for: every row at once
+        (["logits"], LogProb(2068, 5), T, [3, 3, 2]),  # its output asked for: every row, in parts, each part's
+        (["unembed.hook_out", "logits"], Loss((3, 7)), T, [3, 3, 2]),  # gradient its rows of the whole's
+        (["logits", "blocks.1.hook_resid_post"], Loss(), T, [3, 3, 2]),
     ],
 )
 def test_a_gradient_in_the_head_runs_its_product_only_where_it_must(
@@ -396,8 +398,9 @@ def test_a_gradient_in_the_head_runs_its_product_only_where_it_must(
     """A gradient at a hook point after the last block runs the final LayerNorm over every row (its hooks see
     them all; without one, it runs over the metric's rows alone), but the LM head's product, the costly
     part, only at the rows the metric reads, in parts of `head_rows` (3 here), as for any other hook point:
-    the loss over 1,024 tokens of gpt2-small ran as one job of 1.3 s on 2 cores. Every row in one part
-    where the head's output is asked for or edited."""
+    the loss over 1,024 tokens of gpt2-small ran as one job of 1.3 s on 2 cores. Every row, in parts and in
+    order, where the head's output is asked for (a gradient there was one job forward, 0.5 s at 1,024 tokens,
+    and one back)."""
     monkeypatch.setattr(MetricPass, "head_rows", 3)
     normed: list[int] = []
     rows: list[int] = []
@@ -414,7 +417,9 @@ def test_a_gradient_in_the_head_runs_its_product_only_where_it_must(
     assert rows == product_rows
     value, want = one_graph(ours64, PROMPT, metric, names, None)
     assert got.metric == pytest.approx(value, rel=1e-12, abs=1e-12)
-    torch.testing.assert_close(got.grads[names[0]], want[names[0]], rtol=0, atol=1e-12)
+    assert set(got.grads) == set(names)
+    for name in names:
+        torch.testing.assert_close(got.grads[name], want[name], rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -468,15 +473,15 @@ def test_the_loss_in_parts_of_the_head_equals_transformers(
         (["blocks.0.hook_mlp_out"], 2),
         (["blocks.1.hook_resid_pre"], 1),
         (["ln_final.hook_normalized"], 0),  # the final LayerNorm goes back with the head's last part
-        (["logits"], 1),  # the whole head (hooked after its product) goes back in a job of its own
+        (["logits"], 0),  # hooked after its product: every row's, in parts, each back as it runs
     ],
 )
 def test_the_pieces_are_the_blocks_the_head_s_parts_and_the_blocks_back_to_the_first_wanted(
     ours64: GPT, monkeypatch: pytest.MonkeyPatch, names: list[str], back: int
 ) -> None:
     """Steps: each block forward (the first with the embeddings, the last with the final LayerNorm), each part
-    of the head (3 rows: the loss's 7 positions in 3 parts; every row in one where the head's output is
-    wanted, and back in another), then each block back down to
+    of the head (3 rows: the loss's 7 positions in 3 parts, or the 8 of every row where the head's output is
+    wanted), then each block back down to
     the first with a wanted hook point (the embeddings with block 0). The graphs start there: the blocks
     before it run without one."""
     monkeypatch.setattr(MetricPass, "head_rows", 3)
@@ -486,8 +491,7 @@ def test_the_pieces_are_the_blocks_the_head_s_parts_and_the_blocks_back_to_the_f
         while not run.done:
             run.step(ours64)
             steps += 1
-    parts = 1 if names == ["logits"] else 3
-    assert steps == 2 + parts + back
+    assert steps == 2 + 3 + back
     assert run.result().grads.keys() == set(names)
     with pytest.raises(AssertionError, match="over"):
         run.step(ours64)

@@ -242,9 +242,9 @@ class MetricPass:
     Forward: the embeddings with block 0, then each block (the last with the final LayerNorm over the rows
     the metric reads, or over every row where a hook point after the last block is asked for or edited, as
     in one pass), then the head's product over the rows the metric reads, `head_rows` at a time (over every
-    row, in order, where its output is edited or captured, `uses_the_logits`; the whole head over every row
-    at once where a hook there needs them so: a gradient at it, which is one value over every row, `also`
-    hooks that need the whole prompt, or any `mean` edit). Each piece
+    row, in order, where its output is edited, captured or differentiated at, `uses_the_logits`, each part's
+    gradient there its rows of the whole's; the whole head over every row at once where a hook there needs
+    them so: `also` hooks that need the whole prompt, or any `mean` edit). Each piece
     starts from a leaf of a graph of its own, and the graphs start at the first piece a wanted hook point is
     in (the pieces before it run without one, as in one pass). Backward: each part of the head as it runs
     (the last with the final LayerNorm; the whole head's way back, a job of its own), then each block, last
@@ -285,12 +285,10 @@ class MetricPass:
         # the final LayerNorm's rows: every row where a hook point after the last block is in use (its hooks
         # see them all, as in one pass), else the metric's. The head's parts: the metric's rows; where the
         # head's output is hooked, every row, in order (as a long prompt's chunks come), or in one part where
-        # a hook there needs them at once (a gradient, one value over every row; a `mean` edit)
+        # a hook there needs them at once (a `mean` edit, a capture of the whole prompt)
         at_logits = uses_the_logits(self._hooks)  # then `_normed` is every row too: the logits are head hooks
         self._whole_head = at_logits and (
-            any(self.capture.active(name) for name in LOGIT_HOOKS)
-            or (also is not None and needs_whole_prompt(also))
-            or (edits is not None and takes_whole_prompt(edits.edits))
+            (also is not None and needs_whole_prompt(also)) or (edits is not None and takes_whole_prompt(edits.edits))
         )
         self._normed = range(len(ids)) if uses_the_head(self._hooks) else self._read
         rows = self._normed if at_logits else self._read
@@ -305,6 +303,7 @@ class MetricPass:
         self._blocks = 0  # blocks run
         self._stages: list[_Stage] = []  # the pieces before the head with a graph, to go back through
         self._grad: torch.Tensor | None = None  # ∂metric/∂(the output of the next piece back); None: zero
+        self._head_grads: dict[str, torch.Tensor] = {}  # the gradient at the head's output, filled a part at a time
         self._value = 0.0
         self.grads: dict[str, torch.Tensor] = {}
 
@@ -369,10 +368,13 @@ class MetricPass:
     def _head_part(self, model: GPT, rows: range) -> None:
         """The head's product over `rows` of the normalised stream (with the hooks of its output, where they
         take the rows a part at a time), the metric's share of the logits of those of them it reads, and, at
-        once, the gradient back at those rows; or the whole head over every row, where a hook of its output
-        needs them at once, whose way back (through the product at every row) is then a job of its own."""
+        once, the gradient back at those rows (and at the head's output, where it is wanted: those rows of it);
+        or the whole head over every row, where a hook of its output needs them at once, whose way back (through
+        the product at every row) is then a job of its own."""
         assert self._x is not None
         at = slice(rows.start - self._normed.start, rows.stop - self._normed.start)  # those rows of `_x`
+        for name in LOGIT_HOOKS:  # each part's output is a value of its own
+            self.capture.values.pop(name, None)
         seen, inp = len(self.values), _leaf(self._x[:, at])
         if self._whole_head:  # [rows the metric reads, vocab]: its hooks see every row's
             logits = model.unembed(inp, self._hooks, slice(self._read.start, self._read.stop))[0]
@@ -382,14 +384,24 @@ class MetricPass:
             self._grad = None if self._head_stage is None else torch.ones_like(share)
         else:
             logits = model.head(inp, self._hooks)[0]  # [len(rows), vocab]
+            names = list(self.values)[seen:]  # the head's output, where its gradient is wanted
             read = range(max(rows.start, self._read.start), min(rows.stop, self._read.stop))  # a part may read none
             if read:
                 logits = logits[read.start - rows.start : read.stop - rows.start]
                 share = metric_share(self.metric, logits, self.targets, read)
                 self._value += float(share.detach())
-                grad = self._through(_Stage(inp, share, list(self.values)[seen:]), torch.ones_like(share), retain=False)
+                grad = self._through(_Stage(inp, share, names), torch.ones_like(share), retain=False)
                 if grad is not None and self._grad is not None:
                     self._grad[:, at] = grad
+            for name in names:  # its rows of the whole's [1, T, vocab] (0 where the metric reads none)
+                part = self.grads.pop(name, None)
+                if name not in self._head_grads:
+                    value = self.values[name]
+                    self._head_grads[name] = value.new_zeros(1, len(self._normed), value.shape[-1])
+                if part is not None:
+                    self._head_grads[name][:, at] = part
+            if not self._parts:
+                self.grads |= self._head_grads
         if not self._parts and not math.isfinite(self._value):  # refused before any block goes back
             raise MetricError(
                 f"{self.refusal.subject} is not finite ({self._value}): {self.refusal.consequence}", self._blamed
