@@ -312,3 +312,77 @@ def test_a_job_resumes_with_its_paths_spelled_otherwise(
     moved.write_text(source.read_text(encoding="utf-8").replace('"the ', '"a ', 1), encoding="utf-8")
     with pytest.raises(HarvestError, match=r"other arguments \(source: docs.jsonl gone, elsewhere.jsonl new\)"):
         harvest(str(tiny.path), moved, out, HOOKS, **options(tokenizer_dir))
+
+
+# --- what the shards hold ----------------------------------------------------------------------
+
+
+def test_a_listed_shard_of_other_text_is_computed_again(
+    tiny, tokenizer_dir: Path, source: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A listed shard whose token ids are not the contexts the source gives now (a file that changed while a
+    job read it, stopping it, and was put back: the shards made from the edited text stay listed) is computed
+    again on resume, so the folder ends as an uninterrupted run's. Before, the resume kept it."""
+    ref = tmp_path / "ref"
+    harvest(tiny.path, source, ref, HOOKS, **options(tokenizer_dir))
+    edited = tmp_path / "edited" / source.name  # the same documents but the third
+    lines = source.read_text(encoding="utf-8").splitlines(keepends=True)
+    edited.parent.mkdir()
+    edited.write_text("".join([*lines[:2], json.dumps({"text": "an edit"}) + "\n", *lines[3:]]), encoding="utf-8")
+    other = tmp_path / "other"
+    harvest(tiny.path, edited, other, HOOKS, **options(tokenizer_dir))
+    out = tmp_path / "acts"
+    shutil.copytree(ref, out)
+    saved = json.loads((out / MANIFEST).read_text())
+    theirs = json.loads((other / MANIFEST).read_text())["shards"]
+    changed = [r["file"] for r, o in zip(saved["shards"], theirs, strict=True) if r["sha256"] != o["sha256"]]
+    assert changed and len(changed) < len(saved["shards"])
+    for record in saved["shards"]:  # as the stopped job left them: listed, from the edited text
+        if record["file"] in changed:
+            shutil.copy(other / record["file"], out / record["file"])
+            record |= {"sha256": hashlib.sha256((out / record["file"]).read_bytes()).hexdigest()}
+    saved |= {"complete": False, "n_contexts": None, "n_tokens": None}
+    (out / MANIFEST).write_text(json.dumps(saved))
+    with caplog.at_level(logging.WARNING, logger="model.harvest.job"):
+        assert harvest(tiny.path, source, out, HOOKS, **options(tokenizer_dir)).complete
+    assert f"shard {changed[0]} holds other text" in caplog.text
+    assert tree_shas(out) == tree_shas(ref)
+
+
+def test_a_job_of_a_loaded_model_resumes_only_with_its_weights(
+    tiny, tiny_hub, tokenizer_dir: Path, source: Path, tmp_path: Path
+) -> None:
+    """`harvest(..., loaded=...)` has no weight files to identify: the model's tensors' sha256 stands for them,
+    so a job resumed with another model (same shape, other weights) is refused, and the same checkpoint loaded
+    again resumes it. Before, it mixed the two models' shards."""
+    from model.loading import load
+
+    def loaded(checkpoint: Any) -> Any:
+        return load(checkpoint.path, tokenizer_dir=tokenizer_dir, device="cpu", dtype="float32")
+
+    out = tmp_path / "acts"
+    harvest("tiny", source, out, HOOKS, loaded=loaded(tiny), **options(tokenizer_dir))
+    whole = tree_shas(out)
+    saved = json.loads((out / MANIFEST).read_text())
+    (out / MANIFEST).write_text(json.dumps(saved | {"complete": False, "shards": saved["shards"][:2]}))
+    with pytest.raises(HarvestError, match=r"weights: \(the loaded model's tensors\) changed"):
+        harvest("tiny", source, out, HOOKS, loaded=loaded(tiny_hub), **options(tokenizer_dir))
+    assert harvest("tiny", source, out, HOOKS, loaded=loaded(tiny), **options(tokenizer_dir)).complete
+    assert tree_shas(out) == whole
+
+
+def test_a_finished_saelens_folder_gets_its_dataset_files_back(
+    tiny, tokenizer_dir: Path, source: Path, tmp_path: Path
+) -> None:
+    """A finished job in SAELens' format run again writes `state.json` and `dataset_info.json` anew: a folder
+    whose copies were lost or damaged loads again. Before, it said the job was complete and the folder did
+    not load."""
+    datasets = pytest.importorskip("datasets", reason="datasets (the harvest extra) is not installed")
+    out = tmp_path / "cache"
+    n = harvest(tiny.path, source, out, HOOKS, **options(tokenizer_dir), format="saelens").n_contexts
+    whole = tree_shas(out)
+    (out / "state.json").unlink()
+    (out / "dataset_info.json").write_text("{", encoding="utf-8")
+    assert harvest(tiny.path, source, out, HOOKS, **options(tokenizer_dir), format="saelens").complete
+    assert tree_shas(out) == whole
+    assert len(datasets.load_from_disk(str(out))) == n

@@ -10,6 +10,7 @@ S contexts runs as ceil(S / batch_size) batches), so whichever process computes 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import queue
@@ -275,10 +276,39 @@ def write_shard_file(out_dir: Path, plan: Plan, index: int, first: int, rows: in
 def record_shard(manifest: Manifest, plan: Plan, record: ShardRecord) -> None:
     """Add a written shard to the manifest (and, in SAELens' format, to the dataset's own `state.json`)."""
     if plan.spec.format == "saelens":
-        files = sorted({manifest.shards[i].file for i in manifest.shards} | {record.file})
-        feats = saelens.features(plan.shapes, plan.spec.context_size, plan.dtype)
-        saelens.write_dataset_files(manifest.out_dir, files, feats)
+        write_dataset_files(manifest, plan, [*(manifest.shards[i].file for i in manifest.shards), record.file])
     manifest.add(record)
+
+
+def write_dataset_files(manifest: Manifest, plan: Plan, files: list[str] | None = None) -> None:
+    """SAELens' `state.json` and `dataset_info.json` for the shards `files` (None: those listed), which
+    `datasets.load_from_disk` reads: after each shard, and again when a finished job runs once more (a folder
+    whose copies were lost or damaged loads again)."""
+    listed = [manifest.shards[i].file for i in manifest.shards] if files is None else files
+    feats = saelens.features(plan.shapes, plan.spec.context_size, plan.dtype)
+    saelens.write_dataset_files(manifest.out_dir, sorted(listed), feats)
+
+
+def already_written(manifest: Manifest, plan: Plan, index: int, tokens: np.ndarray) -> bool:
+    """Whether shard `index` is listed and holds these contexts' token ids [rows, context]: one made from
+    other text (a file that changed while a job read it and was put back; a datasets folder whose files
+    were replaced under the same fingerprint) is unlisted, to be computed again from the text there now."""
+    record = manifest.shards.get(index)
+    if record is None:
+        return False
+    path = manifest.out_dir / record.file
+    if plan.spec.format == "saelens":
+        written = saelens.shard_token_ids(path)
+    else:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="np") as f:
+            written = f.get_tensor("token_ids")
+    if np.array_equal(written, tokens):
+        return True
+    log.warning("shard %s holds other text than the source gives now: computing it again", record.file)
+    manifest.drop(index)
+    return False
 
 
 class Progress(Protocol):
@@ -331,6 +361,20 @@ def files_identity(paths: list[Path]) -> list[dict[str, Any]]:
     return [{"name": p.name, "bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in paths]
 
 
+def tensors_identity(model: GPT) -> list[dict[str, Any]]:
+    """A model given loaded, which has no files to identify: the sha256 of its tensors (each one's name,
+    dtype, shape and bytes, in order), so that a job resumed with other weights is refused (as a job from
+    files is by theirs). The same checkpoint loaded with the same options gives the same identity."""
+    digest = hashlib.sha256()
+    size = 0
+    for name, tensor in model.state_dict().items():
+        raw = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}\n".encode())
+        digest.update(raw.data)
+        size += raw.nbytes
+    return [{"name": "(the loaded model's tensors)", "bytes": size, "sha256": digest.hexdigest()}]
+
+
 def load_model(spec: HarvestSpec) -> LoadedModel:
     try:
         return load_from(spec, decode_kernels=False)  # a harvest only prefills: W laid out for many rows
@@ -344,11 +388,11 @@ def open_job(
     """Plan the job and open (or resume) its output folder. `device`: the kind of device the workers compute
     on, where it is not this process's (None: `loaded`'s, or `spec.device` resolved here). The manifest
     holds the folder's lock: `close` it (or use it as a context manager) when the job ends."""
-    weights: list[dict[str, Any]] | None = None  # a model given loaded has no files to identify
-    tok_files: list[dict[str, Any]] | None = None
+    tok_files: list[dict[str, Any]] | None = None  # a tokenizer given loaded has no files to identify
     if loaded is not None:
         config, tokenizer, dtype = loaded.model.config, loaded.tokenizer, loaded.dtype
         name, revision, here = loaded.name, loaded.revision, loaded.device
+        weights = tensors_identity(loaded.model)
     else:
         try:
             here = resolve_device(spec.device)
@@ -382,6 +426,8 @@ def _run_here(
         progress.start(total, sum(r.rows for r in manifest.shards.values()) * T)
     if manifest.complete:
         log.info("%s: the harvest is complete already (%d shards)", manifest.out_dir, len(manifest.shards))
+        if spec.format == "saelens":
+            write_dataset_files(manifest, plan)
         if progress is not None:
             progress.close()
         return
@@ -391,7 +437,7 @@ def _run_here(
         on_batch = progress.advance if progress is not None else None
         for index, first, tokens in _prefetched(shard_tokens(plan, tokenizer)):
             n_contexts = first + len(tokens)
-            if index in manifest.shards:
+            if already_written(manifest, plan, index, tokens):
                 continue
             acts = compute_shard(lm.model, tokens, plan.names, spec.batch_size, on_batch)
             data = encode_shard(plan, acts, tokens)

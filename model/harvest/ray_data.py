@@ -27,12 +27,14 @@ from .job import (
     HarvestSpec,
     Plan,
     Progress,
+    already_written,
     compute_shard,
     encode_shard,
     load_model,
     open_job,
     record_shard,
     shard_tokens,
+    write_dataset_files,
     write_shard_file,
 )
 from .shards import Manifest, ShardRecord
@@ -107,6 +109,8 @@ def run_on_ray(
         try:
             if not manifest.complete:
                 _run(plan, manifest, tokenizer, address, actors, cpus_per_actor, gpus_per_actor, progress)
+            elif spec.format == "saelens":
+                write_dataset_files(manifest, plan)
         except BaseException:
             manifest.discard_if_empty()  # failed before its first shard: leave no folder to refuse a fix
             raise
@@ -131,7 +135,7 @@ def _run(
     n_contexts = 0
     for index, first, tokens in shard_tokens(plan, tokenizer):
         n_contexts = first + len(tokens)
-        if index not in manifest.shards:
+        if not already_written(manifest, plan, index, tokens):
             rows.append({"index": index, "first": first, "rows": len(tokens), "tokens": tokens.tobytes()})
     T = plan.spec.context_size
     if n_contexts == 0:

@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .errors import HarvestError
@@ -75,6 +76,16 @@ def shard_bytes(acts: dict[str, torch.Tensor], token_ids: torch.Tensor, feats: A
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
     return sink.getvalue().to_pybytes()
+
+
+def shard_token_ids(path: Path) -> np.ndarray:
+    """The token ids [rows, context] of one shard's Arrow file."""
+    import pyarrow as pa
+
+    with pa.memory_map(str(path)) as source:
+        table = pa.ipc.open_stream(source).read_all()
+    column = table.column("token_ids").combine_chunks()  # fixed-size lists of int32
+    return np.asarray(column.flatten()).reshape(len(table), -1)
 
 
 def write_dataset_files(out_dir: Path, files: list[str], feats: Any) -> None:

@@ -317,6 +317,11 @@ class Manifest:
         self.shards[record.index] = record
         self.save()
 
+    def drop(self, index: int) -> None:
+        """Unlist a shard that is to be computed again."""
+        del self.shards[index]
+        self.save()
+
     def finish(self, n_contexts: int) -> None:
         self.complete, self.n_contexts = True, n_contexts
         self.save()
