@@ -478,6 +478,26 @@ def test_a_job_failing_before_its_first_shard_leaves_no_folder(
     assert fixed.complete and fixed.n_contexts == 2
 
 
+def test_a_full_disk_at_the_first_write_leaves_no_folder(
+    tiny, tokenizer_dir: Path, corpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk full as the new folder's manifest is first written: the error, and the folders the job made
+    gone, as for any job that fails before its first shard (they stayed behind)."""
+    import errno
+
+    from model.harvest import shards
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shards.os, "fsync", full)
+    source, _ = corpus
+    deep = tmp_path / "a" / "b"
+    with pytest.raises(OSError, match="No space left"):
+        harvest(tiny.path, source, deep, ["blocks.0.hook_resid_pre"], tokenizer=str(tokenizer_dir), device="cpu")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize(
     ("field", "value", "says"),
     [

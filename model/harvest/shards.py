@@ -245,6 +245,9 @@ class Manifest:
                 if _leftover(stray):
                     stray.unlink()
         except BaseException:
+            if not (out / MANIFEST).is_file():  # its first write failed (a full disk, say): leave no folder made
+                manifest.new = True
+                manifest.discard_if_empty()
             manifest.close()
             raise
         return manifest
@@ -301,7 +304,7 @@ class Manifest:
             return
         try:
             names = [p.name for p in self.out_dir.iterdir() if not _leftover(p) and p.name != LOCK]
-            if names != [MANIFEST]:  # a shard written but not yet recorded: keep the manifest naming its job
+            if names not in ([MANIFEST], []):  # a shard written but not yet recorded: keep the manifest naming its job
                 return
             for p in self.out_dir.iterdir():
                 p.unlink()
