@@ -386,3 +386,38 @@ def test_a_finished_saelens_folder_gets_its_dataset_files_back(
     assert harvest(tiny.path, source, out, HOOKS, **options(tokenizer_dir), format="saelens").complete
     assert tree_shas(out) == whole
     assert len(datasets.load_from_disk(str(out))) == n
+
+
+def test_listed_shards_past_the_text_s_end_are_unlisted(
+    tiny, tokenizer_dir: Path, source: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Shards listed past the contexts the text gives now (made from a longer text: a file that grew while a
+    job read it and was put back) are unlisted before the job is marked complete: the manifest ends as an
+    uninterrupted run's. Before, they stayed listed in a finished job."""
+    ref = tmp_path / "ref"
+    opts = options(tokenizer_dir) | {"max_tokens": None}
+    harvest(tiny.path, source, ref, HOOKS, **opts)
+    longer = tmp_path / "longer" / source.name
+    longer.parent.mkdir()
+    longer.write_text(source.read_text(encoding="utf-8") * 2, encoding="utf-8")
+    out = tmp_path / "acts"
+    harvest(tiny.path, longer, out, HOOKS, **opts)
+    saved = json.loads((out / MANIFEST).read_text())
+    assert len(saved["shards"]) > len(json.loads((ref / MANIFEST).read_text())["shards"])
+    saved["job"]["source"] = json.loads((ref / MANIFEST).read_text())["job"]["source"]  # as the stopped job began
+    (out / MANIFEST).write_text(json.dumps(saved | {"complete": False, "n_contexts": None, "n_tokens": None}))
+    with caplog.at_level(logging.WARNING, logger="model.harvest.job"):
+        assert harvest(tiny.path, source, out, HOOKS, **opts).complete
+    assert "lie past the text's end now" in caplog.text
+    assert json.loads((out / MANIFEST).read_text()) == json.loads((ref / MANIFEST).read_text())
+
+
+def test_a_refused_folder_keeps_its_files(tmp_path: Path) -> None:
+    """A folder whose only entry is a `manifest.json` that is not a file (a dangling link) is refused, and
+    keeps it: only a manifest this job began writing is taken back."""
+    from model.harvest.shards import Manifest
+
+    (tmp_path / MANIFEST).symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises(HarvestError, match=r"not empty and holds no manifest\.json"):
+        Manifest.open(tmp_path, {"context_size": 4}, {})
+    assert (tmp_path / MANIFEST).is_symlink()

@@ -307,8 +307,26 @@ def already_written(manifest: Manifest, plan: Plan, index: int, tokens: np.ndarr
     if np.array_equal(written, tokens):
         return True
     log.warning("shard %s holds other text than the source gives now: computing it again", record.file)
-    manifest.drop(index)
+    unlist(manifest, plan, [index])
     return False
+
+
+def unlist(manifest: Manifest, plan: Plan, indices: list[int]) -> None:
+    """Unlist shards `indices` (of other text), in SAELens' format from its dataset files too."""
+    for index in indices:
+        manifest.drop(index)
+    if plan.spec.format == "saelens":
+        write_dataset_files(manifest, plan)
+
+
+def finish_job(manifest: Manifest, plan: Plan, n_shards: int, n_contexts: int) -> None:
+    """Mark the job complete, its text having given `n_shards` shards: listed shards past them (made from a
+    longer text, say a file edited while a job read it and then put back) are unlisted first."""
+    past = sorted(i for i in manifest.shards if i >= n_shards)
+    if past:
+        log.warning("%d listed shards lie past the text's end now: unlisted", len(past))
+        unlist(manifest, plan, past)
+    manifest.finish(n_contexts)
 
 
 class Progress(Protocol):
@@ -367,11 +385,14 @@ def tensors_identity(model: GPT) -> list[dict[str, Any]]:
     files is by theirs). The same checkpoint loaded with the same options gives the same identity."""
     digest = hashlib.sha256()
     size = 0
-    for name, tensor in model.state_dict().items():
-        raw = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}\n".encode())
-        digest.update(raw.data)
-        size += raw.nbytes
+    for prefix, module in model.named_modules():  # a module's own tensors at a time (int8's as float32)
+        own: dict[str, Any] = {}
+        module._save_to_state_dict(own, prefix + ".", keep_vars=False)
+        for name, tensor in own.items():
+            raw = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+            digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}\n".encode())
+            digest.update(raw.data)
+            size += raw.nbytes
     return [{"name": "(the loaded model's tensors)", "bytes": size, "sha256": digest.hexdigest()}]
 
 
@@ -431,12 +452,12 @@ def _run_here(
         if progress is not None:
             progress.close()
         return
-    n_contexts = 0
+    n_shards = n_contexts = 0
     try:
         lm = loaded if loaded is not None else load_model(spec)
         on_batch = progress.advance if progress is not None else None
         for index, first, tokens in _prefetched(shard_tokens(plan, tokenizer)):
-            n_contexts = first + len(tokens)
+            n_shards, n_contexts = index + 1, first + len(tokens)
             if already_written(manifest, plan, index, tokens):
                 continue
             acts = compute_shard(lm.model, tokens, plan.names, spec.batch_size, on_batch)
@@ -451,7 +472,7 @@ def _run_here(
     finally:
         if progress is not None:
             progress.close()
-    manifest.finish(n_contexts)
+    finish_job(manifest, plan, n_shards, n_contexts)
 
 
 def _prefetched(shards: Iterator[tuple[int, int, np.ndarray]]) -> Iterator[tuple[int, int, np.ndarray]]:

@@ -30,6 +30,7 @@ from .job import (
     already_written,
     compute_shard,
     encode_shard,
+    finish_job,
     load_model,
     open_job,
     record_shard,
@@ -132,9 +133,9 @@ def _run(
 ) -> None:
     ray = _ray()
     rows: list[dict[str, Any]] = []
-    n_contexts = 0
+    n_shards = n_contexts = 0
     for index, first, tokens in shard_tokens(plan, tokenizer):
-        n_contexts = first + len(tokens)
+        n_shards, n_contexts = index + 1, first + len(tokens)
         if not already_written(manifest, plan, index, tokens):
             rows.append({"index": index, "first": first, "rows": len(tokens), "tokens": tokens.tobytes()})
     T = plan.spec.context_size
@@ -174,7 +175,7 @@ def _run(
         finally:
             if not connected:
                 ray.shutdown()
-    manifest.finish(n_contexts)
+    finish_job(manifest, plan, n_shards, n_contexts)
 
 
 def _check_room(total: dict[str, float], cpus: float, gpus: float, local: bool) -> None:

@@ -237,16 +237,15 @@ class Manifest:
                         f"output folder {out} is not empty and holds no {MANIFEST} ({', '.join(others[:5])}"
                         f"{', ...' if len(others) > 5 else ''}): give an empty or new folder, or one a harvest wrote"
                     )
-                manifest.save()  # first, so that a folder with shards always says whose they are
                 manifest.new = True
+                manifest.save()  # first, so that a folder with shards always says whose they are
             else:
                 manifest._resume(path)
             for stray in out.iterdir():
                 if _leftover(stray):
                     stray.unlink()
         except BaseException:
-            if not (out / MANIFEST).is_file():  # its first write failed (a full disk, say): leave no folder made
-                manifest.new = True
+            if manifest.new and not (out / MANIFEST).is_file():  # its first write failed (a full disk, say)
                 manifest.discard_if_empty()
             manifest.close()
             raise

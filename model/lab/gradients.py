@@ -313,7 +313,8 @@ class MetricPass:
 
     @property
     def values(self) -> dict[str, torch.Tensor]:
-        """The values at the wanted hook points the run has reached, [1, T, ...]: nodes of its graph."""
+        """The values at the wanted hook points the run has reached, [1, T, ...]: nodes of its graph (at the
+        head's output, run a part at a time, its last part's rows)."""
         return self.capture.values
 
     def step(self, model: GPT) -> None:
