@@ -185,14 +185,12 @@ def convert(name: str, raw: Any) -> Any:
     """The value of setting `name` from `raw` (text, as a flag or variable gives it, or a value of the right type
     already, as a Serve config's YAML does); a ValueError says what was wrong ("must be an integer, got 'abc'")."""
     kind = {f.name: f.type for f in fields(Settings)}[name]
-    if name in ("cors_origins", "served_model_name"):
-        return _texts(raw)
-    if name == "sae":
-        saes = _texts(raw)
-        for spec in saes:
-            if not re.fullmatch(r"[^=]+=.+", spec):
-                raise ValueError(f"must be ID=PATH (e.g. res8=./saes/blocks.8.hook_resid_pre), got {spec!r}")
-        return saes
+    if kind == "tuple[str, ...]":  # a list setting: cors_origins, sae, served_model_name
+        items = _texts(raw)
+        bad = [spec for spec in items if not re.fullmatch(r"[^=]+=.+", spec)] if name == "sae" else []
+        if bad:
+            raise ValueError(f"must be ID=PATH (e.g. res8=./saes/blocks.8.hook_resid_pre), got {bad[0]!r}")
+        return items
     if kind in ("int", "int | None"):
         if isinstance(raw, bool) or not isinstance(raw, (int, str)):
             raise ValueError(f"must be an integer, got {raw!r}")
