@@ -19,13 +19,14 @@ import torch
 from .config import GPTConfig
 from .hooks import (
     Hooks,
+    as_vectors,
     describe_hook_names,
-    has_one_vector_per_position,
     is_attention_square,
     is_per_head,
     layer_of,
     match_hooks,
     needs_whole_prompt,
+    reads_as_one_vector,
 )
 from .hooks import site_shape as _site_shape
 from .lab import steering
@@ -249,9 +250,10 @@ class EditPlan:
 
     def _check_steering(self, t: _Target, where: str) -> None:
         e = t.edit
-        if not has_one_vector_per_position(t.name):
+        if not reads_as_one_vector(t.name):
             raise InterventionError(f"{where}: {e.op} applies to hooks with one vector per position (the residual "
-                                    f"stream, attn_out, mlp_out, mlp.hook_post, ...), not {t.name}")  # fmt: skip
+                                    f"stream, attn_out, mlp_out, mlp.hook_post, ..., and attn.hook_z, its heads "
+                                    f"read as one vector), not {t.name}")  # fmt: skip
         site = site_shape(t.name, self.config)
         if e.heads is not None:
             raise InterventionError(f"{where}: heads do not apply to {e.op}")
@@ -268,10 +270,10 @@ class EditPlan:
         d = e.direction
         if d is None:
             raise InterventionError(f"{where}: {e.op} needs a direction")
-        if tuple(d.shape) != site:
-            raise InterventionError(
-                f"{where}: direction of shape {list(d.shape)} does not fit {t.name}: give {list(site)}"
-            )
+        flat = (math.prod(site),)  # attn.hook_z: its heads as one vector, or [head, d_head] as it holds them
+        if tuple(d.shape) not in (flat, site):
+            shapes = f"{list(flat)}" + (f" or {list(site)}" if site != flat else "")
+            raise InterventionError(f"{where}: direction of shape {list(d.shape)} does not fit {t.name}: give {shapes}")
 
     def selected_site(self, t: _Target) -> tuple[int, ...]:
         site = site_shape(t.name, self.config)
@@ -348,7 +350,7 @@ class Interventions:
         elif e.op == "scale":
             new = region * float(e.factor or 0.0)
         elif e.op in STEERING_OPS:
-            new = _steered(e, region)
+            new = _steered(e, t.name, region)
         elif e.op == "mean":
             if t not in self._means:  # the first pass is the prompt's: its mean over positions is kept
                 self._means[t] = x.mean(dim=pos_dim, keepdim=True)
@@ -367,17 +369,21 @@ class Interventions:
         x[index] = new
 
 
-def _steered(e: Edit, x: torch.Tensor) -> torch.Tensor:
-    if e.op == "clamp":
+def _steered(e: Edit, name: str, x: torch.Tensor) -> torch.Tensor:
+    """A steering op on the values x [..., *site] at hook `name`, each position's read as one vector."""
+    if e.op == "clamp":  # the SAE reads the values at its hook as it was trained to
         assert e.sae is not None and e.feature is not None and e.factor is not None
         return steering.clamp(x, e.sae, e.feature, e.factor)
     assert e.direction is not None
-    direction = e.direction.to(x.device)
+    v = as_vectors(name, x)  # [..., d]: attn.hook_z's heads as one vector
+    direction = e.direction.to(x.device).reshape(v.shape[-1])
     if e.op == "steer":
-        return steering.steer(x, direction, float(e.factor or 0.0), e.norm_match)
-    if e.op == "orthogonal":
-        return steering.orthogonal(x, direction)
-    return steering.projection_cap(x, direction, float(e.factor or 0.0))
+        new = steering.steer(v, direction, float(e.factor or 0.0), e.norm_match)
+    elif e.op == "orthogonal":
+        new = steering.orthogonal(v, direction)
+    else:
+        new = steering.projection_cap(v, direction, float(e.factor or 0.0))
+    return new.reshape(x.shape)
 
 
 class ResidualAblation:

@@ -393,7 +393,7 @@ def test_job_errors(tiny, tokenizer_dir: Path, corpus, tmp_path: Path) -> None:
     with pytest.raises(HarvestError, match="unknown format 'hdf5'"):
         harvest(tiny.path, source, tmp_path / "a", ["blocks.0.hook_resid_pre"], format="hdf5", **tok)
     with pytest.raises(HarvestError, match="SAELens' cached format holds one \\[context, d_in\\] array per hook"):
-        harvest(tiny.path, source, tmp_path / "a", ["blocks.0.attn.hook_z"], format="saelens", **tok)
+        harvest(tiny.path, source, tmp_path / "a", ["blocks.0.attn.hook_pattern"], format="saelens", **tok)
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "mine.txt").write_text("keep me")

@@ -48,6 +48,8 @@ SAES: dict[str, tuple[str, dict[str, Any]]] = {  # id: (hook, write_sae's option
         "blocks.1.hook_resid_mid",
         {"d_sae": 128, "architecture": "jumprelu", "seed": 3, "apply_b_dec_to_input": False},
     ),
+    # an attention SAE: SAELens reads hook_z's heads [head, d_head] as one vector of 4 x 16
+    "z": ("blocks.0.attn.hook_z", {"d_sae": 128, "seed": 5, "reshape_activations": "hook_z"}),
 }
 RES = SAES["res"][0]
 
@@ -163,6 +165,47 @@ def test_steering_equals_transformer_lens_hooks(
     assert float((ours[0] - served(client, [])[0]).abs().max()) > 1e-2, "the edit should change the logits"
 
 
+def test_steering_at_hook_z_reads_its_heads_as_one_vector(
+    client: TestClient, tl: dict[str, Any], sae_dirs: dict[str, Path]
+) -> None:
+    """At attn.hook_z a position's heads [head, d_head] are one vector of n_head x d_head, head after head, as
+    SAELens' attention SAEs read them: an attention SAE feature's decoder row added at positions, with
+    norm_match, and the component along a direction removed or capped, each as the same change made by a
+    TransformerLens hook on [batch, pos, head, d_head]."""
+    hook = SAES["z"][0]
+    w_dec = load_file(sae_dirs["z"] / "sae_weights.safetensors")["W_dec"]  # [d_sae, 4 x 16]
+    v = torch.randn(64, generator=torch.Generator().manual_seed(7))
+    u = v / v.norm()
+    flat_projections = tl_value(tl["default"], hook).flatten(1) @ u
+    cap = float(flat_projections.median())
+
+    def on_vectors(fn: Callable[[torch.Tensor], torch.Tensor]) -> Hook:
+        return lambda z, hook: fn(z.flatten(-2)).view_as(z)
+
+    def steered_at(z: torch.Tensor, hook: Any) -> torch.Tensor:
+        z = z.clone()
+        z[:, [2, 5]] += 3.0 * w_dec[9].view(4, 16)
+        return z
+
+    def norm_matched(x: torch.Tensor) -> torch.Tensor:
+        y = x - 2.0 * w_dec[3]
+        return y * x.norm(dim=-1, keepdim=True) / y.norm(dim=-1, keepdim=True)
+
+    cases: list[tuple[dict[str, Any], Hook]] = [
+        ({"op": "steer", "scale": 3.0, "direction": {"sae": "z", "feature": 9}, "positions": [2, 5]}, steered_at),
+        ({"op": "steer", "scale": -2.0, "direction": {"sae": "z", "feature": 3}, "norm_match": True},
+         on_vectors(norm_matched)),
+        ({"op": "orthogonal", "direction": v.tolist()}, on_vectors(lambda x: x - (x @ u)[..., None] * u)),
+        ({"op": "projection_cap", "value": cap, "direction": v.tolist()},
+         on_vectors(lambda x: x - (x @ u - cap).clamp_min(0)[..., None] * u)),
+    ]  # fmt: skip
+    plain = served(client, [])[0]
+    for edit, fn in cases:
+        ours = served(client, [{"hook": hook, **edit}])
+        assert_same_run(ours, tl_run(tl["default"], [(hook, fn)]))
+        assert float((ours[0] - plain).abs().max()) > 1e-3, f"{edit['op']} should change the logits"
+
+
 @pytest.fixture(scope="module")
 def hooked_sae(tiny: Checkpoint, sae_lens: Any) -> Any:
     """SAELens' HookedSAETransformer with `tiny`'s weights."""
@@ -208,10 +251,11 @@ def test_feature_statistics_equal_saelens_on_transformer_lens_values(
     x - decode(encode(x)) from SAELens' SAE on TransformerLens' value at the SAE's hook."""
     hook, options = SAES[sae_id]
     theirs = sae_lens.SAE.load_from_disk(str(sae_dirs[sae_id])).eval()
-    x = tl_value(tl["default"], hook)
+    x = tl_value(tl["default"], hook)  # [T, d_in], or hook_z's [T, head, d_head]
     with torch.no_grad():
         f = theirs.encode(x)
-        error = x - theirs.decode(f)
+        error = (x - theirs.decode(f)).flatten(1)  # decode gives hook_z's shape back
+    x = x.flatten(1)
     body = post_ok(client, "/v1/features", {"input_ids": IDS, "sae": sae_id, "features": list(range(options["d_sae"]))})
     rows = body["features"]
     assert body["hook_name"] == hook and len(rows) == len(IDS)
@@ -448,13 +492,17 @@ def test_attribution_equals_transformer_lens_autograd_and_patching(
 # --- harvest ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("hook", "d_in"), [("blocks.0.mlp.hook_post", 256), ("ln_final.hook_normalized", 64)])
+@pytest.mark.parametrize(
+    ("hook", "d_in"),
+    [("blocks.0.mlp.hook_post", 256), ("ln_final.hook_normalized", 64), ("blocks.1.attn.hook_z", 4 * 16)],
+)
 def test_harvested_sites_read_by_saelens_activations_store(
     tiny: Checkpoint, tokenizer_dir: Path, tl: dict[str, Any], sae_lens: Any, tmp_path: Path, hook: str, d_in: int
 ) -> None:
     """A harvest in SAELens' format at a site other than the residual stream (the MLP's d_mlp-wide activation,
-    the final LayerNorm's output): SAELens' ActivationsStore reads, batch by batch, TransformerLens' values at
-    that hook on the token ids it reads with them."""
+    the final LayerNorm's output, attention's hook_z with its heads as one vector, as SAELens' attention SAEs
+    train on it): SAELens' ActivationsStore reads, batch by batch, TransformerLens' values at that hook on the
+    token ids it reads with them."""
     from model.harvest import harvest
 
     words = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "from", "home"]

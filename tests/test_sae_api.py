@@ -344,7 +344,7 @@ BAD = {
     ),
     "steer on a per-head hook": (
         "/v1/next-token",
-        {"interventions": [{"hook": "blocks.0.attn.hook_z", "op": "steer", "scale": 1.0, "direction": [1.0] * 16}]},
+        {"interventions": [{"hook": "blocks.0.attn.hook_q", "op": "steer", "scale": 1.0, "direction": [1.0] * 16}]},
         "interventions",
         "steer applies to hooks with one vector per position",
     ),
@@ -434,17 +434,30 @@ def test_an_sae_that_does_not_fit_the_model_ends_start_up(tiny: Checkpoint, toke
     app = create_app(Settings(sae=(f"s={scale}",)), loaded=loaded)
     with pytest.raises(SAEError, match=r"reads blocks\.0\.ln1\.hook_scale, which holds no vector"), TestClient(app):
         pass
-    # SAELens' attention SAEs flatten hook_z's heads (n_head x d_head): said to be what is not supported here
+    # SAELens' attention SAEs read hook_z's heads as one vector of n_head x d_head: one of d_head is not one
     config = loaded.model.config
-    z = write_sae(tmp_path / "z", hook="blocks.0.attn.hook_z", d_in=config.n_head * config.d_head, d_sae=8)
-    app = create_app(Settings(sae=(f"z={z}",)), loaded=loaded)
-    with pytest.raises(SAEError, match=r"attention SAEs read each position's heads flattened"), TestClient(app):
+    per_head = write_sae(tmp_path / "z", hook="blocks.0.attn.hook_z", d_in=config.d_head, d_sae=8)
+    app = create_app(Settings(sae=(f"z={per_head}",)), loaded=loaded)
+    message = r"reads vectors of 16, but blocks\.0\.attn\.hook_z holds \[4, 16\] \(its heads read as one vector\)"
+    with pytest.raises(SAEError, match=message), TestClient(app):
         pass
+    for hook in ("blocks.0.attn.hook_q", "blocks.0.attn.hook_result"):  # per-head sites SAELens' SAEs do not read
+        other = write_sae(tmp_path / hook, hook=hook, d_in=config.n_head * config.d_head, d_sae=8)
+        app = create_app(Settings(sae=(f"q={other}",)), loaded=loaded)
+        with pytest.raises(SAEError, match=r"a per-head value other than attn\.hook_z"), TestClient(app):
+            pass
     flat = write_sae(
         tmp_path / "flat", hook=RES, d_in=64, d_sae=8, reshape_activations="hook_z"
     )  # SAELens refuses it too
     app = create_app(Settings(sae=(f"f={flat}",)), loaded=loaded)
-    with pytest.raises(SAEError, match=r"reshape_activations 'hook_z' is not supported"), TestClient(app):
+    with (
+        pytest.raises(SAEError, match=r"reshape_activations hook_z is for SAEs of attn\.hook_z, not of "),
+        TestClient(app),
+    ):
+        pass
+    odd = write_sae(tmp_path / "odd", hook=RES, d_in=64, d_sae=8, reshape_activations="heads")
+    app = create_app(Settings(sae=(f"o={odd}",)), loaded=loaded)
+    with pytest.raises(SAEError, match=r"reshape_activations must be none or hook_z, got 'heads'"), TestClient(app):
         pass
     plain = write_sae(tmp_path / "plain", hook=RES, d_in=64, d_sae=8, reshape_activations="none")  # the default
     with TestClient(create_app(Settings(sae=(f"p={plain}",)), loaded=loaded)) as c:

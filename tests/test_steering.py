@@ -7,6 +7,8 @@ the same edit; each method's arithmetic is checked on the values it edits.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from sae_files import write_sae
@@ -14,7 +16,7 @@ from sae_files import write_sae
 from model.generate import SamplingParams, generate
 from model.gpt import GPT
 from model.hooks import Capture, run_with_cache
-from model.interventions import Edit, EditSpec, InterventionError
+from model.interventions import Edit, EditSpec, HookChain, InterventionError
 from model.lab import steering
 from model.lab.sae import SAE, load_sae
 from model.lab.steering import DirectionError, Directions, SteeringVector, contrastive_vector
@@ -134,7 +136,8 @@ def test_steered_generation_equals_one_forward_pass(tiny_model: GPT, sae: SAE) -
         (Edit(HOOK, "orthogonal", direction=torch.zeros(64)), "not zero"),
         (Edit(HOOK, "orthogonal", direction=torch.ones(0)), r"direction of shape \[0\] does not fit"),
         (Edit(HOOK, "projection_cap", factor=1.0, direction=torch.ones(0)), r"direction of shape \[0\]"),
-        (Edit("blocks.0.attn.hook_z", "steer", factor=1.0, direction=torch.ones(64)), "one vector per position"),
+        (Edit("blocks.0.attn.hook_v", "steer", factor=1.0, direction=torch.ones(64)), "one vector per position"),
+        (Edit("blocks.0.attn.hook_z", "steer", factor=1.0, direction=torch.ones(16)), r"give \[64\] or \[4, 16\]"),
         (Edit("blocks.0.attn.hook_pattern", "orthogonal", direction=torch.ones(64)), "one vector per position"),
         (Edit(HOOK, "projection_cap", direction=torch.ones(64)), "projection_cap needs a value"),
         (Edit(HOOK, "clamp", factor=1.0), "clamp needs an SAE and a feature"),
@@ -168,7 +171,7 @@ def test_clamp_only_at_the_saes_hook(tiny_model: GPT, sae: SAE) -> None:
         )
 
 
-@pytest.mark.parametrize("hook", ["blocks.0.attn.hook_pattern", "blocks.0.attn.hook_z", "blocks.0.ln1.hook_scale"])
+@pytest.mark.parametrize("hook", ["blocks.0.attn.hook_pattern", "blocks.0.attn.hook_k", "blocks.0.ln1.hook_scale"])
 def test_contrastive_vector_only_where_there_is_one_vector_per_position(tiny_model: GPT, hook: str) -> None:
     with pytest.raises(ValueError, match="not a hook with one vector per position"):
         contrastive_vector(tiny_model, [[1, 2]], [[3, 4]], hook, "last")
@@ -185,6 +188,40 @@ def test_contrastive_vector(tiny_model: GPT) -> None:
 
         torch.testing.assert_close(v.vector, mean(pos) - mean(neg))
         assert (v.hook, v.n_positive, v.n_negative) == (HOOK, 2, 3)
+
+
+def test_hook_z_is_read_as_one_vector_of_its_heads(tiny_model: GPT, tmp_path: Path) -> None:
+    """At attn.hook_z a position's heads [head, d_head] are one vector, head after head (SAELens' attention
+    SAEs' order): a direction given flat or as [head, d_head] steers alike, a steered z is the plain one
+    plus the direction, a contrastive vector there is the flattened difference of means, and a clamp of an
+    attention SAE's feature to its present value leaves the logits as they are."""
+    z = "blocks.0.attn.hook_z"
+    H, D = tiny_model.config.n_head, tiny_model.config.d_head
+    d = torch.randn(H * D, generator=torch.Generator().manual_seed(5))
+    plain = stream(tiny_model, IDS, z)  # [T, H, D]
+    flat = Edit(z, "steer", factor=2.0, direction=d, positions=(1, 4))
+    shaped = Edit(z, "steer", factor=2.0, direction=d.view(H, D), positions=(1, 4))
+    assert torch.equal(logits(tiny_model, IDS, flat), logits(tiny_model, IDS, shaped))
+    spec = EditSpec((flat,))
+    with torch.inference_mode():
+        capture = Capture([z])
+        tiny_model(torch.tensor([IDS]), hooks=HookChain(spec.hooks(tiny_model.config, len(IDS)), capture))
+    want = plain.clone()
+    want[[1, 4]] += 2.0 * d.view(H, D)
+    torch.testing.assert_close(capture.tensors()[z][0], want)
+    v = contrastive_vector(tiny_model, [[1, 2, 3]], [[4, 5]], z, "last")
+    torch.testing.assert_close(
+        v.vector, stream(tiny_model, [1, 2, 3], z)[-1].flatten() - stream(tiny_model, [4, 5], z)[-1].flatten()
+    )
+    attn_sae = load_sae(write_sae(tmp_path, hook=z, d_in=H * D, d_sae=32, seed=2, reshape_activations="hook_z"))
+    f = attn_sae.encode(attn_sae.read(plain))  # [T, 32]
+    active = int(f.sum(0).argmax())
+    p = int(f[:, active].argmax())
+    present = float(attn_sae.feature(attn_sae.read(plain[None, [p]]), active)[0, 0])  # as the edit computes it
+    clamp = Edit(z, "clamp", factor=present, sae=attn_sae, feature=active, positions=(p,))
+    assert torch.equal(logits(tiny_model, IDS, clamp), logits(tiny_model, IDS))
+    moved = Edit(z, "clamp", factor=present + 3.0, sae=attn_sae, feature=active, positions=(p,))
+    assert float((logits(tiny_model, IDS, moved) - logits(tiny_model, IDS)).abs().max()) > 1e-3
 
 
 def test_directions_store_is_bounded(sae: SAE) -> None:

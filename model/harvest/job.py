@@ -185,7 +185,12 @@ def make_plan(
     shapes: dict[str, list[int]] = {}
     for name in names:
         site = site_shape(name, config.n_head, config.d_head, config.d_mlp, config.vocab_size)
-        shapes[name] = [site[0], T, T] if is_attention_square(name) else [T, *site]
+        if is_attention_square(name):
+            shapes[name] = [site[0], T, T]
+        elif spec.format == "saelens":  # a per-head site's heads as one vector, as SAELens' ActivationsStore has them
+            shapes[name] = [T, math.prod(site)]
+        else:
+            shapes[name] = [T, *site]
     if spec.format == "saelens":
         saelens.check_hooks(shapes)
         saelens.stored_dtype(dtype)
@@ -257,7 +262,8 @@ def encode_shard(plan: Plan, acts: dict[str, torch.Tensor], tokens: np.ndarray) 
     token_ids = torch.from_numpy(tokens)
     if plan.spec.format == "saelens":
         feats = saelens.features(plan.shapes, plan.spec.context_size, plan.dtype)
-        return saelens.shard_bytes(acts, token_ids, feats)
+        flat = {name: t.reshape(len(t), *plan.shapes[name]) for name, t in acts.items()}  # per-head: heads as one
+        return saelens.shard_bytes(flat, token_ids, feats)
     from safetensors.torch import save
 
     tensors = {name: t.contiguous() for name, t in acts.items()} | {"token_ids": token_ids}

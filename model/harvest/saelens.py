@@ -51,7 +51,7 @@ def check_hooks(shapes: dict[str, list[int]]) -> None:
         listed = ", ".join(f"{n} [{', '.join(map(str, s))}]" for n, s in bad.items())
         raise HarvestError(
             f"SAELens' cached format holds one [context, d_in] array per hook; {listed} "
-            "is not of that shape: harvest them with --format safetensors"
+            "is not of that shape (an attention square): harvest them with --format safetensors"
         )
 
 

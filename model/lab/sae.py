@@ -34,6 +34,7 @@ from typing import Any, Literal, NamedTuple, TypeGuard, cast
 import torch
 
 from ..config import GPTConfig
+from ..hooks import as_vectors
 from ..hub import download, hub_errors
 from ..json_file import clip, read_json
 
@@ -163,11 +164,10 @@ class SAEConfig:
                 f"got {clip(d_in)} and {clip(d_sae)}"
             )
         reshape = field("reshape_activations")
-        if reshape not in (None, "none"):
-            raise SAEError(
-                f"{where}: reshape_activations {clip(reshape)} is not supported (SAELens gives it to SAEs of hook_z, "
-                "whose heads it flattens): only SAEs of one vector a position are"
-            )
+        if reshape not in (None, "none", "hook_z"):
+            raise SAEError(f"{where}: reshape_activations must be none or hook_z, got {clip(reshape)}")
+        if reshape == "hook_z" and not hook.endswith("attn.hook_z"):
+            raise SAEError(f"{where}: reshape_activations hook_z is for SAEs of attn.hook_z, not of {clip(hook)}")
         k = cfg.get("k")
         if k is None:
             k = _object(cfg, "activation_fn_kwargs", where).get("k")
@@ -258,8 +258,9 @@ class SAE:
 
     def read(self, x: torch.Tensor) -> torch.Tensor:
         """The SAE's input from our (unprocessed) model's value at its hook, float32 [..., d_in]: centred
-        over d_model when the SAE was trained on TransformerLens' centred residual stream."""
-        x = x.to(device=self.device, dtype=torch.float32)
+        over d_model when the SAE was trained on TransformerLens' centred residual stream; at `attn.hook_z`,
+        [..., head, d_head] with the heads flattened into one vector (`as_vectors`), as SAELens reads it."""
+        x = as_vectors(self.cfg.hook_name, x).to(device=self.device, dtype=torch.float32)
         return x - x.mean(dim=-1, keepdim=True) if self.centred else x
 
     @property
@@ -413,7 +414,7 @@ def _download(repo: str, folder: str, revision: str | None, where: str) -> SAE:
 def load_saes(specs: Sequence[str], config: GPTConfig, device: torch.device | str = "cpu") -> dict[str, SAE]:
     """The SAEs named `ID=PATH` (a directory, or a hub repo and path), each checked against the model: its
     hook must be one of the model's, with one vector of d_in numbers per position."""
-    from ..hooks import has_one_vector_per_position, hook_names, site_shape
+    from ..hooks import hook_names, reads_as_one_vector, site_shape
 
     saes: dict[str, SAE] = {}
     for spec in specs:
@@ -426,19 +427,17 @@ def load_saes(specs: Sequence[str], config: GPTConfig, device: torch.device | st
         hook = sae.cfg.hook_name
         if hook not in hook_names(config.n_layer):
             raise SAEError(f"SAE {sae_id!r} ({source}) reads {clip(hook)}, which this model does not have")
-        if hook.endswith("attn.hook_z"):
-            raise SAEError(
-                f"SAE {sae_id!r} ({source}) reads {hook}: SAELens' attention SAEs read each position's heads "
-                "flattened into one vector of n_head x d_head, which this server does not support"
-            )
-        if not has_one_vector_per_position(hook):  # an attention square's site shape reads as [head]
+        if not reads_as_one_vector(hook):  # an attention square's site shape reads as [head]
             raise SAEError(
                 f"SAE {sae_id!r} ({source}) reads {hook}, which holds no vector a position (an attention square, "
-                "a per-head value or a LayerNorm's scale)"
+                "a per-head value other than attn.hook_z, or a LayerNorm's scale)"
             )
         site = site_shape(hook, config.n_head, config.d_head, config.d_mlp, config.vocab_size)
-        if site != (sae.cfg.d_in,):
-            raise SAEError(f"SAE {sae_id!r} ({source}) reads vectors of {sae.cfg.d_in}, but {hook} holds {list(site)}")
+        if math.prod(site) != sae.cfg.d_in:
+            heads = " (its heads read as one vector)" if len(site) > 1 else ""
+            raise SAEError(
+                f"SAE {sae_id!r} ({source}) reads vectors of {sae.cfg.d_in}, but {hook} holds {list(site)}{heads}"
+            )
         saes[sae_id] = sae
     return saes
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
-from ..hooks import CapturePass, has_one_vector_per_position
+from ..hooks import CapturePass, as_vectors, reads_as_one_vector
 from .sae import SAE
 
 if TYPE_CHECKING:
@@ -78,7 +78,8 @@ def clamp(x: torch.Tensor, sae: SAE, feature: int, value: float) -> torch.Tensor
     """Feature `feature` of `sae` set to `value`: encode, set, decode, and add back the SAE's error term
     (x - x̂), which is x + decode(f') - decode(f). decode is linear in f (its bias and the un-normalisation's
     shift cancel), so that is x + (value - f_i) times the feature's decoder row, un-normalised: only the
-    feature's own activation is needed (exactly x when it is `value` already)."""
+    feature's own activation is needed (exactly x when it is `value` already). x: the values at the SAE's
+    hook, [..., *site] (at `attn.hook_z`, [..., head, d_head], which the SAE reads as one vector)."""
     x_in = sae.read(x)  # [..., d_in] float32
     norm = sae.norm_stats(x_in)
     change = value - sae.feature(x_in, feature)  # [...]
@@ -88,7 +89,7 @@ def clamp(x: torch.Tensor, sae: SAE, feature: int, value: float) -> torch.Tensor
     delta = change[..., None] * row  # [..., d_in]
     if norm is not None:
         delta = delta * norm.scale_out
-    return x + delta.to(device=x.device, dtype=x.dtype)
+    return x + delta.reshape(x.shape).to(device=x.device, dtype=x.dtype)
 
 
 def _unit(direction: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -244,14 +245,15 @@ def contrastive_vector(
     hook: str,
     reduce: Reduce,
 ) -> SteeringVector:
-    """mean over `positive` prompts - mean over `negative` prompts of the value at `hook` (a d_model site),
-    each prompt's taken at its last position or averaged over its positions (float32)."""
+    """mean over `positive` prompts - mean over `negative` prompts of the value at `hook` (a site of one vector
+    a position, `reads_as_one_vector`), each prompt's taken at its last position or averaged over its
+    positions (float32)."""
     values = [[prompt_value(model, ids, hook, reduce) for ids in side] for side in (positive, negative)]
     return contrast(hook, values[0], values[1])
 
 
 def prompt_value(model: GPT, ids: Sequence[int], hook: str, reduce: Reduce) -> torch.Tensor:
-    """One prompt's value at `hook` (a d_model site) for a contrastive vector, [d] float32 on the CPU: at
+    """One prompt's value at `hook` (one vector a position) for a contrastive vector, [d] float32 on the CPU: at
     its last position, or averaged over its positions. A forward pass of its own, ended at the hook
     (`prompt_pass`, its pieces one after another; the server runs each piece as an engine job)."""
     run = prompt_pass(model.config, ids, hook)
@@ -262,14 +264,14 @@ def prompt_value(model: GPT, ids: Sequence[int], hook: str, reduce: Reduce) -> t
 
 def prompt_pass(config: GPTConfig, ids: Sequence[int], hook: str) -> CapturePass:
     """`prompt_value`'s pass over one prompt, ended at `hook`, not run yet."""
-    if not has_one_vector_per_position(hook):
+    if not reads_as_one_vector(hook):
         raise ValueError(f"{hook} is not a hook with one vector per position: no steering vector to measure there")
     return CapturePass(config, list(ids), [hook])
 
 
 def prompt_reduced(run: CapturePass, hook: str, reduce: Reduce) -> torch.Tensor:
     """The value `prompt_pass` took at `hook`, reduced as `prompt_value` gives it."""
-    x = run.tensors()[hook][0].to(torch.float32)  # [T, d]
+    x = as_vectors(hook, run.tensors()[hook][0]).to(torch.float32)  # [T, d]: attn.hook_z's heads as one vector
     return (x[-1] if reduce == "last" else x.mean(0)).cpu()
 
 

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from model.generate import GenerationError, validate_prompt
-from model.hooks import has_one_vector_per_position, hook_names
+from model.hooks import hook_names, reads_as_one_vector
 from model.lab.sae import SAE, FeatureReading, TokenFeatures, load_saes, token_features
 from model.lab.steering import (
     DirectionError,
@@ -108,7 +108,7 @@ class FeatureReader:
         return self.sae.cfg.hook_name
 
     def read(self, x: torch.Tensor) -> list[TokenFeatures]:
-        """Per position of `x` [T, d_in], the model's values at the SAE's hook."""
+        """Per position of `x` [T, *site], the model's values at the SAE's hook."""
         return token_features(self.sae, x, self.top_k, self.ids)
 
     def json(self, x: torch.Tensor) -> list[dict[str, Any]]:
@@ -189,7 +189,7 @@ async def features(
     await hold.reserve(size, request, reader.held())  # held until the answer is sent
     (completion,) = await results(engine.submit(prompts, [params], [sae.cfg.hook_name], edits), request)
     assert completion.activations is not None
-    x = completion.activations[sae.cfg.hook_name][0]  # [T, d_in]
+    x = completion.activations[sae.cfg.hook_name][0]  # [T, *site]: the SAE reads each position as [d_in]
     if not bool(x.isfinite().all()):
         raise GenerationError(
             f"the edits drove {sae.cfg.hook_name} to inf or NaN: no features to read", "interventions"
@@ -248,10 +248,11 @@ async def steering_vectors(
 ) -> dict[str, Any]:
     req.check()
     config = engine.model.config
-    if req.hook not in hook_names(config.n_layer) or not has_one_vector_per_position(req.hook):
+    if req.hook not in hook_names(config.n_layer) or not reads_as_one_vector(req.hook):
         raise GenerationError(
             f"hook {req.hook!r} is not a hook with one vector per position of this model (for example "
-            f"blocks.{config.n_layer // 2}.hook_resid_pre, hook_resid_post, hook_attn_out, hook_mlp_out)",
+            f"blocks.{config.n_layer // 2}.hook_resid_pre, hook_resid_post, hook_attn_out, hook_mlp_out, or "
+            "attn.hook_z, its heads read as one vector)",
             "hook",
         )
     sides = [await _prompts(engine, getattr(req, side), side) for side in ("positive", "negative")]
