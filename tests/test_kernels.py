@@ -406,6 +406,32 @@ def test_a_cached_build_loads_where_none_can_be_made(
     ]
 
 
+@needs_kernels
+def test_a_cut_short_build_in_the_cache_is_built_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A library in the cache cut short (it would load, then end the process with SIGBUS) is not loaded: it
+    is built again, with a warning; where nothing can be built, the build is refused as not there."""
+    monkeypatch.setenv("GPT2_KERNEL_CACHE", str(tmp_path))
+    path = kernels.build(isa="avx2")
+    whole = path.read_bytes()
+    assert kernels.whole_elf(path)
+    for cut in (0, 3, 63, 64, len(whole) // 3, len(whole) - 1):
+        path.write_bytes(whole[:cut])
+        assert not kernels.whole_elf(path), cut
+    path.write_bytes(b"not a library at all, but long enough to hold an ELF header of 64 bytes......")
+    assert not kernels.whole_elf(path)
+    path.write_bytes(whole[: len(whole) // 2])
+    with caplog.at_level("WARNING", logger="model.kernels"):
+        assert kernels.build(isa="avx2") == path
+    assert "is cut short or damaged: building it again" in caplog.text
+    assert kernels.whole_elf(path) and path.stat().st_size >= len(whole) * 0.9
+    path.write_bytes(whole[: len(whole) // 2])
+    monkeypatch.setattr(kernels, "_compiler", lambda: None)
+    with pytest.raises(kernels.NoBuilds, match="no C\\+\\+ compiler found"):
+        kernels.build(isa="avx2")
+
+
 def test_build_failure_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPT2_KERNEL_CACHE", str(tmp_path))
     with pytest.raises(RuntimeError, match="failed"):

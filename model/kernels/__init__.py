@@ -32,6 +32,7 @@ import logging
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import tempfile
 from functools import cache
@@ -103,7 +104,9 @@ def build(compiler: str | None = None, isa: str | None = None) -> Path:
     isa = isa or cpu_isa()
     path = library_path(isa)
     if compiler is None and path.is_file():
-        return path
+        if whole_elf(path):
+            return path
+        log.warning("the kernel library %s is cut short or damaged: building it again", path)
     compiler = compiler or _compiler()
     if compiler is None:
         raise NoBuilds("no C++ compiler found (tried $CXX, c++, g++, clang++)")
@@ -128,6 +131,32 @@ def build(compiler: str | None = None, isa: str | None = None) -> Path:
             raise RuntimeError(f"{compiler} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
         os.replace(out, path)
     return path
+
+
+def whole_elf(path: Path) -> bool:
+    """Whether `path` holds a whole 64-bit little-endian ELF file: its header, its program and section header
+    tables and every loadable segment's bytes inside the file. A library cut short (a disk that filled while a
+    cache was copied, a damaged image) would load through ctypes and then kill the process with SIGBUS at
+    the first page of it that is not there."""
+    try:
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(64)
+            if len(head) < 64 or head[:4] != b"\x7fELF" or head[4:6] != b"\x02\x01":  # ELFCLASS64, little-endian
+                return False
+            phoff, shoff = struct.unpack_from("<QQ", head, 0x20)
+            phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", head, 0x36)
+            if phentsize < 56 or phoff + phnum * phentsize > size or shoff + shnum * shentsize > size:
+                return False
+            f.seek(phoff)
+            table = f.read(phnum * phentsize)
+    except OSError:
+        return False
+    for i in range(phnum):  # Elf64_Phdr: p_type, p_flags, p_offset, p_vaddr, p_paddr, p_filesz, ...
+        p_type, _, offset, _, _, filesz = struct.unpack_from("<IIQQQQ", table, i * phentsize)
+        if p_type == 1 and offset + filesz > size:  # PT_LOAD
+            return False
+    return True
 
 
 @cache
