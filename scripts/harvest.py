@@ -82,6 +82,10 @@ class BarProgress:
         if self.bar is not None:
             self.bar.update(tokens)
 
+    def retract(self, tokens: int) -> None:
+        if self.bar is not None:
+            self.bar.update(-tokens)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
@@ -107,6 +111,9 @@ class LineProgress:
         self.new += tokens
         if time.monotonic() - self.last >= self.every:
             self.report()
+
+    def retract(self, tokens: int) -> None:
+        self.done -= tokens
 
     def report(self) -> None:
         self.last = time.monotonic()

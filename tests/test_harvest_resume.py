@@ -147,6 +147,9 @@ class SecondJob:
                 self.start_second()
             self.refused = str(e.value)
 
+    def retract(self, tokens: int) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -317,6 +320,25 @@ def test_a_job_resumes_with_its_paths_spelled_otherwise(
 # --- what the shards hold ----------------------------------------------------------------------
 
 
+class Counted:
+    """A progress that adds up what it is told, as a bar shows it: at the end, the finished job's tokens."""
+
+    def __init__(self) -> None:
+        self.done = 0
+
+    def start(self, total_tokens: int | None, done_tokens: int) -> None:
+        self.done = done_tokens
+
+    def advance(self, tokens: int) -> None:
+        self.done += tokens
+
+    def retract(self, tokens: int) -> None:
+        self.done -= tokens
+
+    def close(self) -> None:
+        pass
+
+
 def test_a_listed_shard_of_other_text_is_computed_again(
     tiny, tokenizer_dir: Path, source: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -343,10 +365,13 @@ def test_a_listed_shard_of_other_text_is_computed_again(
             record |= {"sha256": hashlib.sha256((out / record["file"]).read_bytes()).hexdigest()}
     saved |= {"complete": False, "n_contexts": None, "n_tokens": None}
     (out / MANIFEST).write_text(json.dumps(saved))
+    counted = Counted()
     with caplog.at_level(logging.WARNING, logger="model.harvest.job"):
-        assert harvest(tiny.path, source, out, HOOKS, **options(tokenizer_dir)).complete
+        manifest = harvest(tiny.path, source, out, HOOKS, progress=counted, **options(tokenizer_dir))
+    assert manifest.complete
     assert f"shard {changed[0]} holds other text" in caplog.text
     assert tree_shas(out) == tree_shas(ref)
+    assert counted.done == manifest.n_contexts * 16  # a shard computed again is counted once
 
 
 def test_a_job_of_a_loaded_model_resumes_only_with_its_weights(
@@ -406,9 +431,12 @@ def test_listed_shards_past_the_text_s_end_are_unlisted(
     assert len(saved["shards"]) > len(json.loads((ref / MANIFEST).read_text())["shards"])
     saved["job"]["source"] = json.loads((ref / MANIFEST).read_text())["job"]["source"]  # as the stopped job began
     (out / MANIFEST).write_text(json.dumps(saved | {"complete": False, "n_contexts": None, "n_tokens": None}))
+    counted = Counted()
     with caplog.at_level(logging.WARNING, logger="model.harvest.job"):
-        assert harvest(tiny.path, source, out, HOOKS, **opts).complete
+        manifest = harvest(tiny.path, source, out, HOOKS, progress=counted, **opts)
+    assert manifest.complete
     assert "lie past the text's end now" in caplog.text
+    assert counted.done == manifest.n_contexts * 16  # the shards unlisted are not counted
     assert json.loads((out / MANIFEST).read_text()) == json.loads((ref / MANIFEST).read_text())
 
 

@@ -295,10 +295,13 @@ def write_dataset_files(manifest: Manifest, plan: Plan, files: list[str] | None 
     saelens.write_dataset_files(manifest.out_dir, sorted(listed), feats)
 
 
-def already_written(manifest: Manifest, plan: Plan, index: int, tokens: np.ndarray) -> bool:
+def already_written(
+    manifest: Manifest, plan: Plan, index: int, tokens: np.ndarray, progress: Progress | None = None
+) -> bool:
     """Whether shard `index` is listed and holds these contexts' token ids [rows, context]: one made from
     other text (a file that changed while a job read it and was put back; a datasets folder whose files
-    were replaced under the same fingerprint) is unlisted, to be computed again from the text there now."""
+    were replaced under the same fingerprint) is unlisted, to be computed again from the text there now
+    (and taken back from `progress`, which counted it as done)."""
     record = manifest.shards.get(index)
     if record is None:
         return False
@@ -313,25 +316,30 @@ def already_written(manifest: Manifest, plan: Plan, index: int, tokens: np.ndarr
     if np.array_equal(written, tokens):
         return True
     log.warning("shard %s holds other text than the source gives now: computing it again", record.file)
-    unlist(manifest, plan, [index])
+    unlist(manifest, plan, [index], progress)
     return False
 
 
-def unlist(manifest: Manifest, plan: Plan, indices: list[int]) -> None:
-    """Unlist shards `indices` (of other text), in SAELens' format from its dataset files too."""
+def unlist(manifest: Manifest, plan: Plan, indices: list[int], progress: Progress | None) -> None:
+    """Unlist shards `indices` (of other text), in SAELens' format from its dataset files too; `progress`,
+    which started counting them as done, takes their tokens back."""
     for index in indices:
+        if progress is not None:
+            progress.retract(manifest.shards[index].rows * plan.spec.context_size)
         manifest.drop(index)
     if plan.spec.format == "saelens":
         write_dataset_files(manifest, plan)
 
 
-def finish_job(manifest: Manifest, plan: Plan, n_shards: int, n_contexts: int) -> None:
+def finish_job(
+    manifest: Manifest, plan: Plan, n_shards: int, n_contexts: int, progress: Progress | None = None
+) -> None:
     """Mark the job complete, its text having given `n_shards` shards: listed shards past them (made from a
     longer text, say a file edited while a job read it and then put back) are unlisted first."""
     past = sorted(i for i in manifest.shards if i >= n_shards)
     if past:
         log.warning("%d listed shards lie past the text's end now: unlisted", len(past))
-        unlist(manifest, plan, past)
+        unlist(manifest, plan, past, progress)
     manifest.finish(n_contexts)
 
 
@@ -341,6 +349,10 @@ class Progress(Protocol):
     def start(self, total_tokens: int | None, done_tokens: int) -> None: ...
 
     def advance(self, tokens: int) -> None: ...
+
+    def retract(self, tokens: int) -> None:
+        """Tokens `start` counted as done that are not: a listed shard found to hold other text, or to lie
+        past the text's end, unlisted (to be computed again)."""
 
     def close(self) -> None: ...
 
@@ -464,7 +476,7 @@ def _run_here(
         on_batch = progress.advance if progress is not None else None
         for index, first, tokens in _prefetched(shard_tokens(plan, tokenizer)):
             n_shards, n_contexts = index + 1, first + len(tokens)
-            if already_written(manifest, plan, index, tokens):
+            if already_written(manifest, plan, index, tokens, progress):
                 continue
             acts = compute_shard(lm.model, tokens, plan.names, spec.batch_size, on_batch)
             data = encode_shard(plan, acts, tokens)
@@ -478,7 +490,7 @@ def _run_here(
     finally:
         if progress is not None:
             progress.close()
-    finish_job(manifest, plan, n_shards, n_contexts)
+    finish_job(manifest, plan, n_shards, n_contexts, progress)
 
 
 def _prefetched(shards: Iterator[tuple[int, int, np.ndarray]]) -> Iterator[tuple[int, int, np.ndarray]]:

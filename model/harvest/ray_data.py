@@ -136,7 +136,7 @@ def _run(
     n_shards = n_contexts = 0
     for index, first, tokens in shard_tokens(plan, tokenizer):
         n_shards, n_contexts = index + 1, first + len(tokens)
-        if not already_written(manifest, plan, index, tokens):
+        if not already_written(manifest, plan, index, tokens, progress):
             rows.append({"index": index, "first": first, "rows": len(tokens), "tokens": tokens.tobytes()})
     T = plan.spec.context_size
     if n_contexts == 0:
@@ -175,7 +175,7 @@ def _run(
         finally:
             if not connected:
                 ray.shutdown()
-    finish_job(manifest, plan, n_shards, n_contexts)
+    finish_job(manifest, plan, n_shards, n_contexts, progress)
 
 
 def _check_room(total: dict[str, float], cpus: float, gpus: float, local: bool) -> None:
