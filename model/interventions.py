@@ -80,6 +80,7 @@ class Edit:
     norm_match: bool = False  # steer
     sae: SAE | None = None  # clamp
     feature: int | None = None  # clamp
+    origin: str | None = None  # where `direction` was measured (a stored vector's hook, an SAE's), if known
 
 
 def site_shape(name: str, config: GPTConfig) -> tuple[int, ...]:
@@ -270,9 +271,14 @@ class EditPlan:
         d = e.direction
         if d is None:
             raise InterventionError(f"{where}: {e.op} needs a direction")
+        if e.origin is not None and _heads_basis(e.origin) != _heads_basis(t.name):
+            raise InterventionError(
+                f"{where}: the direction was measured at {e.origin}, so it does not apply at {t.name}: at attn.hook_z "
+                "a vector holds the heads' values before the output projection, elsewhere the residual stream's"
+            )
         flat = (math.prod(site),)  # attn.hook_z: its heads as one vector, or [head, d_head] as it holds them
         if tuple(d.shape) not in (flat, site):
-            shapes = f"{list(flat)}" + (f" or {list(site)}" if site != flat else "")
+            shapes = f"{list(flat)}" + (f" (in Python also {list(site)})" if site != flat else "")
             raise InterventionError(f"{where}: direction of shape {list(d.shape)} does not fit {t.name}: give {shapes}")
 
     def selected_site(self, t: _Target) -> tuple[int, ...]:
@@ -367,6 +373,12 @@ class Interventions:
             allowed = torch.arange(x.shape[3], device=x.device) <= (pos + start)[:, None]  # [P, k]
             new = torch.where(allowed, new, region)
         x[index] = new
+
+
+def _heads_basis(name: str) -> bool:
+    """Whether a vector at hook `name` holds attention heads' values (attn.hook_z, as `as_vectors` reads it):
+    of n_head x d_head = d_model numbers, like the residual stream's, but in other coordinates."""
+    return name.endswith("attn.hook_z")
 
 
 def _steered(e: Edit, name: str, x: torch.Tensor) -> torch.Tensor:

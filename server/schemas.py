@@ -160,24 +160,26 @@ class InterventionSpec(Strict):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise DirectionError(f"{where}.value must be a finite number for {self.op}, got {v!r}", "interventions")
             number = float(v)
-        sae, feature, direction = None, None, None
+        sae, feature, direction, origin = None, None, None, None
         if self.op == "clamp":
             if self.sae is None or self.feature is None:
                 raise DirectionError(f"{where}: clamp needs sae and feature", "interventions")
             sae, feature = directions.feature(self.sae, self.feature, f"{where}.feature")
         elif isinstance(self.direction, FeatureDirection):
             found, n = directions.feature(self.direction.sae, self.direction.feature, f"{where}.direction")
-            direction = found.direction(n).cpu()
+            direction, origin = found.direction(n).cpu(), found.cfg.hook_name
         elif isinstance(self.direction, NamedVector):
-            direction = directions.vector(self.direction.vector, f"{where}.direction").vector
+            stored = directions.vector(self.direction.vector, f"{where}.direction")
+            direction, origin = stored.vector, stored.hook
         elif self.direction is not None:
             if not all(math.isfinite(v) for v in self.direction):
                 raise DirectionError(f"{where}.direction holds numbers that are not finite", "interventions")
             direction = torch.tensor(self.direction, dtype=torch.float32)
         else:
             raise DirectionError(f"{where}: {self.op} needs a direction", "interventions")
-        return Edit(self.hook, self.op, number, None, _tuple(self.layers), _tuple(self.heads), _tuple(self.positions),
-                    direction=direction, norm_match=self.norm_match, sae=sae, feature=feature)  # fmt: skip
+        where_ = (_tuple(self.layers), _tuple(self.heads), _tuple(self.positions))
+        return Edit(self.hook, self.op, number, None, *where_, direction=direction, norm_match=self.norm_match,
+                    sae=sae, feature=feature, origin=origin)  # fmt: skip
 
 
 class ResidualSpec(Strict):

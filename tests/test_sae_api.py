@@ -32,6 +32,7 @@ from server.settings import Settings
 IDS = [464, 3797, 3332, 319, 262, 2603, 780, 340]  # "The cat sat on the mat because it"
 RES = "blocks.1.hook_resid_pre"
 MLP = "blocks.0.hook_mlp_out"
+Z = "blocks.0.attn.hook_z"
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +41,7 @@ def sae_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
         "res1": write_sae(root / "res1", hook=RES, d_in=64, d_sae=256, seed=1),
         "mlp0": write_sae(root / "mlp0", hook=MLP, d_in=64, d_sae=128, architecture="topk", k=8, seed=2),
+        "z0": write_sae(root / "z0", hook=Z, d_in=64, d_sae=64, seed=4, reshape_activations="hook_z"),
     }
 
 
@@ -603,3 +605,31 @@ def test_feature_readings_are_bounded_like_dumps(tiny: Checkpoint, tokenizer_dir
         r = c.post("/v1/generate", json=gen)
         assert r.status_code == 413 and r.json()["error"]["param"] == "features.top_k", r.text
         assert post(c, "/v1/generate", gen | {"max_new_tokens": 0})["choices"][0]["features"]
+
+
+def test_a_direction_from_hook_z_applies_at_hook_z_alone(client: TestClient) -> None:
+    """A vector at attn.hook_z holds the heads' values before the output projection: as long as a residual
+    stream's (n_head x d_head = d_model) but in other coordinates. So an attention SAE's decoder row or a
+    vector measured at hook_z is refused at the residual stream, and a residual SAE's row at hook_z (a 400
+    naming interventions; the server serves on); at their own kind of site they apply, and numbers given as
+    they are apply wherever they fit."""
+    body = {"positive": [[1, 2, 3]], "negative": [[4, 5]], "hook": Z, "name": "joy"}  # "joy": replaced if stored
+    assert len(post(client, "/v1/steering-vectors", body)["vector"]) == 64
+    refused = [
+        ({"sae": "z0", "feature": 3}, RES, Z),
+        ({"vector": "joy"}, RES, Z),
+        ({"sae": "res1", "feature": 3}, "blocks.1.attn.hook_z", RES),
+    ]
+    for direction, hook, origin in refused:
+        edit = {"hook": hook, "op": "steer", "scale": 2.0, "direction": direction}
+        r = client.post("/v1/next-token", json={"input_ids": IDS[:4], "interventions": [edit]})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "interventions"
+        assert f"the direction was measured at {origin}, so it does not apply at {hook}" in error["message"]
+    plain = post(client, "/v1/next-token", {"input_ids": IDS[:4]})
+    for direction, hook in (({"sae": "z0", "feature": 3}, "blocks.*.attn.hook_z"), ({"vector": "joy"}, Z),
+                            ([0.5] * 64, RES), ([0.5] * 64, Z)):  # fmt: skip
+        edit = {"hook": hook, "op": "steer", "scale": 4.0, "direction": direction}
+        steered = post(client, "/v1/next-token", {"input_ids": IDS[:4], "interventions": [edit]})
+        assert steered["top"] != plain["top"], (direction, hook)

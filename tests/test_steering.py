@@ -137,7 +137,10 @@ def test_steered_generation_equals_one_forward_pass(tiny_model: GPT, sae: SAE) -
         (Edit(HOOK, "orthogonal", direction=torch.ones(0)), r"direction of shape \[0\] does not fit"),
         (Edit(HOOK, "projection_cap", factor=1.0, direction=torch.ones(0)), r"direction of shape \[0\]"),
         (Edit("blocks.0.attn.hook_v", "steer", factor=1.0, direction=torch.ones(64)), "one vector per position"),
-        (Edit("blocks.0.attn.hook_z", "steer", factor=1.0, direction=torch.ones(16)), r"give \[64\] or \[4, 16\]"),
+        (
+            Edit("blocks.0.attn.hook_z", "steer", factor=1.0, direction=torch.ones(16)),
+            r"give \[64\] \(in Python also \[4, 16\]\)",
+        ),
         (Edit("blocks.0.attn.hook_pattern", "orthogonal", direction=torch.ones(64)), "one vector per position"),
         (Edit(HOOK, "projection_cap", direction=torch.ones(64)), "projection_cap needs a value"),
         (Edit(HOOK, "clamp", factor=1.0), "clamp needs an SAE and a feature"),
@@ -215,6 +218,7 @@ def test_hook_z_is_read_as_one_vector_of_its_heads(tiny_model: GPT, tmp_path: Pa
     )
     attn_sae = load_sae(write_sae(tmp_path, hook=z, d_in=H * D, d_sae=32, seed=2, reshape_activations="hook_z"))
     f = attn_sae.encode(attn_sae.read(plain))  # [T, 32]
+    assert torch.equal(attn_sae.read(plain.flatten(1)), attn_sae.read(plain))  # rows flattened already (a harvest's)
     active = int(f.sum(0).argmax())
     p = int(f[:, active].argmax())
     present = float(attn_sae.feature(attn_sae.read(plain[None, [p]]), active)[0, 0])  # as the edit computes it

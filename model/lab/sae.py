@@ -259,8 +259,12 @@ class SAE:
     def read(self, x: torch.Tensor) -> torch.Tensor:
         """The SAE's input from our (unprocessed) model's value at its hook, float32 [..., d_in]: centred
         over d_model when the SAE was trained on TransformerLens' centred residual stream; at `attn.hook_z`,
-        [..., head, d_head] with the heads flattened into one vector (`as_vectors`), as SAELens reads it."""
-        x = as_vectors(self.cfg.hook_name, x).to(device=self.device, dtype=torch.float32)
+        [..., head, d_head] with the heads flattened into one vector (`as_vectors`), as SAELens reads it, or
+        rows flattened so already, [..., d_in] (a harvest's in SAELens' format; d_head is never d_in where
+        there are several heads)."""
+        if x.shape[-1] != self.cfg.d_in:
+            x = as_vectors(self.cfg.hook_name, x)
+        x = x.to(device=self.device, dtype=torch.float32)
         return x - x.mean(dim=-1, keepdim=True) if self.centred else x
 
     @property
@@ -458,8 +462,8 @@ class TokenFeatures:
 
 
 def token_features(sae: SAE, x: torch.Tensor, top_k: int | None, ids: list[int] | None) -> list[TokenFeatures]:
-    """Per position of `x` [T, d_in] (the model's values at the SAE's hook), its features: the `top_k`
-    largest (positive ones only) or the values of feature `ids`."""
+    """Per position of `x` [T, *site] (the model's values at the SAE's hook; what `SAE.read` takes), its
+    features: the `top_k` largest (positive ones only) or the values of feature `ids`."""
     x_in = sae.read(x)  # [T, d_in]
     f, x_hat = sae.reconstruct(x_in)  # [T, d_sae], [T, d_in]
     err = _norm(x_in - x_hat)  # [T]: ‖x - x̂‖
@@ -490,7 +494,7 @@ def _norm(v: torch.Tensor) -> torch.Tensor:
 
 
 class FeatureReading:
-    """`token_features` of x [T, d_in] a part at a time, `positions` positions a `step` (the server runs each as
+    """`token_features` of x [T, *site] a part at a time, `positions` positions a `step` (the server runs each as
     an engine job, decode steps going on between them: at 1,024 tokens, res-jb's 24,576 features are 77 GFLOP
     of encoding and decoding, most of a second of a 2-core CPU in one job). Each position's reading is its
     own, so the parts give the whole's, to the rounding of the SAE's products over fewer rows."""
