@@ -223,18 +223,23 @@ def has_one_vector_per_position(name: str) -> bool:
     return not (is_attention_square(name) or is_per_head(name) or name.endswith("hook_scale"))
 
 
+def is_hook_z(name: str) -> bool:
+    """`blocks.L.attn.hook_z`: the heads' values [head, d_head] a position, before the output projection."""
+    return name.endswith("attn.hook_z")
+
+
 def reads_as_one_vector(name: str) -> bool:
     """Hooks that steering, SAEs and steering vectors read as one vector per position: those that hold one
     (`has_one_vector_per_position`), and `attn.hook_z`, whose heads' values [head, d_head] they read as one
     vector of n_head x d_head numbers, head after head, as SAELens reads it for its attention SAEs (Kissane
     et al. 2024, "Interpreting Attention Layer Outputs with Sparse Autoencoders")."""
-    return has_one_vector_per_position(name) or name.endswith("attn.hook_z")
+    return has_one_vector_per_position(name) or is_hook_z(name)
 
 
 def as_vectors(name: str, x: torch.Tensor) -> torch.Tensor:
     """Values x [..., *site] at hook `name` (`reads_as_one_vector`) as one vector each, [..., d]: at
     `attn.hook_z` the heads flattened, [..., head, d_head] -> [..., head x d_head] (a view where x allows)."""
-    return x.flatten(-2) if name.endswith("attn.hook_z") else x
+    return x.flatten(-2) if is_hook_z(name) else x
 
 
 _SITES = frozenset(site for site, _ in _BLOCK_SITES)

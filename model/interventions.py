@@ -22,6 +22,7 @@ from .hooks import (
     as_vectors,
     describe_hook_names,
     is_attention_square,
+    is_hook_z,
     is_per_head,
     layer_of,
     match_hooks,
@@ -271,10 +272,11 @@ class EditPlan:
         d = e.direction
         if d is None:
             raise InterventionError(f"{where}: {e.op} needs a direction")
-        if e.origin is not None and _heads_basis(e.origin) != _heads_basis(t.name):
+        if e.origin is not None and e.origin != t.name and (is_hook_z(e.origin) or is_hook_z(t.name)):
             raise InterventionError(
-                f"{where}: the direction was measured at {e.origin}, so it does not apply at {t.name}: at attn.hook_z "
-                "a vector holds the heads' values before the output projection, elsewhere the residual stream's"
+                f"{where}: the direction was measured at {e.origin}, so it does not apply at {t.name}: a vector of "
+                "attn.hook_z holds its layer's heads' values before that layer's output projection, in coordinates "
+                "of its own (the residual stream's are shared by every layer)"
             )
         flat = (math.prod(site),)  # attn.hook_z: its heads as one vector, or [head, d_head] as it holds them
         if tuple(d.shape) not in (flat, site):
@@ -373,12 +375,6 @@ class Interventions:
             allowed = torch.arange(x.shape[3], device=x.device) <= (pos + start)[:, None]  # [P, k]
             new = torch.where(allowed, new, region)
         x[index] = new
-
-
-def _heads_basis(name: str) -> bool:
-    """Whether a vector at hook `name` holds attention heads' values (attn.hook_z, as `as_vectors` reads it):
-    of n_head x d_head = d_model numbers, like the residual stream's, but in other coordinates."""
-    return name.endswith("attn.hook_z")
 
 
 def _steered(e: Edit, name: str, x: torch.Tensor) -> torch.Tensor:

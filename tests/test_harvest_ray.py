@@ -40,9 +40,6 @@ class SecondJob:
             except HarvestError as e:
                 self.refused = str(e)
 
-    def retract(self, tokens: int) -> None:
-        pass
-
     def close(self) -> None:
         pass
 

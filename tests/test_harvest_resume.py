@@ -147,9 +147,6 @@ class SecondJob:
                 self.start_second()
             self.refused = str(e.value)
 
-    def retract(self, tokens: int) -> None:
-        pass
-
     def close(self) -> None:
         pass
 
@@ -321,22 +318,25 @@ def test_a_job_resumes_with_its_paths_spelled_otherwise(
 
 
 class Counted:
-    """A progress that adds up what it is told, as a bar shows it: at the end, the finished job's tokens."""
+    """A progress that adds up what it is told until it is closed, as a bar shows it (tqdm ignores what
+    comes after `close`): at the end, the finished job's tokens."""
 
     def __init__(self) -> None:
-        self.done = 0
+        self.done, self.closed = 0, False
 
     def start(self, total_tokens: int | None, done_tokens: int) -> None:
         self.done = done_tokens
 
     def advance(self, tokens: int) -> None:
+        assert not self.closed, "advanced after close"
         self.done += tokens
 
     def retract(self, tokens: int) -> None:
+        assert not self.closed, "retracted after close"
         self.done -= tokens
 
     def close(self) -> None:
-        pass
+        self.closed = True
 
 
 def test_a_listed_shard_of_other_text_is_computed_again(

@@ -607,17 +607,19 @@ def test_feature_readings_are_bounded_like_dumps(tiny: Checkpoint, tokenizer_dir
         assert post(c, "/v1/generate", gen | {"max_new_tokens": 0})["choices"][0]["features"]
 
 
-def test_a_direction_from_hook_z_applies_at_hook_z_alone(client: TestClient) -> None:
-    """A vector at attn.hook_z holds the heads' values before the output projection: as long as a residual
-    stream's (n_head x d_head = d_model) but in other coordinates. So an attention SAE's decoder row or a
-    vector measured at hook_z is refused at the residual stream, and a residual SAE's row at hook_z (a 400
-    naming interventions; the server serves on); at their own kind of site they apply, and numbers given as
-    they are apply wherever they fit."""
+def test_a_direction_from_hook_z_applies_at_its_own_hook_alone(client: TestClient) -> None:
+    """A vector at attn.hook_z holds its layer's heads' values before that layer's output projection: as long
+    as a residual stream's (n_head x d_head = d_model) but in coordinates of its own. So an attention SAE's
+    decoder row or a vector measured at hook_z is refused at the residual stream and at another layer's
+    hook_z (a glob reaching one too), and a residual SAE's row at hook_z (a 400 naming interventions; the
+    server serves on); at their own hook they apply, and numbers given as they are apply wherever they fit."""
     body = {"positive": [[1, 2, 3]], "negative": [[4, 5]], "hook": Z, "name": "joy"}  # "joy": replaced if stored
     assert len(post(client, "/v1/steering-vectors", body)["vector"]) == 64
     refused = [
         ({"sae": "z0", "feature": 3}, RES, Z),
         ({"vector": "joy"}, RES, Z),
+        ({"vector": "joy"}, "blocks.1.attn.hook_z", Z),
+        ({"sae": "z0", "feature": 3}, "blocks.*.attn.hook_z", Z),
         ({"sae": "res1", "feature": 3}, "blocks.1.attn.hook_z", RES),
     ]
     for direction, hook, origin in refused:
@@ -626,9 +628,10 @@ def test_a_direction_from_hook_z_applies_at_hook_z_alone(client: TestClient) -> 
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["param"] == "interventions"
-        assert f"the direction was measured at {origin}, so it does not apply at {hook}" in error["message"]
+        at = "blocks.1.attn.hook_z" if "*" in hook else hook
+        assert f"the direction was measured at {origin}, so it does not apply at {at}" in error["message"]
     plain = post(client, "/v1/next-token", {"input_ids": IDS[:4]})
-    for direction, hook in (({"sae": "z0", "feature": 3}, "blocks.*.attn.hook_z"), ({"vector": "joy"}, Z),
+    for direction, hook in (({"sae": "z0", "feature": 3}, Z), ({"vector": "joy"}, Z),
                             ([0.5] * 64, RES), ([0.5] * 64, Z)):  # fmt: skip
         edit = {"hook": hook, "op": "steer", "scale": 4.0, "direction": direction}
         steered = post(client, "/v1/next-token", {"input_ids": IDS[:4], "interventions": [edit]})

@@ -323,9 +323,10 @@ def already_written(
 def unlist(manifest: Manifest, plan: Plan, indices: list[int], progress: Progress | None) -> None:
     """Unlist shards `indices` (of other text), in SAELens' format from its dataset files too; `progress`,
     which started counting them as done, takes their tokens back."""
+    retract = getattr(progress, "retract", None)  # a progress of a caller's own may not have it
     for index in indices:
-        if progress is not None:
-            progress.retract(manifest.shards[index].rows * plan.spec.context_size)
+        if retract is not None:
+            retract(manifest.shards[index].rows * plan.spec.context_size)
         manifest.drop(index)
     if plan.spec.format == "saelens":
         write_dataset_files(manifest, plan)
@@ -352,7 +353,8 @@ class Progress(Protocol):
 
     def retract(self, tokens: int) -> None:
         """Tokens `start` counted as done that are not: a listed shard found to hold other text, or to lie
-        past the text's end, unlisted (to be computed again)."""
+        past the text's end, unlisted (to be computed again). Before `close`; optional (a progress without it
+        keeps counting them)."""
 
     def close(self) -> None: ...
 
@@ -484,13 +486,13 @@ def _run_here(
             log.info("wrote shard %d (%d contexts) to %s", index, len(tokens), manifest.out_dir)
         if n_contexts == 0:
             raise HarvestError(f"{spec.source} holds fewer than {T} tokens: not one whole context of {T}")
+        finish_job(manifest, plan, n_shards, n_contexts, progress)  # before the bar closes: it may take shards back
     except BaseException:
         manifest.discard_if_empty()  # a job that failed before its first shard leaves no folder to refuse a fix
         raise
     finally:
         if progress is not None:
             progress.close()
-    finish_job(manifest, plan, n_shards, n_contexts, progress)
 
 
 def _prefetched(shards: Iterator[tuple[int, int, np.ndarray]]) -> Iterator[tuple[int, int, np.ndarray]]:

@@ -106,7 +106,7 @@ def build(compiler: str | None = None, isa: str | None = None) -> Path:
     if compiler is None and path.is_file():
         if whole_elf(path):
             return path
-        log.warning("the kernel library %s is cut short or damaged: building it again", path)
+        log.warning("the kernel library %s is cut short, damaged or unreadable: building it again", path)
     compiler = compiler or _compiler()
     if compiler is None:
         raise NoBuilds("no C++ compiler found (tried $CXX, c++, g++, clang++)")
@@ -151,6 +151,8 @@ def whole_elf(path: Path) -> bool:
             f.seek(phoff)
             table = f.read(phnum * phentsize)
     except OSError:
+        return False
+    if len(table) < phnum * phentsize:  # cut while it was read
         return False
     for i in range(phnum):  # Elf64_Phdr: p_type, p_flags, p_offset, p_vaddr, p_paddr, p_filesz, ...
         p_type, _, offset, _, _, filesz = struct.unpack_from("<IIQQQQ", table, i * phentsize)

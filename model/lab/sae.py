@@ -34,7 +34,7 @@ from typing import Any, Literal, NamedTuple, TypeGuard, cast
 import torch
 
 from ..config import GPTConfig
-from ..hooks import as_vectors
+from ..hooks import as_vectors, is_hook_z
 from ..hub import download, hub_errors
 from ..json_file import clip, read_json
 
@@ -166,7 +166,7 @@ class SAEConfig:
         reshape = field("reshape_activations")
         if reshape not in (None, "none", "hook_z"):
             raise SAEError(f"{where}: reshape_activations must be none or hook_z, got {clip(reshape)}")
-        if reshape == "hook_z" and not hook.endswith("attn.hook_z"):
+        if reshape == "hook_z" and not is_hook_z(hook):
             raise SAEError(f"{where}: reshape_activations hook_z is for SAEs of attn.hook_z, not of {clip(hook)}")
         k = cfg.get("k")
         if k is None:
@@ -259,12 +259,9 @@ class SAE:
     def read(self, x: torch.Tensor) -> torch.Tensor:
         """The SAE's input from our (unprocessed) model's value at its hook, float32 [..., d_in]: centred
         over d_model when the SAE was trained on TransformerLens' centred residual stream; at `attn.hook_z`,
-        [..., head, d_head] with the heads flattened into one vector (`as_vectors`), as SAELens reads it, or
-        rows flattened so already, [..., d_in] (a harvest's in SAELens' format; d_head is never d_in where
-        there are several heads)."""
-        if x.shape[-1] != self.cfg.d_in:
-            x = as_vectors(self.cfg.hook_name, x)
-        x = x.to(device=self.device, dtype=torch.float32)
+        [..., head, d_head] with the heads flattened into one vector (`as_vectors`), as SAELens reads it.
+        (Rows that are one vector already, as a harvest in SAELens' format stores them, go to `encode`.)"""
+        x = as_vectors(self.cfg.hook_name, x).to(device=self.device, dtype=torch.float32)
         return x - x.mean(dim=-1, keepdim=True) if self.centred else x
 
     @property
