@@ -34,7 +34,7 @@ from typing import Any, Literal, NamedTuple, TypeGuard, cast
 import torch
 
 from ..config import GPTConfig
-from ..hooks import as_vectors, is_hook_z
+from ..hooks import as_vectors, hook_names, is_hook_z, reads_as_one_vector, site_shape
 from ..hub import download, hub_errors
 from ..json_file import clip, read_json
 
@@ -415,8 +415,6 @@ def _download(repo: str, folder: str, revision: str | None, where: str) -> SAE:
 def load_saes(specs: Sequence[str], config: GPTConfig, device: torch.device | str = "cpu") -> dict[str, SAE]:
     """The SAEs named `ID=PATH` (a directory, or a hub repo and path), each checked against the model: its
     hook must be one of the model's, with one vector of d_in numbers per position."""
-    from ..hooks import hook_names, reads_as_one_vector, site_shape
-
     saes: dict[str, SAE] = {}
     for spec in specs:
         sae_id, sep, source = spec.partition("=")
