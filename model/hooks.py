@@ -216,13 +216,6 @@ def is_per_head(name: str) -> bool:
     return name.endswith(_PER_HEAD)
 
 
-def has_one_vector_per_position(name: str) -> bool:
-    """Hooks with one vector per position (the residual stream, attn_out, mlp_out, mlp.hook_post, ...): what
-    steering adds to and a steering vector is measured at; not per-head values, attention squares or a
-    LayerNorm's scale."""
-    return not (is_attention_square(name) or is_per_head(name) or name.endswith("hook_scale"))
-
-
 def is_hook_z(name: str) -> bool:
     """`blocks.L.attn.hook_z`: the heads' values [head, d_head] a position, before the output projection."""
     return name.endswith("attn.hook_z")
@@ -230,10 +223,13 @@ def is_hook_z(name: str) -> bool:
 
 def reads_as_one_vector(name: str) -> bool:
     """Hooks that steering, SAEs and steering vectors read as one vector per position: those that hold one
-    (`has_one_vector_per_position`), and `attn.hook_z`, whose heads' values [head, d_head] they read as one
-    vector of n_head x d_head numbers, head after head, as SAELens reads it for its attention SAEs (Kissane
-    et al. 2024, "Interpreting Attention Layer Outputs with Sparse Autoencoders")."""
-    return has_one_vector_per_position(name) or is_hook_z(name)
+    (the residual stream, attn_out, mlp_out, mlp.hook_post, ...; not other per-head values, attention squares
+    or a LayerNorm's scale), and `attn.hook_z`, whose heads' values [head, d_head] they read as one vector of
+    n_head x d_head numbers, head after head, as SAELens reads it for its attention SAEs (Kissane et al. 2024,
+    "Interpreting Attention Layer Outputs with Sparse Autoencoders")."""
+    if is_hook_z(name):
+        return True
+    return not (is_attention_square(name) or is_per_head(name) or name.endswith("hook_scale"))
 
 
 def as_vectors(name: str, x: torch.Tensor) -> torch.Tensor:

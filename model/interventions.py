@@ -65,9 +65,10 @@ class Edit:
     the causal mask stays as it was. `factor` and `value` must be finite in float32.
 
     Steering (`model/lab/steering.py`), on hooks with one vector per position (the residual stream,
-    attn_out, mlp_out, ...): `steer` adds `factor` * `direction` (with `norm_match`, each vector keeps its
-    norm); `orthogonal` removes the component along `direction`; `projection_cap` caps it at `factor`;
-    `clamp` sets feature `feature` of `sae` (at its own hook) to `factor`, keeping the SAE's error term.
+    attn_out, mlp_out, ..., and attn.hook_z, its heads read as one: `reads_as_one_vector`): `steer` adds
+    `factor` * `direction` (with `norm_match`, each vector keeps its norm); `orthogonal` removes the component
+    along `direction`; `projection_cap` caps it at `factor`; `clamp` sets feature `feature` of `sae` (at its own
+    hook) to `factor`, keeping the SAE's error term.
     """
 
     hook: str
