@@ -50,6 +50,7 @@ SEED_RANGE = range(-(2**63), 2**63)  # an int64, as torch's generators take it (
 MAX_STOPS = 16  # stop strings per request: each is looked for after every token
 MAX_STOP_CHARS = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 256  # stop token ids per request: each new token is looked up among them
+SHARED_PREFIX_MIN = 16  # prompt tokens in common with a sequence in the batch, from which a joining one copies them
 
 
 class GenerationError(ValueError):
@@ -432,6 +433,12 @@ class DecodeBatch:
     values it would see alone, and its prompt is prefilled in chunks as any other's (the hooks glue them, or edit
     each chunk's positions), but in one piece where its hooks need that (`needs_whole_prompt`: an edit such as
     `mean` takes its mean over the whole prompt).
+
+    A sequence without hooks whose prompt begins with at least `SHARED_PREFIX_MIN` tokens of the prompt of one
+    already in the batch (the `n` samples of a prompt, the choices of a multiple-choice question after one
+    context) copies those positions' keys and values from that row instead of computing them again
+    (`_take_prefixes`): it waits while the other prefills them, then prefills only the rest. Its prompt
+    logprobs, where asked for, are copied with them. `shared_tokens` counts the prompt tokens so taken.
     """
 
     def __init__(
@@ -451,6 +458,9 @@ class DecodeBatch:
         self.cache = KVCache.empty(model.config, capacity, max_len, dtype=w.dtype, device=w.device)
         self.seqs: list[SequenceState] = []  # seqs[b] owns cache row b
         self.joined: list[int] = []  # joined[b]: when seqs[b] joined (prompts are prefilled in that order)
+        # a joining sequence that will copy its prompt's first n positions from another's row: id -> (other, n)
+        self._prefixes: dict[int, tuple[SequenceState, int]] = {}
+        self.shared_tokens = 0  # prompt tokens copied from another row rather than computed, since the start
         self._tickets = itertools.count()
         self.prefill_chunk = prefill_chunk
         self.static = StaticDecode(model, self.cache) if static else None
@@ -488,14 +498,60 @@ class DecodeBatch:
         return len(self.seqs) < self.cache.capacity
 
     def add(self, seq: SequenceState) -> None:
-        """Give `seq` a row; the next steps prefill its prompt."""
+        """Give `seq` a row; the next steps prefill its prompt (or copy its start from another row's)."""
         self.cache.add_row()
         self.seqs.append(seq)
         self.joined.append(next(self._tickets))
+        prefix = self._shared_prefix(seq)
+        if prefix is not None:
+            self._prefixes[id(seq)] = prefix
+
+    def _shared_prefix(self, seq: SequenceState) -> tuple[SequenceState, int] | None:
+        """The sequence in the batch whose prompt shares the most positions with `seq`'s that `seq` can copy,
+        and how many (at least `SHARED_PREFIX_MIN`); None if none. Neither may have hooks (an edit changes
+        the keys and values, and a capture must see every position). `seq` computes at least its last prompt
+        position (whose logits choose its first token), and with prompt logprobs the last one in common too
+        (its logits score `seq`'s next prompt token, which the other's do not), and then only from another
+        that lists prompt logprobs of the same depth."""
+        want = seq.params.prompt_logprobs
+        if seq.hooks is not None:
+            return None
+        best = None
+        for other in self.seqs[:-1]:
+            if other.hooks is not None or (want is not None and other.params.prompt_logprobs != want):
+                continue
+            n = min(_common_prefix(seq.prompt, other.prompt) - (want is not None), len(seq.prompt) - 1)
+            if n >= SHARED_PREFIX_MIN and (best is None or n > best[1]):
+                best = (other, n)
+        return best
+
+    def _take_prefixes(self) -> None:
+        """Copy their shared prefixes into the rows of the sequences waiting for them, where the other row
+        holds them by now. One whose other has left the batch (finished, cancelled or failed) before then
+        prefills its prompt itself."""
+        for b, seq in enumerate(self.seqs):
+            prefix = self._prefixes.get(id(seq))
+            if prefix is None:
+                continue
+            other, n = prefix
+            a = next((a for a, s in enumerate(self.seqs) if s is other), None)
+            if a is not None and other.prefilled < n:
+                continue  # the other is still prefilling them: this one waits
+            del self._prefixes[id(seq)]
+            if a is None:
+                continue
+            self.cache.copy_prefix(a, b, n)
+            seq.prefilled = n
+            if seq.params.prompt_logprobs is not None:
+                assert other.prompt_logprobs is not None
+                seq.prompt_logprobs = other.prompt_logprobs[: n + 1]  # tokens 0..n, all in common
+            self.shared_tokens += n
 
     def step(self) -> list[tuple[SequenceState, TokenEvent | None]]:
         """Advance the batch by one forward pass. Returns each sequence that got a token with it, and each
         that finished without one (it wanted none, or failed: its `error`) with None."""
+        if self._prefixes:
+            self._take_prefixes()
         decoding = [b for b, s in enumerate(self.seqs) if s.prefilled == len(s.prompt)]
         chunks = self._chunks()
         if not chunks:
@@ -504,6 +560,8 @@ class DecodeBatch:
             out = self._prefill(*chunks[0])  # one sequence alone: hooks see its own shapes
         else:
             out = self._packed(decoding, chunks)
+        if self._prefixes:
+            self._take_prefixes()  # before a row that finished leaves, with what others wait to copy
         for b in reversed(range(len(self.seqs))):  # from the end: leaving moves the last row into b
             if self.seqs[b].finish_reason is not None:
                 self._leave(b)
@@ -515,6 +573,8 @@ class DecodeBatch:
         chunks = []
         for b in sorted(range(len(self.seqs)), key=self.joined.__getitem__):
             seq = self.seqs[b]
+            if id(seq) in self._prefixes:
+                continue  # waiting for another row to prefill what it will copy
             if seq.prefilled < len(seq.prompt) and (budget is None or budget > 0):
                 if budget is None or (seq.hooks is not None and needs_whole_prompt(seq.hooks)):
                     end = len(seq.prompt)
@@ -727,6 +787,7 @@ class DecodeBatch:
 
     def _leave(self, b: int) -> None:
         seq = self.seqs[b]
+        self._prefixes.pop(id(seq), None)
         if seq.capture is not None and seq.tokens and seq.finish_reason not in ("cancelled", "error"):
             # The last token was sampled, never fed: feed it, so activations cover every position.
             idx = torch.tensor([[seq.tokens[-1]]], device=self.model.wte.weight.device)
@@ -738,6 +799,20 @@ class DecodeBatch:
         self.seqs[b], self.joined[b] = self.seqs[-1], self.joined[-1]
         self.seqs.pop()
         self.joined.pop()
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens `a` and `b` have in common from the start (slice comparisons, a binary search)."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while lo + 1 < hi:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _written(seq: SequenceState) -> int:

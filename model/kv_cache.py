@@ -74,6 +74,12 @@ class KVCache:
     def set_length(self, b: int, length: int) -> None:
         self.lengths[b] = length
 
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Row `dst` takes the keys and values of row `src`'s first `n` positions, and their length."""
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.lengths[dst] = n
+
     def add_row(self) -> int:
         """Take a free row for a new sequence; returns its index."""
         if self.batch_size == self.capacity:

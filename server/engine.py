@@ -161,6 +161,7 @@ class Engine:
         # shape of a step is run once (see DecodeBatch.warm_up).
         static = loaded.device.type == "cuda"
         self._batch = DecodeBatch(self.model, max_batch_size, config.n_positions, self.prefill_chunk, static)
+        self._shared_counted = 0  # of the batch's shared_tokens, those already in the metrics
         self._batch.warm_up()
         # The cache was zeroed and the batch warmed on this thread: its OpenMP threads go, so that the engine's
         # thread keeps the only pool and its threads spin between parallel regions (server/threads.py).
@@ -368,6 +369,8 @@ class Engine:
             except Exception as again:
                 self._fail(self._batch, again)
                 return
+        self.metrics.prompt_tokens_shared.inc(self._batch.shared_tokens - self._shared_counted)
+        self._shared_counted = self._batch.shared_tokens
         for seq, event in events:
             request = self._requests[id(seq)]
             if seq.error is not None:

@@ -13,6 +13,12 @@ class Metrics:
         r = self.registry
         self.requests = Counter("gpt2_requests", "HTTP requests by route and status", ["route", "status"], registry=r)
         self.tokens_generated = Counter("gpt2_tokens_generated", "Tokens generated", registry=r)
+        self.prompt_tokens_shared = Counter(
+            "gpt2_prompt_tokens_shared",
+            "Prompt tokens whose keys and values were copied from another sequence's row in the batch (a prompt "
+            "prefix they share, as the n samples of one prompt do) instead of computed",
+            registry=r,
+        )
         self.queue_depth = Gauge("gpt2_queue_depth", "Sequences waiting for a batch slot", registry=r)
         self.dump_bytes_in_flight = Gauge(
             "gpt2_dump_bytes_in_flight",

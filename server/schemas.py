@@ -27,6 +27,7 @@ OpenAIPrompt = str | list[str] | list[int] | list[list[int]]
 MAX_HOOKS = 2048  # hook names or globs in one list: more than gpt2-xl's 1111 hook points, each named
 MAX_INTERVENTIONS = 1024  # edits in one request
 MAX_EDIT_SITES = 4096  # (edit, hook point) pairs, a glob counted once per hook it matches: work on every pass
+MAX_N = 128  # choices per prompt in /v1/completions, as OpenAI bounds `n` (prompts x n is bounded by --max-queue too)
 # clamps of topk SAEs in one request: each encodes every position with its whole SAE (whether a feature is
 # among the k largest depends on all of them), at d_sae 32768 on gpt2-small a fifth of a forward pass more
 MAX_TOPK_CLAMPS = 8
@@ -532,8 +533,8 @@ class CompletionRequest(BaseModel):
                 raise GenerationError(f"best_of={best_of} is not supported (only best_of == n, {self.n})", "best_of")
         if self.stream_options is not None and not self.stream:  # as OpenAI answers it, not silently dropped
             raise GenerationError("stream_options is only allowed when stream is true", "stream_options")
-        if not 1 <= self.n <= 16:
-            raise GenerationError(f"n must be in 1..16, got {self.n}", "n")
+        if not 1 <= self.n <= MAX_N:
+            raise GenerationError(f"n must be in 1..{MAX_N}, got {self.n}", "n")
         if self.logprobs is not None and not 0 <= self.logprobs <= 5:
             raise GenerationError(f"logprobs must be in 0..5, got {self.logprobs}", "logprobs")
 
