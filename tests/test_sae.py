@@ -250,6 +250,26 @@ def test_centred_releases_as_saelens_release_table_says() -> None:
     assert theirs == HUB_MODEL_KWARGS
 
 
+def test_a_copy_of_a_release_folder_is_read_as_the_hub_s(tmp_path: Path) -> None:
+    """res-jb's folder copied under its repo's name (the hub name given as a local path) or found in a hub
+    cache reads the centred stream, as the same folder from the hub does; mlp-tm's has its input scale folded
+    in; a folder of the same files anywhere else is read as its cfg.json says."""
+    from model.lab.sae import HUB_INPUT_SCALING
+
+    res_jb = "jbloom/GPT2-Small-SAEs-Reformatted"
+    for where in (f"{res_jb}/{HOOK}", f"models--{res_jb.replace('/', '--')}/snapshots/0123abc/{HOOK}", f"mine/{HOOK}"):
+        folder = write_sae(tmp_path / where, hook=HOOK, d_in=D_IN, d_sae=D_SAE, legacy=True)
+        assert load_sae(folder).centred == (not where.startswith("mine")), where
+    mlp_tm = "tommmcgrath/gpt2-small-mlp-out-saes"
+    name, scale = next(iter(HUB_INPUT_SCALING[mlp_tm].items()))
+    cfg = {"normalize_activations": "expected_average_only_in"}
+    plain = load_sae(write_sae(tmp_path / "plain", hook=HOOK, d_in=D_IN, d_sae=D_SAE, **cfg))
+    copy = load_sae(write_sae(tmp_path / mlp_tm / name, hook=HOOK, d_in=D_IN, d_sae=D_SAE, **cfg))
+    assert copy.cfg.normalize_activations == "none" and plain.cfg.normalize_activations == "expected_average_only_in"
+    x = torch.randn(3, D_IN, generator=torch.Generator().manual_seed(7))
+    torch.testing.assert_close(copy.encode(x), plain.fold_input_scale(scale).encode(x))
+
+
 def test_input_scales_as_saelens_release_table_says(sae_lens, tmp_path: Path) -> None:
     """gpt2-small-mlp-tm's SAEs were trained on inputs scaled by a factor only SAELens' release table holds
     (`norm_scaling_factor`): every gpt2-small SAE the table gives one has it here, by repo and folder, and

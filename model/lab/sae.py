@@ -350,7 +350,8 @@ def load_sae(source: str | Path, device: torch.device | str = "cpu") -> SAE:
     hub as `owner/repo/path/in/repo[@revision]` (downloaded through huggingface-hub, cached)."""
     path = Path(source).expanduser()
     if path.is_dir():
-        return _from_dir(path, str(source), None).to(device)
+        repo, folder = _release_copy(path) or ("", "")  # a release's folder copied: read as the hub's is
+        return _from_dir(path, str(source), repo, folder).to(device)
     if path.exists():  # a file here is not a hub name either
         raise SAEError(
             f"{str(source)!r} is a file: give the SAE's directory (the one holding {CFG_FILE} and {WEIGHTS_FILE})"
@@ -365,7 +366,25 @@ def load_sae(source: str | Path, device: torch.device | str = "cpu") -> SAE:
     return _download(repo, folder, revision, str(source)).to(device)
 
 
-def _from_dir(path: Path, where: str, model_kwargs: dict[str, Any] | None, input_scale: float | None = None) -> SAE:
+def _release_copy(path: Path) -> tuple[str, str] | None:
+    """(repo, folder) where `path` is a copy of a folder of a release in `HUB_MODEL_KWARGS` or
+    `HUB_INPUT_SCALING`, under its repo's name (`.../jbloom/GPT2-Small-SAEs-Reformatted/blocks.8.hook_resid_pre`,
+    the hub name given as a local path) or in a hub cache (`.../models--jbloom--GPT2-Small-SAEs-Reformatted/
+    snapshots/<revision>/blocks.8.hook_resid_pre`); else None."""
+    parts = path.absolute().parts
+    for repo in HUB_MODEL_KWARGS.keys() | HUB_INPUT_SCALING.keys():
+        owner, name = repo.split("/")
+        for i in range(len(parts) - 1):
+            if parts[i : i + 2] == (owner, name):
+                return repo, "/".join(parts[i + 2 :])
+            if parts[i] == f"models--{owner}--{name}" and parts[i + 1 : i + 2] == ("snapshots",):
+                return repo, "/".join(parts[i + 3 :])
+    return None
+
+
+def _from_dir(path: Path, where: str, repo: str = "", folder: str = "") -> SAE:
+    """The SAE in `path`; `repo` and `folder`, where it is (a copy of) a hub folder, name its release's
+    processing that its files do not hold (`HUB_MODEL_KWARGS`, `HUB_INPUT_SCALING`)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -382,7 +401,8 @@ def _from_dir(path: Path, where: str, model_kwargs: dict[str, Any] | None, input
         weights = load_file(str(weights_path))
     except (SafetensorError, OSError) as e:
         raise SAEError(f"{where}: {WEIGHTS_FILE} is not a readable safetensors file: {e}") from None
-    sae = SAE(SAEConfig.from_dict(cfg, where, model_kwargs), weights, where)
+    sae = SAE(SAEConfig.from_dict(cfg, where, HUB_MODEL_KWARGS.get(repo)), weights, where)
+    input_scale = HUB_INPUT_SCALING.get(repo, {}).get(folder)
     if sae.cfg.normalize_activations == "expected_average_only_in":
         if input_scale is not None:
             return sae.fold_input_scale(input_scale)
@@ -409,7 +429,7 @@ def _download(repo: str, folder: str, revision: str | None, where: str) -> SAE:
     ):
         cfg = download(repo, prefix + CFG_FILE, revision)
         download(repo, prefix + WEIGHTS_FILE, revision)
-    return _from_dir(cfg.parent, where, HUB_MODEL_KWARGS.get(repo), HUB_INPUT_SCALING.get(repo, {}).get(folder))
+    return _from_dir(cfg.parent, where, repo, folder)
 
 
 def load_saes(specs: Sequence[str], config: GPTConfig, device: torch.device | str = "cpu") -> dict[str, SAE]:
