@@ -9,6 +9,7 @@ import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,11 +20,12 @@ from inprocess import log_engine
 from sae_files import write_sae
 from safetensors.torch import load as load_safetensors
 
+import model.lab.sae as sae_module
 from model.generate import SamplingParams, generate
 from model.gpt import GPT
 from model.hooks import run_with_cache
 from model.interventions import Edit, EditSpec
-from model.lab.sae import FeatureReading, load_sae, token_features
+from model.lab.sae import PART_WORK, FeatureReading, load_sae, part_positions, read_features, token_features
 from model.lab.steering import contrastive_vector
 from model.loading import load
 from server.app import create_app
@@ -218,11 +220,11 @@ def test_a_steering_vector_is_measured_a_block_a_job(
 def test_a_reading_goes_a_part_of_its_positions_a_job(
     client: TestClient, tiny_model: GPT, sae_dirs, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """/v1/features reads the SAE `FeatureReading.positions` positions a job (256; 3 here: 3 jobs over 8 tokens,
-    after the prompt's pass through the batch), decode steps going on between them, and answers what one
-    reading of every position gives. The reading's jobs are a pass's later work: counted as one under way,
+    """/v1/features reads the SAE `part_positions` positions a job (256 for res-jb's size; 3 here: 3 jobs over
+    8 tokens, after the prompt's pass through the batch), decode steps going on between them, and answers what
+    one reading of every position gives. The reading's jobs are a pass's later work: counted as one under way,
     never refused for a full queue (`stepped`, begun)."""
-    monkeypatch.setattr(FeatureReading, "positions", 3)
+    monkeypatch.setattr(sae_module, "part_positions", lambda sae: 3)
     log = log_engine(client, monkeypatch)
     body = post(client, "/v1/features", {"input_ids": IDS, "sae": "res1", "top_k": 4})
     assert [e for e in log if e != "step"] == ["FeatureReading.step#0"] * 3, log
@@ -252,6 +254,31 @@ def test_a_reading_in_parts_is_the_whole_reading(sae_dirs) -> None:
             assert [i for i, _ in got.features] == [i for i, _ in ref.features] and got.l0 == ref.l0
             assert [v for _, v in got.features] == pytest.approx([v for _, v in ref.features], abs=1e-5)
             assert got.mse == pytest.approx(ref.mse, rel=1e-5)
+
+
+def test_a_part_is_smaller_for_a_larger_sae_and_read_features_goes_in_parts(
+    sae_dirs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A part holds as much work as 256 positions of res-jb (d_in 768, 24,576 features): 64 positions of a 4x
+    larger SAE, one at the least. `read_features` (`/v1/generate`'s `features`) reads in such parts, and gives
+    what one reading of every position gives, chosen features (a NaN reading, whose top features are none) too."""
+    sae = load_sae(sae_dirs["mlp0"])
+    assert part_positions(sae) == PART_WORK // (sae.cfg.d_in * sae.cfg.d_sae)
+
+    def sized(d_in: int, d_sae: int) -> Any:
+        return SimpleNamespace(cfg=SimpleNamespace(d_in=d_in, d_sae=d_sae))
+
+    assert part_positions(sized(768, 24_576)) == 256 and part_positions(sized(768, 4 * 24_576)) == 64
+    assert part_positions(sized(10**9, 10**6)) == 1
+    x = torch.randn(10, sae.cfg.d_in, generator=torch.Generator().manual_seed(4))
+    x[7] = float("nan")
+    monkeypatch.setattr(sae_module, "part_positions", lambda sae: 3)
+    for top_k, ids in ((5, None), (None, [0, 3, 2])):
+        whole, parts = token_features(sae, x, top_k, ids), read_features(sae, x, top_k, ids)
+        assert len(parts) == 10 and parts[7].l0 is None and (ids is not None or parts[7].features == [])
+        for got, ref in zip(parts, whole, strict=True):
+            assert [i for i, _ in got.features] == [i for i, _ in ref.features] and got.l0 == ref.l0
+            assert [v for _, v in got.features] == pytest.approx([v for _, v in ref.features], abs=1e-5, nan_ok=True)
 
 
 def test_the_store_is_bounded(client: TestClient) -> None:

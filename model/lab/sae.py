@@ -481,24 +481,45 @@ def token_features(sae: SAE, x: torch.Tensor, top_k: int | None, ids: list[int] 
     features: the `top_k` largest (positive ones only) or the values of feature `ids`."""
     x_in = sae.read(x)  # [T, d_in]
     f, x_hat = sae.reconstruct(x_in)  # [T, d_sae], [T, d_in]
-    err = _norm(x_in - x_hat)  # [T]: ‖x - x̂‖
-    spread = _norm(x_in - x_in.mean(-1, keepdim=True))  # [T]
+    err = _norm(x_in - x_hat).tolist()  # [T]: ‖x - x̂‖
+    spread = _norm(x_in - x_in.mean(-1, keepdim=True)).tolist()  # [T]
     finite = f.isfinite().all(-1).tolist()  # [T]: a NaN compares false, so it would count as inactive
+    l0 = (f > 0).sum(-1).tolist()  # [T]
+    if ids is not None:
+        values, indices = f[:, ids].tolist(), [ids] * len(finite)  # NaN where the reading is
+    else:
+        assert top_k is not None
+        top = f.topk(min(top_k, sae.cfg.d_sae), dim=-1)  # [T, k], read as Python lists once
+        values, indices = top.values.tolist(), top.indices.tolist()
     out = []
-    for t in range(x_in.shape[0]):
+    for t, ok in enumerate(finite):
         if ids is not None:
-            chosen = [(i, float(f[t, i])) for i in ids]  # NaN where the reading is
-        elif not finite[t]:  # no order among NaNs: no top features, rather than a misleading few
+            chosen = list(zip(ids, values[t], strict=True))
+        elif not ok:  # no order among NaNs: no top features, rather than a misleading few
             chosen = []
         else:
-            assert top_k is not None
-            top = f[t].topk(min(top_k, sae.cfg.d_sae))
-            chosen = [(int(i), float(v)) for v, i in zip(top.values, top.indices, strict=True) if v > 0]
-        norm, spread_t = float(err[t]), float(spread[t])
+            chosen = [(i, v) for i, v in zip(indices[t], values[t], strict=True) if v > 0]
+        norm, spread_t = err[t], spread[t]
         e, s = norm * norm, spread_t * spread_t  # in Python's float64: the squares of float32 norms are finite
-        l0 = int((f[t] > 0).sum()) if finite[t] else None
-        out.append(TokenFeatures(chosen, l0, e / sae.cfg.d_in, norm, 1 - e / s if s > 0 else None))
+        out.append(TokenFeatures(chosen, l0[t] if ok else None, e / sae.cfg.d_in, norm, 1 - e / s if s > 0 else None))
     return out
+
+
+PART_WORK = 256 * 768 * 24_576  # positions x d_in x d_sae of one part: 256 positions of a res-jb SAE
+
+
+def part_positions(sae: SAE) -> int:
+    """Positions of a part of a reading (`FeatureReading`, `read_features`): as much work as 256 positions of
+    res-jb's 24,576 features over d_in 768 (19 GFLOP, a fraction of a second on a 2-core CPU, and a [256,
+    24576] float32 of features), fewer for a larger SAE."""
+    return max(1, PART_WORK // (sae.cfg.d_in * sae.cfg.d_sae))
+
+
+def read_features(sae: SAE, x: torch.Tensor, top_k: int | None, ids: list[int] | None) -> list[TokenFeatures]:
+    """`token_features` of x [T, *site], a part at a time (`part_positions`): the features of every position at
+    once would hold [T, d_sae] and more (a 1,000-token reading of res-jb, 275 MB)."""
+    n = part_positions(sae)
+    return [row for start in range(0, x.shape[0], n) for row in token_features(sae, x[start : start + n], top_k, ids)]
 
 
 def _norm(v: torch.Tensor) -> torch.Tensor:
@@ -509,15 +530,14 @@ def _norm(v: torch.Tensor) -> torch.Tensor:
 
 
 class FeatureReading:
-    """`token_features` of x [T, *site] a part at a time, `positions` positions a `step` (the server runs each as
-    an engine job, decode steps going on between them: at 1,024 tokens, res-jb's 24,576 features are 77 GFLOP
-    of encoding and decoding, most of a second of a 2-core CPU in one job). Each position's reading is its
-    own, so the parts give the whole's, to the rounding of the SAE's products over fewer rows."""
-
-    positions = 256  # a part
+    """`token_features` of x [T, *site] a part at a time, `positions` positions a `step` (`part_positions`; the
+    server runs each as an engine job, decode steps going on between them: at 1,024 tokens, res-jb's 24,576
+    features are 77 GFLOP of encoding and decoding, most of a second of a 2-core CPU in one job). Each position's
+    reading is its own, so the parts give the whole's, to the rounding of the SAE's products over fewer rows."""
 
     def __init__(self, sae: SAE, x: torch.Tensor, top_k: int | None, ids: list[int] | None) -> None:
         self.sae, self.x, self.top_k, self.ids = sae, x, top_k, ids
+        self.positions = part_positions(sae)
         self.rows: list[TokenFeatures] = []
 
     @property

@@ -17,7 +17,7 @@ from fastapi.responses import Response
 
 from model.generate import GenerationError, validate_prompt
 from model.hooks import hook_names, reads_as_one_vector
-from model.lab.sae import SAE, FeatureReading, TokenFeatures, load_saes, token_features
+from model.lab.sae import SAE, FeatureReading, TokenFeatures, load_saes, read_features
 from model.lab.steering import (
     DirectionError,
     Directions,
@@ -109,7 +109,7 @@ class FeatureReader:
 
     def read(self, x: torch.Tensor) -> list[TokenFeatures]:
         """Per position of `x` [T, *site], the model's values at the SAE's hook."""
-        return token_features(self.sae, x, self.top_k, self.ids)
+        return read_features(self.sae, x, self.top_k, self.ids)
 
     def json(self, x: torch.Tensor) -> list[dict[str, Any]]:
         return [_row(r) for r in self.read(x)]
