@@ -118,8 +118,10 @@ def edit_sites(edit: Edit, n_layer: int, where: str = "edit") -> list[str]:
     return names
 
 
-def _where(i: int, edit: Edit) -> str:
-    return f"edit {i} ({edit.hook!r})"
+def _where(i: int, edit: Edit, names: Sequence[str]) -> str:
+    """How an error names the i-th edit: `names[i]` (a request's `interventions[i]`, a command line's
+    `--steer N`), else `edit i`, then its hook."""
+    return f"{names[i] if i < len(names) else f'edit {i}'} ({edit.hook!r})"
 
 
 @dataclass(frozen=True, eq=False)
@@ -138,13 +140,14 @@ class EditPlan:
     depend on a sequence's length. The same for every sequence of a request: made once, not once a sequence
     (a thousand globbed edits over 256 prompts once took seconds of the server's event loop)."""
 
-    def __init__(self, edits: Sequence[Edit], config: GPTConfig) -> None:
+    def __init__(self, edits: Sequence[Edit], config: GPTConfig, names: Sequence[str] = ()) -> None:
         self.edits = tuple(edits)
         self.config = config
+        self.names = tuple(names)  # each edit's name in an error (`_where`)
         self.targets: dict[str, list[_Target]] = {}
         self._by_edit: list[list[_Target]] = []  # each edit's targets, edit by edit
         for i, edit in enumerate(self.edits):
-            where = _where(i, edit)
+            where = self.where(i)
             names = edit_sites(edit, config.n_layer, where)
             self._check_edit(edit, where)
             own = [self._resolved(_Target(edit, n, is_per_head(n), is_attention_square(n)), where) for n in names]
@@ -173,13 +176,17 @@ class EditPlan:
         if self._shortest <= n_tokens <= self._longest:
             return
         for i, (edit, own) in enumerate(zip(self.edits, self._by_edit, strict=True)):
-            where = _where(i, edit)
+            where = self.where(i)
             if edit.positions is not None:
                 _check_range(edit.positions, n_tokens, f"{where}: position")
             need = 1 + max(edit.positions, default=-1) if edit.positions is not None else n_tokens
             for t in own:
                 if t.rows is not None and t.rows < need:
                     raise InterventionError(f"{where}: value covers {t.rows} positions, position {need - 1} needed")
+
+    def where(self, i: int) -> str:
+        """The i-th edit, as an error names it."""
+        return _where(i, self.edits[i], self.names)
 
     def only_at(self, names: Collection[str]) -> int | None:
         """The first edit all of whose hook points are among `names` (a glob's every match), or None."""
@@ -477,19 +484,20 @@ class EditSpec:
     edits: tuple[Edit, ...] = ()
     ablate_attn: tuple[int, ...] = ()  # layers whose attention runs without its residual add
     ablate_mlp: tuple[int, ...] = ()  # layers whose MLP runs without its residual add
+    names: tuple[str, ...] = field(default=(), compare=False)  # each edit's name in an error (`_where`)
     _plans: dict[GPTConfig, EditPlan] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def sites(self, n_layer: int) -> list[str]:
         """The hook point of each (edit, hook point) pair, edit by edit (a glob gives one for each hook it
         matches). Each pair costs work on every forward pass, so a server bounds how many."""
-        return [n for i, e in enumerate(self.edits) for n in edit_sites(e, n_layer, _where(i, e))]
+        return [n for i, e in enumerate(self.edits) for n in edit_sites(e, n_layer, _where(i, e, self.names))]
 
     def plan(self, config: GPTConfig) -> EditPlan:
         """The edits resolved to the hook points of a model of shape `config` and checked: made on the first
         call, kept for the sequences after it (a server makes it on a worker thread, before any sequence)."""
         plan = self._plans.get(config)
         if plan is None:
-            plan = self._plans.setdefault(config, EditPlan(self.edits, config))
+            plan = self._plans.setdefault(config, EditPlan(self.edits, config, self.names))
         return plan
 
     def hooks(self, config: GPTConfig, n_tokens: int, then: Hooks | None = None) -> Hooks | None:

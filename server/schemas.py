@@ -226,6 +226,7 @@ def edit_spec(
         tuple(e.edit(directions, where(i)) for i, e in enumerate(interventions)),
         layers(residual.attn) if residual else (),
         layers(residual.mlp) if residual else (),
+        tuple(where(i) for i in range(len(interventions))),
     )
     topk = sum(e.op == "clamp" and e.sae is not None and e.sae.cfg.architecture == "topk" for e in spec.edits)
     if topk > MAX_TOPK_CLAMPS:

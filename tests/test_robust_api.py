@@ -174,7 +174,7 @@ def test_a_stream_with_a_lone_surrogate_in_the_prompt_is_refused_before_it_start
     [
         ({"prompt": "Hi", SURROGATE: 1}, "a field name that is not valid Unicode"),
         ({"prompt": "Hi", "activations": {"hooks": [SURROGATE]}}, "unknown hook 'a\\udc80b'"),
-        ({"prompt": "Hi", "interventions": [{"hook": SURROGATE, "op": "zero"}]}, "edit 0 ('a\\udc80b')"),
+        ({"prompt": "Hi", "interventions": [{"hook": SURROGATE, "op": "zero"}]}, "interventions[0] ('a\\udc80b')"),
         ({"prompt": "Hi", "interventions": [z_edit(op="set", value={"safetensors_base64": SURROGATE})]}, "not base64"),
         ({"prompt": "Hi", "interventions": [z_edit(op=SURROGATE)]}, "interventions.0.op"),
     ],

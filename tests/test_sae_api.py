@@ -202,6 +202,20 @@ def test_steering_vectors_are_measured_stored_and_used(client: TestClient, tiny_
     assert mean_body["name"] is None and mean_body["vector"] != body["vector"]
 
 
+def test_a_steering_vector_s_norm_is_given_where_float32_s_squares_overflow(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A vector of finite entries of 1e20 (an edited or very large model's stream) has a finite norm."""
+    import dataclasses
+
+    import server.routes.sae as routes
+
+    real = routes.contrast
+    monkeypatch.setattr(routes, "contrast", lambda *a: dataclasses.replace(real(*a), vector=torch.full((64,), 1e20)))
+    body = post(client, "/v1/steering-vectors", {"positive": [[1, 2]], "negative": [[3]], "hook": RES})
+    assert body["norm"] == pytest.approx(8e20)
+
+
 def test_a_steering_vector_is_measured_a_block_a_job(
     client: TestClient, tiny_model: GPT, monkeypatch: pytest.MonkeyPatch
 ) -> None:

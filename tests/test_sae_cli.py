@@ -71,6 +71,17 @@ def test_bad_steering_is_one_line(tiny: Checkpoint, tokenizer_dir: Path, sae_dir
     assert "interventions[" not in err and "POST" not in err and "start the server" not in err
 
 
+def test_an_edit_the_model_refuses_is_named_by_its_flag(tiny: Checkpoint, tokenizer_dir: Path, capsys) -> None:
+    """The second --steer's direction does not fit the hook: found as the edits meet the model, and named
+    `--steer 2` as the schema's errors are, not by the model's own 0-based count."""
+    good = {"hook": HOOK, "op": "steer", "scale": 1.0, "direction": [1.0] * 64}
+    bad = {"hook": HOOK, "op": "steer", "scale": 1.0, "direction": [1.0, 2.0]}
+    args = [PROMPT, *checkpoint_args(tiny, tokenizer_dir), "--steer", json.dumps(good), "--steer", json.dumps(bad)]
+    assert generate.main(args) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"gpt2-generate: error: --steer 2 ({HOOK!r}): direction of shape [2]"), err
+
+
 def test_steering_with_no_sae_says_to_give_one(tiny: Checkpoint, tokenizer_dir: Path, capsys) -> None:
     steer = {"hook": HOOK, "op": "steer", "scale": 1.0, "direction": {"sae": "s", "feature": 0}}
     assert generate.main([PROMPT, *checkpoint_args(tiny, tokenizer_dir), "--steer", json.dumps(steer)]) == 1

@@ -86,14 +86,14 @@ async def analyze_prompt(
         late = plan.only_at(HEAD_HOOKS)
         if late is not None:
             raise InterventionError(
-                f"edit {late} ({plan.edits[late].hook!r}) applies only after the last block, which changes nothing "
+                f"{plan.where(late)} applies only after the last block, which changes nothing "
                 "/v1/analyze measures without gradients: the logit lens reads each layer's stream through ln_f and "
                 'the unembedding as trained (as TransformerLens\' does); with "gradients": true it changes the '
                 "highway's loss, and /v1/next-token applies it",
                 "interventions",
             )
     everything = tuple(range(config.n_layer))
-    no_residual = EditSpec(edits.edits if edits else (), everything, everything)
+    no_residual = EditSpec(edits.edits if edits else (), everything, everything, edits.names if edits else ())
 
     if req.gradients:
         if len(ids) < 2:

@@ -282,7 +282,7 @@ async def steering_vectors(
         "reduce": req.reduce,
         "n_positive": vector.n_positive,
         "n_negative": vector.n_negative,
-        "norm": float(vector.vector.norm()),
+        "norm": float(vector.vector.double().norm()),  # float32's squares overflow from entries of about 1e19
         "vector": vector.vector.tolist(),
         "stored": directions.names(),
     }
