@@ -16,7 +16,7 @@ from model.hooks import UnknownHookError, select_hooks
 from model.interventions import Edit, EditSpec, InterventionError
 from model.lab.gradients import LogitDiff, LogProb, Loss, Metric
 from model.lab.steering import STEERING_OPS, DirectionError, Directions
-from model.tokenizer import InvalidTextError, Tokenizer, check_unicode
+from model.tokenizer import EOT_ID, InvalidTextError, Tokenizer, check_unicode
 
 PromptText = str | list[str]
 PromptIds = list[int] | list[list[int]]
@@ -519,6 +519,11 @@ class CompletionRequest(BaseModel):
         bias = extra.get("logit_bias")
         if isinstance(bias, dict) and all(_is_zero(v) for v in bias.values()):  # biases of 0 change nothing
             extra = {k: v for k, v in extra.items() if k != "logit_bias"}
+        # vLLM's defaults, true, change nothing where no special token (<|endoftext|>) can reach the text: it
+        # is not echoed, and one generated ends the choice (EOS, or a stop token id) without entering it
+        special_in_text = self.echo or (bool(self.ignore_eos) and EOT_ID not in (self.stop_token_ids or ()))
+        if not special_in_text:
+            extra = {k: v for k, v in extra.items() if not (k in _SPECIAL_TEXT and v is True)}
         for name, value in _NEUTRAL.items():
             given = extra.get(name)
             if given is not None and (given != value or isinstance(given, bool) != isinstance(value, bool)):
@@ -584,6 +589,7 @@ _NEUTRAL: dict[str, Any] = {
     "bad_words": [],
     "response_format": {"type": "text"},
 }
+_SPECIAL_TEXT = ("skip_special_tokens", "spaces_between_special_tokens")
 _CHAT = ": GPT-2 is not a chat model (this is /v1/completions; send a prompt)"
 # Fields that change the answer at any value but null, with what to do instead.
 _UNSUPPORTED: dict[str, str] = {

@@ -636,8 +636,6 @@ def test_models_retrieve(client: TestClient, loaded: LoadedModel) -> None:
         ("stream", "yes"),
         # vLLM's fields that change the answer: refused, not ignored
         ("include_stop_str_in_output", True),
-        ("skip_special_tokens", True),
-        ("spaces_between_special_tokens", True),
         ("bad_words", ["Hello"]),
         ("response_format", {"type": "json_object"}),
         ("allowed_token_ids", [11]),
@@ -660,6 +658,21 @@ def test_models_retrieve(client: TestClient, loaded: LoadedModel) -> None:
 def test_completions_refuse_other_values(client: TestClient, field: str, value: Any) -> None:
     error = assert_error(client.post(CMPL, json={"prompt": "Hi", "max_tokens": 1, field: value}), 400, field)
     assert field in error["message"]
+    assert_still_serving(client)
+
+
+def test_vllm_special_token_defaults_are_taken_where_they_change_nothing(client: TestClient) -> None:
+    """vLLM's `skip_special_tokens` and `spaces_between_special_tokens` default to true, which clients send as
+    they are: taken where <|endoftext|> cannot reach the text (not echoed; a generated one ends the choice),
+    refused where it could (echo, or ignore_eos without it as a stop token id), since this server writes it."""
+    base = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+    plain = post_ok(client, CMPL, base)["choices"]
+    for field in ("skip_special_tokens", "spaces_between_special_tokens"):
+        assert post_ok(client, CMPL, base | {field: True})["choices"] == plain
+        post_ok(client, CMPL, base | {field: True, "ignore_eos": True, "stop_token_ids": [EOT_ID]})
+        for where in ({"echo": True}, {"ignore_eos": True}, {"ignore_eos": True, "stop_token_ids": [11]}):
+            error = assert_error(client.post(CMPL, json=base | where | {field: True}), 400, field)
+            assert f"{field}=True is not supported" in error["message"]
     assert_still_serving(client)
 
 
