@@ -96,7 +96,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(QueueFull)
     async def queue_full(_: Request, e: QueueFull) -> JSONResponse:
-        return error_response(429, f"the server is busy: {e}; retry shortly", headers={"Retry-After": "1"})
+        return error_response(
+            429, f"the server is busy: {e}; retry shortly", headers={"Retry-After": "1"}, code="rate_limit_exceeded"
+        )
 
     @app.exception_handler(EngineStopped)
     async def stopped(_: Request, e: EngineStopped) -> JSONResponse:

@@ -921,7 +921,7 @@ def test_queue_full_is_429(loaded: LoadedModel) -> None:
             wait_until(lambda: metric(c, "gpt2_queue_depth") == 1)
             for path, body in ((GEN, request), (CMPL, {"prompt": "Hi", "max_tokens": 1})):
                 r = c.post(path, json=body)
-                assert_error(r, 429, None)
+                assert_error(r, 429, None, "rate_limit_exceeded")
                 assert int(r.headers["retry-after"]) >= 1
             assert_error(c.post(GEN, json={**request, "stream": True}), 429)
         assert waiting.result(20).status_code == 200
