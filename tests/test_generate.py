@@ -474,7 +474,8 @@ def test_a_row_with_non_finite_logits_fails_alone(tiny: Checkpoint) -> None:
     good_prompts = [PROMPT, PROMPT[:3]]
     with torch.inference_mode():
         batch = DecodeBatch(model, 4, 32)
-        bad_seqs = [new_sequence(model, i, (PROMPT * 4)[:20], p, None) for i, p in enumerate(bad)]
+        # prompts of 20 tokens with nothing in common (a shared prefix would be copied, not prefilled in step 1)
+        bad_seqs = [new_sequence(model, i, (PROMPT * 4)[i : i + 20], p, None) for i, p in enumerate(bad)]
         good_seqs = [
             new_sequence(model, 2 + i, q, p, None) for i, (q, p) in enumerate(zip(good_prompts, good, strict=True))
         ]

@@ -314,6 +314,37 @@ def test_a_job_resumes_with_its_paths_spelled_otherwise(
         harvest(str(tiny.path), moved, out, HOOKS, **options(tokenizer_dir))
 
 
+def test_a_job_resumes_with_its_model_named_from_elsewhere_or_copied(
+    tiny, tokenizer_dir: Path, source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The weight files are identified by content: a model folder named by a relative path from another
+    working directory, or a copy of it at another path, resumes the job (the first was refused, its saved
+    relative path resolved against the new directory); other weights are still refused."""
+    (tmp_path / "a").mkdir()
+    shutil.copytree(tiny.path, tmp_path / "a" / "ckpt")
+    out = tmp_path / "acts"
+    monkeypatch.chdir(tmp_path / "a")
+    harvest("ckpt", source, out, HOOKS, **options(tokenizer_dir))
+    whole = tree_shas(out)
+    for model, cwd in (("a/ckpt", tmp_path), (str(tmp_path / "copy"), tmp_path / "a")):
+        if model.endswith("copy"):
+            shutil.copytree(tiny.path, model)
+        (out / "acts-00001.safetensors").unlink()
+        monkeypatch.chdir(cwd)
+        assert harvest(model, source, out, HOOKS, **options(tokenizer_dir)).complete
+        assert {k: v for k, v in tree_shas(out).items() if k != MANIFEST} == {
+            k: v for k, v in whole.items() if k != MANIFEST
+        }
+    other = tmp_path / "other"
+    shutil.copytree(tiny.path, other)
+    weights = other / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # one bit of the last weight
+    weights.write_bytes(bytes(data))
+    with pytest.raises(HarvestError, match=r"weights: model.safetensors changed"):
+        harvest(str(other), source, out, HOOKS, **options(tokenizer_dir))
+
+
 # --- what the shards hold ----------------------------------------------------------------------
 
 
@@ -411,6 +442,36 @@ def test_a_finished_saelens_folder_gets_its_dataset_files_back(
     assert harvest(tiny.path, source, out, HOOKS, **options(tokenizer_dir), format="saelens").complete
     assert tree_shas(out) == whole
     assert len(datasets.load_from_disk(str(out))) == n
+
+
+def test_a_finished_saelens_folder_whole_is_only_read(tiny, tokenizer_dir: Path, source: Path, tmp_path: Path) -> None:
+    """Run again, a finished job in SAELens' format leaves `state.json` and `dataset_info.json` as they are
+    (the same files, not rewritten): a finished folder on a read-only disk runs again."""
+    pytest.importorskip("datasets", reason="datasets (the harvest extra) is not installed")
+    out = tmp_path / "cache"
+    harvest(tiny.path, source, out, HOOKS, **options(tokenizer_dir), format="saelens")
+    before = {name: (out / name).stat().st_ino for name in ("state.json", "dataset_info.json")}
+    assert harvest(tiny.path, source, out, HOOKS, **options(tokenizer_dir), format="saelens").complete
+    assert {name: (out / name).stat().st_ino for name in before} == before
+
+
+def test_saelens_state_lists_the_shards_in_their_contexts_order(tmp_path: Path) -> None:
+    """Past shard 99,999 the names' own order is not the contexts': acts-100000 sorts before acts-99999."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from model.harvest.job import write_dataset_files
+    from model.harvest.shards import ShardRecord, shard_name
+
+    pytest.importorskip("datasets", reason="datasets (the harvest extra) is not installed")
+    records = [ShardRecord(i, shard_name(i, ".arrow"), 1, i, "0" * 64, 1) for i in (99_998, 100_000, 99_999)]
+    manifest = SimpleNamespace(out_dir=tmp_path, shards={r.index: r for r in records[:2]})
+    plan = SimpleNamespace(shapes={"blocks.0.hook_resid_pre": [16, 8]}, spec=SimpleNamespace(context_size=16))
+    plan.dtype = torch.float32
+    write_dataset_files(manifest, plan, records[2])  # type: ignore[arg-type]
+    files = [f["filename"] for f in json.loads((tmp_path / "state.json").read_text())["_data_files"]]
+    assert files == ["acts-99998.arrow", "acts-99999.arrow", "acts-100000.arrow"]
 
 
 def test_listed_shards_past_the_text_s_end_are_unlisted(

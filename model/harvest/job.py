@@ -282,17 +282,18 @@ def write_shard_file(out_dir: Path, plan: Plan, index: int, first: int, rows: in
 def record_shard(manifest: Manifest, plan: Plan, record: ShardRecord) -> None:
     """Add a written shard to the manifest (and, in SAELens' format, to the dataset's own `state.json`)."""
     if plan.spec.format == "saelens":
-        write_dataset_files(manifest, plan, [*(manifest.shards[i].file for i in manifest.shards), record.file])
+        write_dataset_files(manifest, plan, record)
     manifest.add(record)
 
 
-def write_dataset_files(manifest: Manifest, plan: Plan, files: list[str] | None = None) -> None:
-    """SAELens' `state.json` and `dataset_info.json` for the shards `files` (None: those listed), which
+def write_dataset_files(manifest: Manifest, plan: Plan, new: ShardRecord | None = None) -> None:
+    """SAELens' `state.json` and `dataset_info.json` for the shards listed (and `new`), in the order of their
+    contexts (by index: the names' own order puts acts-100000 before acts-99999), which
     `datasets.load_from_disk` reads: after each shard, and again when a finished job runs once more (a folder
-    whose copies were lost or damaged loads again)."""
-    listed = [manifest.shards[i].file for i in manifest.shards] if files is None else files
+    whose copies were lost or damaged loads again; one whose are whole is only read)."""
+    shards = {i: r.file for i, r in manifest.shards.items()} | ({new.index: new.file} if new is not None else {})
     feats = saelens.features(plan.shapes, plan.spec.context_size, plan.dtype)
-    saelens.write_dataset_files(manifest.out_dir, sorted(listed), feats)
+    saelens.write_dataset_files(manifest.out_dir, [shards[i] for i in sorted(shards)], feats)
 
 
 def already_written(

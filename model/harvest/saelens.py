@@ -105,5 +105,7 @@ def write_dataset_files(out_dir: Path, files: list[str], feats: Any) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ds.DatasetInfo(features=feats).write_to_directory(tmp)
         info = (Path(tmp) / "dataset_info.json").read_bytes()
-    write_atomic(out_dir / "dataset_info.json", info)
-    write_atomic(out_dir / "state.json", (json.dumps(state, indent=2) + "\n").encode())
+    state_json = (json.dumps(state, indent=2) + "\n").encode()
+    for path, data in ((out_dir / "dataset_info.json", info), (out_dir / "state.json", state_json)):
+        if not (path.is_file() and path.read_bytes() == data):  # as it is: left alone (a read-only folder too)
+            write_atomic(path, data)

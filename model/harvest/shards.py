@@ -154,13 +154,18 @@ def _identities_added(saved: dict[str, Any], now: dict[str, Any], out_dir: Path)
 
 def _comparable(job: dict[str, Any]) -> dict[str, Any]:
     """`job` as a resume compares it: the path the text was given by does not count where the text is identified
-    by content (its files' sha256, its dataset's fingerprint), and the model's and the tokenizer's count resolved
-    where they name a local folder or file. `corpus.jsonl` and `/data/corpus.jsonl`, `./gpt2` and `gpt2/`, give
-    one job (a resume named the text otherwise was refused as "other files")."""
+    by content (its files' sha256, its dataset's fingerprint), nor the model's name or path (and revision) where
+    its weight files are, nor the tokenizer's where its files are; else the model's and the tokenizer's count
+    resolved where they name a local folder or file. `corpus.jsonl` and `/data/corpus.jsonl`, `./gpt2` and
+    `gpt2/`, a relative path from another working directory, a copy of the model's folder: one job (a resume
+    named the text otherwise was refused as "other files", the model from elsewhere as another model)."""
     out = dict(job)
     source = out.get("source")
     if isinstance(source, dict) and (source.get("kind") == "files" or source.get("fingerprint") is not None):
         out["source"] = {k: v for k, v in source.items() if k != "path"}
+    for key, files in (("model", "weights"), ("revision", "weights"), ("tokenizer", "tokenizer_files")):
+        if out.get(files):  # the files identified by content: where they lie does not count
+            out.pop(key, None)
     for key in ("model", "tokenizer"):
         value = out.get(key)
         if isinstance(value, str) and value and Path(value).exists():
