@@ -120,6 +120,22 @@ def test_bench_server_quick(tiny, tokenizer_dir: Path, tmp_path: Path) -> None:
         assert positive(own["throughput_ratio"]) and positive(lv["server_over_engine_alone"]), (lv, own)
 
 
+def test_bench_prefix_quick(tiny, tmp_path: Path) -> None:
+    """Both workloads, sharing on and off: the same results, the prefix copied as the batch's policy says (the
+    samples' prompt but its last token, for each sample after the first; the context but its last token, for
+    each choice after the first)."""
+    out = tmp_path / "prefix.json"
+    args = ["--n", "3", "--prompt-len", "40", "--new-tokens", "3", "--choices", "3", "--context-len", "30"]
+    run_script(
+        "bench_prefix.py", "--model", str(tiny.path), *args, "--prefill-chunk", "16", "--reps", "1", "--json", str(out)
+    )
+    report = json.loads(out.read_text())
+    samples, choices = report["workloads"]["samples"], report["workloads"]["choices"]
+    assert samples["copied_tokens"] == 2 * 39 and choices["copied_tokens"] == 2 * 29
+    for w in (samples, choices):
+        assert w["same_results"] is True and positive(w["seconds_shared"]) and positive(w["seconds_computed"])
+
+
 def test_forward_flops_counts_what_each_token_needs() -> None:
     """The server bench's bound, against a count token by token: each token fed (a prompt's, then each new
     one but the last) through every block with attention over its positions so far, except that in the last
