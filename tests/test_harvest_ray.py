@@ -4,6 +4,7 @@ driver holds the folder's lock (a second job is refused) while its actors write 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -103,6 +104,27 @@ def test_a_gpu_device_needs_gpus_per_actor(tiny, tokenizer_dir: Path, tmp_path: 
     with pytest.raises(HarvestError, match=r"device 'cuda' needs GPUs per actor above 0"):
         run_on_ray(spec, tmp_path / "acts", gpus_per_actor=0)
     assert not (tmp_path / "acts").exists()
+
+
+def test_a_driver_without_a_gpu_plans_a_job_for_actors_with_one(tiny, tokenizer_dir: Path, tmp_path: Path) -> None:
+    """The job's device is the actors' (`--device cuda --gpus-per-actor 1` from a laptop was refused: "CUDA is
+    not available here"), and `auto` dtype means what it means there (bfloat16 on CUDA); a device no one runs
+    on is still refused before anything starts."""
+    from model.harvest.job import open_job
+    from model.harvest.ray_data import run_on_ray
+
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text("the cat sat on the mat " * 40, encoding="utf-8")
+    spec = HarvestSpec(
+        model=str(tiny.path), source=str(tmp_path / "text"), hooks=("hook_embed",), device="cuda:0",
+        tokenizer=str(tokenizer_dir), context_size=16,
+    )  # fmt: skip
+    plan, manifest, _ = open_job(spec, tmp_path / "acts", device="cuda")
+    with manifest:
+        assert plan.job()["device"] == "cuda" and plan.job()["dtype"] == "bfloat16"
+    with pytest.raises(HarvestError, match="unknown device 'meta'"):
+        run_on_ray(dataclasses.replace(spec, device="meta"), tmp_path / "other", gpus_per_actor=1)
+    assert not (tmp_path / "other").exists()
 
 
 def test_a_bad_ray_address_is_one_error_and_leaves_no_folder(tiny, tokenizer_dir: Path, tmp_path: Path) -> None:

@@ -428,7 +428,8 @@ def open_job(
     spec: HarvestSpec, out_dir: str | Path, loaded: LoadedModel | None = None, device: str | None = None
 ) -> tuple[Plan, Manifest, Tokenizer]:
     """Plan the job and open (or resume) its output folder. `device`: the kind of device the workers compute
-    on, where it is not this process's (None: `loaded`'s, or `spec.device` resolved here). The manifest
+    on, where it is not this process's (None: `loaded`'s, or `spec.device` resolved here), which also sets
+    what `auto` dtype means. The manifest
     holds the folder's lock: `close` it (or use it as a context manager) when the job ends."""
     tok_files: list[dict[str, Any]] | None = None  # a tokenizer given loaded has no files to identify
     if loaded is not None:
@@ -436,8 +437,8 @@ def open_job(
         name, revision, here = loaded.name, loaded.revision, loaded.device
         weights = tensors_identity(loaded.model)
     else:
-        try:
-            here = resolve_device(spec.device)
+        try:  # where the workers are elsewhere (Ray's), their kind of device: this process may have none of it
+            here = torch.device(device) if device is not None else resolve_device(spec.device)
         except LoadError as e:
             raise HarvestError(str(e)) from None
         located = locate_model(spec, here)

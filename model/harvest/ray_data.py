@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..loading import device_problem
 from .errors import HarvestError
 from .job import (
     HarvestSpec,
@@ -99,8 +100,11 @@ def run_on_ray(
         raise HarvestError(
             f"device {spec.device!r} needs GPUs per actor above 0: Ray hides the GPUs from an actor that asks for none"
         )
-    # Ray hides the GPUs from an actor that asks for none, so "auto" computes on GPUs exactly when it asks for some
-    device = ("cuda" if gpus_per_actor > 0 else "cpu") if spec.device == "auto" else None
+    if problem := device_problem(spec.device):
+        raise HarvestError(problem)
+    # Ray hides the GPUs from an actor that asks for none, so "auto" computes on GPUs exactly when it asks for some;
+    # the actors' device, not this driver's: a driver without a GPU plans a job for actors with one
+    device = ("cuda" if gpus_per_actor > 0 else "cpu") if spec.device == "auto" else torch.device(spec.device).type
     plan, manifest, tokenizer = open_job(spec, out_dir, device=device)
     T = spec.context_size
     with manifest:  # this driver holds the folder's lock; the actors write their shards under it
