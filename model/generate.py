@@ -190,6 +190,9 @@ class SequenceState:
     _clean_tokens: int = 0
     finish_reason: str | None = None  # "error" when it failed alone (`error`)
     error: Exception | None = None
+    # sequences may copy each other's prompt prefixes only within one group (a server's request: its prompts and
+    # their samples), so that no client's prompt is read, or timed, by another's; None: one group of all
+    group: int | None = None
 
     @property
     def prompt_only(self) -> bool:
@@ -435,10 +438,11 @@ class DecodeBatch:
     `mean` takes its mean over the whole prompt).
 
     A sequence without hooks whose prompt begins with at least `SHARED_PREFIX_MIN` tokens of the prompt of one
-    already in the batch (the `n` samples of a prompt, the choices of a multiple-choice question after one
-    context) copies those positions' keys and values from that row instead of computing them again
-    (`_take_prefixes`): it waits while the other prefills them, then prefills only the rest. Its prompt
-    logprobs, where asked for, are copied with them. `shared_tokens` counts the prompt tokens so taken.
+    already in the batch, of its `group` (the `n` samples of a prompt, the choices of a multiple-choice question
+    after one context), copies those positions' keys and values from that row instead of computing them again
+    (`_take_prefixes`): it waits while the other prefills them (unless the step's budget carries its whole
+    prompt anyway: waiting would only cost it a pass), then prefills only the rest. Its prompt logprobs, where
+    asked for, are copied with them. `shared_tokens` counts the prompt tokens so taken.
     """
 
     def __init__(
@@ -513,28 +517,35 @@ class DecodeBatch:
         position (whose logits choose its first token), and with prompt logprobs the last one in common too
         (its logits score `seq`'s next prompt token, which the other's do not), and then only from another
         that lists prompt logprobs of the same depth."""
-        want = seq.params.prompt_logprobs
-        if seq.hooks is not None:
+        want, head = seq.params.prompt_logprobs, seq.prompt[:SHARED_PREFIX_MIN]
+        if seq.hooks is not None or len(seq.prompt) <= SHARED_PREFIX_MIN:
             return None
-        best = None
+        best, best_key = None, (0, False)
         for other in self.seqs[:-1]:
-            if other.hooks is not None or (want is not None and other.params.prompt_logprobs != want):
+            if (
+                other.group != seq.group
+                or other.hooks is not None
+                or (want is not None and other.params.prompt_logprobs != want)
+                or other.prompt[:SHARED_PREFIX_MIN] != head  # most rows: no long slice or search
+            ):
                 continue
             n = min(_common_prefix(seq.prompt, other.prompt) - (want is not None), len(seq.prompt) - 1)
-            if n >= SHARED_PREFIX_MIN and (best is None or n > best[1]):
-                best = (other, n)
+            key = (n, other.prefilled >= n)  # the most positions; of as many, from a row that holds them already
+            if n >= SHARED_PREFIX_MIN and key > best_key:
+                best, best_key = (other, n), key
         return best
 
     def _take_prefixes(self) -> None:
         """Copy their shared prefixes into the rows of the sequences waiting for them, where the other row
         holds them by now. One whose other has left the batch (finished, cancelled or failed) before then
         prefills its prompt itself."""
+        rows = {id(s): b for b, s in enumerate(self.seqs)}
         for b, seq in enumerate(self.seqs):
             prefix = self._prefixes.get(id(seq))
             if prefix is None:
                 continue
             other, n = prefix
-            a = next((a for a, s in enumerate(self.seqs) if s is other), None)
+            a = rows.get(id(other))
             if a is not None and other.prefilled < n:
                 continue  # the other is still prefilling them: this one waits
             del self._prefixes[id(seq)]
@@ -574,7 +585,9 @@ class DecodeBatch:
         for b in sorted(range(len(self.seqs)), key=self.joined.__getitem__):
             seq = self.seqs[b]
             if id(seq) in self._prefixes:
-                continue  # waiting for another row to prefill what it will copy
+                if budget is not None and budget < len(seq.prompt) - seq.prefilled:
+                    continue  # waits for another row to prefill what it will copy
+                del self._prefixes[id(seq)]  # this step carries its whole prompt: waiting would cost it a pass
             if seq.prefilled < len(seq.prompt) and (budget is None or budget > 0):
                 if budget is None or (seq.hooks is not None and needs_whole_prompt(seq.hooks)):
                     end = len(seq.prompt)

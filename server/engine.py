@@ -21,6 +21,7 @@ forward passes enter."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -162,6 +163,7 @@ class Engine:
         static = loaded.device.type == "cuda"
         self._batch = DecodeBatch(self.model, max_batch_size, config.n_positions, self.prefill_chunk, static)
         self._shared_counted = 0  # of the batch's shared_tokens, those already in the metrics
+        self._groups = itertools.count()
         self._batch.warm_up()
         # The cache was zeroed and the batch warmed on this thread: its OpenMP threads go, so that the engine's
         # thread keeps the only pool and its threads spin between parallel regions (server/threads.py).
@@ -225,6 +227,9 @@ class Engine:
             new_sequence(self.model, i, prompt, p, self.tokenizer, names, edits)
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
         ]
+        group = next(self._groups)  # its sequences share prompt prefixes with each other, not with another request's
+        for seq in seqs:
+            seq.group = group
         loop = asyncio.get_running_loop()
         requests = [_Request(seq, loop, asyncio.Queue()) for seq in seqs]
         with self._cv:

@@ -5,9 +5,12 @@ each gets what it gets alone."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
 import pytest
 import torch
-from inprocess import assert_still_serving, post_ok, serve
+from inprocess import assert_still_serving, engine_held, post_ok, serve, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from model.generate import (
@@ -103,6 +106,53 @@ def test_a_prefix_is_copied_only_from_a_row_that_lists_the_same_prompt_logprobs(
         assert_same(seq.result(), alone(tiny_model, prompt, q))
 
 
+def test_a_prompt_the_step_carries_whole_does_not_wait(tiny_model: GPT) -> None:
+    """Four samples of a 20-token prompt with 128 prompt tokens a pass: one pass prefills them all and gives
+    each its first token; waiting for the first to copy from it would cost the others a pass."""
+    prompt = random_prompt(20, 8)
+    params = [SamplingParams(max_new_tokens=1, temperature=1.0, seed=s, ignore_eos=True) for s in range(4)]
+    with torch.inference_mode():
+        batch = DecodeBatch(tiny_model, 4, 128, prefill_chunk=128)
+        seqs = [new_sequence(tiny_model, i, prompt, q, None) for i, q in enumerate(params)]
+        for seq in seqs:
+            batch.add(seq)
+        batch.step()
+    assert all(s.finish_reason == "length" for s in seqs) and batch.shared_tokens == 0
+
+
+def test_of_equal_prefixes_one_already_held_is_copied(tiny_model: GPT) -> None:
+    """Two rows hold the same prompt, one still prefilling it: a third copies from the one that holds it now."""
+    prompt = random_prompt(40, 9)
+    params = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+    with torch.inference_mode():
+        batch = DecodeBatch(tiny_model, 3, 128, prefill_chunk=8)
+        first, second, third = (new_sequence(tiny_model, i, prompt, params, None) for i in range(3))
+        batch.add(first)
+        batch.add(second)
+        first.prefilled, second.prefilled = 8, 40  # as if the second had prefilled it (the policy alone)
+        batch.add(third)
+        assert batch._prefixes[id(third)] == (second, 39)
+
+
+def test_sequences_of_other_groups_do_not_share(tiny_model: GPT) -> None:
+    """A server's requests are groups: one client's prompt is neither copied into nor timed by another's."""
+    prompt = random_prompt(40, 10)
+    params = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+    with torch.inference_mode():
+        batch = DecodeBatch(tiny_model, 3, 128, prefill_chunk=8)
+        seqs = [new_sequence(tiny_model, i, prompt, params, None) for i in range(3)]
+        for seq, group in zip(seqs, (1, 2, 1), strict=True):
+            seq.group = group
+            batch.add(seq)
+        assert id(seqs[1]) not in batch._prefixes and batch._prefixes[id(seqs[2])] == (seqs[0], 39)
+        while batch:
+            batch.step()
+    assert batch.shared_tokens == 39
+    want = alone(tiny_model, prompt, params)
+    for seq in seqs:
+        assert_same(seq.result(), want)
+
+
 def test_a_short_common_prefix_is_not_shared(tiny_model: GPT) -> None:
     prompt = random_prompt(SHARED_PREFIX_MIN, 3)  # the follower could copy SHARED_PREFIX_MIN - 1 positions
     params = [SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)] * 2
@@ -162,10 +212,15 @@ def test_sequences_with_hooks_neither_copy_nor_are_copied(tiny_model: GPT) -> No
 
 
 def shared_metric(text: str) -> float:
+    """gpt2_prompt_tokens_shared_total, read from /metrics as a scraper reads it."""
     for family in text_string_to_metric_families(text):
         if family.name == "gpt2_prompt_tokens_shared":
             return sum(s.value for s in family.samples if s.name == "gpt2_prompt_tokens_shared_total")
     raise AssertionError("no gpt2_prompt_tokens_shared in /metrics")
+
+
+def sample(client: Any, name: str) -> float | None:
+    return client.app.state.metrics.registry.get_sample_value(name)
 
 
 def test_completions_n_samples_share_their_prompt_and_n_goes_to_128(loaded: LoadedModel) -> None:
@@ -179,6 +234,12 @@ def test_completions_n_samples_share_their_prompt_and_n_goes_to_128(loaded: Load
             one = post_ok(c, CMPL, {"prompt": prompt, "max_tokens": 4, "seed": 11 + j, "logprobs": 1})["choices"][0]
             assert choice["text"] == one["text"]
             assert choice["logprobs"]["token_logprobs"] == pytest.approx(one["logprobs"]["token_logprobs"], abs=1e-4)
+        with ThreadPoolExecutor(2) as pool:  # two requests of one prompt, in the batch together: not shared
+            with engine_held(c):
+                both = [pool.submit(c.post, CMPL, json={"prompt": prompt, "max_tokens": 2}) for _ in range(2)]
+                wait_until(lambda: sample(c, "gpt2_queue_depth") == 2)
+            assert all(f.result(20).status_code == 200 for f in both)
+        assert shared_metric(c.get("/metrics").text) - before == 3 * 49
         body = post_ok(c, CMPL, {"prompt": "Hello", "max_tokens": 1, "n": 128})
         assert len(body["choices"]) == 128
         error = c.post(CMPL, json={"prompt": "Hello", "max_tokens": 1, "n": 129})
