@@ -377,8 +377,9 @@ def test_the_device_is_recorded_resolved(tiny, tokenizer_dir: Path, corpus, tmp_
     harvest(tiny.path, source, out, ["blocks.0.hook_resid_pre"], **(opts | {"device": "cpu"}))
     assert tree_shas(out) == before
     spec = HarvestSpec(str(tiny.path), str(source), ("blocks.0.hook_resid_pre",), **(opts | {"device": "cpu"}))
-    with pytest.raises(HarvestError, match=r"other arguments \(device: 'cpu' there, 'cuda' now\)"):
-        open_job(spec, out, device="cuda")  # as Ray's driver opens a job whose actors compute on GPUs
+    # as Ray's driver opens a job whose actors compute on GPUs (where dtype auto means bfloat16)
+    with pytest.raises(HarvestError, match=r"other arguments \(device: 'cpu' there, 'cuda' now; dtype: 'float32'"):
+        open_job(spec, out, device="cuda")
 
 
 def test_job_errors(tiny, tokenizer_dir: Path, corpus, tmp_path: Path) -> None:

@@ -137,7 +137,8 @@ def test_saes_and_checkpoints_through_the_hub(hub_root: Path, tmp_path: Path, ti
     # res-jb's repo: centred, as SAELens' release table says (its cfg.json does not)
     assert out["source_centred"] is True
     # mlp-tm's repo: its input scale folded in, as SAELens' release table gives it (its files do not)
-    local = load_sae(hub_root / MLP_TM / MLP_TM_1)  # as SAELens' load_from_disk reads it: unscaled
+    # the same files in a folder of no release's name, as SAELens' load_from_disk reads them: unscaled
+    local = load_sae(shutil.copytree(hub_root / MLP_TM / MLP_TM_1, tmp_path / "plain"))
     x, factor = torch.linspace(-1, 1, 64), 2.3693984005104283
     assert out["scaled"][0] == "none" and local.cfg.normalize_activations == "expected_average_only_in"
     assert out["scaled"][1] == pytest.approx(local.encode(factor * x).tolist(), abs=1e-5)

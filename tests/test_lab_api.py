@@ -128,7 +128,7 @@ def test_an_edit_after_the_last_block_is_refused_by_analyze_unless_it_changes_th
         r = client.post("/v1/analyze", json=body | edit)
         assert r.status_code == 400 and r.json()["error"]["param"] == "interventions", r.text
         message = r.json()["error"]["message"]
-        assert message.startswith(f"interventions[1] ({hook!r}) applies only after the last block, which changes nothing")
+        assert message.startswith(f"interventions[1] ({hook!r}) applies only after the last block, which changes")
     # a glob that also matches hook points in the blocks changes what it measures: taken
     glob = {"interventions": [{"hook": "*hook_normalized", "op": "scale", "factor": 0.5}]}
     assert client.post("/v1/analyze", json=body | glob).status_code == 200
