@@ -273,13 +273,15 @@ class FeatureCapture(Strict):
     largest, or the values of `features`."""
 
     sae: str = Field(description="an SAE id the server loaded (GET /v1/model lists them)")
-    top_k: int = Field(default=10, description="features per token, the largest (active ones only)")
+    top_k: int | None = Field(
+        default=None, description="features per token, the largest (active ones only); null: 10, at most the SAE's size"
+    )
     features: list[int] | None = Field(default=None, description="these features' values instead of the top k")
 
     def selection(self, d_sae: int, where: str = "") -> tuple[int | None, list[int] | None]:
         """(top_k, feature ids): one of them, checked against the SAE's size (errors name `where` + field)."""
         if self.features is not None:
-            if "top_k" in self.model_fields_set:  # one or the other, never one silently dropped
+            if self.top_k is not None:  # one or the other, never one silently dropped
                 raise GenerationError(
                     f"{where}top_k and {where}features exclude each other: features reads the ids it lists, "
                     "top_k the largest; give one",
@@ -299,7 +301,7 @@ class FeatureCapture(Strict):
                     raise GenerationError(f"{where}features: {f} is named twice", f"{where}features")
                 seen.add(f)
             return None, list(self.features)
-        top_k = self.top_k if "top_k" in self.model_fields_set else min(self.top_k, d_sae)  # default: 10 at most
+        top_k = self.top_k if self.top_k is not None else min(10, d_sae)  # the default: 10 at most
         if not 1 <= top_k <= min(d_sae, 1024):
             raise GenerationError(f"{where}top_k must be in 1..{min(d_sae, 1024)}, got {top_k}", f"{where}top_k")
         return top_k, None

@@ -295,6 +295,17 @@ def test_a_part_is_smaller_for_a_larger_sae_and_read_features_goes_in_parts(
             assert [v for _, v in got.features] == pytest.approx([v for _, v in ref.features], abs=1e-5, nan_ok=True)
 
 
+def test_a_null_top_k_is_the_default(client: TestClient) -> None:
+    """`top_k: null` reads the default 10 (it was a 400), and beside `features` counts as not given."""
+    base = {"input_ids": IDS, "sae": "res1"}
+    default, null = post(client, "/v1/features", base), post(client, "/v1/features", base | {"top_k": None})
+    assert null["features"] == default["features"] and max(len(t["features"]) for t in default["features"]) <= 10
+    chosen = post(client, "/v1/features", base | {"features": [1, 2], "top_k": None})
+    assert all([f["id"] for f in t["features"]] == [1, 2] for t in chosen["features"])
+    body = {"max_new_tokens": 1, "input_ids": IDS, "features": {"sae": "res1", "top_k": None}}
+    assert post(client, "/v1/generate", body)["choices"][0]["features"]
+
+
 def test_the_store_is_bounded(client: TestClient) -> None:
     body = {"positive": [[1, 2]], "negative": [[3, 4]], "hook": RES}
     stored = set(client.get("/v1/model").json()["steering_vectors"])
