@@ -64,13 +64,18 @@ def workloads(args: argparse.Namespace, vocab: int) -> dict[str, tuple[list[list
     return {"samples": ([prompt] * args.n, samples), "choices": (endings, scoring)}
 
 
-def run(model: Any, chunk: int, prompts: list[list[int]], params: list[Any]) -> tuple[float, list[Any], int]:
-    """Seconds for the requests through one batch, all joining at once; their results; the tokens copied."""
+def run(
+    model: Any, chunk: int, prompts: list[list[int]], params: list[Any], share: bool
+) -> tuple[float, list[Any], int]:
+    """Seconds for the requests through one batch, all joining at once; their results; the tokens copied.
+    Without `share`, each sequence is a group of its own (`SequenceState.group`), as separate requests are."""
     from model.generate import DecodeBatch, new_sequence
 
     with torch.inference_mode():
         batch = DecodeBatch(model, len(prompts), model.config.n_positions, chunk)
         seqs = [new_sequence(model, i, p, q, None) for i, (p, q) in enumerate(zip(prompts, params, strict=True))]
+        for i, seq in enumerate(seqs):
+            seq.group = None if share else i
         start = time.perf_counter()
         for seq in seqs:
             batch.add(seq)
@@ -107,11 +112,9 @@ def main(argv: list[str] | None = None) -> int:
             path = str(Path(tmp) / "gpt2-small-random")
             make_random_checkpoint(Path(path))
         model = load_weights(path, dtype=args.dtype, device="cpu")  # token ids only: no tokenizer needed
-    generate_module = sys.modules["model.generate"]  # the module (`model.generate` names the function)
     chunk = args.prefill_chunk or default_prefill_chunk(torch.device("cpu"))
     print(f"host: {cpu_name()}, {torch.get_num_threads()} threads; extensions: {features_text(cpu_features())}")
     print(f"{args.dtype}, prefill chunk {chunk}, best of {args.reps} alternating runs\n")
-    shared_min = generate_module.SHARED_PREFIX_MIN
     report: dict[str, Any] = {"dtype": args.dtype, "prefill_chunk": chunk, "workloads": {}}
     for name, (prompts, params) in workloads(args, model.config.vocab_size).items():
         best = {"shared": float("inf"), "computed": float("inf")}
@@ -119,11 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         copied = 0
         for _ in range(args.reps):
             for way in best:
-                setattr(generate_module, "SHARED_PREFIX_MIN", shared_min if way == "shared" else 1 << 30)  # noqa: B010
-                try:
-                    seconds, results[way], n = run(model, chunk, prompts, params)
-                finally:
-                    setattr(generate_module, "SHARED_PREFIX_MIN", shared_min)  # noqa: B010
+                seconds, results[way], n = run(model, chunk, prompts, params, share=way == "shared")
                 best[way] = min(best[way], seconds)
                 copied = n if way == "shared" else copied
         prompt_tokens = sum(len(p) for p in prompts)
