@@ -460,13 +460,15 @@ class AttributionRequest(Strict):
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")  # vLLM clients also send `model`
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None  # vLLM's clients send it: checked against the served names, as completions do
     prompt: str
     add_special_tokens: bool = True
 
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
     tokens: list[int]
 
 

@@ -102,6 +102,8 @@ CASES = [
     Bad("tokenize-number", "/tokenize", {"prompt": 5}, param="prompt"),
     Bad("detokenize-vocab", "/detokenize", {"tokens": [50257]}, param="tokens"),
     Bad("detokenize-string", "/detokenize", {"tokens": "abc"}, param="tokens"),
+    Bad("tokenize-unknown-model", "/tokenize", hi(model="gpt-4"), status=404, param="model", code="model_not_found"),
+    Bad("detokenize-unknown-model", "/detokenize", {"tokens": [1], "model": "x"}, 404, "model", code="model_not_found"),
     # OpenAI completions
     Bad("openai-prompt-number", CMPL, {"prompt": 5}, param="prompt"),  # (an empty prompt is <|endoftext|>)
     Bad("openai-unknown-model", CMPL, hi(model="davinci-002"), status=404, param="model", code="model_not_found"),

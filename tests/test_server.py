@@ -109,12 +109,13 @@ def test_models_list(client: TestClient, loaded: LoadedModel) -> None:
 
 def test_tokenize_detokenize(client: TestClient, loaded: LoadedModel) -> None:
     text = "Hello world, ünïcödé ✓ <|endoftext|>"
-    body = post_ok(client, "/tokenize", {"prompt": text, "add_special_tokens": True, "model": "ignored"})
+    body = post_ok(client, "/tokenize", {"prompt": text, "add_special_tokens": True, "model": loaded.name})
     assert body["tokens"] == loaded.tokenizer.encode(text)
     assert body["tokens"][-1] == 50256
     assert body["count"] == len(body["tokens"])
     assert body["max_model_len"] == 128
     assert post_ok(client, "/detokenize", {"tokens": body["tokens"]}) == {"prompt": text}
+    assert post_ok(client, "/detokenize", {"tokens": body["tokens"], "model": None}) == {"prompt": text}
 
 
 def test_tokenizer_info(client: TestClient) -> None:
@@ -719,6 +720,10 @@ def test_completions_model_names(loaded: LoadedModel) -> None:
         assert second["model"] == "my-gpt2" and second["choices"] == first["choices"]
         assert post_ok(client, CMPL, body)["model"] == "gpt2"  # left out: the first served name
         assert_error(client.post(CMPL, json=body | {"model": loaded.name}), 404, "model", "model_not_found")
+        ids = post_ok(client, "/tokenize", {"prompt": "Hi", "model": "my-gpt2"})["tokens"]  # vLLM's clients name it
+        assert post_ok(client, "/detokenize", {"tokens": ids, "model": "gpt2"}) == {"prompt": "Hi"}
+        for path, request in (("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": ids})):
+            assert_error(client.post(path, json=request | {"model": loaded.name}), 404, "model", "model_not_found")
 
 
 def test_completions_empty_prompt_is_document_start(client: TestClient, loaded: LoadedModel) -> None:

@@ -38,7 +38,7 @@ async def models(engine: EngineDep, settings: SettingsDep) -> dict[str, Any]:
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, engine: EngineDep, settings: SettingsDep) -> dict[str, Any]:
     """OpenAI's model retrieval: the served model by an id /v1/models lists (a local path's slashes too)."""
-    _check_model(model_id, served_names(engine, settings))
+    check_model(model_id, engine, settings)
     return _model_card(engine, model_id)
 
 
@@ -47,10 +47,11 @@ def served_names(engine: Engine, settings: Settings) -> tuple[str, ...]:
     return settings.served_model_name or (engine.loaded.name,)
 
 
-def _check_model(name: str, names: tuple[str, ...]) -> None:
+def check_model(name: str | None, engine: Engine, settings: Settings) -> None:
     """A model this server does not serve is a 404, as OpenAI and vLLM answer it: never another model's text
-    under the name asked for."""
-    if name not in names:
+    (or its tokenizer's ids) under the name asked for. None or "": the served model, as vLLM takes them."""
+    names = served_names(engine, settings)
+    if name and name not in names:
         served = ", ".join(repr(n) for n in names)
         message = f"the model {name!r} does not exist: this server serves {served}"
         raise APIError(404, message, "model", code="model_not_found")
@@ -72,9 +73,7 @@ def _model_card(engine: Engine, name: str) -> dict[str, Any]:
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request, engine: EngineDep, settings: SettingsDep) -> Response:
     req.check()
-    names = served_names(engine, settings)
-    if req.model:  # null or "": the served model, as vLLM takes them
-        _check_model(req.model, names)
+    check_model(req.model, engine, settings)
     # an empty or missing prompt is <|endoftext|>, as OpenAI reads it: "as from the beginning of a new document"
     eot = engine.tokenizer.eot_id
     prompts = [ids or [eot] for ids in await openai_prompt_ids(engine, req.prompt or "")]
@@ -82,7 +81,7 @@ async def completions(req: CompletionRequest, request: Request, engine: EngineDe
         sequences = req.sequences(prompts, engine.model.config.n_positions, settings.max_new_tokens)
         too_many_prompts = len(prompts) > engine.max_queue  # then no n could help
         streams = engine.submit(*sequences, count_param="n" if req.n > 1 and not too_many_prompts else "prompt")
-    reply = _Reply(engine, req, req.model or names[0])
+    reply = _Reply(engine, req, req.model or served_names(engine, settings)[0])
     if req.stream:
         return sse(reply.stream(streams))
     completions = await results(streams, request)

@@ -12,20 +12,23 @@ from model.tokenizer import EOT
 from ..json_body import JSONBodyRoute
 from ..schemas import DetokenizeRequest, TokenizeRequest
 from ..threads import run_in_threadpool
-from .deps import EngineDep, encode
+from .deps import EngineDep, SettingsDep, encode
+from .openai import check_model
 
 router = APIRouter(tags=["tokenizer"], route_class=JSONBodyRoute)
 
 
 @router.post("/tokenize")
-async def tokenize(req: TokenizeRequest, engine: EngineDep) -> dict[str, Any]:
+async def tokenize(req: TokenizeRequest, engine: EngineDep, settings: SettingsDep) -> dict[str, Any]:
+    check_model(req.model, engine, settings)
     # GPT-2 adds no special tokens, whatever add_special_tokens says
     (ids,) = await encode(engine, [req.prompt], "prompt")
     return {"tokens": ids, "count": len(ids), "max_model_len": engine.model.config.n_positions}
 
 
 @router.post("/detokenize")
-async def detokenize(req: DetokenizeRequest, engine: EngineDep) -> dict[str, Any]:
+async def detokenize(req: DetokenizeRequest, engine: EngineDep, settings: SettingsDep) -> dict[str, Any]:
+    check_model(req.model, engine, settings)
     vocab = engine.tokenizer.vocab_size
     bad = [t for t in req.tokens if not 0 <= t < vocab]
     if bad:
