@@ -58,6 +58,10 @@ def dump_path_problem(path: str | Path) -> str | None:
         return f"cannot write {path}: it is a directory"
     if target.exists() and not stat.S_ISREG(target.stat().st_mode):
         return f"cannot write {path}: it is not a regular file"
+    try:  # the file is made beside its target: that directory must take a new file (permissions, read-only disk)
+        _new_file_beside(target).unlink()
+    except OSError as e:
+        return f"cannot write {path}: {e.strerror or e}"
     return None
 
 
@@ -69,6 +73,8 @@ def save_dump(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict
     a `ValueError`."""
     if problem := dump_path_problem(path):
         raise ValueError(problem)
+    if not tensors:  # safetensors writes the file, then cannot read it back
+        raise ValueError(f"cannot write {path}: a dump needs at least one tensor")
     replace_whole(path, lambda temporary: save_file(_contiguous(tensors), str(temporary), metadata=_metadata(metadata)))
 
 

@@ -20,7 +20,7 @@ from safetensors import SafetensorError
 
 from model.dump import dump_path_problem, save_dump
 from model.generate import Generation, GenerationError, SamplingParams
-from model.hooks import UnknownHookError
+from model.hooks import UnknownHookError, check_hook_name, is_glob
 from model.interventions import InterventionError
 from model.lab.sae import SAEError
 from model.loading import LoadError, add_checkpoint_arguments, load_from
@@ -82,8 +82,16 @@ def main(argv: list[str] | None = None) -> int:  # Ctrl-C leaves nothing half-wr
         return fail(problem)
     if args.hooks and not args.dump_activations:
         return fail("--hooks needs --dump-activations FILE")
+    if args.dump_activations == "-":
+        return fail("--dump-activations -: a dump is a file (the text goes to standard output); name one")
     if args.dump_activations and (problem := dump_path_problem(args.dump_activations)):  # before the long part
         return fail(problem)
+    try:  # an exact name no GPT-2 has, before the model loads (a glob, or a layer past it, is checked after)
+        for name in args.hooks or []:
+            if not is_glob(name):
+                check_hook_name(name)
+    except UnknownHookError as e:
+        return fail(f"--hooks: {e}")
     if sys.stdout is None:
         return fail("standard output is closed: nowhere to write the text")
     try:
@@ -109,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:  # Ctrl-C leaves nothing half-wr
         generation = Generation(loaded.model, [tok.encode(prompt)], params, tok, hooks, edits)
     except GenerationError as e:
         return fail(in_flags(e))
-    except (LoadError, UnknownHookError, InvalidTextError, InterventionError, SAEError) as e:
+    except UnknownHookError as e:
+        return fail(f"--hooks: {e}")
+    except (LoadError, InvalidTextError, InterventionError, SAEError) as e:
         return fail(str(e))
 
     try:

@@ -188,6 +188,23 @@ def test_unwritable_dump_file(ckpt_with_tokenizer: Path, capsys: pytest.CaptureF
     assert len(err.splitlines()) == 1 and err.startswith(f"gpt2-generate: error: cannot write {ckpt_with_tokenizer}: ")
 
 
+def test_dump_problems_found_before_loading(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A dump that could not be written, or a hook no GPT-2 has, is found before the model loads (here there is
+    no model at all: the error is the dump's or the hook's, not the checkpoint's)."""
+    base = ["hi", "--model", str(tmp_path / "no-such-checkpoint"), "--dump-activations"]
+    cases = [
+        (["-"], "--dump-activations -: a dump is a file (the text goes to standard output); name one"),
+        ([str(tmp_path / "x.safetensors"), "--hooks", "blocks.0.hook_resid_pots"], "--hooks: unknown hook 'blocks.0."),
+    ]
+    if Path("/proc/self").is_dir():  # a directory that takes no new file, even for root
+        cases.append((["/proc/acts.safetensors"], "cannot write /proc/acts.safetensors: "))
+    for args, says in cases:
+        assert main([*base, *args]) == 1
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith(f"gpt2-generate: error: {says}") and err.count("\n") == 1, err
+    assert not list(tmp_path.iterdir())  # no probe file left behind
+
+
 def test_bad_dtype(ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["hi", "--model", str(ckpt_with_tokenizer), "--dtype", "int4"]) == 1
     err = capsys.readouterr().err

@@ -92,6 +92,9 @@ def test_save_dump_follows_symlinks_keeps_modes_and_refuses_devices(tmp_path: Pa
     with pytest.raises(ValueError, match="it is not a regular file"):
         save_dump(fifo, t, {})
     assert fifo.is_fifo()
+    with pytest.raises(ValueError, match="a dump needs at least one tensor"):  # safetensors could not read it back
+        save_dump(tmp_path / "empty.safetensors", {}, {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.safetensors", "pipe.safetensors", "real.safetensors"]
 
 
 @pytest.mark.parametrize("stop", [KeyboardInterrupt(), OSError(28, "No space left on device")], ids=["ctrl-c", "full"])
