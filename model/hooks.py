@@ -151,7 +151,7 @@ def describe_hook_names(n_layer: int | None) -> str:
 def match_hooks(pattern: str, n_layer: int) -> tuple[str, ...]:
     """The hook names an exact name or a glob (`blocks.*.hook_resid_post`, `*`) stands for, in model order.
     A glob matches an optional hook only if it spells its site out (`blocks.*.attn.hook_result`)."""
-    if not _is_glob(pattern):
+    if not is_glob(pattern):
         return (pattern,) if pattern in _hook_name_set(n_layer) else ()
     return tuple(
         n
@@ -173,17 +173,29 @@ def select_hooks(patterns: str | Sequence[str], n_layer: int) -> list[str]:
     """
     if isinstance(patterns, str):
         patterns = [patterns]
+    if not patterns:
+        raise UnknownHookError("no hook names given: name at least one hook point or glob (`*`: every default one)")
     chosen: set[str] = set()
     for pattern in patterns:
         if not isinstance(pattern, str) or not pattern:
             raise UnknownHookError(f"hook names must be non-empty strings, got {pattern!r}")
         matched = match_hooks(pattern, n_layer)
         if not matched:
-            raise UnknownHookError(
-                f"unknown hook {pattern!r}: no hook point matches it; valid names are {describe_hook_names(n_layer)}"
-            )
+            raise UnknownHookError(_no_match(pattern, n_layer))
         chosen.update(matched)
     return [n for n in hook_names(n_layer) if n in chosen]
+
+
+def _no_match(pattern: str, n_layer: int) -> str:
+    """Why `pattern` selects nothing, in words: a glob that matches only optional hook points, or no name."""
+    optional = [n for n in hook_names(n_layer) if is_optional(n) and fnmatch.fnmatchcase(n, pattern)]
+    if is_glob(pattern) and optional:
+        site = optional[0].split(".", 2)[-1]  # blocks.0.attn.hook_result: attn.hook_result
+        return (
+            f"the glob {pattern!r} matches only optional hook points ({optional[0]}, ...), which a glob selects "
+            f"only when it spells their site out (e.g. 'blocks.*.{site}')"
+        )
+    return f"unknown hook {pattern!r}: no hook point matches it; valid names are {describe_hook_names(n_layer)}"
 
 
 _PER_HEAD_D_HEAD = ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z")
@@ -249,7 +261,7 @@ def check_hook_name(name: object) -> None:
     glob (which would match no name as such)."""
     if not isinstance(name, str) or not name:
         raise UnknownHookError(f"hook names must be non-empty strings, got {name!r}")
-    if _is_glob(name):
+    if is_glob(name):
         raise UnknownHookError(
             f"{name!r} is a pattern; Capture takes exact names: expand it with select_hooks(patterns, n_layer)"
         )
@@ -261,7 +273,7 @@ def check_hook_name(name: object) -> None:
         )
 
 
-def _is_glob(pattern: str) -> bool:
+def is_glob(pattern: str) -> bool:
     return any(c in pattern for c in "*?[")
 
 
@@ -415,6 +427,7 @@ class CapturePass:
         from .interventions import HookChain  # interventions imports this module
 
         names = select_hooks(names, config.n_layer)  # in model order: the pass ends at the last
+        _check_ids(idx, config.vocab_size)
         self.idx, self._capture = idx, Capture(names)
         self._wanted: Hooks = self._capture if edits is None else HookChain(edits, self._capture)
         self._hooks = StopAfter(self._wanted, names[-1])
@@ -455,6 +468,24 @@ class CapturePass:
         """The values captured, as `Capture.tensors` gives them."""
         assert self.done, "the pass is not over"
         return self._capture.tensors()
+
+
+def _check_ids(idx: torch.Tensor | list[int], vocab_size: int) -> None:
+    """Token ids [B, T] (or one sequence's list) of at least one position, each in the vocabulary: else a
+    `ValueError` that says which (not an indexing error from deep in the pass)."""
+    if isinstance(idx, torch.Tensor):
+        if idx.dim() != 2 or idx.numel() == 0 or idx.is_floating_point() or idx.is_complex():
+            raise ValueError(
+                f"token ids must be integers shaped [batch, pos], not empty; got {idx.dtype} {list(idx.shape)}"
+            )
+        low, high = int(idx.min()), int(idx.max())
+    else:
+        ids = list(idx)
+        if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ValueError(f"token ids must be a non-empty list of ints; got {ids[:8]!r}")
+        low, high = min(ids), max(ids)
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"token id {low if low < 0 else high} is outside the vocabulary (0..{vocab_size - 1})")
 
 
 def run_until(model: GPT, idx: torch.Tensor, hooks: Hooks, last: str) -> None:

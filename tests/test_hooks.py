@@ -421,3 +421,27 @@ def test_a_capture_after_the_lm_head_runs_it_a_part_a_step(tiny_model: GPT, monk
         assert list(got) == names
         for name in names:
             torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6)
+
+
+def test_selection_errors_say_why(tiny_model: GPT) -> None:
+    """A glob that would match only optional hook points says so, with the spelling that selects them; no
+    names at all, or token ids that are not a batch of the vocabulary's, are errors in words."""
+    from model.hooks import run_with_cache
+
+    with pytest.raises(UnknownHookError, match=r"matches only optional hook points .*'blocks\.\*\.hook_q_input'"):
+        select_hooks(["*q_input"], 2)
+    with pytest.raises(UnknownHookError, match=r"'blocks\.\*\.attn\.hook_result'"):
+        select_hooks(["blocks.0.attn.hook_res*"], 2)
+    with pytest.raises(UnknownHookError, match="no hook names given"):
+        run_with_cache(tiny_model, [1, 2], [])
+    vocab = tiny_model.config.vocab_size
+    for ids, says in [
+        (torch.tensor([1, 2, 3]), "shaped \\[batch, pos\\]"),
+        (torch.zeros(1, 0, dtype=torch.long), "not empty"),
+        (torch.ones(1, 3), "integers"),
+        ([], "non-empty list of ints"),
+        ([1, vocab], f"token id {vocab} is outside the vocabulary"),
+        (torch.tensor([[0, -1]]), "token id -1 is outside the vocabulary"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            run_with_cache(tiny_model, ids, ["hook_embed"])
