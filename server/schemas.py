@@ -122,16 +122,20 @@ class InterventionSpec(Strict):
             return self._steering_edit(directions or Directions(), where)
         value = None
         if isinstance(self.value, DumpValue):
-            value = _tensor_from_dump(self.value, self.hook)
+            value = _tensor_from_dump(self.value, self.hook, where)
         elif self.value is not None:
             try:
                 value = torch.tensor(self.value, dtype=torch.float32)
             except OverflowError:  # an integer beyond float64 (one beyond float32 becomes inf, refused later)
-                raise InterventionError(f"value for {self.hook!r} holds a number not finite in float32") from None
+                raise InterventionError(
+                    f"{where}: value for {self.hook!r} holds a number not finite in float32"
+                ) from None
             except (TypeError, ValueError) as e:
-                raise InterventionError(f"value for {self.hook!r} is not a rectangular array of numbers: {e}") from None
+                raise InterventionError(
+                    f"{where}: value for {self.hook!r} is not a rectangular array of numbers: {e}"
+                ) from None
             if isinstance(self.value, list) and _holds_bool(self.value):  # torch reads true as 1.0
-                raise InterventionError(f"value for {self.hook!r} holds true or false: give numbers")
+                raise InterventionError(f"{where}: value for {self.hook!r} holds true or false: give numbers")
         return Edit(
             self.hook,
             self.op,
@@ -254,16 +258,18 @@ def _tuple(values: list[int] | None) -> tuple[int, ...] | None:
     return tuple(values) if values is not None else None
 
 
-def _tensor_from_dump(dump: DumpValue, hook: str) -> torch.Tensor:
+def _tensor_from_dump(dump: DumpValue, hook: str, where: str) -> torch.Tensor:
     from safetensors.torch import load
 
     name = dump.name or hook
+    text = "".join(dump.safetensors_base64.split())  # base64 as `base64` writes it: lines of 76 characters
     try:
-        tensors = load(base64.b64decode(dump.safetensors_base64, validate=True))
+        tensors = load(base64.b64decode(text, validate=True))
     except Exception:
-        raise InterventionError(f"value for {hook!r}: the dump is not base64 of a safetensors file") from None
+        raise InterventionError(f"{where}: value for {hook!r}: the dump is not base64 of a safetensors file") from None
     if name not in tensors:
-        raise InterventionError(f"value for {hook!r}: the dump has no tensor {name!r} (it has {', '.join(tensors)})")
+        have = ", ".join(tensors)
+        raise InterventionError(f"{where}: value for {hook!r}: the dump has no tensor {name!r} (it has {have})")
     t = tensors[name].float()
     return t[0] if t.dim() > 1 and t.shape[0] == 1 else t  # a dump's batch dimension of 1
 
@@ -347,6 +353,17 @@ class ActivationsRequest(GenerateRequest):
     max_new_tokens: int = 0
     activations: ActivationSpec = Field(default_factory=lambda: ActivationSpec(hooks=["*"]))
     features: Any = Field(default=None, description="not here: /v1/generate or /v1/features give features")
+
+    @field_validator("activations", mode="before")
+    @classmethod
+    def _file_spec(cls, value: Any) -> Any:
+        """The answer is a safetensors file: no `format` to choose; `hooks` default to every default hook
+        point here too when the object is given for its `dtype`."""
+        if isinstance(value, dict):
+            if "format" in value:
+                raise ValueError("format is not taken here: /v1/activations answers with a safetensors file")
+            value = {"hooks": ["*"], **value}
+        return value
 
     @field_validator("features")
     @classmethod

@@ -217,6 +217,18 @@ def test_patching_the_last_position_at_the_last_layer_restores_the_prediction(cl
     assert next_token(client, CORRUPTED, interventions=[patch])["top"] == next_token(client, CLEAN)["top"]
 
 
+def test_a_dump_in_lines_of_base64_is_read(client: TestClient) -> None:
+    """base64 as the `base64` tool writes it, in lines of 76 characters, is the same dump."""
+    hook = "blocks.1.hook_resid_post"
+    clean_dump = dump(client, CLEAN, [hook, "logits"])
+    flat = base64.b64encode(clean_dump).decode()
+    lines = "\n".join(flat[i : i + 76] for i in range(0, len(flat), 76)) + "\n"
+    patched = logits(
+        client, CORRUPTED, interventions=[{"hook": hook, "op": "set", "value": {"safetensors_base64": lines}}]
+    )
+    torch.testing.assert_close(patched, load_safetensors(clean_dump)["logits"][0], rtol=0, atol=0)
+
+
 def test_a_dump_tensor_is_chosen_by_name(client: TestClient) -> None:
     """The stream entering block 1 is the one leaving block 0: patching it with the clean dump's
     `blocks.0.hook_resid_post`, named, restores the clean logits."""
@@ -279,7 +291,7 @@ BAD_EDITS: dict[str, tuple[dict[str, Any], str]] = {
     ),
     "non-base64 dump": (
         {"interventions": [{"hook": "hook_embed", "op": "set", "value": {"safetensors_base64": "not base64!"}}]},
-        "the dump is not base64 of a safetensors file",
+        "interventions[0]: value for 'hook_embed': the dump is not base64 of a safetensors file",
     ),
     "base64 of something else": (
         {"interventions": [{"hook": "hook_embed", "op": "set", "value": {"safetensors_base64": NOT_SAFETENSORS}}]},
