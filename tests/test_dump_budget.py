@@ -313,3 +313,21 @@ def test_a_generation_holds_its_dump_and_its_features_together(loaded: LoadedMod
     with serve(loaded, sae=(f"s={sae_dir}",), max_dump_bytes_in_flight=features - 1) as c:
         assert_error(c.post(GEN, json=base), 413, "features.top_k")
         assert_still_serving(c)
+
+
+def test_the_413_advice_fits_the_request(loaded: LoadedModel) -> None:
+    """Over `--max-activation-bytes`, the 413 suggests only what would make the dump smaller: float16 where it
+    is float32, fewer prompts for a batch, safetensors_base64 for JSON."""
+    size = dump_size(loaded, wire="safetensors")
+    with serve(loaded, max_activation_bytes=size // 4) as c:
+        error = assert_error(c.post(ACTS, json=DUMP), 413, "activations")
+        assert error["message"].endswith("ask for fewer hooks, fewer tokens or dtype float16 (half the bytes)")
+        batch = {"input_ids": [IDS, IDS], "activations": {"hooks": HOOKS, "dtype": "float16"}}
+        error = assert_error(c.post(ACTS, json=batch), 413, "activations")
+        assert error["message"].endswith("ask for fewer hooks, fewer tokens or fewer prompts")
+        body = {"input_ids": IDS, "max_new_tokens": 0, "activations": {"hooks": HOOKS, "dtype": "bfloat16"}}
+        error = assert_error(c.post("/v1/generate", json=body), 413, "activations")
+        assert error["message"].endswith(
+            "ask for fewer hooks, fewer tokens or format safetensors_base64 (about a quarter of JSON's size)"
+        )
+        assert_still_serving(c)

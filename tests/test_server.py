@@ -354,6 +354,22 @@ def test_activations_endpoint(client: TestClient, loaded: LoadedModel) -> None:
     assert result["choices"][0]["token_ids"] == [] and result["choices"][0]["text"] == ""
 
 
+def test_activations_endpoint_spec_without_hooks_or_with_a_format(client: TestClient, loaded: LoadedModel) -> None:
+    """`activations` given for its dtype alone still dumps every default hook point; a `format` is refused
+    (the answer is a safetensors file whatever it says), and the server serves on."""
+    ids = ids_of(loaded, PROMPTS[1])
+    r = client.post("/v1/activations", json={"input_ids": ids, "activations": {"dtype": "float16"}})
+    assert r.status_code == 200, r.text
+    tensors = safetensors.torch.load(r.content)
+    assert sorted(tensors) == sorted(hook_names(2, optional=False))
+    assert all(t.dtype == torch.float16 for t in tensors.values())
+    for fmt in ("json", "safetensors_base64"):
+        body = {"input_ids": ids, "activations": {"hooks": ["logits"], "format": fmt}}
+        error = assert_error(client.post("/v1/activations", json=body), 400, "activations")
+        assert "format is not taken here: /v1/activations answers with a safetensors file" in error["message"]
+    assert_still_serving(client)
+
+
 def test_activations_endpoint_with_generation(client: TestClient, loaded: LoadedModel) -> None:
     request = {
         "prompt": PROMPTS[0],

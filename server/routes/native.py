@@ -202,11 +202,15 @@ async def _checked_hooks(
         for p in prompts
     )
     if size > settings.max_activation_bytes:
-        smaller = "format safetensors_base64 (about a quarter of JSON's size)" if wire == "json" else "float16"
+        smaller = ["fewer hooks", "fewer tokens"] + (["fewer prompts"] if len(prompts) > 1 else [])
+        if spec.dtype == "float32":
+            smaller.append("dtype float16 (half the bytes)")
+        if wire == "json":
+            smaller.append("format safetensors_base64 (about a quarter of JSON's size)")
         raise APIError(
             413,
             f"the activation dump would take up to {size} bytes as {wire}, over the server's limit of "
-            f"{settings.max_activation_bytes}: ask for fewer hooks, fewer tokens or {smaller}",
+            f"{settings.max_activation_bytes}: ask for {', '.join(smaller[:-1])} or {smaller[-1]}",
             "activations",
         )
     return names, size
