@@ -155,6 +155,7 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
             p.add_argument(flag, type=kind, help=f"{f.metadata['help']} [env {_env_name(f.name)}]")
     args = p.parse_args(argv)
     values: dict[str, Any] = {}
+    sources: dict[str, str] = {}  # each value's flag or variable, as the user gave it
     for f in fields(Settings):
         raw, source = getattr(args, f.name), "--" + f.name.replace("_", "-")
         if raw is None:  # not given as a flag: the environment's value, checked below (errors name the variable)
@@ -162,13 +163,14 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
         if raw is None:
             continue
         try:
-            values[f.name] = convert(f.name, raw)
+            values[f.name], sources[f.name] = convert(f.name, raw), source
         except ValueError as e:
             p.error(f"{source} {e}")
     try:
         return Settings(**values)
-    except ValueError as e:
-        p.error(str(e))
+    except ValueError as e:  # "max_queue must be at least 1": named as it was given, --max-queue or GPT2_MAX_QUEUE
+        name, _, rest = str(e).partition(" ")
+        p.error(f"{sources[name]} {rest}" if name in sources else str(e))
         raise  # unreachable: p.error exits
 
 

@@ -409,11 +409,15 @@ def test_the_bounds_are_settings(argv: list[str], env: dict[str, str], expected:
 @pytest.mark.parametrize(
     ("argv", "env", "says"),
     [
-        (["--header-timeout", "0"], {}, "header_timeout must be a number of seconds above 0, got 0.0"),
+        (["--header-timeout", "0"], {}, "--header-timeout must be a number of seconds above 0, got 0.0"),
         ([], {"GPT2_BODY_TIMEOUT": "soon"}, "GPT2_BODY_TIMEOUT must be a number, got 'soon'"),
-        ([], {"GPT2_KEEP_ALIVE_TIMEOUT": "inf"}, "keep_alive_timeout must be a number of seconds above 0, got inf"),
-        ([], {"GPT2_MAX_CONNECTIONS": "0"}, "max_connections must be at least 1, got 0"),
-        (["--write-timeout", "-1"], {}, "write_timeout must be a number of seconds above 0, got -1.0"),
+        (
+            [],
+            {"GPT2_KEEP_ALIVE_TIMEOUT": "inf"},
+            "GPT2_KEEP_ALIVE_TIMEOUT must be a number of seconds above 0, got inf",
+        ),
+        ([], {"GPT2_MAX_CONNECTIONS": "0"}, "GPT2_MAX_CONNECTIONS must be at least 1, got 0"),
+        (["--write-timeout", "-1"], {}, "--write-timeout must be a number of seconds above 0, got -1.0"),
     ],
 )
 def test_a_bad_bound_is_a_usage_error(

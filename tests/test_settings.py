@@ -28,11 +28,11 @@ def test_served_model_names() -> None:
     [
         ([], {"GPT2_MAX_BATCH_SIZE": "abc"}, "GPT2_MAX_BATCH_SIZE must be an integer, got 'abc'"),
         (["--max-batch-size", "abc"], {}, "argument --max-batch-size: invalid int value: 'abc'"),
-        ([], {"GPT2_MAX_QUEUE": "0"}, "max_queue must be at least 1, got 0"),
-        ([], {"GPT2_LOG_LEVEL": "trace"}, "log_level must be one of"),
-        ([], {"GPT2_MAX_DUMP_BYTES_IN_FLIGHT": "0"}, "max_dump_bytes_in_flight must be at least 1, got 0"),
+        ([], {"GPT2_MAX_QUEUE": "0"}, "GPT2_MAX_QUEUE must be at least 1, got 0"),
+        ([], {"GPT2_LOG_LEVEL": "trace"}, "GPT2_LOG_LEVEL must be one of"),
+        ([], {"GPT2_MAX_DUMP_BYTES_IN_FLIGHT": "0"}, "GPT2_MAX_DUMP_BYTES_IN_FLIGHT must be at least 1, got 0"),
         ([], {"GPT2_MAX_DUMP_BYTES_IN_FLIGHT": "1GB"}, "GPT2_MAX_DUMP_BYTES_IN_FLIGHT must be an integer, got '1GB'"),
-        (["--max-dump-bytes-in-flight", "-5"], {}, "max_dump_bytes_in_flight must be at least 1, got -5"),
+        (["--max-dump-bytes-in-flight", "-5"], {}, "--max-dump-bytes-in-flight must be at least 1, got -5"),
         # a flag's bad value names the flag, not the variable
         (["--sae", "res8"], {}, "--sae must be ID=PATH"),
         (["--cors-origins", "x"], {"GPT2_MAX_QUEUE": "q"}, "GPT2_MAX_QUEUE must be an integer"),
@@ -42,10 +42,10 @@ def test_served_model_names() -> None:
         (["--preset", "gpt3"], {}, "unknown preset 'gpt3'; choose one of gpt2, "),
         (["--dtype", "fp8"], {}, "unknown dtype 'fp8'; use auto, float32, float16, bfloat16 or int8"),
         # empty: a host that would bind every interface, a key that no request can give
-        ([], {"GPT2_HOST": ""}, "host must not be empty"),
-        ([], {"GPT2_API_KEY": ""}, "api_key must not be empty"),
-        ([], {"GPT2_REVISION": ""}, "revision must not be empty"),
-        (["--tokenizer", ""], {}, "tokenizer must not be empty"),
+        ([], {"GPT2_HOST": ""}, "GPT2_HOST must not be empty"),
+        ([], {"GPT2_API_KEY": ""}, "GPT2_API_KEY must not be empty"),
+        ([], {"GPT2_REVISION": ""}, "GPT2_REVISION must not be empty"),
+        (["--tokenizer", ""], {}, "--tokenizer must not be empty"),
     ],
 )
 def test_a_bad_value_is_a_usage_error_naming_it(
