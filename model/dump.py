@@ -13,13 +13,27 @@ import json
 import os
 import secrets
 import stat
+import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save, save_file
+
+# safetensors' names of the dtypes a dump can hold
+_DTYPE_NAMES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 def _metadata(meta: dict[str, Any]) -> dict[str, str]:
@@ -75,7 +89,14 @@ def save_dump(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict
         raise ValueError(problem)
     if not tensors:  # safetensors writes the file, then cannot read it back
         raise ValueError(f"cannot write {path}: a dump needs at least one tensor")
-    replace_whole(path, lambda temporary: save_file(_contiguous(tensors), str(temporary), metadata=_metadata(metadata)))
+    pieces = dump_pieces(tensors, metadata)
+
+    def write(temporary: Path) -> None:
+        with open(temporary, "wb") as f:
+            for piece in pieces:
+                f.write(piece)
+
+    replace_whole(path, write)
 
 
 def replace_whole(path: str | Path, write: Callable[[Path], None]) -> None:
@@ -87,7 +108,7 @@ def replace_whole(path: str | Path, write: Callable[[Path], None]) -> None:
     try:
         mode = stat.S_IMODE((target if target.exists() else temporary).stat().st_mode)
         write(temporary)
-        os.chmod(temporary, mode)  # a writer may have put a file of its own there (safetensors does, 0600)
+        os.chmod(temporary, mode)  # a writer may have put a file of its own there (safetensors' does, 0600)
         os.replace(temporary, target)
     except BaseException:
         temporary.unlink(missing_ok=True)
@@ -107,8 +128,28 @@ def _new_file_beside(target: Path) -> Path:
 
 
 def dump_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> bytes:
-    """The same file as `save_dump` writes, in memory (for sending over HTTP)."""
-    return save(_contiguous(tensors), metadata=_metadata(metadata))
+    """The same file as `save_dump` writes, in memory."""
+    return b"".join(dump_pieces(tensors, metadata))
+
+
+def dump_pieces(tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> list[bytes | memoryview]:
+    """The safetensors file of `tensors` and `metadata`, in the pieces it is made of, in order: the header
+    (its length in 8 bytes, then JSON padded with spaces to a multiple of 8), then each tensor's bytes, a
+    view of the tensor's own memory. Written or sent piece by piece, a dump of hundreds of megabytes is not
+    copied whole (safetensors' `save` copies it twice)."""
+    tensors = _contiguous(tensors)
+    header: dict[str, Any] = {"__metadata__": _metadata(metadata)} if metadata else {}
+    offset = 0
+    for name, t in tensors.items():
+        if t.dtype not in _DTYPE_NAMES:
+            raise ValueError(f"{name}: a dump cannot hold {t.dtype}")
+        end = offset + t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    raw = [t.reshape(-1).view(torch.uint8).numpy().data for t in tensors.values()]
+    return [struct.pack("<Q", len(text)) + text, *raw]
 
 
 def load_dump(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -318,18 +318,38 @@ class Capture:
         return x
 
     def tensors(self) -> dict[str, torch.Tensor]:
+        """The values so far, each a tensor over every position captured. Each hook's chunks are joined
+        into one, which replaces them (a dump of hundreds of megabytes is held once, not twice)."""
         out: dict[str, torch.Tensor] = {}
         for name, chunks in self._chunks.items():
             if not chunks:
                 continue
-            if is_attention_square(name):
-                n_keys = chunks[-1].shape[-1]
-                fill = float("-inf") if name.endswith("hook_attn_scores") else 0.0
-                chunks = [_widen(c, n_keys, fill) for c in chunks]
-                out[name] = torch.cat(chunks, dim=2)  # [batch, head, pos, pos]
-            else:
-                out[name] = torch.cat(chunks, dim=1)  # [batch, pos, ...]
+            if len(chunks) > 1:
+                chunks[:] = [_join(name, chunks)]
+            out[name] = chunks[0]
         return out
+
+
+def _join(name: str, chunks: list[torch.Tensor]) -> torch.Tensor:
+    """One hook's chunks as one tensor over their positions, each chunk let go of once it is copied in (so a
+    dump is not held twice): [batch, pos, ...] along pos; attention squares [batch, head, q, k] along q,
+    each chunk widened to the last one's keys first (scores with -inf, patterns with 0: what the causal mask
+    gives)."""
+    square = is_attention_square(name)
+    dim = 2 if square else 1
+    last = chunks[-1]
+    shape = list(last.shape)
+    shape[dim] = sum(c.shape[dim] for c in chunks)
+    joined = last.new_empty(shape)
+    fill = float("-inf") if name.endswith("hook_attn_scores") else 0.0
+    start = 0
+    while chunks:
+        chunk = chunks.pop(0)
+        if square:
+            chunk = _widen(chunk, last.shape[-1], fill)
+        joined.narrow(dim, start, chunk.shape[dim]).copy_(chunk)
+        start += chunk.shape[dim]
+    return joined
 
 
 Index = tuple[int | slice, ...]

@@ -16,7 +16,7 @@ import pydantic_core
 import torch
 
 from model.config import GPTConfig
-from model.dump import dump_bytes
+from model.dump import dump_pieces
 from model.hooks import is_attention_square, site_shape
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -143,12 +143,26 @@ def _nested_lists(t: torch.Tensor, out: list[bytes]) -> None:
     out.append(b"]")
 
 
-def to_safetensors(tensors: dict[str, torch.Tensor], dtype: str, metadata: dict[str, Any]) -> bytes:
-    return dump_bytes(cast(tensors, dtype), metadata)
+def to_safetensors(tensors: dict[str, torch.Tensor], dtype: str, metadata: dict[str, Any]) -> list[bytes | memoryview]:
+    """The safetensors file of `tensors` cast to `dtype`, in pieces (`model.dump.dump_pieces`: its header, then
+    each tensor's own memory), to send one after another without joining them."""
+    return dump_pieces(cast(tensors, dtype), metadata)
 
 
 def to_safetensors_base64(tensors: dict[str, torch.Tensor], dtype: str, metadata: dict[str, Any]) -> RawJSON:
     """The safetensors file as a JSON string of base64, encoded 3 MiB at a time (a multiple of 3 bytes,
-    so the pieces join into the base64 of the whole)."""
-    blob, step = memoryview(to_safetensors(tensors, dtype, metadata)), 3 * 2**20
-    return RawJSON([b'"', *(base64.b64encode(blob[i : i + step]) for i in range(0, len(blob), step)), b'"'])
+    so the pieces join into the base64 of the whole), across the file's pieces."""
+    step, out, carry = 3 * 2**20, [b'"'], b""
+    for piece in to_safetensors(tensors, dtype, metadata):
+        view = memoryview(piece).cast("B")
+        if carry:  # the bytes of the pieces before that did not make a multiple of 3: topped up from this one
+            top = (-len(carry)) % 3
+            carry, view = carry + bytes(view[:top]), view[top:]
+            if len(carry) % 3:
+                continue
+            out.append(base64.b64encode(carry))
+            carry = b""
+        whole = len(view) - len(view) % 3
+        out.extend(base64.b64encode(view[i : min(i + step, whole)]) for i in range(0, whole, step))
+        carry = bytes(view[whole:])
+    return RawJSON([*out, base64.b64encode(carry), b'"'])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,51 @@ def test_bytes_are_the_file(activations: tuple[dict[str, torch.Tensor], list[int
     assert all(torch.equal(load(data)[k], tensors[k]) for k in tensors)
 
 
+def test_the_file_is_written_from_the_tensors_own_memory(tmp_path: Path) -> None:
+    """`dump_pieces` is the header, then each tensor's bytes as a view of its memory (a dump of hundreds of MB
+    is not copied whole to be sent or written): every dtype a dump can hold, a scalar, an empty tensor, and
+    metadata in any script, read back by safetensors in torch and numpy as it wrote them."""
+    from safetensors.numpy import load as load_numpy_bytes
+
+    from model.dump import dump_pieces
+
+    tensors = {
+        "f32": torch.randn(3, 5),
+        "bf16": torch.randn(4, 2).to(torch.bfloat16),
+        "f16": torch.randn(7).half(),
+        "f64": torch.randn(2, 2, dtype=torch.float64),
+        "i64": torch.arange(-3, 3),
+        "i32": torch.arange(4, dtype=torch.int32),
+        "i16": torch.arange(4, dtype=torch.int16),
+        "i8": torch.arange(-2, 2, dtype=torch.int8),
+        "u8": torch.arange(5, dtype=torch.uint8),
+        "bool": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 3),
+    }
+    meta = {"text": "héllo ✓ 日本", "token_ids": [1, 2]}
+    header, *raw = dump_pieces(tensors, meta)
+    assert len(header) % 8 == 0  # the data starts 8-byte aligned, as safetensors writes it
+    for view, t in zip(raw, tensors.values(), strict=True):  # no copy: the tensor's own bytes
+        assert len(view) == t.numel() * t.element_size()
+        if t.numel():
+            assert view.obj.ctypes.data == t.data_ptr()  # type: ignore[union-attr]
+    blob = dump_bytes(tensors, meta)
+    assert blob == b"".join([header, *(bytes(v) for v in raw)])
+    got = load(blob)
+    for name, t in tensors.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape and torch.equal(got[name], t), name
+    arrays = load_numpy_bytes(dump_bytes({k: v for k, v in tensors.items() if k != "bf16"}, {}))
+    assert (arrays["i64"] == tensors["i64"].numpy()).all() and arrays["scalar"].shape == ()
+    path = tmp_path / "all.safetensors"
+    save_dump(path, tensors, meta)
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata() == {"text": "héllo ✓ 日本", "token_ids": "[1, 2]"}
+        assert torch.equal(f.get_tensor("bf16"), tensors["bf16"])
+    with pytest.raises(ValueError, match=r"a dump cannot hold torch\.complex64"):
+        dump_pieces({"z": torch.zeros(2, dtype=torch.complex64)}, {})
+
+
 def test_non_contiguous_and_low_precision_tensors(tmp_path: Path) -> None:
     tensors = {
         "transposed": torch.arange(12.0).view(3, 4).t(),
@@ -105,15 +151,15 @@ def test_a_dump_that_fails_midway_leaves_the_old_file_or_none(
     no temporary file is left beside it (safetensors before 0.8 wrote into the path itself)."""
     import model.dump
 
-    def half_written(tensors: dict, filename: str, metadata: dict) -> None:
-        Path(filename).write_bytes(b"half a file")
+    def half_written(tensors: dict, metadata: dict) -> Iterator[bytes]:  # the file's pieces, cut off midway
+        yield b"half a file"
         raise stop
 
     t = {"x": torch.ones(2)}
     old, new = tmp_path / "old.safetensors", tmp_path / "new.safetensors"
     save_dump(old, t, {"model": "m"})
     before = old.read_bytes()
-    monkeypatch.setattr(model.dump, "save_file", half_written)
+    monkeypatch.setattr(model.dump, "dump_pieces", half_written)
     for path in (old, new):
         with pytest.raises(type(stop)):
             save_dump(path, {"x": torch.zeros(3)}, {})

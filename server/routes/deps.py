@@ -18,6 +18,7 @@ from typing import Annotated, Any, Protocol, TypeVar
 
 from fastapi import Depends, Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from model.generate import Completion, GenerationError, TokenEvent, validate_prompt
 from model.gpt import GPT
@@ -318,6 +319,27 @@ async def json_response(build: Callable[..., Any], *args: Any) -> Response:
     text to decode, that takes long, and the event loop keeps serving meanwhile."""
     body = await run_in_threadpool(lambda: encoding.json_bytes(build(*args)))
     return Response(body, media_type="application/json")
+
+
+class FileResponse(Response):
+    """A file made of pieces (`encoding.to_safetensors`: a dump's header, then each tensor's own memory), sent
+    one after another in slices of a MiB, never joined: a dump of hundreds of megabytes is in memory once."""
+
+    media_type = "application/octet-stream"
+    slice_bytes = 1 << 20
+
+    def __init__(self, pieces: list[bytes | memoryview]) -> None:
+        super().__init__()
+        self.pieces = [memoryview(p).cast("B") for p in pieces]
+        self.headers["content-length"] = str(sum(len(p) for p in self.pieces))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        for piece in self.pieces:
+            for start in range(0, len(piece), self.slice_bytes):
+                body = bytes(piece[start : start + self.slice_bytes])  # bytes, as ASGI has a body
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -33,6 +33,7 @@ from .deps import (
     GRADIENTS,
     DumpHoldDep,
     EngineDep,
+    FileResponse,
     GraphTurnDep,
     SettingsDep,
     encode,
@@ -119,8 +120,7 @@ async def _file(engine: Engine, ids: list[int], kind: str, metric: Metric, resul
         "metric": json.dumps({"type": kind, "value": result.metric, **_metric_fields(metric)}),
     }
     grads = {grad_name(n): g for n, g in result.grads.items()}
-    blob = await run_in_threadpool(encoding.to_safetensors, grads, "float32", meta)
-    return Response(blob, media_type="application/octet-stream")
+    return FileResponse(await run_in_threadpool(encoding.to_safetensors, grads, "float32", meta))
 
 
 def _metric_fields(metric: Metric) -> dict[str, Any]:

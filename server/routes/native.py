@@ -32,6 +32,7 @@ from .deps import (
     DUMP_AND_FEATURES,
     DumpHoldDep,
     EngineDep,
+    FileResponse,
     SettingsDep,
     json_response,
     merged,
@@ -131,8 +132,8 @@ async def activations(
     completions = await results(
         engine.submit(prompts, [params] * len(prompts), hooks, edits, prompt_field(req.input_ids)), request
     )
-    blob = await run_in_threadpool(_Reply(engine, None).file, completions, spec.dtype, len(prompts) > 1)
-    return Response(blob, media_type="application/octet-stream")
+    pieces = await run_in_threadpool(_Reply(engine, None).file, completions, spec.dtype, len(prompts) > 1)
+    return FileResponse(pieces)
 
 
 def _check_stackable(prompts: list[list[int]], max_new_tokens: int, param: str) -> None:
@@ -266,7 +267,7 @@ class _Reply:
         """A dump's text: the prompt's, then the completion's."""
         return self.engine.tokenizer.decode(c.prompt_ids) + c.text
 
-    def file(self, completions: list[Completion], dtype: str, batch: bool) -> bytes:
+    def file(self, completions: list[Completion], dtype: str, batch: bool) -> list[bytes | memoryview]:
         """/v1/activations' answer: the dump as a safetensors file, its metadata holding the result. A
         `batch`'s tensors are stacked along their batch dimension, in the order of the prompts, and its
         token ids and texts are lists of one per prompt."""
@@ -280,9 +281,12 @@ class _Reply:
             "text": json.dumps(texts) if batch else texts[0],
             "result": json.dumps(self.body(completions)),
         }
-        tensors = acts[0] or {}  # one prompt's as captured: a copy of a dump of hundreds of megabytes is not free
-        if batch:
-            tensors = {name: torch.cat([a[name] for a in acts if a is not None]) for name in tensors}
+        tensors = {}
+        for name in list(acts[0] or {}):  # a hook at a time, taken out of the completions: never held twice whole
+            parts = [a.pop(name) for a in acts if a is not None]
+            value = torch.cat(parts) if batch else parts[0]
+            del parts
+            tensors[name] = value.to(device="cpu", dtype=encoding.DTYPES[dtype])
         return encoding.to_safetensors(tensors, dtype, meta)
 
     def body(self, completions: list[Completion]) -> dict[str, Any]:
