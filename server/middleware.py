@@ -136,7 +136,16 @@ class RequestGuard:
             else:
                 rejection = _framing(headers) or self._check_key(app_path(scope), headers)
             if rejection is None:
-                receive, rejection = await self._bounded_body(headers, receive)
+                try:
+                    receive, rejection = await self._bounded_body(headers, receive)
+                except asyncio.CancelledError:  # the host gave the request up while its body came (Ray Serve)
+                    status = 499
+                    raise
+                except self.client_gone:  # as the app's own below: the 499 that says no one reads the answer
+                    status = 499
+                    with contextlib.suppress(Exception):
+                        await error_response(499, GONE)(scope, receive, send_with_id)
+                    return
             if rejection is not None:
                 await rejection(scope, receive, send_with_id)
             else:

@@ -453,7 +453,7 @@ class Gone(Exception):
     """Stands for what a host raises into a request whose client left (Ray's `TaskCancelledError`)."""
 
 
-@pytest.mark.parametrize("when", ["before the answer", "mid-stream"])
+@pytest.mark.parametrize("when", ["while its body comes", "before the answer", "mid-stream"])
 @pytest.mark.parametrize("how", ["cancelled", "client_gone"])
 def test_a_request_its_host_gives_up_is_a_499_not_an_internal_error(
     caplog: pytest.LogCaptureFixture, when: str, how: str
@@ -475,6 +475,8 @@ def test_a_request_its_host_gives_up_is_a_499_not_an_internal_error(
     scope = {"type": "http", "method": "POST", "path": "/v1/generate", "headers": [], "query_string": b""}
 
     async def receive() -> dict[str, Any]:
+        if when == "while its body comes":  # the guard reads the body before the app runs
+            raise asyncio.CancelledError() if how == "cancelled" else Gone()
         return {"type": "http.request", "body": b"{}", "more_body": False}
 
     async def send(message: dict[str, Any]) -> None:
