@@ -171,6 +171,7 @@ class Engine:
         self._prompt_only: deque[_Request] = deque()  # admitted, for `prefill_prompts` passes in turn
         self._requests: dict[int, _Request] = {}  # id(seq) -> request, for every admitted sequence
         self._waiting: deque[_Request] = deque()
+        self._admitting = 0  # requests taken from `_waiting` into the batch this turn, not in it yet
         self._jobs: deque[_Job] = deque()
         self._cv = threading.Condition()
         self._stopping = False
@@ -235,8 +236,12 @@ class Engine:
         with self._cv:
             if self._stopping:
                 raise EngineStopped("the server is shutting down")
-            if len(self._waiting) + len(requests) > self.max_queue:
-                raise QueueFull(f"{len(self._waiting)} sequences are waiting (the limit is {self.max_queue})")
+            free = max(0, self.max_batch_size - self._active() - self._admitting)  # places about to be taken
+            if len(self._waiting) + len(requests) > self.max_queue + free:
+                raise QueueFull(
+                    f"{len(self._waiting)} sequences are waiting (the limit is {self.max_queue} beyond the batch's "
+                    f"free places, {free} now)"
+                )
             self._waiting.extend(requests)
             self.metrics.queue_depth.set(len(self._waiting))
             self._cv.notify()
@@ -295,6 +300,7 @@ class Engine:
                     admitted: list[_Request] = []
                     while self._waiting and self._active() + len(admitted) < self.max_batch_size:
                         admitted.append(self._waiting.popleft())  # a request cancelled by now left the queue
+                    self._admitting = len(admitted)  # neither waiting nor in the batch until `_admit`
                     self.metrics.queue_depth.set(len(self._waiting))
                 if job is not None:
                     self._run_job(job)
@@ -303,6 +309,7 @@ class Engine:
                 for request in admitted:
                     if not request.cancelled:  # cancelled while the job ran: nothing of it is run
                         self._admit(request)
+                self._admitting = 0
                 self._step()
         self._fail_all(EngineStopped("the server is shutting down"))
 

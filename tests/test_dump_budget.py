@@ -111,13 +111,14 @@ def test_more_dumps_waiting_than_the_queue_takes_are_a_429(loaded: LoadedModel) 
 def test_the_bytes_come_back_when_the_request_fails(loaded: LoadedModel) -> None:
     """A dump that has its bytes and then fails (the engine's queue is full: 429) gives them back."""
     size = dump_size(loaded)
-    with serve(loaded, max_dump_bytes_in_flight=size, max_queue=1) as c, ThreadPoolExecutor(1) as pool:
-        with engine_held(c) as engine:
-            plain = pool.submit(c.post, GEN, json={"input_ids": IDS, "max_new_tokens": 2})
-            wait_until(lambda: len(engine._waiting) == 1)
+    budget = {"max_dump_bytes_in_flight": size, "max_queue": 1, "max_batch_size": 1}
+    with serve(loaded, **budget) as c, ThreadPoolExecutor(2) as pool:
+        with engine_held(c) as engine:  # the batch's free place and the queue's, taken
+            plain = [pool.submit(c.post, GEN, json={"input_ids": IDS, "max_new_tokens": 2}) for _ in range(2)]
+            wait_until(lambda: len(engine._waiting) == 2)
             assert_error(c.post(ACTS, json=DUMP), 429)
             wait_until(lambda: gauge(c, IN_FLIGHT) == 0)
-        assert plain.result(30).status_code == 200
+        assert [p.result(30).status_code for p in plain] == [200, 200]
         assert_dump(loaded, post_ok_bytes(c))
         assert_still_serving(c)
 

@@ -153,20 +153,23 @@ def test_cancel_while_waiting(loaded: LoadedModel) -> None:
 
 
 def test_queue_bound(loaded: LoadedModel) -> None:
+    """`max_queue` sequences wait beyond the batch's free places: with the batch empty (a job holds the engine)
+    `max_batch_size` + `max_queue` are taken at once, as Ray Serve's `max_ongoing_requests` sends them."""
+
     async def main() -> None:
         with running(loaded, max_batch_size=1, max_queue=2) as engine:
             async with held(engine) as job:
-                (a,) = engine.submit([[464]], [greedy_params(2)])
-                with pytest.raises(QueueFull):  # all or none: 1 + 2 > 2
+                a, b = engine.submit([[464], [464]], [greedy_params(2)] * 2)
+                with pytest.raises(QueueFull):  # all or none: 2 + 2 > 2 + 1
                     engine.submit([[464], [464]], [greedy_params(2)] * 2)
-                (b,) = engine.submit([[464]], [greedy_params(2)])
+                (c,) = engine.submit([[464]], [greedy_params(2)])
                 with pytest.raises(QueueFull):
                     engine.submit([[464]], [greedy_params(2)])
-                assert engine.metrics.registry.get_sample_value("gpt2_queue_depth") == 2
+                assert engine.metrics.registry.get_sample_value("gpt2_queue_depth") == 3
             assert await job == "held"
-            assert [len(c.token_ids) for c in await asyncio.gather(a.result(), b.result())] == [2, 2]
-            (c,) = engine.submit([[464]], [greedy_params(1)])  # room again
-            await c.result()
+            assert [len(r.token_ids) for r in await asyncio.gather(a.result(), b.result(), c.result())] == [2, 2, 2]
+            (d,) = engine.submit([[464]], [greedy_params(1)])  # room again
+            await d.result()
 
     run(main())
 

@@ -206,16 +206,16 @@ def test_more_sequences_than_the_queue_holds_build_none(loaded: LoadedModel, mon
 
 def test_an_invalid_request_is_a_400_even_when_the_queue_is_full(loaded: LoadedModel) -> None:
     """A retry of an invalid request could only fail again: it is refused as invalid, not as 'busy'."""
-    with serve(loaded, max_queue=1) as c, ThreadPoolExecutor(1) as pool:
+    with serve(loaded, max_queue=1, max_batch_size=1) as c, ThreadPoolExecutor(2) as pool:
         with engine_held(c) as engine:
-            waiting = pool.submit(c.post, GEN, json={"prompt": "Hi", "max_new_tokens": 1})
-            wait_until(lambda: engine.metrics.registry.get_sample_value("gpt2_queue_depth") == 1)
+            waiting = [pool.submit(c.post, GEN, json={"prompt": "Hi", "max_new_tokens": 1}) for _ in range(2)]
+            wait_until(lambda: engine.metrics.registry.get_sample_value("gpt2_queue_depth") == 2)
             too_long = {"input_ids": [464] * 100, "max_new_tokens": 60}
             assert_error(c.post(GEN, json=too_long), 400, "max_new_tokens")
             hooks = {"hooks": ["blocks.9.hook_resid_post"]}
             assert_error(c.post(GEN, json={"prompt": "Hi", "activations": hooks}), 400, "activations.hooks")
             assert_error(c.post(GEN, json={"prompt": "Hi", "max_new_tokens": 1}), 429)
-        assert waiting.result(30).status_code == 200
+        assert [w.result(30).status_code for w in waiting] == [200, 200]
         assert_still_serving(c)
 
 

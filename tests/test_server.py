@@ -937,15 +937,15 @@ def test_cors_preflight_needs_no_key_and_a_refusal_has_the_error_shape(loaded: L
 def test_queue_full_is_429(loaded: LoadedModel) -> None:
     request = {"prompt": "Hello", "max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
     with serve(loaded, max_queue=1, max_batch_size=1) as c:
-        with ThreadPoolExecutor(1) as pool, engine_held(c):
-            waiting = pool.submit(c.post, GEN, json=request)
-            wait_until(lambda: metric(c, "gpt2_queue_depth") == 1)
+        with ThreadPoolExecutor(2) as pool, engine_held(c):  # the batch's free place, then the queue's
+            waiting = [pool.submit(c.post, GEN, json=request) for _ in range(2)]
+            wait_until(lambda: metric(c, "gpt2_queue_depth") == 2)
             for path, body in ((GEN, request), (CMPL, {"prompt": "Hi", "max_tokens": 1})):
                 r = c.post(path, json=body)
                 assert_error(r, 429, None, "rate_limit_exceeded")
                 assert int(r.headers["retry-after"]) >= 1
             assert_error(c.post(GEN, json={**request, "stream": True}), 429)
-        assert waiting.result(20).status_code == 200
+        assert [w.result(20).status_code for w in waiting] == [200, 200]
         assert metric(c, "gpt2_queue_depth") == 0
         assert_still_serving(c)
 
