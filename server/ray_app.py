@@ -54,7 +54,17 @@ PROXY_SETTINGS = {
     "write_timeout": "http_options.request_timeout_s (an end-to-end bound)",
     "max_connections": "a limit in front of the proxy (a load balancer, an ingress)",
 }
-RAY_ARGS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "num_cpus", "num_gpus")
+RAY_ARGS = (
+    "replicas",
+    "min_replicas",
+    "max_replicas",
+    "target_ongoing_requests",
+    "num_cpus",
+    "num_gpus",
+    "graceful_shutdown_timeout_s",
+)
+DRAIN_S = 120.0  # how long a replica Serve stops (a redeploy, a scale-down) finishes its requests: Serve's 20 s cut
+# streams of a few hundred tokens on a CPU
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,7 @@ def plan(args: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> P
         "name": DEPLOYMENT,
         "max_ongoing_requests": settings.max_batch_size + settings.max_queue,
         "ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus},
+        "graceful_shutdown_timeout_s": _number(ray_args, "graceful_shutdown_timeout_s", DRAIN_S, low=0.0),
     }
     autoscaled = [name for name in ("min_replicas", "max_replicas", "target_ongoing_requests") if name in ray_args]
     if autoscaled:
@@ -157,7 +168,12 @@ class ReplicaVectors:
     async def store(self, name: str, vector: SteeringVector, max_vectors: int) -> str | None:
         try:
             refusal: str | None = await self._call("store", name, vector, max_vectors)
-        except (RayError, asyncio.TimeoutError) as e:
+        except asyncio.TimeoutError:  # the call stays queued in the store's actor: it may land once that answers
+            return (
+                f"the store of steering vectors the replicas share did not answer within {STORE_TIMEOUT_S:g} s: "
+                f"{name!r} may still be stored once it does (GET /v1/model lists the stored vectors)"
+            )
+        except RayError as e:
             return f"the store of steering vectors the replicas share cannot be reached ({type(e).__name__})"
         return refusal
 

@@ -311,8 +311,10 @@ def test_ray_options_follow_from_the_settings() -> None:
         "name": DEPLOYMENT,
         "max_ongoing_requests": 108,  # one replica's batch and queue: not Serve's default of 5
         "ray_actor_options": {"num_cpus": 2.0, "num_gpus": 0.0},
+        "graceful_shutdown_timeout_s": 120.0,  # a stopped replica finishes its streams (Serve's 20 s cut them)
         "num_replicas": 3,
     }
+    assert plan({"graceful_shutdown_timeout_s": "600"}, environ={}).options["graceful_shutdown_timeout_s"] == 600.0
     gpu = plan({"device": "cuda"}, environ={"GPT2_MAX_BATCH_SIZE": "32"})
     assert gpu.options["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0}
     assert gpu.options["max_ongoing_requests"] == 32 + 256  # the variable, as gpt2-serve reads it
@@ -350,6 +352,7 @@ def test_ray_autoscaling_is_exposed() -> None:
         ({"replicas": "0"}, "replicas must be an integer at least 1, got '0'"),
         ({"replicas": 1.5}, "replicas must be an integer, got 1.5"),
         ({"num_cpus": "0"}, "num_cpus must be a number above 0, got '0'"),
+        ({"graceful_shutdown_timeout_s": -1}, "graceful_shutdown_timeout_s must be a number at least 0, got -1"),
         ({"device": "cuda:1"}, "device='cuda:1': Ray gives each replica its own GPU (num_gpus), seen as cuda"),
         ({"device": "cuda", "num_gpus": 0}, "device=cuda needs a GPU per replica: num_gpus must be above 0"),
         ({"min_replicas": 3, "max_replicas": 2}, "max_replicas (2) must be at least min_replicas (3)"),
@@ -430,3 +433,23 @@ def test_ray_a_vector_stored_by_name_is_known_to_every_replica(
         assert again.status_code == 200 and again.json()["stored"] == ["joy"], again.text
     finally:
         ray.kill(ray.get_actor(vector_store_name(APP, args["model"]), namespace="serve"))
+
+
+def test_a_store_the_shared_store_is_slow_to_take_says_it_may_still_land(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store call given up after STORE_TIMEOUT_S stays queued in the store's actor: the refusal says it may
+    still land, rather than that it failed (it did land, once the actor answered)."""
+    import asyncio
+
+    import server.ray_app as ray_app
+
+    class Slow:
+        class store:
+            @staticmethod
+            def remote(*args: object) -> asyncio.Future[None]:
+                return asyncio.get_running_loop().create_future()  # never answers
+
+    monkeypatch.setattr(ray_app, "STORE_TIMEOUT_S", 0.05)
+    vectors = object.__new__(ray_app.ReplicaVectors)
+    vectors.actor = Slow()
+    said = asyncio.run(vectors.store("joy", None, 8))  # type: ignore[arg-type]
+    assert said is not None and "did not answer within 0.05 s: 'joy' may still be stored once it does" in said
