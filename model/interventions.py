@@ -211,7 +211,8 @@ class EditPlan:
         if e.op == "scale" and e.factor is None:
             raise InterventionError(f"{where}: scale needs a factor")
         if e.factor is not None and not abs(e.factor) <= FLOAT32_MAX:  # also false for NaN
-            raise InterventionError(f"{where}: factor {e.factor!r} is not a finite float32 number")
+            field = {"steer": "scale", "projection_cap": "value", "clamp": "value"}.get(e.op, "factor")  # as given
+            raise InterventionError(f"{where}: {field} {e.factor!r} is not a finite float32 number")
         if e.value is not None and not bool(e.value.to(torch.float32).isfinite().all()):
             raise InterventionError(f"{where}: value holds numbers that are not finite in float32 (inf, NaN, > 3.4e38)")
         d = e.direction

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from gpt2_scripts.console import empty_flag, run_console
-from gpt2_scripts.generate import read_prompt
+from gpt2_scripts.generate import PromptError, read_prompt, utf8_checked
 from gpt2_scripts.json_flag import read_json_flag
 from gpt2_scripts.sae_cli import add_sae_arguments, directions, features_table
 
@@ -113,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
             return fail(problem)
     if args.attribution:
         return attribution_main(args, plt)
-    prompt = read_prompt(args.prompt)
+    try:
+        prompt = read_prompt(args.prompt)
+    except PromptError as e:
+        return fail(str(e))
     try:
         loaded = load_from(args)
         ids = validate_prompt(loaded.model, loaded.tokenizer.encode(prompt), 0)
@@ -189,6 +192,7 @@ def _pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
+    matplotlib.rcParams["text.parse_math"] = False  # a prompt's text and tokens as they are, $ included
     import matplotlib.pyplot as plt
 
     return plt
@@ -245,10 +249,16 @@ def highway_table(normal: list[LayerGradient], ablated: list[LayerGradient] | No
         if ablated is not None:
             row += f" | {_grad_cells(ablated[i])}"
         rows.append(row)
-    ratio = f"first / last layer gradient norm: {normal[0].grad_norm / normal[-1].grad_norm:.3g} with the skips"
+    ratio = f"first / last layer gradient norm: {_ratio(normal)} with the skips"
     if ablated is not None:
-        ratio += f", {ablated[0].grad_norm / ablated[-1].grad_norm:.3g} without"
+        ratio += f", {_ratio(ablated)} without"
     return "\n".join([*(row.rstrip() for row in rows), ratio])
+
+
+def _ratio(run: list[LayerGradient]) -> str:
+    """The first layer's gradient norm over the last's ("inf" or "nan" where the last is 0)."""
+    first, last = run[0].grad_norm, run[-1].grad_norm
+    return f"{first / last:.3g}" if last else ("nan" if not first else "inf")
 
 
 def _grad_cells(g: LayerGradient) -> str:
@@ -289,10 +299,14 @@ def attribution_main(args: argparse.Namespace, plt: Any) -> int:
     try:
         loaded = load_from(args)
         tok = loaded.tokenizer
-        clean, corrupt = (validate_prompt(loaded.model, tok.encode(p), 0) for p in args.attribution)
+        texts = [
+            utf8_checked(p, f"the {which} prompt")
+            for p, which in zip(args.attribution, ("clean", "corrupted"), strict=True)
+        ]
+        clean, corrupt = (validate_prompt(loaded.model, tok.encode(p), 0) for p in texts)
         metric = parse_metric(args.metric, tok)
         result = attribution(loaded.model, clean, corrupt, metric, args.verify)
-    except (LoadError, GenerationError, InvalidTextError, InterventionError) as e:
+    except (LoadError, GenerationError, InvalidTextError, InterventionError, PromptError) as e:
         return fail(str(e))
     tables = [f"{loaded.name}: {len(clean)} tokens; metric {args.metric}"]
     tables.append(attribution_table(result, [tok.token_text(t) for t in clean], [tok.token_text(t) for t in corrupt]))

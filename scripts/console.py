@@ -19,10 +19,11 @@ import signal
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import NoReturn
+from typing import Any, NoReturn, TextIO
 
 
 def run_console(main: Callable[[], int], interrupted: str) -> NoReturn:
+    sys.stderr = _Stderr(sys.stderr)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where it is ignored (nohup)
         signal.signal(signal.SIGINT, _interrupt_once)
     try:
@@ -41,6 +42,35 @@ def run_console(main: Callable[[], int], interrupted: str) -> NoReturn:
             os.kill(os.getpid(), signal.SIGPIPE)
         status = 1  # not reached where SIGPIPE ends the process
     sys.exit(status)
+
+
+class _Stderr:
+    """Standard error that cannot fail the tool. Closed (`2>&-`), Python makes it None and `print(file=None)`
+    writes to standard output, into the text; full or broken (`2>/dev/full`), a status line would raise
+    after the work was done (and an unflushed line at exit makes the status 120). Its lines then go nowhere."""
+
+    def __init__(self, stream: TextIO | None) -> None:
+        self._stream = stream if stream is not None else self._nowhere()
+
+    @staticmethod
+    def _nowhere() -> TextIO:
+        return open(os.devnull, "w", encoding="utf-8")
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError:
+            self._stream = self._nowhere()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError:
+            self._stream = self._nowhere()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def _interrupt_once(signum: int, frame: object) -> None:

@@ -61,19 +61,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-class NoPrompt(Exception):
-    """The prompt was to come from standard input, which is closed (`<&-`)."""
+class PromptError(Exception):
+    """The prompt cannot be read: it was to come from standard input, which is closed (`<&-`), or it holds
+    bytes that are not UTF-8."""
 
 
 def read_prompt(arg: str | None) -> str:
-    """The prompt argument, or standard input when it is omitted or '-'. Bytes that are not UTF-8 become lone
-    surrogates, as they do in a command-line argument, so that the tokenizer's check reports them in words."""
+    """The prompt argument, or standard input when it is omitted or '-'; bytes that are not UTF-8 (which
+    reach Python as lone surrogates, U+DC80-U+DCFF, in an argument as from standard input) are an error
+    that names the first of them as the byte it is (`utf8_checked`)."""
     if arg not in (None, "-"):
-        return arg
-    if sys.stdin is None:
-        raise NoPrompt("no prompt: standard input is closed; give the prompt as an argument")
-    raw = getattr(sys.stdin, "buffer", None)
-    return sys.stdin.read() if raw is None else raw.read().decode("utf-8", "surrogateescape")
+        text = arg
+    elif sys.stdin is None:
+        raise PromptError("no prompt: standard input is closed; give the prompt as an argument")
+    else:
+        raw = getattr(sys.stdin, "buffer", None)
+        text = sys.stdin.read() if raw is None else raw.read().decode("utf-8", "surrogateescape")
+    return utf8_checked(text)
+
+
+def utf8_checked(text: str, what: str = "the prompt") -> str:
+    """`text`, unless it holds bytes that are not UTF-8 (surrogateescape's U+DC80-U+DCFF, as Python reads an
+    argument or standard input): then a `PromptError` naming the first as the byte it is."""
+    if bad := _NOT_UTF8.search(text):
+        byte = ord(bad.group()) - 0xDC00
+        raise PromptError(f"{what} is not valid UTF-8: it holds the byte 0x{byte:02X} at character {bad.start()}")
+    return text
+
+
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")  # a byte that is not UTF-8, as surrogateescape reads it
 
 
 def main(argv: list[str] | None = None) -> int:  # Ctrl-C leaves nothing half-written: a dump is written at the end
@@ -96,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:  # Ctrl-C leaves nothing half-wr
         return fail("standard output is closed: nowhere to write the text")
     try:
         prompt = read_prompt(args.prompt)
-    except NoPrompt as e:
+    except PromptError as e:
         return fail(str(e))
     try:
         params = SamplingParams(

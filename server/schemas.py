@@ -151,8 +151,9 @@ class InterventionSpec(Strict):
         become 400s naming the field)."""
         try:
             return self._resolved(directions, where)
-        except DirectionError as e:
-            raise InterventionError(str(e), "interventions") from None
+        except DirectionError as e:  # named as the request names it: interventions[2].direction, --steer 3.direction
+            message = str(e) if str(e).startswith(where) else f"{e.param}: {e}"
+            raise InterventionError(message, "interventions") from None
 
     def _resolved(self, directions: Directions, where: str) -> Edit:
         number = None

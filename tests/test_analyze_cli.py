@@ -72,7 +72,11 @@ def test_no_ablated_top_k_and_the_prompt_from_stdin(model_args: list[str]) -> No
         ([PROMPT, "{model}", "--plot", "/nonexistent/dir/out.png"], "cannot write /nonexistent/dir/out.png"),
         ([PROMPT, "{model}", "--plot", "/tmp"], "--plot /tmp: the name must end in a format matplotlib writes ("),
         ([PROMPT, "{model}", "--plot", "out.nope"], "--plot out.nope: the name must end in a format"),
-        (["\udcff hi", "{model}"], "not valid Unicode: it holds a lone surrogate (U+DCFF) at character 0"),
+        (["\udcff hi", "{model}"], "the prompt is not valid UTF-8: it holds the byte 0xFF at character 0"),
+        (
+            ["--attribution", "a", "b\udce9", "{model}"],
+            "the corrupted prompt is not valid UTF-8: it holds the byte 0xE9",
+        ),
     ],
     ids=[
         "empty prompt",
@@ -82,6 +86,7 @@ def test_no_ablated_top_k_and_the_prompt_from_stdin(model_args: list[str]) -> No
         "plot without a format",
         "unknown format",
         "prompt not UTF-8",
+        "attribution prompt not UTF-8",
     ],
 )
 def test_bad_input_is_one_line_on_stderr_and_exit_1(model_args: list[str], args: list[str], says: str) -> None:
@@ -197,3 +202,35 @@ def test_a_plot_that_cannot_be_written_whole_leaves_the_old_file(
     assert main([PROMPT, *model_args, "--no-ablated", "--plot", str(png)]) == 1
     assert capsys.readouterr().err == f"gpt2-analyze: error: cannot write {png}: No space left on device\n"
     assert png.read_bytes() == b"the old plot" and [p.name for p in tmp_path.iterdir()] == ["old.png"]
+
+
+def test_no_prompt_with_standard_input_closed_is_one_line(
+    model_args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gpt2_scripts.analyze import main
+
+    monkeypatch.setattr(sys, "stdin", None)  # `<&-`
+    assert main(model_args) == 1
+    assert capsys.readouterr().err == (
+        "gpt2-analyze: error: no prompt: standard input is closed; give the prompt as an argument\n"
+    )
+
+
+def test_a_prompt_with_dollars_is_plotted_as_text(model_args: list[str], tmp_path: Path) -> None:
+    """matplotlib reads $...$ as math: an unbalanced one in the title (the prompt) raised after the tables."""
+    png = tmp_path / "p.png"
+    r = gpt2_analyze("price $\\frac{1 $ here", *model_args, "--no-ablated", "--plot", str(png))
+    assert r.returncode == 0, r.stderr
+    assert png.stat().st_size > 0 and r.stderr == f"wrote {png}\n"
+
+
+def test_a_last_gradient_norm_of_zero_is_a_ratio_not_a_crash() -> None:
+    from gpt2_scripts.analyze import highway_table
+
+    from model.lab.gradients import LayerGradient
+
+    def run(*norms: float) -> list[LayerGradient]:
+        return [LayerGradient(i - 1, n, None, None) for i, n in enumerate(norms)]
+
+    assert highway_table(run(2.0, 1.0), None).endswith("first / last layer gradient norm: 2 with the skips")
+    assert highway_table(run(2.0, 0.0), run(0.0, 0.0)).endswith("norm: inf with the skips, nan without")

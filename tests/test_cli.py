@@ -238,7 +238,7 @@ def test_prompt_that_is_not_valid_utf8(ckpt_with_tokenizer: Path, capsys: pytest
     # bytes that are not UTF-8 on the command line reach Python as lone surrogates (surrogateescape)
     assert main([b"\xff hi".decode("utf-8", "surrogateescape"), "--model", str(ckpt_with_tokenizer)]) == 1
     err = capsys.readouterr().err
-    assert err == "gpt2-generate: error: not valid Unicode: it holds a lone surrogate (U+DCFF) at character 0\n"
+    assert err == "gpt2-generate: error: the prompt is not valid UTF-8: it holds the byte 0xFF at character 0\n"
 
 
 def test_unavailable_device(
@@ -261,7 +261,7 @@ def test_prompt_from_stdin_that_is_not_utf8(
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9"), encoding="utf-8", errors="strict"))
     assert main(["--model", str(ckpt_with_tokenizer)]) == 1
     err = capsys.readouterr().err
-    assert err == "gpt2-generate: error: not valid Unicode: it holds a lone surrogate (U+DCE9) at character 3\n"
+    assert err == "gpt2-generate: error: the prompt is not valid UTF-8: it holds the byte 0xE9 at character 3\n"
 
 
 def test_a_torch_device_this_project_does_not_run_on(

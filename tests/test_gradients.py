@@ -548,8 +548,11 @@ def test_hook_names_are_checked_and_globs_expanded(ours64: GPT) -> None:
 
 
 def test_a_one_token_prompt_has_no_loss(ours64: GPT) -> None:
-    with pytest.raises(MetricError, match="span"):
+    """The default span of a one-token prompt is empty: the message says the prompt is too short (not that a
+    span the caller never gave is wrong)."""
+    with pytest.raises(MetricError, match="the loss needs a prompt of at least 2 tokens, got 1") as e:
         gradients(ours64, [464], Loss(), ["logits"])
+    assert e.value.param == "metric"
     with pytest.raises(MetricError, match="at least 2 tokens"):
         highway(ours64, [464])
 

@@ -337,19 +337,19 @@ BAD = {
         "/v1/next-token",
         {"interventions": [{"hook": RES, "op": "steer", "scale": 1.0, "direction": {"sae": "x", "feature": 0}}]},
         "interventions",
-        "unknown SAE 'x'",
+        "interventions[0].direction: unknown SAE 'x'",
     ),
     "unknown feature in a direction": (
         "/v1/generate",
         {"interventions": [{"hook": RES, "op": "steer", "scale": 1.0, "direction": {"sae": "res1", "feature": -1}}]},
         "interventions",
-        "feature -1 of SAE 'res1' is out of range 0..255",
+        "interventions[0].direction: feature -1 of SAE 'res1' is out of range 0..255",
     ),
     "unknown vector": (
         "/v1/next-token",
         {"interventions": [{"hook": RES, "op": "steer", "scale": 1.0, "direction": {"vector": "nothing"}}]},
         "interventions",
-        "no stored steering vector 'nothing'",
+        "interventions[0].direction: no stored steering vector 'nothing'",
     ),
     "wrong vector length": (
         "/v1/analyze",

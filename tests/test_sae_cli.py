@@ -51,7 +51,14 @@ def test_generate_with_steering_equals_the_model_level_run(
 @pytest.mark.parametrize(
     ("steer", "says"),
     [
-        ({"hook": HOOK, "op": "steer", "scale": 1.0, "direction": {"sae": "nope", "feature": 0}}, "unknown SAE 'nope'"),
+        (
+            {"hook": HOOK, "op": "steer", "scale": 1.0, "direction": {"sae": "nope", "feature": 0}},
+            "--steer 1.direction: unknown SAE 'nope'",
+        ),
+        (
+            {"hook": HOOK, "op": "steer", "scale": 1e308, "direction": [1.0] * 64},
+            "--steer 1: scale 1e+308 is not a finite",
+        ),
         ({"hook": HOOK, "op": "steer", "scale": 1.0, "direction": [1.0, 2.0]}, "direction of shape [2] does not fit"),
         ({"hook": HOOK, "op": "steer", "direction": [1.0] * 64}, "scale must be a finite number"),
         ({"hook": HOOK, "op": "tilt"}, "--steer 1"),

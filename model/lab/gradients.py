@@ -62,6 +62,12 @@ Metric = LogProb | LogitDiff | Loss
 def check_metric(metric: Metric, n_tokens: int, vocab_size: int) -> None:
     """Refuse (`MetricError`, naming the field) what cannot be computed on a prompt of `n_tokens`."""
     if isinstance(metric, Loss):
+        if metric.span is None and n_tokens < 2:
+            raise MetricError(
+                f"the loss needs a prompt of at least 2 tokens, got {n_tokens}: each token is predicted from the "
+                "one before, so the first cannot be",
+                "metric",
+            )
         start, end = metric.span if metric.span is not None else (1, n_tokens)
         if not 1 <= start < end <= n_tokens:
             raise MetricError(
@@ -87,6 +93,12 @@ def check_metric(metric: Metric, n_tokens: int, vocab_size: int) -> None:
 def metric_rows(metric: Metric, n_tokens: int) -> range:
     """The positions whose logits `metric` reads, on a prompt of `n_tokens`."""
     if isinstance(metric, Loss):
+        if metric.span is None and n_tokens < 2:
+            raise MetricError(
+                f"the loss needs a prompt of at least 2 tokens, got {n_tokens}: each token is predicted from the "
+                "one before, so the first cannot be",
+                "metric",
+            )
         start, end = metric.span if metric.span is not None else (1, n_tokens)
         return range(start - 1, end - 1)  # each predicts the token after it
     p = metric.position % n_tokens
