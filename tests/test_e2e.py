@@ -395,6 +395,6 @@ def test_unknown_log_level_is_a_usage_error(tmp_path: Path) -> None:
     assert process.wait(timeout=STARTUP_TIMEOUT) == 2
     stderr = log.read_text()
     assert stderr.splitlines()[-1] == (
-        "gpt2-serve: error: log_level must be one of debug, info, warning, error, critical, got 'verbose'"
+        "gpt2-serve: error: --log-level must be one of debug, info, warning, error, critical, got 'verbose'"
     )
     assert "Traceback" not in stderr

@@ -176,7 +176,7 @@ BAD = [
     ),
     ("position", "/v1/gradients", grad(metric={"type": "logprob", "token": 5, "position": 8}), 400, "metric.position"),
     ("span", "/v1/gradients", grad(metric={"type": "loss", "span": [0, 3]}), 400, "metric.span"),
-    ("one-token-loss", "/v1/gradients", grad(input_ids=[464]), 400, "metric.span"),
+    ("one-token-loss", "/v1/gradients", grad(input_ids=[464]), 400, "metric"),
     ("unknown-hook", "/v1/gradients", grad(hooks=["blocks.7.hook_resid_pre"]), 400, "hooks"),
     ("no-hooks", "/v1/gradients", grad(hooks=[]), 400, "hooks"),
     ("format", "/v1/gradients", grad(format="npy"), 400, "format"),

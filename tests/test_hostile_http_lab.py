@@ -180,7 +180,7 @@ def test_a_one_prompt_dump_is_written_from_the_captured_tensors(
 
     async def kept(*args: Any) -> Any:
         completions = await results(*args)
-        captured.extend(c.activations for c in completions)
+        captured.extend(dict(c.activations) for c in completions)  # the file takes them out of the completions
         return completions
 
     def watched(tensors: dict[str, Any], *args: Any) -> bytes:

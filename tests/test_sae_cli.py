@@ -57,7 +57,7 @@ def test_generate_with_steering_equals_the_model_level_run(
         ),
         (
             {"hook": HOOK, "op": "steer", "scale": 1e308, "direction": [1.0] * 64},
-            "--steer 1: scale 1e+308 is not a finite",
+            "--steer 1 ('blocks.1.hook_resid_pre'): scale 1e+308 is not a finite float32 number",
         ),
         ({"hook": HOOK, "op": "steer", "scale": 1.0, "direction": [1.0, 2.0]}, "direction of shape [2] does not fit"),
         ({"hook": HOOK, "op": "steer", "direction": [1.0] * 64}, "scale must be a finite number"),

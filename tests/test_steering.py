@@ -131,7 +131,10 @@ def test_steered_generation_equals_one_forward_pass(tiny_model: GPT, sae: SAE) -
     [
         (Edit(HOOK, "steer", factor=1.0, direction=torch.ones(3)), r"direction of shape \[3\] does not fit"),
         (Edit(HOOK, "steer", direction=torch.ones(64)), "steer needs a scale"),
-        (Edit(HOOK, "steer", factor=float("inf"), direction=torch.ones(64)), "factor inf is not a finite"),
+        (
+            Edit(HOOK, "steer", factor=float("inf"), direction=torch.ones(64)),
+            "scale inf is not a finite",
+        ),  # as a steer names it
         (Edit(HOOK, "steer", factor=1.0, direction=torch.full((64,), float("nan"))), "not finite in float32"),
         (Edit(HOOK, "orthogonal", direction=torch.zeros(64)), "not zero"),
         (Edit(HOOK, "orthogonal", direction=torch.ones(0)), r"direction of shape \[0\] does not fit"),
