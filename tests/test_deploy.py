@@ -86,6 +86,7 @@ def test_the_manifests_fit_together_and_fit_the_image() -> None:
         "kind": "Deployment",
         "name": deployment["metadata"]["name"],
     }
+    assert "replicas" not in deployment["spec"]  # the autoscaler's to set: a count here resets it at every apply
     (volume,) = pod["spec"]["volumes"]
     assert volume["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
     (mount,) = container["volumeMounts"]
