@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from pathlib import Path
 
 from gpt2_scripts.console import empty_flag, run_console
 from gpt2_scripts.sae_cli import add_sae_arguments, directions, steering_edits, steering_specs
@@ -80,6 +81,18 @@ def read_prompt(arg: str | None) -> str:
     return utf8_checked(text)
 
 
+def _replaces_the_checkpoint(dump: str, model: str) -> str | None:
+    """Why a dump must not go to `dump`: a file there already, of the local checkpoint `model` (its directory,
+    or the file itself), which the dump would replace (the weights read, then written over)."""
+    target, checkpoint = Path(dump).resolve(), Path(model).expanduser()
+    if not (target.exists() and checkpoint.exists()):
+        return None
+    checkpoint = checkpoint.resolve()
+    if target == checkpoint or (checkpoint.is_dir() and checkpoint in target.parents):
+        return f"--dump-activations {dump}: it would replace a file of the checkpoint being loaded ({model})"
+    return None
+
+
 def utf8_checked(text: str, what: str = "the prompt") -> str:
     """`text`, unless it holds bytes that are not UTF-8 (surrogateescape's U+DC80-U+DCFF, as Python reads an
     argument or standard input): then a `PromptError` naming the first as the byte it is."""
@@ -101,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:  # Ctrl-C leaves nothing half-wr
     if args.dump_activations == "-":
         return fail("--dump-activations -: a dump is a file (the text goes to standard output); name one")
     if args.dump_activations and (problem := dump_path_problem(args.dump_activations)):  # before the long part
+        return fail(problem)
+    if args.dump_activations and (problem := _replaces_the_checkpoint(args.dump_activations, args.model)):
         return fail(problem)
     try:  # an exact name no GPT-2 has, before the model loads (a glob, or a layer past it, is checked after)
         for name in args.hooks or []:

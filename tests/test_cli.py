@@ -196,13 +196,21 @@ def test_dump_problems_found_before_loading(tmp_path: Path, capsys: pytest.Captu
         (["-"], "--dump-activations -: a dump is a file (the text goes to standard output); name one"),
         ([str(tmp_path / "x.safetensors"), "--hooks", "blocks.0.hook_resid_pots"], "--hooks: unknown hook 'blocks.0."),
     ]
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(b"weights")
+    for where in ("ckpt/model.safetensors", "ckpt"):  # a file of the checkpoint being loaded, or the file loaded
+        model = str(tmp_path / where)
+        says = f"--dump-activations {ckpt / 'model.safetensors'}: it would replace a file of the checkpoint being"
+        cases.append(([str(ckpt / "model.safetensors"), "--model", model], says))
     if Path("/proc/self").is_dir():  # a directory that takes no new file, even for root
         cases.append((["/proc/acts.safetensors"], "cannot write /proc/acts.safetensors: "))
     for args, says in cases:
         assert main([*base, *args]) == 1
         out, err = capsys.readouterr()
         assert out == "" and err.startswith(f"gpt2-generate: error: {says}") and err.count("\n") == 1, err
-    assert not list(tmp_path.iterdir())  # no probe file left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no probe file left behind
+    assert (ckpt / "model.safetensors").read_bytes() == b"weights"
 
 
 def test_bad_dtype(ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str]) -> None:
