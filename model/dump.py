@@ -37,21 +37,24 @@ _DTYPE_NAMES = {
 
 
 def _metadata(meta: dict[str, Any]) -> dict[str, str]:
-    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
-
-
-def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Each tensor on the CPU, contiguous, and in memory of its own: safetensors refuses tensors that share
-    memory, and two hook points can hold the same tensor (a gradient at blocks.3.hook_resid_post is the one at
-    blocks.4.hook_resid_pre; logits and unembed.hook_out are one tensor)."""
-    out: dict[str, torch.Tensor] = {}
-    storages: set[int] = set()
-    for name, t in tensors.items():
-        t = t.detach().cpu().contiguous()
-        storage = t.untyped_storage().data_ptr()
-        out[name] = t.clone() if storage in storages else t
-        storages.add(storage)
+    """The metadata as the format takes it, strings: values that are not are JSON, and text that is not valid
+    Unicode (a path's bytes that are not UTF-8, read by Python as lone surrogates) has those characters
+    replaced by U+FFFD, which no reader would parse otherwise."""
+    out = {}
+    for k, v in meta.items():
+        text = v if isinstance(v, str) else json.dumps(v)
+        try:  # a byte that is not UTF-8, as surrogateescape read it, back to that byte: one U+FFFD
+            raw = text.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:  # another lone surrogate
+            raw = text.encode("utf-8", "surrogatepass")
+        out[k] = raw.decode("utf-8", "replace")
     return out
+
+
+def _on_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tensor on the CPU and contiguous, as its bytes are written (two names may hold one tensor: a
+    gradient at blocks.3.hook_resid_post is the one at blocks.4.hook_resid_pre; its bytes are written twice)."""
+    return {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
 
 
 def dump_path_problem(path: str | Path) -> str | None:
@@ -135,21 +138,31 @@ def dump_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> by
 def dump_pieces(tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> list[bytes | memoryview]:
     """The safetensors file of `tensors` and `metadata`, in the pieces it is made of, in order: the header
     (its length in 8 bytes, then JSON padded with spaces to a multiple of 8), then each tensor's bytes, a
-    view of the tensor's own memory. Written or sent piece by piece, a dump of hundreds of megabytes is not
-    copied whole (safetensors' `save` copies it twice)."""
-    tensors = _contiguous(tensors)
-    header: dict[str, Any] = {"__metadata__": _metadata(metadata)} if metadata else {}
-    offset = 0
+    view of the tensor's own memory (little-endian, as the format's bytes are, on the hosts this runs on).
+    Written or sent piece by piece, a dump of hundreds of megabytes is not copied whole (safetensors' `save`
+    copies it twice)."""
     for name, t in tensors.items():
         if t.dtype not in _DTYPE_NAMES:
             raise ValueError(f"{name}: a dump cannot hold {t.dtype}")
+    # as safetensors lays a file out: the widest elements first, then by name, so every tensor starts at a
+    # multiple of its element's size (the header is padded to 8)
+    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    tensors = _on_cpu({name: tensors[name] for name in order})
+    header: dict[str, Any] = {"__metadata__": _metadata(metadata)} if metadata else {}
+    offset = 0
+    for name, t in tensors.items():
         end = offset + t.numel() * t.element_size()
         header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, end]}
         offset = end
-    text = json.dumps(header, separators=(",", ":")).encode()
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     text += b" " * (-len(text) % 8)
+    if len(text) > _MAX_HEADER:
+        raise ValueError(f"the dump's header takes {len(text)} bytes, over the {_MAX_HEADER} safetensors reads")
     raw = [t.reshape(-1).view(torch.uint8).numpy().data for t in tensors.values()]
     return [struct.pack("<Q", len(text)) + text, *raw]
+
+
+_MAX_HEADER = 100_000_000  # safetensors refuses to read a longer header
 
 
 def load_dump(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -319,7 +319,9 @@ class Capture:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The values so far, each a tensor over every position captured. Each hook's chunks are joined
-        into one, which replaces them (a dump of hundreds of megabytes is held once, not twice)."""
+        into one, which replaces them (a dump of hundreds of megabytes is held once, not twice): a second call
+        gives the same tensors, and a value captured in one chunk is the tensor the hook saw (two hook points
+        may hold one tensor, blocks.0.hook_resid_post and blocks.1.hook_resid_pre), not a copy."""
         out: dict[str, torch.Tensor] = {}
         for name, chunks in self._chunks.items():
             if not chunks:

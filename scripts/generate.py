@@ -17,7 +17,6 @@ from pathlib import Path
 
 from gpt2_scripts.console import empty_flag, run_console
 from gpt2_scripts.sae_cli import add_sae_arguments, directions, steering_edits, steering_specs
-from safetensors import SafetensorError
 
 from model.dump import dump_path_problem, save_dump
 from model.generate import Generation, GenerationError, SamplingParams
@@ -84,12 +83,13 @@ def read_prompt(arg: str | None) -> str:
 def _replaces_the_checkpoint(dump: str, model: str) -> str | None:
     """Why a dump must not go to `dump`: a file there already, of the local checkpoint `model` (its directory,
     or the file itself), which the dump would replace (the weights read, then written over)."""
-    target, checkpoint = Path(dump).resolve(), Path(model).expanduser()
+    target, checkpoint = Path(dump).absolute(), Path(model).expanduser().absolute()
     if not (target.exists() and checkpoint.exists()):
         return None
-    checkpoint = checkpoint.resolve()
-    if target == checkpoint or (checkpoint.is_dir() and checkpoint in target.parents):
-        return f"--dump-activations {dump}: it would replace a file of the checkpoint being loaded ({model})"
+    # as given and through symlinks: a hub cache's snapshot holds links to its blobs
+    for t, c in ((target, checkpoint), (target.resolve(), checkpoint.resolve())):
+        if t == c or (c.is_dir() and c in t.parents):
+            return f"--dump-activations {dump}: it would replace a file of the checkpoint being loaded ({model})"
     return None
 
 
@@ -169,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:  # Ctrl-C leaves nothing half-wr
             save_dump(args.dump_activations, result.activations, meta)
         except OSError as e:
             return fail(f"cannot write {args.dump_activations}: {e.strerror or e}")
-        except SafetensorError as e:  # safetensors reports its I/O failures as its own error
-            return fail(f"cannot write {args.dump_activations}: {e}")
+        except ValueError as e:  # the path went bad during the generation (`dump_path_problem` again)
+            return fail(str(e))
         print(
             f"wrote {len(result.activations)} activations over {len(token_ids)} tokens to {args.dump_activations}",
             file=sys.stderr,

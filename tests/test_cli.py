@@ -196,9 +196,11 @@ def test_dump_problems_found_before_loading(tmp_path: Path, capsys: pytest.Captu
         (["-"], "--dump-activations -: a dump is a file (the text goes to standard output); name one"),
         ([str(tmp_path / "x.safetensors"), "--hooks", "blocks.0.hook_resid_pots"], "--hooks: unknown hook 'blocks.0."),
     ]
-    ckpt = tmp_path / "ckpt"
+    ckpt, blobs = tmp_path / "ckpt", tmp_path / "blobs"  # a hub cache's snapshot: links to its blobs
     ckpt.mkdir()
-    (ckpt / "model.safetensors").write_bytes(b"weights")
+    blobs.mkdir()
+    (blobs / "abc").write_bytes(b"weights")
+    (ckpt / "model.safetensors").symlink_to(blobs / "abc")
     for where in ("ckpt/model.safetensors", "ckpt"):  # a file of the checkpoint being loaded, or the file loaded
         model = str(tmp_path / where)
         says = f"--dump-activations {ckpt / 'model.safetensors'}: it would replace a file of the checkpoint being"
@@ -209,8 +211,8 @@ def test_dump_problems_found_before_loading(tmp_path: Path, capsys: pytest.Captu
         assert main([*base, *args]) == 1
         out, err = capsys.readouterr()
         assert out == "" and err.startswith(f"gpt2-generate: error: {says}") and err.count("\n") == 1, err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no probe file left behind
-    assert (ckpt / "model.safetensors").read_bytes() == b"weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blobs", "ckpt"]  # no probe file left behind
+    assert (ckpt / "model.safetensors").read_bytes() == b"weights" and not list(blobs.glob(".*"))
 
 
 def test_bad_dtype(ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str]) -> None:

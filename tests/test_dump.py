@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -82,7 +84,13 @@ def test_the_file_is_written_from_the_tensors_own_memory(tmp_path: Path) -> None
     meta = {"text": "héllo ✓ 日本", "token_ids": [1, 2]}
     header, *raw = dump_pieces(tensors, meta)
     assert len(header) % 8 == 0  # the data starts 8-byte aligned, as safetensors writes it
-    for view, t in zip(raw, tensors.values(), strict=True):  # no copy: the tensor's own bytes
+    # laid out as safetensors lays them: the widest elements first, then by name, each at a multiple of its size
+    entries = json.loads(header[8:])
+    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    assert [n for n in entries if n != "__metadata__"] == order
+    assert all(entries[n]["data_offsets"][0] % tensors[n].element_size() == 0 for n in order)
+    for view, name in zip(raw, order, strict=True):  # no copy: the tensor's own bytes
+        t = tensors[name]
         assert len(view) == t.numel() * t.element_size()
         if t.numel():
             assert view.obj.ctypes.data == t.data_ptr()  # type: ignore[union-attr]
@@ -98,6 +106,10 @@ def test_the_file_is_written_from_the_tensors_own_memory(tmp_path: Path) -> None
     with safe_open(str(path), framework="pt") as f:
         assert f.metadata() == {"text": "héllo ✓ 日本", "token_ids": "[1, 2]"}
         assert torch.equal(f.get_tensor("bf16"), tensors["bf16"])
+    # a path's bytes that are not UTF-8 (lone surrogates in Python) would make a header no reader parses
+    odd = dump_bytes({"x": torch.ones(1)}, {"model": b"/ckpt/\xff".decode("utf-8", "surrogateescape")})
+    with safe_open_bytes(odd) as f:
+        assert f["model"] == "/ckpt/\ufffd"
     with pytest.raises(ValueError, match=r"a dump cannot hold torch\.complex64"):
         dump_pieces({"z": torch.zeros(2, dtype=torch.complex64)}, {})
 
@@ -165,3 +177,13 @@ def test_a_dump_that_fails_midway_leaves_the_old_file_or_none(
             save_dump(path, {"x": torch.zeros(3)}, {})
     assert old.read_bytes() == before and not new.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old.safetensors"]
+
+
+@contextmanager
+def safe_open_bytes(blob: bytes) -> Iterator[dict[str, str]]:
+    """The metadata of a safetensors file in memory, read by safetensors itself."""
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "x.safetensors"
+        path.write_bytes(blob)
+        with safe_open(str(path), framework="pt") as f:
+            yield dict(f.metadata())
