@@ -265,6 +265,12 @@ def _autoscaling(args: Mapping[str, Any], settings: Settings) -> dict[str, Any]:
     if high < low:
         raise ValueError(f"max_replicas ({high}) must be at least min_replicas ({low})")
     target = _number(args, "target_ongoing_requests", settings.max_batch_size, low=0, open_low=True)
+    most = settings.max_batch_size + settings.max_queue  # what a replica takes at once (max_ongoing_requests)
+    if target > most:
+        raise ValueError(
+            f"target_ongoing_requests ({target:g}) is more than a replica takes at once (max_batch_size + "
+            f"max_queue = {most}): the autoscaler would never add a replica"
+        )
     config: dict[str, Any] = {"min_replicas": low, "max_replicas": high, "target_ongoing_requests": target}
     if "replicas" in args:
         initial = int(_number(args, "replicas", 1, low=0, integer=True))

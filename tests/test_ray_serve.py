@@ -356,6 +356,10 @@ def test_ray_autoscaling_is_exposed() -> None:
         ({"device": "cuda:1"}, "device='cuda:1': Ray gives each replica its own GPU (num_gpus), seen as cuda"),
         ({"device": "cuda", "num_gpus": 0}, "device=cuda needs a GPU per replica: num_gpus must be above 0"),
         ({"min_replicas": 3, "max_replicas": 2}, "max_replicas (2) must be at least min_replicas (3)"),
+        (
+            {"max_replicas": 2, "target_ongoing_requests": 1000},
+            "target_ongoing_requests (1000) is more than a replica takes at once (max_batch_size + max_queue = 272)",
+        ),
         ({"max_replicas": 2, "replicas": 5}, "replicas (5) must be between min_replicas (1) and max_replicas (2)"),
         ({"served_model_name": 2}, "served_model_name must be text or a list of texts, got 2"),
         ({"served_model_name": ["a", None]}, "served_model_name must be text or a list of texts, got ['a', None]"),
