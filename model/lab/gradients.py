@@ -59,16 +59,24 @@ class Loss:
 Metric = LogProb | LogitDiff | Loss
 
 
+def _loss_span(metric: Loss, n_tokens: int) -> tuple[int, int]:
+    """The tokens [start, end) the loss predicts: its span, or every token but the first (a prompt of one
+    token has none: a `MetricError` that says so, not one about a span the caller never gave)."""
+    if metric.span is not None:
+        return metric.span
+    if n_tokens < 2:
+        raise MetricError(
+            f"the loss needs a prompt of at least 2 tokens, got {n_tokens}: each token is predicted from the "
+            "one before, so the first cannot be",
+            "metric",
+        )
+    return 1, n_tokens
+
+
 def check_metric(metric: Metric, n_tokens: int, vocab_size: int) -> None:
     """Refuse (`MetricError`, naming the field) what cannot be computed on a prompt of `n_tokens`."""
     if isinstance(metric, Loss):
-        if metric.span is None and n_tokens < 2:
-            raise MetricError(
-                f"the loss needs a prompt of at least 2 tokens, got {n_tokens}: each token is predicted from the "
-                "one before, so the first cannot be",
-                "metric",
-            )
-        start, end = metric.span if metric.span is not None else (1, n_tokens)
+        start, end = _loss_span(metric, n_tokens)
         if not 1 <= start < end <= n_tokens:
             raise MetricError(
                 f"loss span [{start}, {end}) must be tokens 1 <= start < end <= {n_tokens} (the prompt's length): "
@@ -93,13 +101,7 @@ def check_metric(metric: Metric, n_tokens: int, vocab_size: int) -> None:
 def metric_rows(metric: Metric, n_tokens: int) -> range:
     """The positions whose logits `metric` reads, on a prompt of `n_tokens`."""
     if isinstance(metric, Loss):
-        if metric.span is None and n_tokens < 2:
-            raise MetricError(
-                f"the loss needs a prompt of at least 2 tokens, got {n_tokens}: each token is predicted from the "
-                "one before, so the first cannot be",
-                "metric",
-            )
-        start, end = metric.span if metric.span is not None else (1, n_tokens)
+        start, end = _loss_span(metric, n_tokens)
         return range(start - 1, end - 1)  # each predicts the token after it
     p = metric.position % n_tokens
     return range(p, p + 1)

@@ -31,6 +31,7 @@ from .. import encoding
 from ..engine import Engine, QueueFull, RequestStream
 from ..errors import GONE, APIError, error_body, generation_error_body
 from ..metrics import Metrics
+from ..middleware import SlicedBodies
 from ..schemas import Edits
 from ..settings import Settings
 from ..threads import run_in_threadpool
@@ -326,7 +327,7 @@ class FileResponse(Response):
     one after another in slices of a MiB, never joined: a dump of hundreds of megabytes is in memory once."""
 
     media_type = "application/octet-stream"
-    slice_bytes = 1 << 20
+    slice_bytes = SlicedBodies.slice_bytes  # as the middleware slices an answer, where it runs (not under Ray)
 
     def __init__(self, pieces: list[bytes | memoryview]) -> None:
         super().__init__()
