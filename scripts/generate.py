@@ -33,9 +33,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_checkpoint_arguments(p)
     p.add_argument("--max-new-tokens", type=int, default=50)
     p.add_argument("--temperature", type=float, help="sampling temperature (default 1; 0 is --greedy)")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="sample from the nucleus of this probability mass")
-    p.add_argument("--seed", type=int, help="makes sampling reproducible")
+    p.add_argument("--top-k", type=int, help="sample among the k most likely tokens (default 0: all)")
+    p.add_argument("--top-p", type=float, help="sample from the nucleus of this probability mass (default 1)")
+    p.add_argument("--seed", type=int, help="makes sampling reproducible (greedy needs none)")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token (temperature 0)")
     p.add_argument("--stop", action="append", default=[], help="stop before this string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going after <|endoftext|>")
@@ -58,6 +58,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.greedy and args.temperature is not None:
         p.error("--greedy and --temperature conflict (--greedy is --temperature 0)")
+    if args.greedy or args.temperature == 0:  # the most likely token is taken: nothing is sampled to narrow
+        narrowing = (("--top-k", args.top_k not in (None, 0)), ("--top-p", args.top_p not in (None, 1.0)))
+        given = [flag for flag, narrows in narrowing if narrows]
+        if given:
+            how = "--greedy" if args.greedy else "--temperature 0"
+            p.error(f"{' and '.join(given)} narrow sampling, and {how} samples nothing: drop one")
     return args
 
 
@@ -133,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:  # Ctrl-C leaves nothing half-wr
         params = SamplingParams(
             max_new_tokens=args.max_new_tokens,
             temperature=0.0 if args.greedy else 1.0 if args.temperature is None else args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
+            top_k=0 if args.top_k is None else args.top_k,
+            top_p=1.0 if args.top_p is None else args.top_p,
             seed=args.seed,
             stop=tuple(args.stop),
             ignore_eos=args.ignore_eos,

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import SHARED_TOKENIZER, Checkpoint, load_ours, write_byte_tokenizer
-from gpt2_scripts.generate import main
+from gpt2_scripts.generate import main, parse_args
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -288,6 +288,27 @@ def test_greedy_and_temperature_conflict(ckpt_with_tokenizer: Path, capsys: pyte
         main(["hi", "--model", str(ckpt_with_tokenizer), "--greedy", "--temperature", "0.8"])
     assert exit_info.value.code == 2
     assert "--greedy and --temperature conflict" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--greedy", "--top-k", "5"], "--top-k narrow sampling, and --greedy samples nothing"),
+        (["--temperature", "0", "--top-p", "0.9"], "--top-p narrow sampling, and --temperature 0 samples nothing"),
+        (["--greedy", "--top-k", "3", "--top-p", "0.5"], "--top-k and --top-p narrow sampling, and --greedy"),
+    ],
+)
+def test_greedy_with_top_k_or_top_p_is_refused(
+    ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str], flags: list[str], said: str
+) -> None:
+    """Greedy takes the most likely token, so a top-k or top-p beside it would be ignored: said, not ignored."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["hi", "--model", str(ckpt_with_tokenizer), *flags])
+    assert exit_info.value.code == 2
+    assert said in capsys.readouterr().err
+    # the values that narrow nothing (as a script that always passes them would) are taken
+    args = parse_args(["hi", "--greedy", "--top-k", "0", "--top-p", "1", "--seed", "3"])
+    assert (args.top_k, args.top_p, args.seed) == (0, 1.0, 3)
 
 
 def test_dump_onto_something_not_a_regular_file(
