@@ -399,9 +399,10 @@ def new_sequence(
     tokenizer: Tokenizer | None,
     hook_names: list[str] | None = None,
     edits: EditSpec | None = None,
+    capture_dtype: torch.dtype | None = None,
 ) -> SequenceState:
-    """Check a prompt against the model and set up its state (`hook_names`: activations to capture;
-    `edits`: interventions and residual ablation to apply)."""
+    """Check a prompt against the model and set up its state (`hook_names`: activations to capture, kept in
+    `capture_dtype` if given; `edits`: interventions and residual ablation to apply)."""
     if tokenizer is None and params.stop:
         raise GenerationError("stop strings need a tokenizer", "stop")
     ids = validate_prompt(model, prompt, params.max_new_tokens)
@@ -409,7 +410,7 @@ def new_sequence(
     bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
     if bad:
         raise GenerationError(f"stop token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "stop_token_ids")
-    capture = Capture(hook_names) if hook_names else None
+    capture = Capture(hook_names, capture_dtype) if hook_names else None
     edit_hooks = edits.hooks(model.config, len(ids) + params.max_new_tokens) if edits is not None else None
     parts = [h for h in (edit_hooks, capture) if h is not None]
     return SequenceState(
@@ -841,7 +842,8 @@ class Generation:
 
     With `hooks` (names or glob patterns), each `Completion.activations` holds the hook values ([1, ...],
     as TransformerLens shapes them) over every position of prompt and continuation: what one forward pass
-    over the final sequence gives. With `edits`, each prompt runs with those interventions and residual
+    over the final sequence gives, cast to `capture_dtype` as they are captured if it is given (a float16
+    dump of a float32 model takes half the memory). With `edits`, each prompt runs with those interventions and residual
     ablations applied. The prompts run as one batch either way, each seeing only its own values.
     """
 
@@ -853,6 +855,7 @@ class Generation:
         tokenizer: Tokenizer | None = None,
         hooks: Sequence[str] | None = None,
         edits: EditSpec | None = None,
+        capture_dtype: torch.dtype | None = None,
     ) -> None:
         if not prompts:
             raise GenerationError("no prompts given", "prompt")
@@ -862,7 +865,7 @@ class Generation:
         self.model = model
         names = select_hooks(hooks, model.config.n_layer) if hooks else None
         self._seqs = [
-            new_sequence(model, i, prompt, p, tokenizer, names, edits)
+            new_sequence(model, i, prompt, p, tokenizer, names, edits, capture_dtype)
             for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True))
         ]
         self._done = False
@@ -910,9 +913,10 @@ def generate(
     tokenizer: Tokenizer | None = None,
     hooks: Sequence[str] | None = None,
     edits: EditSpec | None = None,
+    capture_dtype: torch.dtype | None = None,
 ) -> list[Completion]:
     """Run a `Generation` to the end and return its completions."""
-    generation = Generation(model, prompts, params, tokenizer, hooks, edits)
+    generation = Generation(model, prompts, params, tokenizer, hooks, edits, capture_dtype)
     for _ in generation:
         pass
     return generation.results

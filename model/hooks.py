@@ -293,14 +293,16 @@ class Capture:
     the causal mask gives) and concatenated along `q`. Chunks must come from one sequence in order.
     """
 
-    def __init__(self, names: str | list[str] | tuple[str, ...]) -> None:
+    def __init__(self, names: str | list[str] | tuple[str, ...], dtype: torch.dtype | None = None) -> None:
         """`names`: exact hook names (`select_hooks(patterns, n_layer)` expands globs and checks the layers
-        against a model). A glob or a name no GPT-2 has is refused here: it would capture nothing."""
+        against a model). A glob or a name no GPT-2 has is refused here: it would capture nothing. `dtype`:
+        the values are kept in it, each cast as it is captured (a float16 dump of a float32 model is never
+        held in float32 first); None keeps them as the model computes them."""
         if isinstance(names, str):  # one name, not its characters
             names = [names]
         for name in names:
             check_hook_name(name)
-        self.names = list(names)
+        self.names, self.dtype = list(names), dtype
         self._wanted = frozenset(self.names)
         self._chunks: dict[str, list[torch.Tensor]] = {n: [] for n in self.names}
 
@@ -312,7 +314,9 @@ class Capture:
     def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
         if name in self._wanted:
             chunk = x.detach()
-            if chunk.untyped_storage().nbytes() > chunk.numel() * chunk.element_size():
+            if self.dtype is not None and chunk.dtype != self.dtype:
+                chunk = chunk.to(self.dtype)  # a tensor of its own, its size
+            elif chunk.untyped_storage().nbytes() > chunk.numel() * chunk.element_size():
                 chunk = chunk.clone()  # one sequence's part of a batch: keep it, not the whole batch's tensor
             self._chunks[name].append(chunk)
         return x

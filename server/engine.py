@@ -212,8 +212,10 @@ class Engine:
         hooks: Sequence[str] | None = None,
         edits: EditSpec | None = None,
         count_param: str = "prompt",
+        capture_dtype: torch.dtype | None = None,
     ) -> list[RequestStream]:
-        """Queue one sequence per prompt, all or none. Raises `GenerationError`/`UnknownHookError` for an
+        """Queue one sequence per prompt, all or none (`capture_dtype`: the captured activations are kept in
+        it, as a dump sends them, not in the model's dtype first). Raises `GenerationError`/`UnknownHookError` for an
         invalid request or one that could never fit (both 400s: a retry would not help; `count_param`, the
         field that set how many there are, is named when they are too many), then `QueueFull` (429) when
         valid sequences do not fit now; nothing is queued then."""
@@ -225,7 +227,7 @@ class Engine:
             )
         names = select_hooks(hooks, self.model.config.n_layer) if hooks else None
         seqs = [
-            new_sequence(self.model, i, prompt, p, self.tokenizer, names, edits)
+            new_sequence(self.model, i, prompt, p, self.tokenizer, names, edits, capture_dtype)
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
         ]
         group = next(self._groups)  # its sequences share prompt prefixes with each other, not with another request's

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.generate import SamplingParams, generate
+from model.generate import SamplingParams, generate, new_sequence
 from model.gpt import GPT, CausalSelfAttention
 from model.hooks import Capture, HookPoint, UnknownHookError, describe_hook_names, hook_names, select_hooks
 
@@ -134,6 +134,26 @@ def test_activations_of_a_generation_equal_one_forward_pass_over_the_result(tiny
         assert got.shape == want.shape, name
         assert got.shape[2 if "attn_scores" in name or "pattern" in name else 1] == len(sequence), name
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5, msg=name)
+
+
+def test_a_capture_in_another_dtype_keeps_each_chunk_cast(tiny_model: GPT) -> None:
+    """`Capture(names, dtype)` casts each value as it is captured (a float16 dump of a float32 model is never
+    held in float32): a generation's chunks, joined, equal the float32 capture cast afterwards, bit for bit."""
+    names = ["blocks.1.hook_resid_post", "blocks.0.attn.hook_attn_scores", "blocks.1.attn.hook_pattern", "logits"]
+    params = SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True)
+    [wide] = generate(tiny_model, [[464, 2068, 7586]], params, hooks=names)
+    capture = Capture(names, torch.float16)
+    state = new_sequence(tiny_model, 0, [464, 2068, 7586], params, None, names, capture_dtype=torch.float16)
+    assert state.capture is not None and state.capture.dtype == torch.float16
+    x = torch.randn(1, 3, 64)
+    assert capture("logits", x) is x  # the pass goes on with its own value
+    assert capture._chunks["logits"][0].dtype == torch.float16
+    [narrow] = generate(tiny_model, [[464, 2068, 7586]], params, hooks=names, capture_dtype=torch.float16)
+    assert narrow.token_ids == wide.token_ids
+    assert wide.activations is not None and narrow.activations is not None
+    for name in names:
+        got, want = narrow.activations[name], wide.activations[name]
+        assert got.dtype == torch.float16 and torch.equal(got, want.half()), name  # -inf scores included
 
 
 def test_generation_captures_only_the_selected_hooks_per_prompt(tiny_model: GPT) -> None:

@@ -518,6 +518,9 @@ def test_an_sae_that_does_not_fit_the_model_ends_start_up(tiny: Checkpoint, toke
         assert c.get("/v1/model").status_code == 200
 
 
+EMBED = "hook_embed"
+
+
 def test_features_as_a_capture_in_generate(client: TestClient) -> None:
     """/v1/generate's `features`: every position's, as /v1/features gives them for the same run; the SAE's
     hook stays out of the dump unless asked for; streamed, in each choice's final event."""
@@ -532,7 +535,8 @@ def test_features_as_a_capture_in_generate(client: TestClient) -> None:
     got = post(
         client,
         "/v1/generate",
-        body | {"features": spec, "interventions": [steer], "activations": {"hooks": ["hook_embed"]}},
+        # a float16 dump beside: the SAE still reads the model's own float32 values (the features are equal)
+        body | {"features": spec, "interventions": [steer], "activations": {"hooks": [EMBED], "dtype": "float16"}},
     )
     (choice,) = got["choices"]
     assert choice["features"] == want["features"]

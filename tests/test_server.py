@@ -41,6 +41,7 @@ import server.app as app_module
 from model.hooks import OPTIONAL_SITES, hook_names
 from model.loading import LoadedModel
 from model.tokenizer import EOT_ID
+from server import encoding
 from server.app import create_app
 from server.schemas import CompletionRequest
 
@@ -395,6 +396,28 @@ def test_activations_endpoint_with_generation(client: TestClient, loaded: Loaded
     for name in names:
         assert tensors[name].dtype == torch.float16
         torch.testing.assert_close(tensors[name], expected[name].half(), atol=2e-2, rtol=2e-3)
+
+
+def test_a_dump_is_captured_in_its_own_dtype(client: TestClient, loaded: LoadedModel, monkeypatch) -> None:
+    """The engine keeps a dump's activations in the dtype it is sent in, cast as each is captured (a float16
+    dump is never held in float32 first, twice its size): /v1/activations and /v1/generate hand it over."""
+    engine = client.app.state.engine  # type: ignore[attr-defined]
+    submit, asked = engine.submit, []
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        streams = submit(*args, **kwargs)
+        asked.append(args[5] if len(args) > 5 else kwargs.get("capture_dtype"))
+        return streams
+
+    monkeypatch.setattr(engine, "submit", spy)
+    ids = ids_of(loaded, PROMPTS[1])
+    for dtype in ("float16", "bfloat16", "float32"):
+        spec = {"hooks": ["blocks.0.hook_resid_post"], "dtype": dtype}
+        r = client.post("/v1/activations", json={"input_ids": ids, "activations": spec})
+        assert r.status_code == 200, r.text
+        assert safetensors.torch.load(r.content)["blocks.0.hook_resid_post"].dtype == encoding.DTYPES[dtype]
+        post_ok(client, GEN, {"input_ids": ids, "max_new_tokens": 2, "activations": spec})
+    assert asked == [torch.float16, torch.float16, torch.bfloat16, torch.bfloat16, torch.float32, torch.float32]
 
 
 # --- OpenAI-compatible API ----------------------------------------------------------------------

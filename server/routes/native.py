@@ -102,7 +102,9 @@ async def generate(
     edits = await resolved_edits(req, engine, directions)
     await hold.reserve(dump_bytes + feature_bytes, request, what)  # held until the answer is sent
     captured = hooks if reader is None else [*(hooks or []), reader.hook]
-    streams = engine.submit(prompts, [params] * len(prompts), captured, edits, prompt_field(req.input_ids))
+    # kept as the dump sends them, unless the SAE reads one of them (in the model's dtype)
+    dtype = encoding.DTYPES[req.activations.dtype] if req.activations is not None and reader is None else None
+    streams = engine.submit(prompts, [params] * len(prompts), captured, edits, prompt_field(req.input_ids), dtype)
     reply = _Reply(engine, req.activations, reader, hooks)
     if req.stream:
         return sse(reply.stream(merged(streams)))
@@ -130,7 +132,10 @@ async def activations(
     edits = await resolved_edits(req, engine, directions)
     await hold.reserve(dump_bytes, request)  # held until the file is sent
     completions = await results(
-        engine.submit(prompts, [params] * len(prompts), hooks, edits, prompt_field(req.input_ids)), request
+        engine.submit(
+            prompts, [params] * len(prompts), hooks, edits, prompt_field(req.input_ids), encoding.DTYPES[spec.dtype]
+        ),
+        request,
     )
     pieces = await run_in_threadpool(_Reply(engine, None).file, completions, spec.dtype, len(prompts) > 1)
     return FileResponse(pieces)
