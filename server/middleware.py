@@ -261,7 +261,10 @@ class SlicedBodies(HTTPOnly):
     once: the request had finished, its share of the dump budget (`server.routes.deps.DumpBudget`) was given
     back, and a client that read none of it held those bytes outside the budget. Sliced, the request waits
     with its answer until the client has taken all but the last slice, its reservation held meanwhile;
-    `--write-timeout` drops a client that takes nothing."""
+    `--write-timeout` drops a client that takes nothing. Each slice gives the event loop a turn: a send into
+    a connection the client has reset fails without waiting, so without one the rest of a large answer went
+    into the closed connection in one turn, asyncio logging "socket.send() raised exception." for each slice,
+    before uvicorn could learn that the client had gone (after it does, a send is dropped at once)."""
 
     slice_bytes = 1 << 20
 
@@ -276,5 +279,6 @@ class SlicedBodies(HTTPOnly):
                 piece = bytes(view[start : start + self.slice_bytes])  # bytes, as ASGI has a body
                 last = start + self.slice_bytes >= len(body)
                 await send({"type": "http.response.body", "body": piece, "more_body": more or not last})
+                await asyncio.sleep(0)
 
         await self.app(scope, receive, sending)

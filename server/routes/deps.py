@@ -324,7 +324,8 @@ async def json_response(build: Callable[..., Any], *args: Any) -> Response:
 
 class FileResponse(Response):
     """A file made of pieces (`encoding.to_safetensors`: a dump's header, then each tensor's own memory), sent
-    one after another in slices of a MiB, never joined: a dump of hundreds of megabytes is in memory once."""
+    one after another in slices of a MiB, never joined: a dump of hundreds of megabytes is in memory once. A
+    client that leaves is sent no more (`SlicedBodies.http` says why each slice gives the event loop a turn)."""
 
     media_type = "application/octet-stream"
     slice_bytes = SlicedBodies.slice_bytes  # as the middleware slices an answer, where it runs (not under Ray)
@@ -335,12 +336,19 @@ class FileResponse(Response):
         self.headers["content-length"] = str(sum(len(p) for p in self.pieces))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        for piece in self.pieces:
-            for start in range(0, len(piece), self.slice_bytes):
-                body = bytes(piece[start : start + self.slice_bytes])  # bytes, as ASGI has a body
-                await send({"type": "http.response.body", "body": body, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        gone = asyncio.ensure_future(_disconnected(receive))  # the body is read: the next message says so
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            for piece in self.pieces:
+                for start in range(0, len(piece), self.slice_bytes):
+                    if gone.done():
+                        return
+                    body = bytes(piece[start : start + self.slice_bytes])  # bytes, as ASGI has a body
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                    await asyncio.sleep(0)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            gone.cancel()
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -373,7 +381,11 @@ async def _completions(streams: list[RequestStream]) -> list[Completion]:
 async def _disconnect(request: Request) -> None:
     """Return when the client disconnects. The body is read already, so the server's next message is
     `http.disconnect`, sent when the connection closes (or once the response is complete)."""
-    while (await request.receive())["type"] != "http.disconnect":
+    await _disconnected(request.receive)
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 
