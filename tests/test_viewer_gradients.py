@@ -81,3 +81,38 @@ def test_attribution_heatmaps_and_the_patched_sites(page: Any, base_url: str) ->
     page.click("#attr-run")
     assert finished(page, "#attr-status") == "error"
     assert "same length" in page.inner_text("#attr-status")
+
+
+def test_a_failed_highway_leaves_no_old_charts_even_after_a_resize(page: Any) -> None:
+    page.fill("#prompt", CLEAN)
+    page.fill("#max-new-tokens", "2")
+    page.click("#run")
+    assert finished(page, "#grad-status") == "done", page.inner_text("#grad-status")
+    # a 1-token prompt: the highway is refused (400); the previous prompt's charts are gone, not kept
+    page.fill("#prompt", "a")
+    page.click("#run")
+    assert finished(page, "#grad-status") == "error"
+    refusal = page.inner_text("#grad-status")
+    assert "at least 2 tokens" in refusal
+    blank = [c["ink"] == 0 for c in page.evaluate(CANVAS_INK, "#grad-panel .grad-charts canvas")]
+    assert blank == [True, True]
+    # a resize redraws what there is to draw: nothing here, and the error stays
+    page.set_viewport_size({"width": 1000, "height": 800})
+    page.wait_for_timeout(500)
+    assert page.inner_text("#grad-status") == refusal
+    assert page.get_attribute("#grad-status", "data-state") == "error"
+    assert all(c["ink"] == 0 for c in page.evaluate(CANVAS_INK, "#grad-panel .grad-charts canvas"))
+
+
+def test_a_token_box_holds_text_or_a_hash_id(page: Any) -> None:
+    """ " 2" is the token " 2" (its text, leading space and all), not the id 2; "#362" is the id 362."""
+    page.select_option("#attr-metric", "logit_diff")
+    page.fill("#attr-clean", CLEAN)
+    page.fill("#attr-corrupted", CORRUPTED)
+    for a, b, want in ((" 2", "3", [" 2", "3"]), ("#362", " #5", [362, " #5"])):
+        page.fill("#attr-token-a", a)
+        page.fill("#attr-token-b", b)
+        with page.expect_request(lambda r: r.url.endswith("/v1/attribution")) as sent:
+            page.click("#attr-run")
+        assert sent.value.post_data_json["metric"]["tokens"] == want
+        finished(page, "#attr-status")

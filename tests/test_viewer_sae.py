@@ -17,6 +17,7 @@ from test_viewer import chromium, viewer_page
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
 HOOK = "blocks.1.hook_resid_pre"
+OTHER_HOOK = "blocks.0.hook_resid_pre"
 PROMPT = "The cat sat on the mat"
 
 
@@ -24,7 +25,8 @@ PROMPT = "The cat sat on the mat"
 def base_url(tiny: Any, tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     root = tmp_path_factory.mktemp("viewer_sae")
     sae = write_sae(root / "sae", hook=HOOK, d_in=64, d_sae=256, seed=9)
-    args = ["--model", str(tiny.path), "--tokenizer", str(tokenizer_dir), "--sae", f"s={sae}"]
+    other = write_sae(root / "other", hook=OTHER_HOOK, d_in=64, d_sae=16, seed=10)
+    args = ["--model", str(tiny.path), "--tokenizer", str(tokenizer_dir), "--sae", f"s={sae}", "--sae", f"t={other}"]
     with served(args, root / "server.log") as url:
         yield url
 
@@ -66,3 +68,17 @@ def test_feature_panel_and_steering(page: Any, base_url: str) -> None:
     )
     assert page.inner_text("#steer-plain") == PROMPT + plain
     assert steered_text != plain
+
+
+def test_a_run_keeps_the_sae_chosen(page: Any) -> None:
+    """Each run fills the SAE panel again (with the API key, if one is needed): the SAE chosen stays chosen,
+    so a steer names the SAE whose hook it edits."""
+    page.wait_for_selector("#sae-panel:not([hidden])")
+    assert page.input_value("#sae-select") == "s"
+    page.select_option("#sae-select", "t")
+    page.fill("#prompt", PROMPT)
+    page.fill("#max-new-tokens", "2")
+    with page.expect_response(lambda r: r.url.endswith("/v1/model")):
+        page.click("#run")
+    page.wait_for_timeout(200)
+    assert page.input_value("#sae-select") == "t"

@@ -1,6 +1,7 @@
-// The residual-stream lab's viewer. It talks only to the public API: GET /v1/model, POST /v1/generate
-// (attention patterns as JSON activations) and POST /v1/analyze (per-layer statistics and the logit lens,
-// with and without residual connections). Charts are drawn on <canvas>; nothing is fetched from elsewhere.
+// The residual-stream lab's viewer. It talks only to the public API: GET /v1/model, POST /v1/generate,
+// POST /tokenize (the prompt's ids), POST /v1/activations (one layer's attention pattern at a time, as a
+// safetensors file) and POST /v1/analyze (per-layer statistics and the logit lens, with and without residual
+// connections). Charts are drawn on <canvas>; nothing is fetched from elsewhere.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -22,24 +23,41 @@ const VIRIDIS = [
 const state = {
   model: null, // /v1/model
   tokens: [], // labels of prompt + generated positions (attention axes)
-  patterns: [], // per layer: [head][query][key]
+  promptLength: undefined, // how many of them are the prompt's
+  attn: null, // this run's attention patterns: {ids, signal, loading: layer -> Promise, patterns: layer -> pattern}
   analysis: null, // /v1/analyze
 };
 
 // ---------------------------------------------------------------- API
 
-class APIError extends Error {}
+class APIError extends Error {
+  constructor(message, status) {
+    super(message);
+    this.status = status; // the HTTP status, or 0 when the server could not be reached
+  }
+}
 
-async function api(method, path, body) {
-  const headers = { Accept: "application/json" };
+// Paths are relative ("v1/model"), so the page also works where it is served under a prefix (/gpt2/).
+// `options.signal` aborts the request (a fetch aborted that way rejects with its AbortError, not an
+// APIError); `options.binary` returns the body as an ArrayBuffer. An error answer is reported from its JSON.
+async function api(method, path, body, options = {}) {
+  const headers = { Accept: options.binary ? "application/octet-stream, application/json" : "application/json" };
   const key = $("api-key").value.trim();
   if (key) headers.Authorization = `Bearer ${key}`;
   if (body !== undefined) headers["Content-Type"] = "application/json";
+  const where = `${method} /${path}`;
   let response;
   try {
-    response = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
+    response = await fetch(path, {
+      method,
+      headers,
+      body: body === undefined ? undefined : JSON.stringify(body),
+      signal: options.signal,
+    });
+    if (response.ok && options.binary) return await response.arrayBuffer();
   } catch (e) {
-    throw new APIError(`${method} ${path}: cannot reach the server (${e.message})`);
+    if (e.name === "AbortError") throw e;
+    throw new APIError(`${where}: cannot reach the server (${e.message})`, 0);
   }
   const text = await response.text();
   let data = null;
@@ -52,10 +70,26 @@ async function api(method, path, body) {
     const err = data && data.error;
     const message = err && err.message ? err.message : text.slice(0, 300) || response.statusText;
     const kind = err && err.type ? ` ${err.type}` : "";
-    throw new APIError(`${method} ${path} failed (${response.status}${kind}): ${message}`);
+    throw new APIError(`${where} failed (${response.status}${kind}): ${message}`, response.status);
   }
-  if (data === null) throw new APIError(`${method} ${path}: the answer is not JSON`);
+  if (data === null) throw new APIError(`${where}: the answer is not JSON`, response.status);
   return data;
+}
+
+// One float32 tensor of a safetensors file: 8 bytes little-endian header length N, N bytes of JSON header
+// ({name: {dtype, shape, data_offsets}}), then the data. Returns {shape, data: Float32Array}.
+function safetensor(buffer, name) {
+  const n = Number(new DataView(buffer).getBigUint64(0, true));
+  const header = JSON.parse(new TextDecoder().decode(new Uint8Array(buffer, 8, n)));
+  const t = header[name];
+  if (!t) throw new Error(`the answer has no ${name}`);
+  if (t.dtype !== "F32") throw new Error(`${name} is ${t.dtype}, not F32`);
+  const start = 8 + n + t.data_offsets[0];
+  const end = 8 + n + t.data_offsets[1];
+  // A Float32Array over the buffer itself needs a 4-aligned offset; otherwise the bytes are copied.
+  const data =
+    start % 4 === 0 ? new Float32Array(buffer, start, (end - start) / 4) : new Float32Array(buffer.slice(start, end));
+  return { shape: t.shape, data };
 }
 
 // ---------------------------------------------------------------- page state
@@ -85,9 +119,17 @@ function showErrors(messages) {
   box.hidden = false;
 }
 
-// How a token is shown: spaces and control characters made visible.
+// How a token is shown: spaces, line breaks and tabs as arrows, a no-break space as ⍽, and any other
+// invisible character (controls, format characters such as U+200B, other spaces) as an escape: \x07, \u200b.
+const NAMED_CHARACTERS = { " ": "␣", "\n": "↵", "\t": "⇥", "\r": "␍", "\u00a0": "⍽" };
+
 function tokenLabel(t) {
-  return String(t).replace(/ /g, "␣").replace(/\n/g, "↵").replace(/\t/g, "⇥").replace(/\r/g, "␍");
+  return String(t).replace(/[\p{C}\p{Z}]/gu, (c) => {
+    if (NAMED_CHARACTERS[c]) return NAMED_CHARACTERS[c];
+    const code = c.codePointAt(0);
+    if (code <= 0xff) return `\\x${code.toString(16).padStart(2, "0")}`;
+    return code <= 0xffff ? `\\u${code.toString(16).padStart(4, "0")}` : `\\u{${code.toString(16)}}`;
+  });
 }
 
 function shorten(s, n) {
@@ -99,7 +141,7 @@ function layerName(layer) {
 }
 
 async function loadModel() {
-  const m = await api("GET", "/v1/model");
+  const m = await api("GET", "v1/model");
   state.model = m;
   $("model-info").textContent =
     `Model: ${m.name} · ${m.n_layer} layers · ${m.n_head} heads · d_model ${m.d_model} · ` +
@@ -107,50 +149,151 @@ async function loadModel() {
   return m;
 }
 
+// `load()`, tried again every 1.5 s while the server answers 503 (the model is still loading), calling
+// `waiting()` each time; it ends on success or on any other error, which it throws.
+async function whileLoading(load, waiting = () => {}) {
+  for (;;) {
+    try {
+      return await load();
+    } catch (e) {
+      if (!(e instanceof APIError) || e.status !== 503) throw e;
+      waiting();
+      await new Promise((resolve) => setTimeout(resolve, 1500));
+    }
+  }
+}
+
 // ---------------------------------------------------------------- run
+
+// The latest run. A new run supersedes the one in flight: its requests are aborted and anything it still
+// draws is dropped (each step checks that its run is still the latest).
+const runs = { latest: 0, controller: null };
+
+// A seed the page can send exactly: an integer of at most 2^53 - 1 in magnitude (JSON numbers in the
+// browser are doubles). Throws a message for any other; null for none.
+function parseSeed(text) {
+  if (text === "") return null;
+  if (!/^[+-]?\d+$/.test(text)) throw new Error(`the seed must be a whole number, not “${text}”`);
+  const seed = Number(text);
+  if (!Number.isSafeInteger(seed)) {
+    throw new Error(
+      `the seed ${text} is too large: the page sends seeds exactly only up to ±${Number.MAX_SAFE_INTEGER} (2^53 − 1)`,
+    );
+  }
+  return seed;
+}
+
+// Empty the panels a run fills, so that none shows an earlier prompt's result.
+function clearResults() {
+  $("prompt-echo").textContent = "";
+  $("generated-text").textContent = "";
+  $("output-meta").textContent = "";
+  state.tokens = [];
+  state.attn = null;
+  state.promptLength = undefined;
+  $("attn-layer").disabled = true;
+  $("attn-head").disabled = true;
+  attentionMessage("Waiting for the generation…");
+  state.analysis = null;
+  for (const c of CHARTS) blankCanvas($(c.id));
+  $("resid-table").replaceChildren();
+  $("lens-table").replaceChildren();
+}
+
+function attentionMessage(text, isError) {
+  $("attn-tooltip").hidden = true;
+  const p = document.createElement("p");
+  p.className = isError ? "placeholder error-text" : "placeholder muted";
+  p.textContent = text;
+  const container = $("attn-view");
+  container.classList.remove("grid");
+  container.replaceChildren(p);
+}
+
+// A canvas kept at its size, painted white (a chart with nothing to show).
+function blankCanvas(canvas) {
+  const ctx = canvas.getContext("2d");
+  ctx.setTransform(1, 0, 0, 1, 0, 0);
+  ctx.fillStyle = "#fff";
+  ctx.fillRect(0, 0, canvas.width, canvas.height);
+  canvas.setAttribute("aria-label", "Chart: no data");
+}
 
 async function run(event) {
   event.preventDefault();
+  const id = ++runs.latest;
+  if (runs.controller) runs.controller.abort(); // the superseded run's requests: the server stops their work
+  const controller = new AbortController();
+  runs.controller = controller;
+  const signal = controller.signal;
+  const current = () => id === runs.latest;
   const button = $("run");
   button.disabled = true;
   showErrors([]);
+  clearResults();
   setStatus("Running…", "running");
   const started = performance.now();
   const errors = [];
+  const prompt = $("prompt").value;
+  let seed = null;
   try {
+    seed = parseSeed($("seed").value.trim());
     if (!state.model) await loadModel();
   } catch (e) {
+    if (!current()) return;
     errors.push(e.message);
   }
-  if (state.model) {
-    const prompt = $("prompt").value;
-    const seedText = $("seed").value.trim();
+  if (!errors.length) {
     const genBody = {
       prompt,
       max_new_tokens: Number($("max-new-tokens").value),
       temperature: Number($("temperature").value),
-      activations: { hooks: ["blocks.*.attn.hook_pattern"], format: "json" },
     };
-    if (seedText !== "") genBody.seed = Number(seedText);
-    const [gen, analysis] = await Promise.allSettled([
-      api("POST", "/v1/generate", genBody),
-      api("POST", "/v1/analyze", { prompt, compare_ablated: true }),
+    if (seed !== null) genBody.seed = seed;
+    const [gen, analysis, tokenized] = await Promise.allSettled([
+      api("POST", "v1/generate", genBody, { signal }),
+      api("POST", "v1/analyze", { prompt, compare_ablated: true }, { signal }),
+      api("POST", "tokenize", { prompt }, { signal }), // the prompt's ids, for the attention patterns
     ]);
-    const promptTokens = analysis.status === "fulfilled" ? analysis.value.tokens : null;
-    for (const [result, render] of [
-      [gen, (g) => renderGeneration(prompt, promptTokens, g)],
-      [analysis, renderAnalysis],
-    ]) {
-      if (result.status === "rejected") {
-        errors.push(result.reason.message);
-        continue;
-      }
+    if (!current()) return;
+    const draw = (what, fn) => {
       try {
-        render(result.value);
+        fn();
       } catch (e) {
-        errors.push(`cannot draw the answer: ${e.message}`);
+        errors.push(`cannot draw the ${what}: ${e.message}`);
         console.error(e);
       }
+    };
+    if (analysis.status === "fulfilled") draw("analysis", () => renderAnalysis(analysis.value));
+    else errors.push(analysis.reason.message);
+    if (gen.status === "fulfilled") {
+      const promptTokens = analysis.status === "fulfilled" ? analysis.value.tokens : null;
+      draw("generation", () => renderGeneration(prompt, promptTokens, gen.value));
+      if (tokenized.status === "fulfilled") {
+        const ids = tokenized.value.tokens.concat(gen.value.choices[0].token_ids);
+        state.attn = { ids, signal, loading: new Map(), patterns: new Map() };
+        fillSelect($("attn-layer"), state.model.n_layer, (i) => `layer ${i}`);
+        fillSelect($("attn-head"), state.model.n_head, (i) => `head ${i}`);
+        const layer = Number($("attn-layer").value);
+        attentionMessage(`Loading layer ${layer}…`);
+        try {
+          await loadLayer(layer);
+          if (!current()) return;
+          if (Number($("attn-layer").value) === layer) {
+            draw("attention", () => drawAttention(state.attn.patterns.get(layer), layer));
+          }
+        } catch (e) {
+          if (!current()) return;
+          errors.push(e.message);
+          attentionMessage(`Layer ${layer}: ${e.message}`, true);
+        }
+      } else {
+        errors.push(tokenized.reason.message);
+        attentionMessage("No attention patterns: the prompt was not tokenized (see the errors above).", true);
+      }
+    } else {
+      errors.push(gen.reason.message);
+      attentionMessage("No attention patterns: the generation failed (see the errors above).", true);
     }
   }
   showErrors(errors);
@@ -168,23 +311,29 @@ function renderGeneration(prompt, promptTokens, gen) {
   const u = gen.usage;
   $("output-meta").textContent =
     `${u.prompt_tokens} prompt tokens, ${u.completion_tokens} generated · finish reason: ${choice.finish_reason}`;
-
-  const acts = choice.activations || {};
-  const n = state.model.n_layer;
-  state.patterns = [];
-  for (let layer = 0; layer < n; layer++) {
-    const a = acts[`blocks.${layer}.attn.hook_pattern`];
-    if (!a) throw new Error(`the answer has no blocks.${layer}.attn.hook_pattern`);
-    state.patterns.push(a.shape.length === 4 ? a.data[0] : a.data); // [head][query][key]
-  }
-  const T = state.patterns[0][0].length;
   const labels = (promptTokens || Array.from({ length: u.prompt_tokens }, (_, i) => `#${i}`)).concat(choice.tokens);
-  state.tokens = Array.from({ length: T }, (_, i) => (i < labels.length ? labels[i] : `#${i}`));
+  state.tokens = labels;
   state.promptLength = u.prompt_tokens;
+}
 
-  fillSelect($("attn-layer"), n, (i) => `layer ${i}`);
-  fillSelect($("attn-head"), state.model.n_head, (i) => `head ${i}`);
-  drawAttention();
+// One layer's attention pattern over prompt and generated positions, {heads, T, data: [head][query][key] as
+// a flat Float32Array}, from POST /v1/activations: one forward pass over the prompt's and the generated ids
+// gives the very weights the generation used. Fetched when the layer is first shown, then kept for this run.
+function loadLayer(layer) {
+  const attn = state.attn;
+  if (!attn.loading.has(layer)) {
+    const name = `blocks.${layer}.attn.hook_pattern`;
+    const body = { input_ids: attn.ids, max_new_tokens: 0, activations: { hooks: [name], dtype: "float32" } };
+    const loading = api("POST", "v1/activations", body, { signal: attn.signal, binary: true }).then((buffer) => {
+      const { shape, data } = safetensor(buffer, name); // [1, head, query, key]
+      const pattern = { heads: shape[1], T: shape[3], data };
+      attn.patterns.set(layer, pattern);
+      return pattern;
+    });
+    loading.catch(() => attn.loading.delete(layer)); // a layer that failed is asked for again when next shown
+    attn.loading.set(layer, loading);
+  }
+  return attn.loading.get(layer);
 }
 
 function fillSelect(select, count, label) {
@@ -199,24 +348,45 @@ function attentionView() {
   return document.querySelector('input[name="attn-view"]:checked').value;
 }
 
-function drawAttention() {
-  const container = $("attn-view");
-  if (!state.patterns.length) return;
-  $("attn-tooltip").hidden = true;
+// The layer chosen, drawn at once if its pattern is here; otherwise fetched first ("Loading layer L…") and
+// drawn only if the same run and layer are still the ones shown when it arrives.
+async function showAttention() {
+  const attn = state.attn;
+  if (!attn) return;
   const layer = Number($("attn-layer").value);
+  const shown = () => state.attn === attn && Number($("attn-layer").value) === layer;
+  if (!attn.patterns.has(layer)) {
+    attentionMessage(`Loading layer ${layer}…`);
+    try {
+      await loadLayer(layer);
+    } catch (e) {
+      if (shown() && e.name !== "AbortError") attentionMessage(`Layer ${layer}: ${e.message}`, true);
+      return;
+    }
+    if (!shown()) return;
+  }
+  drawAttention(attn.patterns.get(layer), layer);
+}
+
+// One layer's heads: one heatmap, or the grid of all of them.
+function drawAttention(pattern, layer) {
+  const container = $("attn-view");
+  $("attn-tooltip").hidden = true;
   const grid = attentionView() === "grid";
   $("attn-head-label").hidden = grid;
   container.replaceChildren();
   container.classList.toggle("grid", grid);
-  const heads = state.patterns[layer];
+  const { T, heads, data } = pattern;
+  const tokens = Array.from({ length: T }, (_, i) => (i < state.tokens.length ? state.tokens[i] : `#${i}`));
+  const head = (h) => ({ T, data: data.subarray(h * T * T, (h + 1) * T * T), ids: state.attn.ids });
   const width = container.clientWidth || 800;
   if (!grid) {
-    const head = Number($("attn-head").value);
-    const canvas = heatmapCanvas(`Attention, layer ${layer}, head ${head}`);
+    const h = Number($("attn-head").value);
+    const canvas = heatmapCanvas(`Attention, layer ${layer}, head ${h}`);
     container.append(canvas);
-    drawHeatmap(canvas, heads[head], state.tokens, {
+    drawHeatmap(canvas, head(h), tokens, {
       size: Math.min(width - 180, 640),
-      title: `layer ${layer} · head ${head}`,
+      title: `layer ${layer} · head ${h}`,
       labels: true,
       legend: true,
       tooltip: true,
@@ -224,15 +394,15 @@ function drawAttention() {
     return;
   }
   const cols = width >= 900 ? 4 : width >= 600 ? 3 : 2;
-  const size = Math.floor((width - 90) / cols) - 56; // room for each tile's margins and the colour scale
-  heads.forEach((pattern, head) => {
-    const canvas = heatmapCanvas(`Attention, layer ${layer}, head ${head}; click to enlarge`);
+  const size = Math.max(60, Math.floor((width - 90) / cols) - 56); // room for each tile's margins and the colour scale
+  for (let h = 0; h < heads; h++) {
+    const canvas = heatmapCanvas(`Attention, layer ${layer}, head ${h}; click to enlarge`);
     canvas.tabIndex = 0;
     canvas.classList.add("clickable");
     const open = () => {
-      $("attn-head").value = String(head);
+      $("attn-head").value = String(h);
       document.querySelector('input[name="attn-view"][value="head"]').checked = true;
-      drawAttention();
+      showAttention();
     };
     canvas.addEventListener("click", open);
     canvas.addEventListener("keydown", (e) => {
@@ -242,8 +412,9 @@ function drawAttention() {
       }
     });
     container.append(canvas);
-    drawHeatmap(canvas, pattern, state.tokens, { size, title: `head ${head}`, labels: size / pattern.length >= 9, legend: false });
-  });
+    // a tile is never wider than its share of the row: fewer than one pixel per position if need be
+    drawHeatmap(canvas, head(h), tokens, { size, fit: true, title: `head ${h}`, labels: size / T >= 9, legend: false });
+  }
   const legend = document.createElement("canvas");
   legend.setAttribute("role", "img");
   legend.setAttribute("aria-label", "Colour scale: attention weight from 0 to 1");
@@ -282,15 +453,18 @@ function prepare(canvas, width, height) {
   return ctx;
 }
 
-function drawHeatmap(canvas, matrix, tokens, opts) {
-  const T = matrix.length;
+// `pattern`: {T, data: [query][key] as a flat array, ids: the positions' token ids}. With `opts.fit` the
+// map is at most `opts.size` wide whatever T (less than a pixel per position), else at least 2 px a position.
+function drawHeatmap(canvas, pattern, tokens, opts) {
+  const T = pattern.T;
+  const weight = (q, k) => pattern.data[q * T + k];
   const labelChars = opts.labels ? Math.min(12, Math.max(...tokens.map((t) => tokenLabel(t).length), 2)) : 0;
   const labelSpace = opts.labels ? 12 + labelChars * 6.6 : 14;
   const left = labelSpace + 22; // query labels and the y axis title
   const top = 24; // title
   const bottom = labelSpace + 24; // key labels and the x axis title
   const right = opts.legend ? 78 : 8;
-  const side = Math.min(Math.max(opts.size, 60, 2 * T), 32 * T); // cells of 2 to 32 pixels
+  const side = Math.min(Math.max(opts.size, 60, opts.fit ? 0 : 2 * T), 32 * T); // cells of up to 32 pixels
   const cell = side / T;
   const width = left + side + right;
   const height = top + side + bottom;
@@ -300,21 +474,21 @@ function drawHeatmap(canvas, matrix, tokens, opts) {
   const image = ctx.createImageData(T, T);
   for (let q = 0; q < T; q++) {
     for (let k = 0; k < T; k++) {
-      const v = matrix[q][k];
+      const v = weight(q, k);
       const o = (q * T + k) * 4;
-      if (k > q || v === null) {
+      if (k > q || !Number.isFinite(v)) {
         image.data.set([246, 246, 246, 255], o); // masked: a query never sees later keys
       } else {
         image.data.set([...viridis(v), 255], o);
       }
     }
   }
-  // Scale the T × T image up without smoothing: one block per weight.
+  // Scale the T × T image up without smoothing, one block per weight (scaled down, smoothed).
   const tmp = document.createElement("canvas");
   tmp.width = T;
   tmp.height = T;
   tmp.getContext("2d").putImageData(image, 0, 0);
-  ctx.imageSmoothingEnabled = false;
+  ctx.imageSmoothingEnabled = cell < 1;
   ctx.drawImage(tmp, left, top, side, side);
   ctx.strokeStyle = COLORS.axis;
   ctx.lineWidth = 1;
@@ -368,7 +542,8 @@ function drawHeatmap(canvas, matrix, tokens, opts) {
         tip.hidden = true;
         return;
       }
-      tip.textContent = `query ${q} “${tokenLabel(tokens[q])}” → key ${k} “${tokenLabel(tokens[k])}”: weight ${matrix[q][k].toFixed(3)}`;
+      const token = (i) => `${i} “${tokenLabel(tokens[i])}” (id ${pattern.ids[i]})`;
+      tip.textContent = `query ${token(q)} → key ${token(k)}: weight ${weight(q, k).toFixed(3)}`;
       tip.style.left = `${e.pageX + 12}px`;
       tip.style.top = `${e.pageY + 12}px`;
       tip.hidden = false;
@@ -431,7 +606,7 @@ function drawCurves() {
     const series = [{ name: "with residual connections", key: "with", values: a.layers.map(c.value) }];
     if (a.ablated) series.push({ name: "without residual connections", key: "without", values: a.ablated.map(c.value) });
     const width = canvas.parentElement.clientWidth || 480;
-    lineChart(canvas, {
+    const note = lineChart(canvas, {
       width,
       height: 260,
       title: c.title,
@@ -442,7 +617,7 @@ function drawCurves() {
       log,
     });
     const describe = (s) => `${s.name}: ${s.values.map((v) => fmt(v)).join(", ")}`;
-    canvas.setAttribute("aria-label", `${c.title} by layer. ${series.map(describe).join(". ")}`);
+    canvas.setAttribute("aria-label", `${c.title} by layer${note ? ` (${note})` : ""}. ${series.map(describe).join(". ")}`);
   }
 }
 
@@ -487,7 +662,18 @@ function lineChart(canvas, o) {
   const w = o.width - m.left - m.right;
   const h = o.height - m.top - m.bottom;
   const all = o.series.flatMap((s) => s.values).filter((v) => Number.isFinite(v) && (!o.log || v > 0));
-  if (!all.length) return;
+  if (!all.length) {
+    // nothing to draw (a one-token prompt's collapse measure is 0 at every layer): say so under the title
+    ctx.fillStyle = COLORS.text;
+    ctx.textAlign = "center";
+    ctx.font = "600 13px system-ui, sans-serif";
+    ctx.fillText(o.title, m.left + w / 2, 18);
+    ctx.font = "12px system-ui, sans-serif";
+    ctx.fillStyle = COLORS.axis;
+    const note = o.log ? "no positive values to plot on a logarithmic axis" : "no finite values to plot";
+    ctx.fillText(note, m.left + w / 2, m.top + h / 2);
+    return note;
+  }
   const tf = o.log ? Math.log10 : (v) => v;
   let lo = tf(Math.min(...all));
   let hi = tf(Math.max(...all));
@@ -636,6 +822,7 @@ function renderLens() {
     const tok = document.createElement("span");
     tok.className = "tok";
     tok.textContent = tokenLabel(t);
+    th.title = `position ${i}: ${tokenLabel(t)} (id ${a.input_ids[i]})`;
     th.append(tok);
     head.append(th);
   });
@@ -658,8 +845,8 @@ function renderLens() {
       cell.append(tok, prob);
       cell.style.backgroundColor = `rgba(31, 95, 168, ${(0.06 + 0.5 * best.prob).toFixed(3)})`;
       cell.title =
-        `layer ${layerName(s.layer)}, position ${pos} (${tokenLabel(a.tokens[pos])}):\n` +
-        top.map((c) => `${tokenLabel(c.token)}  ${(100 * c.prob).toFixed(1)}%`).join("\n");
+        `layer ${layerName(s.layer)}, position ${pos} (${tokenLabel(a.tokens[pos])}, id ${a.input_ids[pos]}):\n` +
+        top.map((c) => `${tokenLabel(c.token)} (id ${c.id})  ${(100 * c.prob).toFixed(1)}%`).join("\n");
       if (pos + 1 < a.tokens.length && best.id === a.input_ids[pos + 1]) cell.classList.add("hit");
     });
   }
@@ -677,20 +864,30 @@ function debounce(fn, ms) {
 
 window.addEventListener("DOMContentLoaded", () => {
   $("run-form").addEventListener("submit", run);
+  // Ctrl+Enter runs the prompt, also during a run: the new run supersedes the one in flight.
   $("prompt").addEventListener("keydown", (e) => {
-    if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) $("run-form").requestSubmit();
+    if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) {
+      e.preventDefault();
+      $("run-form").requestSubmit();
+    }
   });
-  $("attn-layer").addEventListener("change", drawAttention);
-  $("attn-head").addEventListener("change", drawAttention);
-  for (const r of document.querySelectorAll('input[name="attn-view"]')) r.addEventListener("change", drawAttention);
+  $("attn-layer").addEventListener("change", showAttention);
+  $("attn-head").addEventListener("change", showAttention);
+  for (const r of document.querySelectorAll('input[name="attn-view"]')) r.addEventListener("change", showAttention);
   for (const r of document.querySelectorAll('input[name="lens-run"]')) r.addEventListener("change", renderLens);
   $("log-scale").addEventListener("change", drawCurves);
   window.addEventListener(
     "resize",
     debounce(() => {
-      drawAttention();
+      showAttention();
       drawCurves();
     }, 150),
   );
-  loadModel().catch((e) => showErrors([e.message]));
+  const loading = () => {
+    $("model-info").textContent = "Model: loading the model…";
+  };
+  whileLoading(loadModel, loading).catch((e) => {
+    $("model-info").textContent = "Model: not loaded";
+    showErrors([e.message]);
+  });
 });

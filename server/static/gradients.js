@@ -4,28 +4,41 @@
 "use strict";
 
 const gradState = { highway: null, attribution: null };
+const highwayRuns = { latest: 0, controller: null }; // as app.js's runs: a new run supersedes the one in flight
 
 // ---------------------------------------------------------------- the gradient highway
 
 async function runHighway() {
+  const id = ++highwayRuns.latest;
+  if (highwayRuns.controller) highwayRuns.controller.abort();
+  const controller = new AbortController();
+  highwayRuns.controller = controller;
   const status = $("grad-status");
+  // the previous prompt's highway is gone before this one's is asked for: a failure leaves the charts empty
+  gradState.highway = null;
+  blankCanvas($("chart-grad"));
+  blankCanvas($("chart-jacobian"));
   status.textContent = "Measuring the gradient…";
   status.dataset.state = "running";
   try {
-    gradState.highway = await api("POST", "/v1/analyze", {
-      prompt: $("prompt").value,
-      compare_ablated: true,
-      gradients: true,
-      top_k: 1,
-    });
+    const highway = await api(
+      "POST",
+      "v1/analyze",
+      { prompt: $("prompt").value, compare_ablated: true, gradients: true, top_k: 1 },
+      { signal: controller.signal },
+    );
+    if (id !== highwayRuns.latest) return;
+    gradState.highway = highway;
     drawHighway();
     status.dataset.state = "done";
   } catch (e) {
+    if (id !== highwayRuns.latest) return; // superseded (aborted): the newer run reports
     status.textContent = e.message;
     status.dataset.state = "error";
   }
 }
 
+// The highway's charts and its status line; with no highway (none yet, or the run failed) it leaves both.
 function drawHighway() {
   const a = gradState.highway;
   if (!a) return;
@@ -74,11 +87,13 @@ function drawHighway() {
 
 // ---------------------------------------------------------------- attribution patching
 
+// A token box holds a token's text exactly as typed (" 2", with its leading space, is the token " 2"), or
+// `#id` and nothing else for a token id (#362): a bare number is text, never an id.
 function attributionMetric() {
   const type = $("attr-metric").value;
   const token = (id) => {
     const v = $(id).value;
-    return /^\d+$/.test(v.trim()) ? Number(v.trim()) : v;
+    return /^#\d+$/.test(v) ? Number(v.slice(1)) : v;
   };
   if (type === "loss") return { type };
   if (type === "logprob") return { type, token: token("attr-token-a") };
@@ -92,7 +107,7 @@ async function runAttribution() {
   status.textContent = "Attributing…";
   status.dataset.state = "running";
   try {
-    const r = await api("POST", "/v1/attribution", {
+    const r = await api("POST", "v1/attribution", {
       clean: $("attr-clean").value,
       corrupted: $("attr-corrupted").value,
       metric: attributionMetric(),

@@ -14,7 +14,10 @@ function saeById(id) {
   return sae.saes.find((s) => s.id === id);
 }
 
+// The options of `select`, the one chosen kept where it is still among them (the panel is filled again on
+// every run: a user's choice of SAE must survive it, or a steer would name one SAE at another's hook).
 function fillOptions(select, values, label) {
+  const chosen = select.value;
   select.replaceChildren();
   for (const v of values) {
     const o = document.createElement("option");
@@ -22,10 +25,11 @@ function fillOptions(select, values, label) {
     o.textContent = label ? label(v) : v;
     select.append(o);
   }
+  if (values.includes(chosen)) select.value = chosen;
 }
 
 async function loadSaePanel() {
-  const m = await api("GET", "/v1/model");
+  const m = await api("GET", "v1/model");
   sae.saes = m.saes || [];
   sae.vectors = m.steering_vectors || [];
   $("sae-panel").hidden = sae.saes.length === 0 && sae.vectors.length === 0;
@@ -39,7 +43,7 @@ async function showFeatures() {
   const id = $("sae-select").value;
   $("sae-status").textContent = "Reading features…";
   try {
-    const body = await api("POST", "/v1/features", {
+    const body = await api("POST", "v1/features", {
       prompt: $("prompt").value,
       sae: id,
       top_k: Number($("sae-top-k").value),
@@ -115,8 +119,8 @@ async function steer() {
   $("steer-steered").textContent = "…";
   try {
     const [plain, steered] = await Promise.all([
-      api("POST", "/v1/generate", body),
-      api("POST", "/v1/generate", { ...body, interventions: [steeringEdit()] }),
+      api("POST", "v1/generate", body),
+      api("POST", "v1/generate", { ...body, interventions: [steeringEdit()] }),
     ]);
     if (run !== sae.generation) return; // a newer strength is on its way
     $("steer-plain").textContent = body.prompt + plain.choices[0].text;
@@ -127,7 +131,7 @@ async function steer() {
 }
 
 window.addEventListener("DOMContentLoaded", () => {
-  loadSaePanel().catch((e) => {
+  whileLoading(loadSaePanel).catch((e) => {
     $("sae-status").textContent = e.message;
   });
   $("run-form").addEventListener("submit", () => loadSaePanel().catch(() => {})); // with the API key, if one is needed
