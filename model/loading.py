@@ -331,8 +331,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         return torch.float32
     if problem := dtype_problem(dtype):
         raise LoadError(problem)
-    if device.type == "cpu" and DTYPE_NAMES[dtype] != torch.float32 and (why := kernels.slow_half_precision()):
-        log.warning("%s on this CPU will be slower than float32: %s", dtype, why)
+    half = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(DTYPE_NAMES[dtype])
+    if device.type == "cpu" and half is not None:
+        log.warning("%s on this CPU will be slower than float32: %s", half, kernels.slow_half_precision(half))
     return DTYPE_NAMES[dtype]
 
 

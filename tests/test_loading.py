@@ -346,6 +346,37 @@ def test_unknown_dtype_and_device() -> None:
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
 
 
+@pytest.mark.parametrize(
+    ("flags", "converted"),
+    [
+        ({"avx2", "avx512f"}, {"bfloat16": True, "float16": True}),
+        ({"avx2", "avx512f", "avx512_bf16"}, {"bfloat16": False, "float16": True}),  # the Zen 5 hosts
+        ({"avx2", "amx_bf16", "amx_fp16"}, {"bfloat16": False, "float16": False}),
+    ],
+)
+def test_half_precision_on_a_cpu_warns_why_it_is_slow(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, flags: set[str], converted: dict[str, bool]
+) -> None:
+    """bfloat16 and float16 on a CPU run on oneDNN, not on our kernels, slower than float32 on every host
+    measured: asking for either says so, whatever the CPU; where it lacks the instructions that multiply that
+    format (float16's are not bfloat16's), also that each weight is converted. float32 and int8 say nothing."""
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset(flags))
+    for name in ("bf16", "bfloat16", "fp16", "half", "float16", "float32", "int8", "auto"):
+        caplog.clear()
+        resolve_dtype(name, torch.device("cpu"))
+        warned = [r.getMessage() for r in caplog.records if "slower than float32" in r.getMessage()]
+        half = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "half": "float16"}.get(name, name)
+        if half not in converted:
+            assert warned == [], name
+            continue
+        (message,) = warned
+        assert message.startswith(f"{half} on this CPU will be slower than float32: it runs on oneDNN"), message
+        assert ("each weight is converted" in message) == converted[half], message
+    caplog.clear()
+    resolve_dtype("bfloat16", torch.device("cuda"))
+    assert not caplog.records
+
+
 # --- tokenizer files ------------------------------------------------------------------------
 
 

@@ -211,16 +211,17 @@ def matrix_features() -> dict[str, bool]:
     }
 
 
-def slow_half_precision() -> str | None:
-    """Why bfloat16/float16 matmuls on this CPU are slower than float32 (None: they are not, or unknown).
-    Without AVX-512 BF16 or AMX, oneDNN converts every bfloat16 weight to float32 before multiplying."""
-    features = matrix_features()
-    if not cpu_flags() or features["avx512_bf16"] or features["amx_bf16"]:
-        return None
-    return (
-        "it has neither AVX-512 BF16 nor AMX, so each bfloat16/float16 weight is converted to float32 on every "
-        "product; float32 (the default) is faster and exact, int8 is faster still"
-    )
+def slow_half_precision(dtype: str) -> str:
+    """Why `dtype` ("bfloat16" or "float16") matmuls on this CPU are slower than float32: they run on oneDNN,
+    not on this project's kernels, and on every host measured ran slower than our float32; where the CPU also
+    lacks the instructions that multiply that format, oneDNN converts every weight to float32 first."""
+    native = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}[dtype]
+    why = "it runs on oneDNN, not on this project's kernels (on a Zen 5 with AVX-512 BF16 the server served "
+    why += "0.60-0.63x float32's tokens/s in bfloat16)"
+    flags = cpu_flags()
+    if flags and not flags & set(native):
+        why += f", and this CPU has neither {native[0]} nor {native[1]}, so each weight is converted on every product"
+    return why + "; float32 (the default) is faster and exact, int8 faster still"
 
 
 def _cpu_supported() -> str | None:
