@@ -271,7 +271,13 @@ def _tensor_from_dump(dump: DumpValue, hook: str, where: str) -> torch.Tensor:
     if name not in tensors:
         have = ", ".join(tensors)
         raise InterventionError(f"{where}: value for {hook!r}: the dump has no tensor {name!r} (it has {have})")
-    t = tensors[name].float()
+    t = tensors[name]
+    if not t.is_floating_point():  # a dump holds activations: booleans or integers are no activation's values
+        raise InterventionError(
+            f"{where}: value for {hook!r}: tensor {name!r} of the dump is {str(t.dtype).removeprefix('torch.')}, "
+            "not floating point (float32, float16 or bfloat16, as /v1/activations dumps them)"
+        )
+    t = t.float()
     return t[0] if t.dim() > 1 and t.shape[0] == 1 else t  # a dump's batch dimension of 1
 
 

@@ -17,6 +17,7 @@ from conftest import Checkpoint
 from fastapi.testclient import TestClient
 from inprocess import assert_interleaved, log_engine, wait_until
 from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 
 from model.analysis import analyze
 from model.generate import SamplingParams, generate
@@ -242,6 +243,8 @@ def test_a_dump_tensor_is_chosen_by_name(client: TestClient) -> None:
 # --- bad edits: 400s that say why ---------------------------------------------------------------------
 
 NOT_SAFETENSORS = base64.b64encode(b"hello, not a safetensors file").decode()
+INT_DUMP = base64.b64encode(save_safetensors({"hook_embed": torch.ones(3, 64, dtype=torch.int64)})).decode()
+BOOL_DUMP = base64.b64encode(save_safetensors({"hook_embed": torch.ones(3, 64, dtype=torch.bool)})).decode()
 BAD_EDITS: dict[str, tuple[dict[str, Any], str]] = {
     "unknown hook": (
         {"interventions": [{"hook": "blocks.0.hook_nope", "op": "zero"}]},
@@ -296,6 +299,14 @@ BAD_EDITS: dict[str, tuple[dict[str, Any], str]] = {
     "base64 of something else": (
         {"interventions": [{"hook": "hook_embed", "op": "set", "value": {"safetensors_base64": NOT_SAFETENSORS}}]},
         "the dump is not base64 of a safetensors file",
+    ),
+    "a dump of integers": (
+        {"interventions": [{"hook": "hook_embed", "op": "set", "value": {"safetensors_base64": INT_DUMP}}]},
+        "interventions[0]: value for 'hook_embed': tensor 'hook_embed' of the dump is int64, not floating point",
+    ),
+    "a dump of booleans": (
+        {"interventions": [{"hook": "hook_embed", "op": "set", "value": {"safetensors_base64": BOOL_DUMP}}]},
+        "tensor 'hook_embed' of the dump is bool, not floating point",
     ),
     "factor beyond float32": (
         {"interventions": [{"hook": "blocks.0.hook_attn_out", "op": "scale", "factor": 1e39}]},
