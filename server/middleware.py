@@ -224,8 +224,8 @@ class RequestGuard:
             except asyncio.TimeoutError:
                 late = f"the request's body did not arrive within {self.body_timeout:g} s (--body-timeout)"
                 return receive, error_response(408, late, headers={"Connection": "close"})
-            if message["type"] != "http.request":  # the client left before sending everything
-                return receive, None
+            if message["type"] != "http.request":  # the client left before sending everything: no one reads it
+                return receive, error_response(499, GONE)
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > limit:

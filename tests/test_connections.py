@@ -491,6 +491,21 @@ def test_a_client_that_leaves_during_its_answer_is_sent_no_more(
     assert sent_to_nobody == []
 
 
+def test_a_client_that_leaves_during_its_body_is_a_499(loaded: LoadedModel) -> None:
+    """A client that closes its connection halfway through its request's body left: a 499 in the log and the
+    metrics (as nginx counts it), not a 400 for a body no one will read the answer about."""
+    with running(loaded) as r:
+        sock = r.connect()
+        head = "POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+        sock.sendall(head.encode() + b'{"prompt": "Hel')
+        time.sleep(0.2)
+        sock.close()
+        counted = 'gpt2_requests_total{route="unmatched",status="499"} 1.0'
+        wait_until(lambda: counted in httpx.get(r.url + "/metrics", timeout=GUARD).text, timeout=GUARD)
+        assert 'status="400"' not in httpx.get(r.url + "/metrics", timeout=GUARD).text
+        assert_good_request(r)
+
+
 def test_a_slow_reader_is_not_dropped_one_that_takes_nothing_is(monkeypatch: pytest.MonkeyPatch) -> None:
     """The write deadline, checked each `--write-timeout` while the send buffer stays full: a client that took
     enough since the last check gets another period, one that took (next to) nothing is dropped. What it took
