@@ -360,6 +360,7 @@ class Engine:
             self._step_batch()
         finally:
             self._send()
+            self.metrics.running.set(self._active())
 
     def _step_batch(self) -> None:
         if self._prompt_only:

@@ -20,6 +20,9 @@ class Metrics:
             registry=r,
         )
         self.queue_depth = Gauge("gpt2_queue_depth", "Sequences waiting for a batch slot", registry=r)
+        self.running = Gauge(
+            "gpt2_running_sequences", "Sequences in the batch (generating, or a prompt-only pass)", registry=r
+        )
         self.dump_bytes_in_flight = Gauge(
             "gpt2_dump_bytes_in_flight",
             "Bytes of activation dumps, SAE readings, gradients and analyses being captured, built or sent "

@@ -80,6 +80,27 @@ async def first_event(stream: RequestStream) -> tuple[TokenEvent, AsyncIterator[
 LONG = 120  # tokens: the context is 128
 
 
+def test_running_sequences_gauge(loaded: LoadedModel) -> None:
+    """`gpt2_running_sequences` counts the sequences in the batch: two while they generate, one after the
+    other's client left, none once the last has finished."""
+
+    def running_now(engine: Engine) -> float | None:
+        return engine.metrics.registry.get_sample_value("gpt2_running_sequences")
+
+    async def main() -> None:
+        with running(loaded, max_batch_size=4) as engine:
+            long, short = engine.submit([[464], [464, 318]], [greedy_params(LONG, ignore_eos=True)] * 2)
+            await first_event(long)
+            await first_event(short)
+            assert running_now(engine) == 2
+            short.cancel()
+            await wait_for(lambda: running_now(engine) == 1)
+            await long.result()
+            await wait_for(lambda: running_now(engine) == 0)
+
+    run(main())
+
+
 def test_request_joins_at_the_next_step(loaded: LoadedModel) -> None:
     """A short request submitted while a long one decodes is served beside it and finishes first."""
     long_prompt, short_prompt = [464], loaded.tokenizer.encode("The quick brown fox")

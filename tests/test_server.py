@@ -834,6 +834,7 @@ def test_metrics(client: TestClient) -> None:
         "gpt2_requests",
         "gpt2_tokens_generated",
         "gpt2_queue_depth",
+        "gpt2_running_sequences",
         "gpt2_batch_size",
         "gpt2_time_to_first_token_seconds",
         "gpt2_inter_token_latency_seconds",
@@ -850,6 +851,7 @@ def test_metrics(client: TestClient) -> None:
     assert itl == before["gpt2_inter_token_latency_seconds_count"] + 4
     assert metric(client, "gpt2_batch_size_count") >= before["gpt2_batch_size_count"] + 4
     assert metric(client, "gpt2_queue_depth") == 0
+    assert metric(client, "gpt2_running_sequences") == 0
 
 
 def test_request_id(client: TestClient) -> None:
