@@ -598,6 +598,11 @@ def _load(
     del state  # the model holds the tensors now (moving them below frees each old copy as it goes)
     if dtype == INT8:
         quantize_(model)
+        if dev.type == "cpu" and not kernels.available():  # each product dequantizes its weights in torch
+            log.warning(
+                "int8 without our CPU kernels (GPT2_KERNELS=0, or they could not be built: the log says which) "
+                "dequantizes its weights in every product: slower than float32 on this CPU"
+            )
     elif decode_kernels:
         use_kernels(model)  # float32 on a CPU: the decode step's products on our kernels
     if dev.type == "cpu":  # a decode step streams every weight: in huge pages, faster

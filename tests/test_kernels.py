@@ -470,7 +470,7 @@ def run_fallback(tiny: Checkpoint, env: dict[str, str]) -> tuple[dict, str]:
 def test_fallback_without_kernels(tiny: Checkpoint, tmp_path: Path, how: str) -> None:
     """With no compiler, a cache folder that cannot hold a build (or GPT2_KERNELS=0) the model loads with the
     stock layers, says why once (not once for each ISA it would have tried), and computes the reference's
-    logits; int8 works too, on the dequantizing path."""
+    logits; int8 works too, on the dequantizing path, and says that it will be slower than float32."""
     env = {"GPT2_KERNEL_CACHE": str(tmp_path / "empty-cache")}
     if how == "no compiler":
         env |= {"CXX": "/nonexistent/c++", "PATH": str(tmp_path)}
@@ -482,6 +482,7 @@ def test_fallback_without_kernels(tiny: Checkpoint, tmp_path: Path, how: str) ->
     report, stderr = run_fallback(tiny, env)
     assert report["available"] is False
     assert (report["layer"], report["head"], report["int8"]) == ("Conv1D", "TiedLMHead", "Int8Conv1D")
+    assert stderr.count("int8 without our CPU kernels") == 1, stderr  # it will be slow: said
     if how != "turned off":
         assert stderr.count("kernels are not available") == 1, stderr
         assert "build of our CPU kernels" not in stderr, stderr
