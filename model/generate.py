@@ -202,8 +202,13 @@ class SequenceState:
 
     def accept(self, logits: torch.Tensor, argmax: int | None = None) -> TokenEvent:
         """Choose the next token from `logits` [vocab] (float32; `argmax`: its argmax, if already known) and
-        update text and stop state."""
+        update text and stop state. Where the model's vocabulary is padded past its tokenizer's, only the
+        tokenizer's ids are chosen from (and their log-probabilities normalised over them), as vLLM does."""
         p = self.params
+        words = self.tokenizer.vocab_size if self.tokenizer is not None else len(logits)
+        if words < len(logits):  # a vocabulary padded past the tokenizer's (nanoGPT's 50304): ids with no text
+            logits = logits[:words]
+            argmax = argmax if argmax is not None and argmax < words else None
         if p.temperature == 0 and argmax is not None:
             token = argmax
         else:
@@ -868,6 +873,7 @@ class Generation:
             new_sequence(model, i, prompt, p, tokenizer, names, edits, capture_dtype)
             for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True))
         ]
+        self._events: Iterator[TokenEvent] | None = None
         self._done = False
 
     @property
@@ -877,26 +883,33 @@ class Generation:
         return [s.result() for s in self._seqs]
 
     def __iter__(self) -> Iterator[TokenEvent]:
+        """The generation's one run of events: iterated again after a `break`, it goes on where it stopped;
+        after its end, it gives nothing more (a new `Generation` runs again)."""
+        if self._events is None:
+            self._events = self._run()
+        return self._events
+
+    @torch.inference_mode()  # around each step of the generator: the caller's code between events runs as it is
+    def _run(self) -> Iterator[TokenEvent]:
         prompt_only = [s for s in self._seqs if s.prompt_only]
         group = [s for s in self._seqs if not s.prompt_only]
-        with torch.inference_mode():
-            if prompt_only:
-                prefill_prompts(self.model, prompt_only)
-                for seq in prompt_only:
+        if prompt_only:
+            prefill_prompts(self.model, prompt_only)
+            for seq in prompt_only:
+                if seq.error is not None:
+                    raise seq.error
+        if group:
+            max_len = max(len(s.prompt) + s.params.max_new_tokens for s in group)
+            # prompt tokens per pass: at most a context's worth (bounds the memory of its logits)
+            batch = DecodeBatch(self.model, len(group), max_len, self.model.config.n_positions)
+            for seq in group:
+                batch.add(seq)
+            while batch:
+                for seq, event in batch.step():
                     if seq.error is not None:
                         raise seq.error
-            if group:
-                max_len = max(len(s.prompt) + s.params.max_new_tokens for s in group)
-                # prompt tokens per pass: at most a context's worth (bounds the memory of its logits)
-                batch = DecodeBatch(self.model, len(group), max_len, self.model.config.n_positions)
-                for seq in group:
-                    batch.add(seq)
-                while batch:
-                    for seq, event in batch.step():
-                        if seq.error is not None:
-                            raise seq.error
-                        if event is not None:
-                            yield event
+                    if event is not None:
+                        yield event
         self._done = True
 
 

@@ -302,11 +302,24 @@ class Capture:
             names = [names]
         for name in names:
             check_hook_name(name)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"a capture's dtype is a floating torch dtype (torch.float16, ...), got {dtype!r}")
         self.names, self.dtype = list(names), dtype
         self._wanted = frozenset(self.names)
         self._chunks: dict[str, list[torch.Tensor]] = {n: [] for n in self.names}
 
     whole_prompt = False  # chunks are glued together (`tensors`)
+
+    def begin_pass(self, from_start: bool) -> None:
+        """Called by `GPT.forward` before a pass: one `from_start` (position 0, no cache or an empty one)
+        begins a sequence, so a capture that holds values of an earlier one is refused (its chunks would be
+        glued to the new pass's as if one sequence went on: a [1, 7, C] stream of two prompts of 3 and 4)."""
+        if from_start and any(self._chunks.values()):
+            raise ValueError(
+                "this Capture holds the values of an earlier forward pass, and this pass starts a new sequence "
+                "(position 0): use a new Capture for each sequence (a Capture glues the passes of one sequence, "
+                "a prompt and its decode steps, into one tensor)"
+            )
 
     def active(self, name: str) -> bool:
         return name in self._wanted

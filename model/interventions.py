@@ -330,6 +330,13 @@ class Interventions:
         start = self._seen.get(name, 0)
         if not targets[0].square:  # [B, pos, ...]: this pass's positions follow those seen before
             self._seen[name] = start + x.shape[1]
+        end = x.shape[3] if targets[0].square else start + x.shape[1]  # positions up to this pass's last
+        if end > self.n_tokens:  # reused for a second sequence, or made for a shorter one: its state is wrong
+            raise InterventionError(
+                f"these edits' hooks were made for one sequence of at most {self.n_tokens} positions "
+                f"(EditSpec.hooks(config, n_tokens)), and {name} reaches {end}: make fresh hooks for each sequence, "
+                "with its length (they keep state: the positions seen, a mean over the prompt)"
+            )
         for t in targets:
             self._apply(t, x, start)
         return x
@@ -487,6 +494,19 @@ class EditSpec:
     ablate_mlp: tuple[int, ...] = ()  # layers whose MLP runs without its residual add
     names: tuple[str, ...] = field(default=(), compare=False)  # each edit's name in an error (`_where`)
     _plans: dict[GPTConfig, EditPlan] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # a bare layer number, 0 above all, read as a tuple would ablate nothing (0 is false) without a word
+        for name in ("ablate_attn", "ablate_mlp"):
+            layers = getattr(self, name)
+            numbers = isinstance(layers, (tuple, list)) and all(type(n) is int for n in layers)  # not a bool
+            if not numbers:
+                raise InterventionError(
+                    f"{name} must be a tuple of layer numbers, e.g. (0, 3) (every layer: tuple(range(n_layer))), "
+                    f"got {layers!r}"
+                )
+        if not isinstance(self.edits, (tuple, list)) or not all(isinstance(e, Edit) for e in self.edits):
+            raise InterventionError(f"edits must be a tuple of Edit, got {self.edits!r}")
 
     def sites(self, n_layer: int) -> list[str]:
         """The hook point of each (edit, hook point) pair, edit by edit (a glob gives one for each hook it

@@ -23,6 +23,7 @@ from model.generate import (
     Generation,
     GenerationError,
     SamplingParams,
+    SequenceState,
     TokenEvent,
     _longest_stop_prefix,
     generate,
@@ -565,3 +566,39 @@ def test_longest_stop_prefix_equals_trying_every_length() -> None:
         text = "".join(g.choices("ab\ufffd", k=g.randint(0, 12)))
         stops = tuple("".join(g.choices("ab\ufffd", k=g.randint(1, 8))) for _ in range(g.randint(0, 3)))
         assert _longest_stop_prefix(text, stops) == every_length(text, stops), (text, stops)
+
+
+def test_a_vocabulary_padded_past_the_tokenizers_chooses_only_its_ids(tokenizer: Tokenizer) -> None:
+    """nanoGPT pads GPT-2's 50,257 ids to 50,304: the padding has no text, so a token is chosen (greedy,
+    sampled, or handed over as the pass's argmax) only among the tokenizer's ids, and log-probabilities are
+    normalised over them, as vLLM does."""
+    logits = torch.zeros(50304)
+    logits[50300], logits[7] = 30.0, 5.0  # a padding id far ahead
+    for params, argmax in ((SamplingParams(temperature=0, logprobs=2), 50300), (SamplingParams(seed=1), None)):
+        seq = SequenceState(0, [1], params, tokenizer, EOT_ID, torch.Generator().manual_seed(1))
+        event = seq.accept(logits, argmax)
+        assert event.token_id < tokenizer.vocab_size
+        if params.temperature == 0:
+            assert event.token_id == 7 and event.logprob is not None
+            want = 5.0 - torch.logsumexp(logits[: tokenizer.vocab_size], 0)
+            assert event.logprob.logprob == pytest.approx(float(want), abs=1e-5)
+            assert all(i < tokenizer.vocab_size for i, _ in event.logprob.top)
+
+
+def test_a_generation_runs_once_and_resumes_after_a_break(tiny_model: GPT) -> None:
+    """Iterating a `Generation` again after a `break` goes on where it stopped (the same tokens as one run);
+    after its end it gives nothing more (it once ran its sequences again, past max_new_tokens, capturing their
+    positions twice). The caller's code between events does not run in inference mode."""
+    params = SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True)
+    whole = generate(tiny_model, [[5, 6, 7]], params, hooks=["blocks.0.hook_resid_post"])[0]
+    g = Generation(tiny_model, [[5, 6, 7]], params, hooks=["blocks.0.hook_resid_post"])
+    first = []
+    for event in g:
+        assert not torch.is_inference_mode_enabled()
+        first.append(event.token_id)
+        break
+    rest = [e.token_id for e in g]
+    assert first + rest == whole.token_ids and list(g) == []
+    (result,) = g.results
+    assert result.token_ids == whole.token_ids
+    assert result.activations is not None and result.activations["blocks.0.hook_resid_post"].shape[1] == 3 + 5

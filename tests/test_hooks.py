@@ -156,6 +156,21 @@ def test_a_capture_in_another_dtype_keeps_each_chunk_cast(tiny_model: GPT) -> No
         assert got.dtype == torch.float16 and torch.equal(got, want.half()), name  # -inf scores included
 
 
+def test_a_capture_holds_one_sequence(tiny_model: GPT) -> None:
+    """A Capture glues one sequence's passes (a prompt, then its decode steps): a second pass from position 0
+    is refused, where its values were glued to the first's ([1, 7, C] of prompts of 3 and 4). A capture's
+    dtype is a floating torch dtype."""
+    cap = Capture(["blocks.0.hook_resid_pre"])
+    with torch.no_grad():
+        tiny_model(torch.tensor([[1, 2, 3]]), hooks=cap)
+        with pytest.raises(ValueError, match="holds the values of an earlier forward pass"):
+            tiny_model(torch.tensor([[4, 5, 6, 7]]), hooks=cap)
+    assert cap.tensors()["blocks.0.hook_resid_pre"].shape == (1, 3, 64)  # the first pass's, untouched
+    for dtype in (torch.int8, torch.bool, "float16"):
+        with pytest.raises(ValueError, match="a floating torch dtype"):
+            Capture(["logits"], dtype)  # type: ignore[arg-type]
+
+
 def test_generation_captures_only_the_selected_hooks_per_prompt(tiny_model: GPT) -> None:
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     params = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)

@@ -11,7 +11,7 @@ import torch
 
 from model.generate import SamplingParams, generate
 from model.gpt import GPT
-from model.hooks import Capture, Hooks
+from model.hooks import Capture, Hooks, run_with_cache
 from model.interventions import Edit, EditSpec, HookChain, InterventionError, Interventions, ResidualAblation
 
 PROMPT = [464, 3797, 3332, 319, 262, 2603, 780, 340]  # "The cat sat on the mat because it"
@@ -355,3 +355,20 @@ def test_bad_edits_are_refused_with_the_reason(tiny_model: GPT, edit: Edit, says
 def test_bad_ablation_layers_are_refused(tiny_model: GPT) -> None:
     with pytest.raises(InterventionError, match=r"residual.mlp: layer 2 is out of range 0..1"):
         EditSpec((), (), (2,)).hooks(tiny_model.config, T)
+    zero = Edit("hook_embed", "zero")
+    for given in ({"ablate_attn": 0}, {"ablate_mlp": "all"}, {"ablate_attn": (True,)}, {"edits": zero}):
+        with pytest.raises(InterventionError, match=r"must be a tuple of"):
+            EditSpec(**given)  # type: ignore[arg-type]  # 0 once ablated nothing (a false tuple), in silence
+
+
+def test_hooks_made_for_one_sequence_refuse_a_second(tiny_model: GPT) -> None:
+    """`EditSpec.hooks` makes hooks for one sequence of at most `n_tokens` positions: they keep state (the
+    positions seen, a `mean` edit's prompt mean), so one reused for a second prompt (which got the first's mean)
+    or a sequence longer than it was made for is refused, not applied with stale state."""
+    spec = EditSpec((Edit("blocks.0.hook_resid_post", "mean"),))
+    hooks = spec.hooks(tiny_model.config, 5)
+    run_with_cache(tiny_model, [5, 6, 7, 8, 9], ["blocks.0.hook_resid_post"], edits=hooks)
+    with pytest.raises(InterventionError, match="made for one sequence of at most 5 positions"):
+        run_with_cache(tiny_model, [50, 60, 70, 80, 90], ["blocks.0.hook_resid_post"], edits=hooks)
+    with pytest.raises(InterventionError, match="reaches 8"):
+        run_with_cache(tiny_model, list(range(8)), ["logits"], edits=spec.hooks(tiny_model.config, 5))
