@@ -412,3 +412,51 @@ def test_the_api_key_never_goes_into_the_address(browser: Any, base_url: str) ->
         if scripts:
             assert page.url == base_url + "/"  # no navigation: the page ran the prompt itself
         context.close()
+
+
+def test_a_temperature_off_the_inputs_step_runs(page: Any) -> None:
+    """0.75 is a temperature like any other (the input once had a step of 0.1: the browser refused to submit)."""
+    page.fill("#api-key", API_KEY)
+    page.fill("#prompt", "Hello")
+    page.fill("#max-new-tokens", "2")
+    page.fill("#temperature", "0.75")
+    page.click("#run")
+    assert finished(page) == "done", page.inner_text("#errors")
+
+
+def test_characters_that_draw_nothing_are_escaped(page: Any) -> None:
+    """Also the default-ignorable ones (a variation selector, the Hangul filler), the blank Braille pattern,
+    and a combining mark with nothing before it; a mark after its letter is the letter's accent."""
+    labels = page.evaluate("() => ['\\ufe0f', '\\u3164', '\\u2800', '\\u0301a', 'e\\u0301', '\\u034f'].map(tokenLabel)")
+    assert labels == ["\\ufe0f", "\\u3164", "\\u2800", "\\u0301a", "e\u0301", "\\u034f"]
+
+
+def test_a_layer_left_while_it_loads_does_not_take_the_view(page: Any) -> None:
+    """The run's first layer still loading when the user picks another: its load is aborted (its pass on the
+    server stops), and the layer picked is the one drawn, with no error."""
+    held: list[Any] = []
+    aborted: list[str] = []
+    page.on("requestfailed", lambda r: aborted.append(r.url) if r.url.endswith("/v1/activations") else None)
+
+    def hold_layer_0(route: Any) -> None:
+        if "blocks.0." in (route.request.post_data or "") and not held:
+            held.append(route)
+        else:
+            route.continue_()
+
+    page.route("**/v1/activations", hold_layer_0)
+    page.fill("#api-key", API_KEY)
+    page.fill("#prompt", "The cat sat on the mat")
+    page.fill("#max-new-tokens", "2")
+    page.fill("#temperature", "0")
+    page.click("#run")
+    while not held:
+        page.wait_for_timeout(50)
+    page.select_option("#attn-layer", "1")
+    page.wait_for_selector("#attn-view canvas.heatmap")
+    assert finished(page) == "done", page.inner_text("#errors")
+    with contextlib.suppress(sync_api.Error):  # aborted already
+        held[0].fulfill(status=429, content_type="application/json", body='{"error": {"message": "late"}}')
+    page.wait_for_timeout(500)
+    assert aborted and page.input_value("#attn-layer") == "1"
+    assert page.locator("#attn-view canvas.heatmap").count() == 1 and page.is_hidden("#errors")

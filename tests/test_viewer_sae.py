@@ -82,3 +82,12 @@ def test_a_run_keeps_the_sae_chosen(page: Any) -> None:
         page.click("#run")
     page.wait_for_timeout(200)
     assert page.input_value("#sae-select") == "t"
+
+
+def test_choosing_an_sae_points_the_steer_at_its_hook(page: Any) -> None:
+    """A steer names the SAE chosen at that SAE's own hook (it once kept the first SAE's hook)."""
+    page.wait_for_selector("#sae-panel:not([hidden])")
+    page.select_option("#sae-select", "t")
+    assert page.input_value("#steer-hook") == OTHER_HOOK
+    page.select_option("#sae-select", "s")
+    assert page.input_value("#steer-hook") == HOOK

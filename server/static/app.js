@@ -43,7 +43,8 @@ class APIError extends Error {
 async function api(method, path, body, options = {}) {
   const headers = { Accept: options.binary ? "application/octet-stream, application/json" : "application/json" };
   const key = $("api-key").value.trim();
-  if (key) headers.Authorization = `Bearer ${key}`;
+  // a header holds bytes: the key's UTF-8 bytes, one character each, as the server compares them
+  if (key) headers.Authorization = `Bearer ${String.fromCharCode(...new TextEncoder().encode(key))}`;
   if (body !== undefined) headers["Content-Type"] = "application/json";
   const where = `${method} /${path}`;
   let response;
@@ -124,7 +125,9 @@ function showErrors(messages) {
 const NAMED_CHARACTERS = { " ": "␣", "\n": "↵", "\t": "⇥", "\r": "␍", "\u00a0": "⍽" };
 
 function tokenLabel(t) {
-  return String(t).replace(/[\p{C}\p{Z}]/gu, (c) => {
+  // controls, format and space characters, those that draw nothing (U+FE0F, U+034F, U+3164, U+2800), and a
+  // combining mark with nothing before it to sit on
+  return String(t).replace(/[\p{C}\p{Z}\p{Default_Ignorable_Code_Point}\u2800]|^\p{M}/gu, (c) => {
     if (NAMED_CHARACTERS[c]) return NAMED_CHARACTERS[c];
     const code = c.codePointAt(0);
     if (code <= 0xff) return `\\x${code.toString(16).padStart(2, "0")}`;
@@ -149,16 +152,17 @@ async function loadModel() {
   return m;
 }
 
-// `load()`, tried again every 1.5 s while the server answers 503 (the model is still loading), calling
-// `waiting()` each time; it ends on success or on any other error, which it throws.
+// `load()`, tried again every 2 s while the server answers that the model is still loading (a 503 that says
+// so: a 503 of the connection cap is an error like any other), calling `waiting()` each time; it ends on
+// success or on any other error, which it throws.
 async function whileLoading(load, waiting = () => {}) {
   for (;;) {
     try {
       return await load();
     } catch (e) {
-      if (!(e instanceof APIError) || e.status !== 503) throw e;
+      if (!(e instanceof APIError) || e.status !== 503 || !/loading/.test(e.message)) throw e;
       waiting();
-      await new Promise((resolve) => setTimeout(resolve, 1500));
+      await new Promise((resolve) => setTimeout(resolve, 2000));
     }
   }
 }
@@ -238,7 +242,7 @@ async function run(event) {
   let seed = null;
   try {
     seed = parseSeed($("seed").value.trim());
-    if (!state.model) await loadModel();
+    if (!state.model) await whileLoading(loadModel, () => setStatus("Waiting for the model to load…", "running"));
   } catch (e) {
     if (!current()) return;
     errors.push(e.message);
@@ -284,8 +288,10 @@ async function run(event) {
           }
         } catch (e) {
           if (!current()) return;
-          errors.push(e.message);
-          attentionMessage(`Layer ${layer}: ${e.message}`, true);
+          if (e.name !== "AbortError") {
+            errors.push(e.message); // aborted: the user moved to another layer, which shows itself
+            if (Number($("attn-layer").value) === layer) attentionMessage(`Layer ${layer}: ${e.message}`, true);
+          }
         }
       } else {
         errors.push(tokenized.reason.message);
@@ -319,21 +325,38 @@ function renderGeneration(prompt, promptTokens, gen) {
 // One layer's attention pattern over prompt and generated positions, {heads, T, data: [head][query][key] as
 // a flat Float32Array}, from POST /v1/activations: one forward pass over the prompt's and the generated ids
 // gives the very weights the generation used. Fetched when the layer is first shown, then kept for this run.
+// At most KEPT_LAYERS layers' patterns are kept (the least recently shown goes first): a layer of gpt2-xl at
+// 1,024 tokens is 100 MB. A layer that is still loading when another is asked for stops loading.
+const KEPT_LAYERS = 3;
+
 function loadLayer(layer) {
   const attn = state.attn;
+  for (const [other, load] of attn.loading) {
+    if (other !== layer && !attn.patterns.has(other)) {
+      load.controller.abort(); // its forward pass on the server stops too
+      attn.loading.delete(other);
+    }
+  }
   if (!attn.loading.has(layer)) {
     const name = `blocks.${layer}.attn.hook_pattern`;
     const body = { input_ids: attn.ids, max_new_tokens: 0, activations: { hooks: [name], dtype: "float32" } };
-    const loading = api("POST", "v1/activations", body, { signal: attn.signal, binary: true }).then((buffer) => {
+    const controller = new AbortController();
+    attn.signal.addEventListener("abort", () => controller.abort()); // a new run aborts this one's loads
+    const promise = api("POST", "v1/activations", body, { signal: controller.signal, binary: true }).then((buffer) => {
       const { shape, data } = safetensor(buffer, name); // [1, head, query, key]
       const pattern = { heads: shape[1], T: shape[3], data };
       attn.patterns.set(layer, pattern);
+      for (const oldest of attn.patterns.keys()) {
+        if (attn.patterns.size <= KEPT_LAYERS) break;
+        attn.patterns.delete(oldest);
+        attn.loading.delete(oldest);
+      }
       return pattern;
     });
-    loading.catch(() => attn.loading.delete(layer)); // a layer that failed is asked for again when next shown
-    attn.loading.set(layer, loading);
+    promise.catch(() => attn.loading.delete(layer)); // a layer that failed is asked for again when next shown
+    attn.loading.set(layer, { promise, controller });
   }
-  return attn.loading.get(layer);
+  return attn.loading.get(layer).promise;
 }
 
 function fillSelect(select, count, label) {
@@ -355,7 +378,11 @@ async function showAttention() {
   if (!attn) return;
   const layer = Number($("attn-layer").value);
   const shown = () => state.attn === attn && Number($("attn-layer").value) === layer;
-  if (!attn.patterns.has(layer)) {
+  const kept = attn.patterns.get(layer);
+  if (kept) {
+    attn.patterns.delete(layer); // the most recently shown: the last to go
+    attn.patterns.set(layer, kept);
+  } else {
     attentionMessage(`Loading layer ${layer}…`);
     try {
       await loadLayer(layer);

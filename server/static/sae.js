@@ -8,6 +8,7 @@ const sae = {
   saes: [], // /v1/model's saes
   vectors: [], // /v1/model's steering_vectors
   generation: 0, // the latest steering run; older answers are dropped
+  loadFailed: false, // the page's first GET /v1/model failed (its message is in the status line)
 };
 
 function saeById(id) {
@@ -37,6 +38,8 @@ async function loadSaePanel() {
   fillOptions($("steer-vector"), sae.vectors);
   if (!$("steer-hook").value && sae.saes.length) $("steer-hook").value = sae.saes[0].hook_name;
   if (!sae.saes.length) document.querySelector('input[name="steer-source"][value="vector"]').checked = true;
+  if (sae.loadFailed) $("sae-status").textContent = ""; // the page's first load failed (a key needed): it is in now
+  sae.loadFailed = false;
 }
 
 async function showFeatures() {
@@ -132,9 +135,18 @@ async function steer() {
 
 window.addEventListener("DOMContentLoaded", () => {
   whileLoading(loadSaePanel).catch((e) => {
+    sae.loadFailed = true;
     $("sae-status").textContent = e.message;
   });
-  $("run-form").addEventListener("submit", () => loadSaePanel().catch(() => {})); // with the API key, if one is needed
+  $("run-form").addEventListener("submit", () => {
+    $("sae-table").replaceChildren(); // the features shown are the last prompt's: read again for this one
+    loadSaePanel().catch(() => {}); // with the API key, if one is needed
+  });
+  // a steer names the SAE chosen at that SAE's own hook
+  $("sae-select").addEventListener("change", () => {
+    const s = saeById($("sae-select").value);
+    if (s) $("steer-hook").value = s.hook_name;
+  });
   $("sae-run").addEventListener("click", showFeatures);
   $("steer-run").addEventListener("click", steer);
   const regenerate = debounce(steer, 250);
