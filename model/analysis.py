@@ -16,7 +16,7 @@ import torch
 
 from .config import GPTConfig
 from .gpt import GPT, LAST
-from .hooks import Hooks, head_parts
+from .hooks import Hooks, check_ids, head_parts
 from .interventions import HookChain, NonFiniteActivations
 from .overflow import layer_norm_inputs, layer_norm_overflow, variance_overflows
 
@@ -102,6 +102,11 @@ class AnalysisPass:
     it, or by `result` when the pass ended on it after the streams before it were measured."""
 
     def __init__(self, config: GPTConfig, ids: list[int], top_k: int, edits: Hooks | None = None) -> None:
+        check_ids(ids, config.vocab_size)  # a clear error, not an indexing one from deep in the pass
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= config.vocab_size:
+            raise ValueError(f"top_k must be an int in 1..{config.vocab_size} (the vocabulary), got {top_k!r}")
+        if edits is not None and not callable(getattr(edits, "active", None)):
+            raise TypeError(f"edits are hooks (EditSpec.hooks(config, len(ids))), got {type(edits).__name__}")
         self.top_k = top_k
         self._run = ResidualPass(config, ids, edits)
         self._waiting: list[Stream] = []  # handed over by the last block, not measured yet

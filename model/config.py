@@ -22,6 +22,9 @@ _MAX_SIZE = 2**31 - 1  # the largest n_layer, n_head, ...: far above any GPT-2's
 
 @dataclass(frozen=True)
 class GPTConfig:
+    """The shape of a GPT-2: blocks, heads, width, context and vocabulary (gpt2-small's by default; `PRESETS`
+    has the others), as Hugging Face's config.json names them."""
+
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768

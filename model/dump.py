@@ -142,6 +142,8 @@ def dump_pieces(tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> l
     Written or sent piece by piece, a dump of hundreds of megabytes is not copied whole (safetensors' `save`
     copies it twice)."""
     for name, t in tensors.items():
+        if name == "__metadata__":  # the header's own key: the file would not parse
+            raise ValueError("a dump cannot hold a tensor named __metadata__ (the format's key for its metadata)")
         if t.dtype not in _DTYPE_NAMES:
             raise ValueError(f"{name}: a dump cannot hold {t.dtype}")
     # as safetensors lays a file out: the widest elements first, then by name, so every tensor starts at a

@@ -67,6 +67,10 @@ class ContextLengthError(GenerationError):
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How to continue a prompt: how many tokens, how to choose each (temperature, top-k, top-p, a seed), when
+    to stop (a stop string, a stop token, end of text unless `ignore_eos`), and which log-probabilities to
+    give. Checked when made: a bad value is a `GenerationError` naming the field."""
+
     max_new_tokens: int = 32
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # 0 = no limit (-1 too, as vLLM's clients send it)
@@ -158,6 +162,10 @@ class TokenEvent:
 
 @dataclass
 class Completion:
+    """One prompt's result: its ids and the generated ones, their text (cut before a stop string), why it
+    ended ("length", "stop" or "eos"), the log-probabilities asked for, and the activations captured (each
+    [1, pos, ...] over prompt and continuation, as one forward pass over both gives them)."""
+
     index: int
     prompt_ids: list[int]
     token_ids: list[int]

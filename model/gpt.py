@@ -220,6 +220,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    """GPT-2: token and position embeddings, `n_layer` Pre-LN blocks (attention, then the MLP, each added to
+    the residual stream), a final LayerNorm and the LM head tied to the token embedding. `forward` gives the
+    logits, with a KV cache (generation) or without, handing every hook point's value to `hooks`."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config

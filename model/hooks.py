@@ -466,7 +466,7 @@ class CapturePass:
         from .interventions import HookChain  # interventions imports this module
 
         names = select_hooks(names, config.n_layer)  # in model order: the pass ends at the last
-        _check_ids(idx, config.vocab_size)
+        check_ids(idx, config.vocab_size)
         self.idx, self._capture = idx, Capture(names)
         self._wanted: Hooks = self._capture if edits is None else HookChain(edits, self._capture)
         self._hooks = StopAfter(self._wanted, names[-1])
@@ -509,7 +509,7 @@ class CapturePass:
         return self._capture.tensors()
 
 
-def _check_ids(idx: torch.Tensor | list[int], vocab_size: int) -> None:
+def check_ids(idx: torch.Tensor | list[int], vocab_size: int) -> None:
     """Token ids [B, T] (or one sequence's list) of at least one position, each in the vocabulary: else a
     `ValueError` that says which (not an indexing error from deep in the pass)."""
     if isinstance(idx, torch.Tensor):

@@ -470,7 +470,9 @@ def _check_range(values: Sequence[int], n: int, what: str, param: str = "interve
     at most (a position named 5,000 times would select, and copy, its values 5,000 times)."""
     seen: set[int] = set()
     for v in values:
-        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < n:
+        if not isinstance(v, int) or isinstance(v, bool):  # a numpy or torch integer too: said, not "out of range"
+            raise InterventionError(f"{what} {v!r} is not an int (convert numpy or torch values with int())", param)
+        if not 0 <= v < n:
             raise InterventionError(f"{what} {v!r} is out of range 0..{n - 1}", param)
         if distinct and v in seen:
             raise InterventionError(f"{what} {v} is named twice", param)

@@ -18,6 +18,9 @@ from .hooks import Hooks
 
 
 class KVCache:
+    """The keys and values of every block [n_layer, batch, head, pos, d_head], a row per sequence, each row
+    with its own length: a pass over a row's next tokens attends to its stored positions and adds its own."""
+
     def __init__(
         self,
         config: GPTConfig,

@@ -467,6 +467,9 @@ def build_model(config: GPTConfig, state: dict[str, torch.Tensor]) -> GPT:
 
 @dataclass
 class LoadedModel:
+    """What `load` gives: the model (on its device), its tokenizer, the name and revision it came
+    from, its activations' dtype and device, and "int8" where its weights are quantized."""
+
     model: GPT
     tokenizer: Tokenizer
     name: str
@@ -623,7 +626,8 @@ def official_state(model: GPT) -> dict[str, torch.Tensor]:
 
 def save_checkpoint(model: GPT, directory: str | Path, tokenizer: Tokenizer | None = None) -> Path:
     """Write `config.json` and `model.safetensors` (plus `tokenizer.json` if given) in the official format,
-    so that `load` and transformers' `GPT2LMHeadModel.from_pretrained` both read it back."""
+    so that `load` and transformers' `GPT2LMHeadModel.from_pretrained` both read it back. An int8 model is
+    written dequantized, as float32 weights (the format has no int8 GPT-2)."""
     from safetensors.torch import save_file
 
     directory = Path(directory)

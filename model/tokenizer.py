@@ -78,6 +78,9 @@ class Tokenizer:
             raise TokenizerError(f"cannot read the tokenizer in {directory}: {e}") from None
 
     def encode(self, text: str, special: bool = True) -> list[int]:
+        """The token ids of `text` (`special`: "<|endoftext|>" in it is the special token, else its characters)."""
+        if not isinstance(text, str):
+            raise TypeError(f"a tokenizer encodes text (a str), not {type(text).__name__}")
         check_unicode(text)
         return (self._tok if special else self._plain).encode(text, add_special_tokens=False).ids
 

@@ -364,3 +364,18 @@ def test_without_skip_connections_the_stream_collapses_to_one_token(small: Check
     assert last_ablated.effective_rank < 1.5 < 0.5 * last.effective_rank
     assert last_ablated.mean_cosine > 0.99
     assert ablated[0].collapse > ablated[L // 2].collapse > last_ablated.collapse  # it falls with depth
+
+
+def test_analyze_refuses_bad_input_in_words(tiny_model: GPT) -> None:
+    """No prompt, an id past the vocabulary, a top_k outside 1..vocab, and an EditSpec where its hooks go:
+    each a clear error, not an indexing or shape error from deep in the pass."""
+    for ids, top_k, says in (
+        ([], 3, "non-empty list of ints"),
+        ([60000], 3, "token id 60000 is outside the vocabulary"),
+        ([1, 2, 3], 0, "top_k must be an int in 1..50257"),
+        ([1, 2, 3], 10**6, "top_k must be an int in 1..50257"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            analyze(tiny_model, ids, top_k)
+    with pytest.raises(TypeError, match=r"edits are hooks \(EditSpec.hooks"):
+        analyze(tiny_model, [1, 2, 3], 3, edits=EditSpec())  # type: ignore[arg-type]

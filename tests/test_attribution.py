@@ -152,3 +152,10 @@ def test_a_patched_run_that_overflows_is_refused_naming_verify(tiny: object) -> 
     with torch.inference_mode(), pytest.raises(MetricError) as e:
         verify_site(model, scores, CLEAN, CORRUPTED, Loss(), huge)
     assert e.value.param == "verify" and str(e.value).endswith("in a run patched to verify a site: ask for verify 0")
+
+
+def test_verify_is_a_count(ours64: GPT) -> None:
+    """How many sites to patch for real: an int of 0 or more (-1 was taken as 0, in silence)."""
+    for verify in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="verify is how many sites to patch for real"):
+            score_sites(ours64, CLEAN, CORRUPTED, LogitDiff((318, 373)), verify=verify)  # type: ignore[arg-type]

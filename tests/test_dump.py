@@ -187,3 +187,13 @@ def safe_open_bytes(blob: bytes) -> Iterator[dict[str, str]]:
         path.write_bytes(blob)
         with safe_open(str(path), framework="pt") as f:
             yield dict(f.metadata())
+
+
+def test_a_tensor_named_as_the_metadata_is_refused(tmp_path: Path) -> None:
+    """ "__metadata__" is the header's own key: a tensor so named would make a file no reader parses (and
+    replace a good one with it)."""
+    path = tmp_path / "dump.safetensors"
+    save_dump(path, {"x": torch.ones(2)}, {"model": "m"})
+    with pytest.raises(ValueError, match="a tensor named __metadata__"):
+        save_dump(path, {"__metadata__": torch.ones(2)}, {"model": "m"})
+    assert torch.equal(load_dump(path)[0]["x"], torch.ones(2))  # the good file is still there

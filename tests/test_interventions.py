@@ -372,3 +372,12 @@ def test_hooks_made_for_one_sequence_refuse_a_second(tiny_model: GPT) -> None:
         run_with_cache(tiny_model, [50, 60, 70, 80, 90], ["blocks.0.hook_resid_post"], edits=hooks)
     with pytest.raises(InterventionError, match="reaches 8"):
         run_with_cache(tiny_model, list(range(8)), ["logits"], edits=spec.hooks(tiny_model.config, 5))
+
+
+def test_a_numpy_position_is_named_as_not_an_int(tiny_model: GPT) -> None:
+    """`positions=np.nonzero(...)` is a common way to pick them: the error says the type, not "out of range"."""
+    import numpy as np
+
+    spec = EditSpec((Edit("blocks.0.hook_resid_post", "zero", positions=tuple(np.array([1, 2]))),))
+    with pytest.raises(InterventionError, match=r"position np.int64\(1\) is not an int \(convert numpy"):
+        spec.hooks(tiny_model.config, 5)

@@ -164,3 +164,8 @@ def test_no_cut_for_a_tokenizer_that_splits_otherwise(tokenizer_dir: Path, tmp_p
         (tmp_path / str(i)).mkdir()
         (tmp_path / str(i) / "tokenizer.json").write_text(json.dumps(variant), encoding="utf-8")
         assert Tokenizer.from_dir(tmp_path / str(i)).cut("a b", 0, 3) == 0, variant
+
+
+def test_encode_takes_text(tok: Tokenizer) -> None:
+    with pytest.raises(TypeError, match="a tokenizer encodes text \\(a str\\), not int"):
+        tok.encode(123)  # type: ignore[arg-type]

@@ -138,6 +138,8 @@ class ScoringPass:
         self, config: GPTConfig, clean: list[int], corrupted: list[int], metric: Metric, verify: int = 0
     ) -> None:
         check_attribution(clean, corrupted, metric, config.vocab_size)
+        if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
+            raise ValueError(f"verify is how many sites to patch for real, an int of 0 or more; got {verify!r}")
         self._n_layer, self._verify = config.n_layer, verify
         names = [f"blocks.{i}.{site}" for i in range(config.n_layer) for site in SITES]
         self._cache = Capture(names)
