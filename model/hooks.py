@@ -338,13 +338,17 @@ class Capture:
         """The values so far, each a tensor over every position captured. Each hook's chunks are joined
         into one, which replaces them (a dump of hundreds of megabytes is held once, not twice): a second call
         gives the same tensors, and a value captured in one chunk is the tensor the hook saw (two hook points
-        may hold one tensor, blocks.0.hook_resid_post and blocks.1.hook_resid_pre), not a copy."""
+        may hold one tensor, blocks.0.hook_resid_post and blocks.1.hook_resid_pre), not a copy, unless the
+        pass ran in inference mode and this call does not: then a copy that autograd can use (a probe trained
+        on it), as a joined value is."""
         out: dict[str, torch.Tensor] = {}
         for name, chunks in self._chunks.items():
             if not chunks:
                 continue
             if len(chunks) > 1:
                 chunks[:] = [_join(name, chunks)]
+            elif chunks[0].is_inference() and not torch.is_inference_mode_enabled():
+                chunks[:] = [chunks[0].clone()]  # a pass run in inference mode: a tensor autograd can use
             out[name] = chunks[0]
         return out
 

@@ -36,6 +36,18 @@ from .lab.steering import STEERING_OPS
 
 Op = Literal["zero", "mean", "scale", "add", "set", "steer", "orthogonal", "projection_cap", "clamp"]
 OPS = ("zero", "mean", "scale", "add", "set", *STEERING_OPS)
+# the fields of `Edit` each op reads, of those that only some ops read (hook and the places every op takes)
+OP_READS: dict[str, tuple[str, ...]] = {
+    "zero": (),
+    "mean": (),
+    "scale": ("factor",),
+    "add": ("value",),
+    "set": ("value",),
+    "steer": ("factor", "direction", "norm_match"),
+    "orthogonal": ("direction",),
+    "projection_cap": ("factor", "direction"),
+    "clamp": ("factor", "sae", "feature"),
+}
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
@@ -83,6 +95,31 @@ class Edit:
     sae: SAE | None = None  # clamp
     feature: int | None = None  # clamp
     origin: str | None = None  # where `direction` was measured (a stored vector's hook, an SAE's), if known
+
+    def __post_init__(self) -> None:
+        """A direction, an SAE or `norm_match` on an op that does not read it is refused, not ignored (an
+        `orthogonal` edit given `norm_match` kept no norm); `value` and `direction` may be given as lists of
+        numbers, `direction` as a `SteeringVector`, the places as lists."""
+        reads = OP_READS.get(self.op)
+        if reads is not None:  # an unknown op: `EditPlan` names it, with its place in the request
+            given = [f for f in ("direction", "sae", "feature") if getattr(self, f) is not None]
+            extra = [f for f in [*given, *(["norm_match"] if self.norm_match else [])] if f not in reads]
+            if extra:
+                takes = ", ".join(reads) or "none of them"
+                raise InterventionError(f"{self.op} does not read {', '.join(extra)} (of op fields it takes {takes})")
+        if isinstance(self.factor, bool):
+            raise InterventionError(f"factor must be a number, got {self.factor!r}")
+        if self.value is not None and not isinstance(self.value, torch.Tensor):
+            object.__setattr__(self, "value", torch.tensor(self.value, dtype=torch.float32))
+        if self.direction is not None and not isinstance(self.direction, torch.Tensor):
+            vector = getattr(self.direction, "vector", self.direction)  # a SteeringVector: its vector
+            object.__setattr__(self, "direction", torch.as_tensor(vector, dtype=torch.float32))
+        for name in ("layers", "heads", "positions"):
+            places = getattr(self, name)
+            if isinstance(places, list):
+                object.__setattr__(self, name, tuple(places))
+            elif places is not None and not isinstance(places, tuple):
+                raise InterventionError(f"{name} must be a tuple of ints, got {places!r}")
 
 
 def site_shape(name: str, config: GPTConfig) -> tuple[int, ...]:

@@ -480,3 +480,15 @@ def test_selection_errors_say_why(tiny_model: GPT) -> None:
     ]:
         with pytest.raises(ValueError, match=says):
             run_with_cache(tiny_model, ids, ["hook_embed"])
+
+
+def test_a_generations_activations_are_tensors_autograd_can_use(tiny_model: GPT) -> None:
+    """Prompt-only or generated, a `generate`'s activations are ordinary tensors: a probe can train on them
+    (a prompt-only one was an inference-mode tensor, which autograd refuses to save)."""
+    w = torch.zeros(64, requires_grad=True)
+    for n in (0, 2):
+        (c,) = generate(tiny_model, [[5, 6, 7]], SamplingParams(max_new_tokens=n), hooks=["blocks.0.hook_resid_post"])
+        assert c.activations is not None
+        x = c.activations["blocks.0.hook_resid_post"]
+        assert not x.is_inference()
+        (x @ w).pow(2).sum().backward()  # inference tensors cannot be saved for backward

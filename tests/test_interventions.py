@@ -381,3 +381,23 @@ def test_a_numpy_position_is_named_as_not_an_int(tiny_model: GPT) -> None:
     spec = EditSpec((Edit("blocks.0.hook_resid_post", "zero", positions=tuple(np.array([1, 2]))),))
     with pytest.raises(InterventionError, match=r"position np.int64\(1\) is not an int \(convert numpy"):
         spec.hooks(tiny_model.config, 5)
+
+
+HOOK = "blocks.0.hook_resid_post"
+
+
+def test_an_edit_refuses_what_its_op_does_not_read_and_takes_plain_lists(tiny_model: GPT) -> None:
+    """`norm_match` on `orthogonal`, a direction on `zero`, an SAE on `steer`: refused, not ignored (the norms
+    were not kept, in silence). Lists of numbers are read as tensors, a list of places as a tuple."""
+    d = torch.ones(tiny_model.config.n_embd)
+    for edit, says in (
+        (lambda: Edit(HOOK, "orthogonal", direction=d, norm_match=True), "orthogonal does not read norm_match"),
+        (lambda: Edit(HOOK, "zero", direction=d), "zero does not read direction"),
+        (lambda: Edit(HOOK, "scale", factor=True), "factor must be a number"),
+        (lambda: Edit(HOOK, "zero", heads=0), "heads must be a tuple of ints"),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(InterventionError, match=says):
+            edit()
+    listed = Edit(HOOK, "add", value=[1.0] * tiny_model.config.n_embd, positions=[0, 2])  # type: ignore[arg-type]
+    assert isinstance(listed.value, torch.Tensor) and listed.positions == (0, 2)
+    assert torch.equal(Edit(HOOK, "steer", 2.0, direction=d.tolist()).direction, d)  # type: ignore[arg-type]

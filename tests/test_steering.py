@@ -358,3 +358,19 @@ def test_directions_sharing_a_store_see_each_other_s_vectors_and_its_limit() -> 
         assert a.names() == []
 
     asyncio.run(scenario())
+
+
+def test_contrastive_vector_says_what_it_takes(tiny_model: GPT) -> None:
+    """Each side a non-empty list of prompts (one prompt's flat ids once failed deep inside), `reduce` last or
+    mean (another was taken as mean), an exact hook name; the vector it gives goes into an edit as it is."""
+    hook = "blocks.0.hook_resid_post"
+    for args, says in (
+        (([5, 6, 7], [[8, 9]], hook, "last"), "positive is a non-empty list of prompts"),
+        (([[5, 6]], [], hook, "last"), "negative is a non-empty list of prompts"),
+        (([[5, 6]], [[7, 8]], hook, "max"), "reduce is 'last' or 'mean'"),
+        (([[5, 6]], [[7, 8]], "blocks.*.hook_resid_post", "last"), "is a pattern"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            contrastive_vector(tiny_model, *args)  # type: ignore[arg-type]
+    v = contrastive_vector(tiny_model, [[5, 6]], [[7, 8]], hook, "last")
+    assert torch.equal(Edit(hook, "steer", 2.0, direction=v).direction, v.vector)  # type: ignore[arg-type]

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
-from ..hooks import CapturePass, as_vectors, reads_as_one_vector
+from ..hooks import CapturePass, as_vectors, check_hook_name, reads_as_one_vector
+from ..json_file import clip
 from .sae import SAE
 
 if TYPE_CHECKING:
@@ -247,7 +248,12 @@ def contrastive_vector(
 ) -> SteeringVector:
     """mean over `positive` prompts - mean over `negative` prompts of the value at `hook` (a site of one vector
     a position, `reads_as_one_vector`), each prompt's taken at its last position or averaged over its
-    positions (float32)."""
+    positions (float32). Each side is a list of prompts, each a list of token ids."""
+    if reduce not in ("last", "mean"):
+        raise ValueError(f"reduce is 'last' or 'mean', got {reduce!r}")
+    for name, side in (("positive", positive), ("negative", negative)):
+        if isinstance(side, (str, torch.Tensor)) or not side or not all(isinstance(p, (list, tuple)) for p in side):
+            raise ValueError(f"{name} is a non-empty list of prompts, each a list of token ids; got {clip(side)}")
     values = [[prompt_value(model, ids, hook, reduce) for ids in side] for side in (positive, negative)]
     return contrast(hook, values[0], values[1])
 
@@ -264,6 +270,7 @@ def prompt_value(model: GPT, ids: Sequence[int], hook: str, reduce: Reduce) -> t
 
 def prompt_pass(config: GPTConfig, ids: Sequence[int], hook: str) -> CapturePass:
     """`prompt_value`'s pass over one prompt, ended at `hook`, not run yet."""
+    check_hook_name(hook)  # one exact name: a glob names no one value to measure
     if not reads_as_one_vector(hook):
         raise ValueError(f"{hook} is not a hook with one vector per position: no steering vector to measure there")
     return CapturePass(config, list(ids), [hook])
