@@ -870,8 +870,19 @@ class Generation:
         edits: EditSpec | None = None,
         capture_dtype: torch.dtype | None = None,
     ) -> None:
+        if isinstance(prompts, torch.Tensor):  # [batch, pos] ids
+            prompts = prompts.tolist() if prompts.dim() == 2 else [prompts.tolist()]
+        first = prompts[0] if len(prompts) else None  # an id where a prompt should be: one prompt's flat ids
+        if isinstance(first, numbers.Integral) or (isinstance(first, torch.Tensor) and first.dim() == 0):
+            raise GenerationError("prompts is a list of prompts, each a list of token ids (one: [ids])", "prompt")
         if not prompts:
             raise GenerationError("no prompts given", "prompt")
+        if not isinstance(params, SamplingParams) and not all(isinstance(p, SamplingParams) for p in params):
+            raise TypeError(f"params is a SamplingParams (or one per prompt), got {type(params).__name__}")
+        if edits is not None and not isinstance(edits, EditSpec):
+            raise TypeError(f"edits is an EditSpec(edits=(Edit(...), ...)), got {type(edits).__name__}")
+        if hooks is not None and (hasattr(hooks, "active") or not all(isinstance(h, str) for h in hooks)):
+            raise TypeError("hooks are hook names or globs (a str or a list of them), not a Capture or Hooks")
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise GenerationError(f"{len(per_prompt)} parameter sets for {len(prompts)} prompts")

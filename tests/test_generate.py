@@ -31,6 +31,8 @@ from model.generate import (
     validate_prompt,
 )
 from model.gpt import GPT
+from model.hooks import Capture
+from model.interventions import Edit
 from model.kv_cache import KVCache
 from model.tokenizer import EOT, EOT_ID, Tokenizer, _bytes_to_unicode
 
@@ -602,3 +604,20 @@ def test_a_generation_runs_once_and_resumes_after_a_break(tiny_model: GPT) -> No
     (result,) = g.results
     assert result.token_ids == whole.token_ids
     assert result.activations is not None and result.activations["blocks.0.hook_resid_post"].shape[1] == 3 + 5
+
+
+def test_generate_says_what_its_arguments_are(tiny_model: GPT) -> None:
+    """One prompt's flat ids, a dict for the parameters, a list of edits, a Capture for the hooks: each said in
+    words (they failed with "object of type 'int' has no len()" and the like); a [batch, pos] tensor of ids
+    is taken as its prompts."""
+    params = SamplingParams(max_new_tokens=2, temperature=0)
+    for kwargs, error, says in (
+        ({"prompts": [5, 6, 7]}, GenerationError, "prompts is a list of prompts"),
+        ({"prompts": [[5, 6]], "params": {"max_new_tokens": 2}}, TypeError, "params is a SamplingParams"),
+        ({"prompts": [[5, 6]], "edits": [Edit("hook_embed", "zero")]}, TypeError, "edits is an EditSpec"),
+        ({"prompts": [[5, 6]], "hooks": Capture(["hook_embed"])}, TypeError, "hooks are hook names or globs"),
+    ):
+        with pytest.raises(error, match=says):
+            generate(tiny_model, **({"params": params} | kwargs))  # type: ignore[arg-type]
+    as_tensor = generate(tiny_model, torch.tensor([[5, 6, 7]]), params)  # type: ignore[arg-type]
+    assert as_tensor[0].token_ids == generate(tiny_model, [[5, 6, 7]], params)[0].token_ids
