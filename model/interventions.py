@@ -314,6 +314,13 @@ class EditPlan:
                 raise InterventionError(
                     f"{where}: the SAE reads {e.sae.cfg.hook_name}, so clamp its feature there, not at {t.name}"
                 )
+            width = math.prod(site_shape(t.name, self.config))
+            if e.sae.cfg.d_in != width:  # the server checks this at start-up; a Python caller gets it here
+                raise InterventionError(f"{where}: the SAE reads vectors of {e.sae.cfg.d_in}, {t.name} holds {width}")
+            if isinstance(e.feature, bool) or not isinstance(e.feature, int) or not 0 <= e.feature < e.sae.cfg.d_sae:
+                raise InterventionError(
+                    f"{where}: feature {e.feature!r} is not one of the SAE's 0..{e.sae.cfg.d_sae - 1}"
+                )
             return
         d = e.direction
         if d is None:

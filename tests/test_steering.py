@@ -374,3 +374,17 @@ def test_contrastive_vector_says_what_it_takes(tiny_model: GPT) -> None:
             contrastive_vector(tiny_model, *args)  # type: ignore[arg-type]
     v = contrastive_vector(tiny_model, [[5, 6]], [[7, 8]], hook, "last")
     assert torch.equal(Edit(hook, "steer", 2.0, direction=v).direction, v.vector)  # type: ignore[arg-type]
+
+
+def test_a_clamp_that_cannot_apply_is_refused_before_the_pass(tiny_model: GPT, sae: SAE, tmp_path: Path) -> None:
+    """A feature past the SAE's, or true, and an SAE whose width is not its hook's: refused when the edits are
+    planned (they failed inside the pass with an index or shape error from torch)."""
+    d_sae = sae.cfg.d_sae
+    for feature, says in ((d_sae, f"feature {d_sae} is not one of the SAE's 0..{d_sae - 1}"), (True, "True")):
+        spec = EditSpec((Edit(HOOK, "clamp", factor=1.0, sae=sae, feature=feature),))
+        with pytest.raises(InterventionError, match=says):
+            spec.hooks(tiny_model.config, len(IDS))
+    narrow = load_sae(write_sae(tmp_path, hook=HOOK, d_in=32, d_sae=8, seed=1))
+    spec = EditSpec((Edit(HOOK, "clamp", factor=1.0, sae=narrow, feature=0),))
+    with pytest.raises(InterventionError, match=f"the SAE reads vectors of 32, {HOOK} holds 64"):
+        spec.hooks(tiny_model.config, len(IDS))
