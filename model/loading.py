@@ -137,6 +137,8 @@ def locate(source: str | Path, *, revision: str | None = None, preset_name: str 
     would hand back other weights than the ones asked for), and so is an empty one."""
     if revision == "":  # names nothing: the hub would be asked for a file at an empty ref
         raise LoadError("the revision is empty: name a branch, tag or commit of the hub repository, or leave it out")
+    if str(source) == "":  # Path("") is the current directory
+        raise LoadError("the model is empty: give a hub name (gpt2), a checkpoint directory or a .safetensors file")
     path = Path(source).expanduser()
     if revision is not None and (path.is_dir() or path.is_file()):
         raise LoadError(
@@ -631,6 +633,8 @@ def save_checkpoint(model: GPT, directory: str | Path, tokenizer: Tokenizer | No
     from safetensors.torch import save_file
 
     directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise LoadError(f"cannot save a checkpoint into {directory}: it is a file, not a directory")
     directory.mkdir(parents=True, exist_ok=True)
     config = model.config.to_hf_dict() | {"torch_dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")

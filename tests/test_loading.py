@@ -633,3 +633,15 @@ def test_a_weight_beyond_float16_s_range_is_refused_in_float16_only(tiny: Checkp
         load_weights(ckpt, dtype="float16", device="cpu")
     load_weights(ckpt, dtype="bfloat16", device="cpu")
     load_weights(ckpt, **CPU)
+
+
+def test_an_empty_model_and_a_checkpoint_saved_onto_a_file_are_said(tiny: Checkpoint, tmp_path: Path) -> None:
+    """`load("")` is not the current directory ("no config.json in ."), and a checkpoint saved to a path that
+    is a file says so (it was a bare FileExistsError)."""
+    with pytest.raises(LoadError, match="the model is empty: give a hub name"):
+        load_checkpoint("")
+    model = load_weights(tiny.path, device="cpu", dtype="float32")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    with pytest.raises(LoadError, match="it is a file, not a directory"):
+        save_checkpoint(model, a_file)
