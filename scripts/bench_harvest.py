@@ -257,7 +257,6 @@ def main(argv: list[str] | None = None) -> int:
                 context_size=args.context_size,
                 batch_size=args.batch_size,
                 max_tokens=n_tokens,
-                tokenizer=args.tokenizer,
             )
             return out
 

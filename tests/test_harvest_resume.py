@@ -417,14 +417,19 @@ def test_a_job_of_a_loaded_model_resumes_only_with_its_weights(
         return load(checkpoint.path, tokenizer_dir=tokenizer_dir, device="cpu", dtype="float32")
 
     out = tmp_path / "acts"
-    harvest("tiny", source, out, HOOKS, loaded=loaded(tiny), **options(tokenizer_dir))
+    given = {k: v for k, v in options(tokenizer_dir).items() if k not in ("tokenizer", "device")}  # loaded's own
+    harvest("tiny", source, out, HOOKS, loaded=loaded(tiny), **given)
     whole = tree_shas(out)
     saved = json.loads((out / MANIFEST).read_text())
     (out / MANIFEST).write_text(json.dumps(saved | {"complete": False, "shards": saved["shards"][:2]}))
     with pytest.raises(HarvestError, match=r"weights: \(the loaded model's tensors\) changed"):
-        harvest("tiny", source, out, HOOKS, loaded=loaded(tiny_hub), **options(tokenizer_dir))
-    assert harvest("tiny", source, out, HOOKS, loaded=loaded(tiny), **options(tokenizer_dir)).complete
+        harvest("tiny", source, out, HOOKS, loaded=loaded(tiny_hub), **given)
+    assert harvest("tiny", source, out, HOOKS, loaded=loaded(tiny), **given).complete
     assert tree_shas(out) == whole
+    # what would load a model is refused beside one loaded already (a dtype was ignored: float32 shards)
+    for option in ({"dtype": "float16"}, {"tokenizer": str(tokenizer_dir)}, {"device": "cpu"}):
+        with pytest.raises(HarvestError, match=f"harvest: {next(iter(option))} choose how to load the model"):
+            harvest("tiny", source, tmp_path / "other", HOOKS, loaded=loaded(tiny), **given, **option)
 
 
 def test_a_finished_saelens_folder_gets_its_dataset_files_back(

@@ -536,6 +536,9 @@ def _prefetched(shards: Iterator[tuple[int, int, np.ndarray]]) -> Iterator[tuple
             thread.join(timeout=5)
 
 
+LOADING_OPTIONS = ("dtype", "device", "revision", "preset", "tokenizer")  # `harvest`'s options that load a model
+
+
 def harvest(
     model: str | Path,
     source: str | Path,
@@ -550,10 +553,18 @@ def harvest(
 
     `options` are `HarvestSpec`'s fields: `text_field`, `context_size`, `prepend_bos`, `batch_size`,
     `max_tokens`, `dtype`, `device`, `shard_size`, `format` ("safetensors" or "saelens"), `revision`,
-    `preset`, `tokenizer`. `loaded` is the model already loaded (then `model` only names it in the
-    manifest). Interrupted and started again with the same arguments, it resumes; the result is the
-    output folder's manifest.
+    `preset`, `tokenizer`. `loaded` is the model already loaded: then the manifest names it (`model` is not
+    read) and the options that choose how to load one (`dtype`, `device`, `revision`, `preset`, `tokenizer`)
+    are refused, its own being what the shards hold. Interrupted and started again with the same arguments,
+    it resumes; the result is the output folder's manifest.
     """
+    if loaded is not None and (chosen := [o for o in LOADING_OPTIONS if o in options]):
+        raise HarvestError(
+            f"harvest: {', '.join(chosen)} choose how to load the model, and loaded= is loaded already "
+            f"(as {loaded.dtype} on {loaded.device}): leave them out, or load it so"
+        )
+    if isinstance(hooks, str):  # one name or glob, not its characters
+        hooks = (hooks,)
     try:
         spec = HarvestSpec(model=str(model), source=str(source), hooks=tuple(hooks), **options)
     except TypeError as e:
