@@ -346,3 +346,11 @@ def test_bad_files(tmp_path: Path) -> None:
     assert isinstance(sae, SAE)
     with pytest.raises(SAEError, match=r"feature 48 is out of range 0\.\.47"):
         sae.direction(D_SAE)
+
+
+def test_an_sae_on_a_device_this_machine_lacks_is_said(tmp_path: Path) -> None:
+    """As a model's: an unknown device, or CUDA without a GPU, is an SAEError in words (it was an assertion
+    from inside torch)."""
+    for device, says in (("tpu", "unknown device 'tpu'"), ("cuda:99", "cuda:99")):
+        with pytest.raises(SAEError, match=says):
+            load_sae(tmp_path, device=device)

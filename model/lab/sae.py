@@ -348,6 +348,12 @@ class SAE:
 def load_sae(source: str | Path, device: torch.device | str = "cpu") -> SAE:
     """An SAE from a directory holding `cfg.json` and `sae_weights.safetensors`, or from the Hugging Face
     hub as `owner/repo/path/in/repo[@revision]` (downloaded through huggingface-hub, cached)."""
+    from ..loading import LoadError, resolve_device  # loading's import of the model package waits for its use
+
+    try:
+        device = resolve_device(device)  # a device this machine lacks: said, not an assertion inside torch
+    except LoadError as e:
+        raise SAEError(str(e)) from None
     path = Path(source).expanduser()
     if path.is_dir():
         repo, folder = _release_copy(path) or ("", "")  # a release's folder copied: read as the hub's is
