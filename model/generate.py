@@ -201,6 +201,7 @@ class SequenceState:
     # sequences may copy each other's prompt prefixes only within one group (a server's request: its prompts and
     # their samples), so that no client's prompt is read, or timed, by another's; None: one group of all
     group: int | None = None
+    _words: int | None = None  # `words`, once known
 
     @property
     def prompt_only(self) -> bool:
@@ -213,7 +214,7 @@ class SequenceState:
         update text and stop state. Where the model's vocabulary is padded past its tokenizer's, only the
         tokenizer's ids are chosen from (and their log-probabilities normalised over them), as vLLM does."""
         p = self.params
-        words = self.tokenizer.vocab_size if self.tokenizer is not None else len(logits)
+        words = self.words(len(logits))
         if words < len(logits):  # a vocabulary padded past the tokenizer's (nanoGPT's 50304): ids with no text
             logits = logits[:words]
             argmax = argmax if argmax is not None and argmax < words else None
@@ -237,6 +238,14 @@ class SequenceState:
         if self.finish_reason is None and len(self.tokens) >= p.max_new_tokens:
             self.finish_reason = "length"
         return TokenEvent(self.index, token, self._release(), lp, self.finish_reason)
+
+    def words(self, vocab: int) -> int:
+        """How many of a `vocab`-wide distribution's ids are chosen from and scored over: the tokenizer's, where
+        the model's vocabulary is padded past them (and the prompt holds none of the padding), else all."""
+        if self._words is None:
+            n = self.tokenizer.vocab_size if self.tokenizer is not None else vocab
+            self._words = n if n < vocab and max(self.prompt) < n else vocab
+        return self._words
 
     def _extend_text(self) -> None:
         """Decode only the tokens since the last whole character, so a step costs the same at any length."""
@@ -300,9 +309,12 @@ def _longest_stop_prefix(text: str, stops: tuple[str, ...]) -> int:
     return best
 
 
-def _prompt_logprobs(logits: torch.Tensor, prompt: list[int], start: int, n: int) -> list[TokenLogprob | None]:
-    """Log-probabilities of the prompt tokens that `logits` [T, vocab] of positions start.. predict."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+def _prompt_logprobs(
+    logits: torch.Tensor, prompt: list[int], start: int, n: int, words: int
+) -> list[TokenLogprob | None]:
+    """Log-probabilities of the prompt tokens that `logits` [T, vocab] of positions start.. predict, over the
+    first `words` ids (`SequenceState.words`)."""
+    logprobs = torch.log_softmax(logits[:, :words].float(), dim=-1)
     out: list[TokenLogprob | None] = []
     for t in range(logits.shape[0]):
         if start + t + 1 < len(prompt):
@@ -736,7 +748,7 @@ class DecodeBatch:
         seq.prefilled = end
         if seq.params.prompt_logprobs is not None:
             seq.prompt_logprobs = (seq.prompt_logprobs or [None]) + _prompt_logprobs(
-                logits, seq.prompt, start, seq.params.prompt_logprobs or 0
+                logits, seq.prompt, start, seq.params.prompt_logprobs or 0, seq.words(logits.shape[-1])
             )
         if end < len(seq.prompt):
             return []

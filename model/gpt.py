@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import GPTConfig
-from .hooks import Capture, HookPoint, Hooks, hook_names, uses_the_head, uses_the_logits
+from .hooks import HookPoint, Hooks, begin_pass, hook_names, uses_the_head, uses_the_logits
 from .kv_cache import KVCache, PackedBatch
 
 # Per-head inputs' changes for the queries, keys and values, [B, T, H, C] each (see Block._attn_input).
@@ -268,8 +268,8 @@ class GPT(nn.Module):
         `PackedBatch`, `idx` [1, N] is its tokens side by side and the logits [1, len(outputs), vocab] are
         those at its `outputs` (its `hooks` are then a `RowHooks`: each sequence sees its own tokens)."""
         T = idx.shape[1]
-        if isinstance(hooks, Capture):  # a pass from position 0 begins a sequence: a capture holds one sequence
-            hooks.begin_pass(from_start=cache is None or (isinstance(cache, KVCache) and max(cache.lengths) == 0))
+        if hooks is not None:  # a pass from position 0 begins a sequence: a capture holds one sequence
+            begin_pass(hooks, cache is None or (isinstance(cache, KVCache) and max(cache.lengths) == 0))
         if isinstance(cache, PackedBatch):
             assert not last_only, "a packed pass picks its own outputs"
         pos = None  # without a cache: 0 .. T - 1

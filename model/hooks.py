@@ -342,13 +342,18 @@ class Capture:
         pass ran in inference mode and this call does not: then a copy that autograd can use (a probe trained
         on it), as a joined value is."""
         out: dict[str, torch.Tensor] = {}
+        copies: dict[tuple, torch.Tensor] = {}  # a value two hook points hold (one memory, one view): copied once
         for name, chunks in self._chunks.items():
             if not chunks:
                 continue
             if len(chunks) > 1:
                 chunks[:] = [_join(name, chunks)]
             elif chunks[0].is_inference() and not torch.is_inference_mode_enabled():
-                chunks[:] = [chunks[0].clone()]  # a pass run in inference mode: a tensor autograd can use
+                t = chunks[0]  # a pass run in inference mode: a copy that autograd can use
+                key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+                if key not in copies:
+                    copies[key] = t.clone()
+                chunks[:] = [copies[key]]
             out[name] = chunks[0]
         return out
 
@@ -427,6 +432,16 @@ class StopForward(Exception):
     """Ends a forward pass early: every value wanted from it has been taken."""
 
 
+def begin_pass(hooks: object, from_start: bool) -> None:
+    """Tell `hooks`, and the hooks they hand values on to (`inner`), that a forward pass begins
+    (`Capture.begin_pass`): one from position 0 begins a sequence."""
+    begin = getattr(hooks, "begin_pass", None)
+    if begin is not None:
+        begin(from_start)
+    for inner in getattr(hooks, "inner", ()):
+        begin_pass(inner, from_start)
+
+
 class StopAfter:
     """Hands each value on to `hooks`, then ends the forward pass (`StopForward`) once hook `last` has had
     its value: what TransformerLens' `stop_at_layer` and nnsight's `.stop()` do. For a plain pass over a
@@ -434,6 +449,10 @@ class StopAfter:
 
     def __init__(self, hooks: Hooks, last: str) -> None:
         self.hooks, self.last = hooks, last
+
+    @property
+    def inner(self) -> tuple[Hooks, ...]:
+        return (self.hooks,)
 
     def active(self, name: str) -> bool:
         return self.hooks.active(name)

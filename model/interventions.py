@@ -45,8 +45,8 @@ OP_READS: dict[str, tuple[str, ...]] = {
     "set": ("value",),
     "steer": ("factor", "direction", "norm_match"),
     "orthogonal": ("direction",),
-    "projection_cap": ("factor", "direction"),
-    "clamp": ("factor", "sae", "feature"),
+    "projection_cap": ("direction", "factor"),
+    "clamp": ("sae", "feature", "factor"),
 }
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
@@ -112,6 +112,8 @@ class Edit:
         if self.value is not None and not isinstance(self.value, torch.Tensor):
             object.__setattr__(self, "value", torch.tensor(self.value, dtype=torch.float32))
         if self.direction is not None and not isinstance(self.direction, torch.Tensor):
+            if self.origin is None and isinstance(getattr(self.direction, "hook", None), str):
+                object.__setattr__(self, "origin", self.direction.hook)  # a SteeringVector: measured there
             vector = getattr(self.direction, "vector", self.direction)  # a SteeringVector: its vector
             object.__setattr__(self, "direction", torch.as_tensor(vector, dtype=torch.float32))
         for name in ("layers", "heads", "positions"):
@@ -474,6 +476,10 @@ class ResidualAblation:
         self.edits = edits
 
     @property
+    def inner(self) -> tuple[Hooks, ...]:  # `begin_pass` reaches a capture among the edits
+        return (self.edits,) if self.edits is not None else ()
+
+    @property
     def whole_prompt(self) -> bool:
         return self.edits is not None and needs_whole_prompt(self.edits)
 
@@ -495,6 +501,10 @@ class HookChain:
 
     def __init__(self, *hooks: Hooks) -> None:
         self.hooks = hooks
+
+    @property
+    def inner(self) -> tuple[Hooks, ...]:  # `begin_pass` reaches a capture among them
+        return self.hooks
 
     @property
     def whole_prompt(self) -> bool:
@@ -551,8 +561,10 @@ class EditSpec:
                     f"{name} must be a tuple of layer numbers, e.g. (0, 3) (every layer: tuple(range(n_layer))), "
                     f"got {layers!r}"
                 )
+            object.__setattr__(self, name, tuple(layers))  # a list given: a tuple, as a frozen spec hashes
         if not isinstance(self.edits, (tuple, list)) or not all(isinstance(e, Edit) for e in self.edits):
             raise InterventionError(f"edits must be a tuple of Edit, got {self.edits!r}")
+        object.__setattr__(self, "edits", tuple(self.edits))
 
     def sites(self, n_layer: int) -> list[str]:
         """The hook point of each (edit, hook point) pair, edit by edit (a glob gives one for each hook it

@@ -333,10 +333,14 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         return torch.float32
     if problem := dtype_problem(dtype):
         raise LoadError(problem)
-    half = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(DTYPE_NAMES[dtype])
+    return DTYPE_NAMES[dtype]
+
+
+def warn_if_slow(dtype: torch.dtype, device: torch.device) -> None:
+    """Log why bfloat16 or float16 on a CPU will be slower than float32 (once, as a model loads)."""
+    half = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype)
     if device.type == "cpu" and half is not None:
         log.warning("%s on this CPU will be slower than float32: %s", half, kernels.slow_half_precision(half))
-    return DTYPE_NAMES[dtype]
 
 
 def load_state(
@@ -592,6 +596,7 @@ def _load(
 ) -> tuple[GPT, CheckpointFiles, torch.device, torch.dtype]:
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    warn_if_slow(dt, dev)
     try:
         files = locate(source, revision=revision, preset_name=preset_name)
     except ConfigError as e:

@@ -59,11 +59,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.greedy and args.temperature is not None:
         p.error("--greedy and --temperature conflict (--greedy is --temperature 0)")
     if args.greedy or args.temperature == 0:  # the most likely token is taken: nothing is sampled to narrow
-        narrowing = (("--top-k", args.top_k not in (None, 0)), ("--top-p", args.top_p not in (None, 1.0)))
-        given = [flag for flag, narrows in narrowing if narrows]
+        narrowing = (("--top-k", args.top_k not in (None, 0, -1)), ("--top-p", args.top_p not in (None, 1.0)))
+        given = [flag for flag, narrows in narrowing if narrows]  # 0 and -1, or 1: no limit
         if given:
             how = "--greedy" if args.greedy else "--temperature 0"
-            p.error(f"{' and '.join(given)} narrow sampling, and {how} samples nothing: drop one")
+            verb = "narrow" if len(given) > 1 else "narrows"
+            p.error(f"{' and '.join(given)} {verb} sampling, and {how} samples nothing: drop one")
     return args
 
 

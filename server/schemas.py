@@ -13,7 +13,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from model.generate import SEED_RANGE, ContextLengthError, GenerationError, SamplingParams
 from model.hooks import UnknownHookError, select_hooks
-from model.interventions import Edit, EditSpec, InterventionError
+from model.interventions import OP_READS, Edit, EditSpec, InterventionError
 from model.lab.gradients import LogitDiff, LogProb, Loss, Metric
 from model.lab.steering import STEERING_OPS, DirectionError, Directions
 from model.tokenizer import EOT_ID, InvalidTextError, Tokenizer, check_unicode
@@ -75,18 +75,12 @@ class NamedVector(Strict):
 
 
 # The fields each op reads, of the op-specific ones (besides hook, layers, heads and positions, which every op
-# takes); any other given is a 400, not ignored.
+# takes); any other given is a 400, not ignored. `Edit`'s own table (`OP_READS`), as this API names the fields:
+# its `factor` is a steer's `scale` and a projection cap's or clamp's `value`.
 _OP_SPECIFIC = ("factor", "value", "scale", "direction", "norm_match", "sae", "feature")
+_NAMED_HERE = {("steer", "factor"): "scale", ("projection_cap", "factor"): "value", ("clamp", "factor"): "value"}
 _OP_FIELDS: dict[str, tuple[str, ...]] = {
-    "zero": (),
-    "mean": (),
-    "scale": ("factor",),
-    "add": ("value",),
-    "set": ("value",),
-    "steer": ("scale", "direction", "norm_match"),
-    "orthogonal": ("direction",),
-    "projection_cap": ("direction", "value"),
-    "clamp": ("sae", "feature", "value"),
+    op: tuple(_NAMED_HERE.get((op, f), f) for f in reads) for op, reads in OP_READS.items()
 }
 
 

@@ -293,8 +293,8 @@ def test_greedy_and_temperature_conflict(ckpt_with_tokenizer: Path, capsys: pyte
 @pytest.mark.parametrize(
     ("flags", "said"),
     [
-        (["--greedy", "--top-k", "5"], "--top-k narrow sampling, and --greedy samples nothing"),
-        (["--temperature", "0", "--top-p", "0.9"], "--top-p narrow sampling, and --temperature 0 samples nothing"),
+        (["--greedy", "--top-k", "5"], "--top-k narrows sampling, and --greedy samples nothing"),
+        (["--temperature", "0", "--top-p", "0.9"], "--top-p narrows sampling, and --temperature 0 samples nothing"),
         (["--greedy", "--top-k", "3", "--top-p", "0.5"], "--top-k and --top-p narrow sampling, and --greedy"),
     ],
 )
@@ -309,6 +309,7 @@ def test_greedy_with_top_k_or_top_p_is_refused(
     # the values that narrow nothing (as a script that always passes them would) are taken
     args = parse_args(["hi", "--greedy", "--top-k", "0", "--top-p", "1", "--seed", "3"])
     assert (args.top_k, args.top_p, args.seed) == (0, 1.0, 3)
+    assert parse_args(["hi", "--greedy", "--top-k", "-1"]).top_k == -1  # vLLM's "no limit"
 
 
 def test_dump_onto_something_not_a_regular_file(

@@ -621,3 +621,21 @@ def test_generate_says_what_its_arguments_are(tiny_model: GPT) -> None:
             generate(tiny_model, **({"params": params} | kwargs))  # type: ignore[arg-type]
     as_tensor = generate(tiny_model, torch.tensor([[5, 6, 7]]), params)  # type: ignore[arg-type]
     assert as_tensor[0].token_ids == generate(tiny_model, [[5, 6, 7]], params)[0].token_ids
+
+
+def test_prompt_logprobs_of_a_padded_vocabulary_are_over_the_tokenizers_ids(tokenizer: Tokenizer) -> None:
+    """As the generated tokens' (above): the prompt's log-probabilities and their alternatives are over the
+    tokenizer's ids, not the padding's."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, n_positions=32, vocab_size=50304)).eval()
+    with torch.no_grad():  # the padding far ahead of every real id, whichever way the stream points
+        u = torch.nn.functional.normalize(torch.randn(16), dim=0)
+        model.wte.weight[50257:50280], model.wte.weight[50280:] = 1000 * u, -1000 * u
+    params = SamplingParams(max_new_tokens=1, temperature=0, prompt_logprobs=3, logprobs=3)
+    (bare,) = generate(model, [[464, 2068, 7586, 21831]], params)  # no tokenizer: every id is the model's
+    assert bare.token_ids[0] >= tokenizer.vocab_size
+    (c,) = generate(model, [[464, 2068, 7586, 21831]], params, tokenizer)
+    assert c.prompt_logprobs is not None and c.logprobs is not None
+    entries = [e for e in c.prompt_logprobs if e is not None] + c.logprobs
+    assert all(i < tokenizer.vocab_size for e in entries for i, _ in [(e.id, 0), *e.top])
+    assert c.token_ids[0] < tokenizer.vocab_size

@@ -9,6 +9,7 @@ import torch
 from model.generate import SamplingParams, generate, new_sequence
 from model.gpt import GPT, CausalSelfAttention
 from model.hooks import Capture, HookPoint, UnknownHookError, describe_hook_names, hook_names, select_hooks
+from model.interventions import HookChain, Interventions
 
 BATCH, POS = 2, 13
 
@@ -166,6 +167,11 @@ def test_a_capture_holds_one_sequence(tiny_model: GPT) -> None:
         with pytest.raises(ValueError, match="holds the values of an earlier forward pass"):
             tiny_model(torch.tensor([[4, 5, 6, 7]]), hooks=cap)
     assert cap.tensors()["blocks.0.hook_resid_pre"].shape == (1, 3, 64)  # the first pass's, untouched
+    chained = Capture(["blocks.0.hook_resid_pre"])  # behind edits, as `EditSpec.hooks(..., then=capture)` puts it
+    with torch.no_grad():
+        tiny_model(torch.tensor([[1, 2, 3]]), hooks=HookChain(Interventions((), tiny_model.config, 3), chained))
+        with pytest.raises(ValueError, match="holds the values of an earlier forward pass"):
+            tiny_model(torch.tensor([[4, 5, 6, 7]]), hooks=HookChain(Interventions((), tiny_model.config, 4), chained))
     for dtype in (torch.int8, torch.bool, "float16"):
         with pytest.raises(ValueError, match="a floating torch dtype"):
             Capture(["logits"], dtype)  # type: ignore[arg-type]

@@ -355,6 +355,7 @@ def test_bad_edits_are_refused_with_the_reason(tiny_model: GPT, edit: Edit, says
 def test_bad_ablation_layers_are_refused(tiny_model: GPT) -> None:
     with pytest.raises(InterventionError, match=r"residual.mlp: layer 2 is out of range 0..1"):
         EditSpec((), (), (2,)).hooks(tiny_model.config, T)
+    assert hash(EditSpec(ablate_attn=[0], ablate_mlp=[1])) == hash(EditSpec(ablate_attn=(0,), ablate_mlp=(1,)))
     zero = Edit("hook_embed", "zero")
     for given in ({"ablate_attn": 0}, {"ablate_mlp": "all"}, {"ablate_attn": (True,)}, {"edits": zero}):
         with pytest.raises(InterventionError, match=r"must be a tuple of"):

@@ -28,6 +28,7 @@ from model.loading import (
     resolve_device,
     resolve_dtype,
     save_checkpoint,
+    warn_if_slow,
 )
 from model.loading import load as load_checkpoint
 from model.tokenizer import _bytes_to_unicode
@@ -361,9 +362,10 @@ def test_half_precision_on_a_cpu_warns_why_it_is_slow(
     measured: asking for either says so, whatever the CPU; where it lacks the instructions that multiply that
     format (float16's are not bfloat16's), also that each weight is converted. float32 and int8 say nothing."""
     monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset(flags))
+    cpu = torch.device("cpu")
     for name in ("bf16", "bfloat16", "fp16", "half", "float16", "float32", "int8", "auto"):
         caplog.clear()
-        resolve_dtype(name, torch.device("cpu"))
+        warn_if_slow(resolve_dtype(name, cpu), cpu)  # as `load` does, once
         warned = [r.getMessage() for r in caplog.records if "slower than float32" in r.getMessage()]
         half = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "half": "float16"}.get(name, name)
         if half not in converted:
@@ -373,8 +375,10 @@ def test_half_precision_on_a_cpu_warns_why_it_is_slow(
         assert message.startswith(f"{half} on this CPU will be slower than float32: it runs on oneDNN"), message
         assert ("each weight is converted" in message) == converted[half], message
     caplog.clear()
-    resolve_dtype("bfloat16", torch.device("cuda"))
+    warn_if_slow(torch.bfloat16, torch.device("cuda"))
     assert not caplog.records
+    warn_if_slow(torch.float16, cpu)  # a torch dtype, as `load` takes it, too
+    assert "float16 on this CPU will be slower than float32" in caplog.text
 
 
 # --- tokenizer files ------------------------------------------------------------------------

@@ -373,7 +373,9 @@ def test_contrastive_vector_says_what_it_takes(tiny_model: GPT) -> None:
         with pytest.raises(ValueError, match=says):
             contrastive_vector(tiny_model, *args)  # type: ignore[arg-type]
     v = contrastive_vector(tiny_model, [[5, 6]], [[7, 8]], hook, "last")
-    assert torch.equal(Edit(hook, "steer", 2.0, direction=v).direction, v.vector)  # type: ignore[arg-type]
+    steer = Edit(hook, "steer", 2.0, direction=v)  # type: ignore[arg-type]
+    assert torch.equal(steer.direction, v.vector) and steer.origin == hook  # where it was measured, kept
+    assert torch.equal(contrastive_vector(tiny_model, torch.tensor([[5, 6]]), [[7, 8]], hook, "last").vector, v.vector)
 
 
 def test_a_clamp_that_cannot_apply_is_refused_before_the_pass(tiny_model: GPT, sae: SAE, tmp_path: Path) -> None:

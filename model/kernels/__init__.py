@@ -221,7 +221,7 @@ def slow_half_precision(dtype: str) -> str:
     flags = cpu_flags()
     if flags and not flags & set(native):
         why += f", and this CPU has neither {native[0]} nor {native[1]}, so each weight is converted on every product"
-    return why + "; float32 (the default) is faster and exact, int8 faster still"
+    return why + "; float32 (the default) is faster and exact" + (", int8 faster still" if available() else "")
 
 
 def _cpu_supported() -> str | None:

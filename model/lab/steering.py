@@ -251,9 +251,14 @@ def contrastive_vector(
     positions (float32). Each side is a list of prompts, each a list of token ids."""
     if reduce not in ("last", "mean"):
         raise ValueError(f"reduce is 'last' or 'mean', got {reduce!r}")
+    sides = []
     for name, side in (("positive", positive), ("negative", negative)):
+        if isinstance(side, torch.Tensor) and side.dim() == 2:  # [prompts, pos] ids, as `generate` takes them
+            side = side.tolist()
         if isinstance(side, (str, torch.Tensor)) or not side or not all(isinstance(p, (list, tuple)) for p in side):
             raise ValueError(f"{name} is a non-empty list of prompts, each a list of token ids; got {clip(side)}")
+        sides.append(side)
+    positive, negative = sides
     values = [[prompt_value(model, ids, hook, reduce) for ids in side] for side in (positive, negative)]
     return contrast(hook, values[0], values[1])
 

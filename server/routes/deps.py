@@ -341,7 +341,7 @@ class FileResponse(Response):
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             for piece in self.pieces:
                 for start in range(0, len(piece), self.slice_bytes):
-                    if gone.done():
+                    if gone.done() and gone.exception() is None:  # a receive that failed says nothing of the client
                         return
                     body = bytes(piece[start : start + self.slice_bytes])  # bytes, as ASGI has a body
                     await send({"type": "http.response.body", "body": body, "more_body": True})
@@ -349,6 +349,7 @@ class FileResponse(Response):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             gone.cancel()
+            _retrieved(gone)
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -387,6 +388,12 @@ async def _disconnect(request: Request) -> None:
 async def _disconnected(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """Take a finished task's exception, so that asyncio does not log it as never retrieved."""
+    if task.done() and not task.cancelled():
+        task.exception()
 
 
 async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[RequestStream, TokenEvent | None]]:
