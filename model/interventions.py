@@ -204,14 +204,16 @@ class EditPlan:
                 valid = all(type(q) is int and q >= 0 for q in p) and len(set(p)) == len(p)
                 self._shortest = max(self._shortest, 1 + max(p, default=-1) if valid else math.inf)
             for t in own:
-                if t.rows is not None and edit.positions is None:
+                if t.rows is not None and edit.positions is None:  # a whole sequence's values: exactly its length
                     self._longest = min(self._longest, t.rows)
+                    self._shortest = max(self._shortest, t.rows)
                 elif t.rows is not None and t.rows < 1 + max(edit.positions or (), default=-1):
                     self._shortest = math.inf
 
     def check_length(self, n_tokens: int) -> None:
         """Refuse edits that do not fit a sequence of `n_tokens` positions: a position out of range or named
-        twice, or a whole sequence's values that do not reach the last position they are set at."""
+        twice, a whole sequence's values that do not reach the last position they are set at, or, set at every
+        position, values of a longer sequence (its first rows would be set, out of line with whatever follows)."""
         if self._shortest <= n_tokens <= self._longest:
             return
         for i, (edit, own) in enumerate(zip(self.edits, self._by_edit, strict=True)):
@@ -222,6 +224,12 @@ class EditPlan:
             for t in own:
                 if t.rows is not None and t.rows < need:
                     raise InterventionError(f"{where}: value covers {t.rows} positions, position {need - 1} needed")
+                if t.rows is not None and edit.positions is None and t.rows > n_tokens:
+                    raise InterventionError(
+                        f"{where}: value covers {t.rows} positions, more than the sequence's {n_tokens}: a whole "
+                        "sequence's values are set position by position (give the positions to set, or values of "
+                        "a sequence as long)"
+                    )
 
     def where(self, i: int) -> str:
         """The i-th edit, as an error names it."""

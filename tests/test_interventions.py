@@ -402,3 +402,15 @@ def test_an_edit_refuses_what_its_op_does_not_read_and_takes_plain_lists(tiny_mo
     listed = Edit(HOOK, "add", value=[1.0] * tiny_model.config.n_embd, positions=[0, 2])  # type: ignore[arg-type]
     assert isinstance(listed.value, torch.Tensor) and listed.positions == (0, 2)
     assert torch.equal(Edit(HOOK, "steer", 2.0, direction=d.tolist()).direction, d)  # type: ignore[arg-type]
+
+
+def test_a_whole_sequences_value_set_everywhere_must_be_its_length(tiny_model: GPT) -> None:
+    """Patching a 10-token run's values into a 4-token one set its first four rows, out of line with the
+    run, without a word: refused, naming both lengths. With positions, a longer value's rows are taken by
+    position (the clean run's row 2 at position 2), as before."""
+    C = tiny_model.config.n_embd
+    longer = torch.randn(10, C)
+    with pytest.raises(InterventionError, match="value covers 10 positions, more than the sequence's 4"):
+        EditSpec((Edit(HOOK, "set", value=longer),)).hooks(tiny_model.config, 4)
+    EditSpec((Edit(HOOK, "set", value=longer[:4]),)).hooks(tiny_model.config, 4)
+    EditSpec((Edit(HOOK, "set", value=longer, positions=(2,)),)).hooks(tiny_model.config, 4)
