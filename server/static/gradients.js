@@ -18,6 +18,13 @@ async function runHighway() {
   gradState.highway = null;
   blankCanvas($("chart-grad"));
   blankCanvas($("chart-jacobian"));
+  try {
+    parseSeed($("seed").value.trim()); // a run the page refuses (app.js says why) measures nothing either
+  } catch {
+    status.textContent = "Not measured: the run was refused (see the errors above).";
+    status.dataset.state = "error";
+    return;
+  }
   status.textContent = "Measuring the gradient…";
   status.dataset.state = "running";
   try {
