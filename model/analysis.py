@@ -18,6 +18,7 @@ from .config import GPTConfig
 from .gpt import GPT, LAST
 from .hooks import Hooks, check_ids, head_parts
 from .interventions import HookChain, NonFiniteActivations
+from .json_file import is_int
 from .overflow import layer_norm_inputs, layer_norm_overflow, variance_overflows
 
 
@@ -103,7 +104,7 @@ class AnalysisPass:
 
     def __init__(self, config: GPTConfig, ids: list[int], top_k: int, edits: Hooks | None = None) -> None:
         check_ids(ids, config.vocab_size)  # a clear error, not an indexing one from deep in the pass
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= config.vocab_size:
+        if not is_int(top_k) or not 1 <= top_k <= config.vocab_size:
             raise ValueError(f"top_k must be an int in 1..{config.vocab_size} (the vocabulary), got {top_k!r}")
         if edits is not None and not callable(getattr(edits, "active", None)):
             raise TypeError(f"edits are hooks (EditSpec.hooks(config, len(ids))), got {type(edits).__name__}")

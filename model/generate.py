@@ -38,6 +38,7 @@ from .hooks import (
     uses_the_logits,
 )
 from .interventions import EditSpec, HookChain
+from .json_file import is_int
 from .kernels.decode import FusedDecode
 from .kv_cache import KVCache, PackedBatch
 from .sampling import sample, top_logprobs
@@ -87,18 +88,18 @@ class SamplingParams:
             if not ok:
                 raise GenerationError(f"{param} {message}, got {getattr(self, param)!r}", param)
 
-        check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens", "must be an integer >= 0")
+        check(is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens", "must be an integer >= 0")
         check(
             _is_num(self.temperature) and 0 <= self.temperature < math.inf,
             "temperature",
             "must be a finite number >= 0",
         )
-        check(_is_int(self.top_k) and self.top_k >= -1, "top_k", "must be an integer >= -1 (0 or -1: no limit)")
+        check(is_int(self.top_k) and self.top_k >= -1, "top_k", "must be an integer >= -1 (0 or -1: no limit)")
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         check(_is_num(self.top_p) and 0 <= self.top_p <= 1, "top_p", "must be a number in [0, 1]")
         check(
-            self.seed is None or (_is_int(self.seed) and self.seed in SEED_RANGE),
+            self.seed is None or (is_int(self.seed) and self.seed in SEED_RANGE),
             "seed",
             f"must be an integer in {SEED_RANGE.start}..{SEED_RANGE.stop - 1} (an int64)",
         )
@@ -125,16 +126,12 @@ class SamplingParams:
                 f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}",
                 "stop_token_ids",
             )
-        check(all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids", "must be integers")
+        check(all(is_int(t) for t in self.stop_token_ids), "stop_token_ids", "must be integers")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             check(
-                value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name, f"must be in 0..{MAX_LOGPROBS}"
+                value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS), name, f"must be in 0..{MAX_LOGPROBS}"
             )
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_num(x: object) -> bool:
@@ -401,7 +398,7 @@ def validate_prompt(model: GPT, prompt: Sequence[int], max_new_tokens: int, para
             "samples)",
             param,
         )
-    odd = [t for t in ids if not _is_int(t)]
+    odd = [t for t in ids if not is_int(t)]
     if odd:
         raise GenerationError(f"token ids must be integers, got {odd[0]!r}", param)
     bad = [t for t in ids if not 0 <= t < vocab]

@@ -30,6 +30,7 @@ from .hooks import (
     reads_as_one_vector,
 )
 from .hooks import site_shape as _site_shape
+from .json_file import is_int
 from .lab import steering
 from .lab.sae import SAE
 from .lab.steering import STEERING_OPS
@@ -327,7 +328,7 @@ class EditPlan:
             width = math.prod(site_shape(t.name, self.config))
             if e.sae.cfg.d_in != width:  # the server checks this at start-up; a Python caller gets it here
                 raise InterventionError(f"{where}: the SAE reads vectors of {e.sae.cfg.d_in}, {t.name} holds {width}")
-            if isinstance(e.feature, bool) or not isinstance(e.feature, int) or not 0 <= e.feature < e.sae.cfg.d_sae:
+            if not is_int(e.feature) or not 0 <= e.feature < e.sae.cfg.d_sae:
                 raise InterventionError(
                     f"{where}: feature {e.feature!r} is not one of the SAE's 0..{e.sae.cfg.d_sae - 1}"
                 )
@@ -532,7 +533,7 @@ def _check_range(values: Sequence[int], n: int, what: str, param: str = "interve
     at most (a position named 5,000 times would select, and copy, its values 5,000 times)."""
     seen: set[int] = set()
     for v in values:
-        if not isinstance(v, int) or isinstance(v, bool):  # a numpy or torch integer too: said, not "out of range"
+        if not is_int(v):  # a numpy or torch integer too: said, not "out of range"
             raise InterventionError(f"{what} {v!r} is not an int (convert numpy or torch values with int())", param)
         if not 0 <= v < n:
             raise InterventionError(f"{what} {v!r} is out of range 0..{n - 1}", param)
@@ -563,7 +564,7 @@ class EditSpec:
         # a bare layer number, 0 above all, read as a tuple would ablate nothing (0 is false) without a word
         for name in ("ablate_attn", "ablate_mlp"):
             layers = getattr(self, name)
-            numbers = isinstance(layers, (tuple, list)) and all(type(n) is int for n in layers)  # not a bool
+            numbers = isinstance(layers, (tuple, list)) and all(is_int(n) for n in layers)
             if not numbers:
                 raise InterventionError(
                     f"{name} must be a tuple of layer numbers, e.g. (0, 3) (every layer: tuple(range(n_layer))), "

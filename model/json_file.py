@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 CLIP = 100  # characters of a value a message shows
 
@@ -22,6 +22,11 @@ def read_json(path: Path, error: Callable[[str], Exception], what: str) -> Any:
         raise error(f"{path} is not valid JSON: {e}") from None
     except RecursionError:
         raise error(f"{path} is not {what}: its JSON is nested too deeply") from None
+
+
+def is_int(value: object) -> TypeGuard[int]:
+    """An integer, not a bool (Python's bool is an int, but JSON's true is not a count, a size or an id)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def clip(value: object, show: Callable[[object], str] = repr) -> str:

@@ -17,6 +17,7 @@ from ..config import GPTConfig
 from ..gpt import GPT
 from ..hooks import Capture
 from ..interventions import Edit, EditSpec
+from ..json_file import is_int
 from .gradients import Metric, MetricError, MetricPass, Refusal, check_metric
 
 SITES = ("hook_resid_pre", "attn.hook_z", "hook_attn_out", "hook_mlp_out")
@@ -138,7 +139,7 @@ class ScoringPass:
         self, config: GPTConfig, clean: list[int], corrupted: list[int], metric: Metric, verify: int = 0
     ) -> None:
         check_attribution(clean, corrupted, metric, config.vocab_size)
-        if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
+        if not is_int(verify) or verify < 0:
             raise ValueError(f"verify is how many sites to patch for real, an int of 0 or more; got {verify!r}")
         self._n_layer, self._verify = config.n_layer, verify
         names = [f"blocks.{i}.{site}" for i in range(config.n_layer) for site in SITES]

@@ -29,14 +29,14 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, TypeGuard, cast
+from typing import Any, Literal, NamedTuple, cast
 
 import torch
 
 from ..config import GPTConfig
 from ..hooks import as_vectors, hook_names, is_hook_z, reads_as_one_vector, site_shape
 from ..hub import download, hub_errors
-from ..json_file import clip, read_json
+from ..json_file import clip, is_int, read_json
 
 Architecture = Literal["standard", "topk", "jumprelu"]
 ARCHITECTURES = ("standard", "topk", "jumprelu")
@@ -150,13 +150,13 @@ class SAEConfig:
             raise SAEError(f"{where}: {CFG_FILE} field model_name must be a string, got {clip(model_name)}")
         d_in, d_sae, factor = cfg.get("d_in"), cfg.get("d_sae"), cfg.get("expansion_factor")
         if d_sae is None and factor is not None:  # the oldest training configs give only the ratio
-            if not (_is_int(factor) and factor > 0):
+            if not (is_int(factor) and factor > 0):
                 raise SAEError(
                     f"{where}: {CFG_FILE} field expansion_factor must be a positive integer, got {clip(factor)}"
                 )
-            if _is_int(d_in):
+            if is_int(d_in):
                 d_sae = d_in * factor
-        if not (_is_int(d_in) and _is_int(d_sae) and d_in > 0 and d_sae > 0):
+        if not (is_int(d_in) and is_int(d_sae) and d_in > 0 and d_sae > 0):
             raise SAEError(f"{where}: d_in and d_sae must be positive integers, got {clip(d_in)} and {clip(d_sae)}")
         if max(d_in, d_sae) >= 2**63:  # d_in times a factor can even have too many digits to print
             raise SAEError(
@@ -171,7 +171,7 @@ class SAEConfig:
         k = cfg.get("k")
         if k is None:
             k = _object(cfg, "activation_fn_kwargs", where).get("k")
-        if architecture == "topk" and not (_is_int(k) and 0 < k <= d_sae):
+        if architecture == "topk" and not (is_int(k) and 0 < k <= d_sae):
             raise SAEError(f"{where}: a topk SAE needs k in 1..{d_sae}, got {clip(k)}")
         held = meta if meta.get("model_from_pretrained_kwargs") is not None else cfg
         kwargs = {**_object(held, "model_from_pretrained_kwargs", where), **(model_kwargs or {})}
@@ -189,11 +189,6 @@ class SAEConfig:
             center_writing_weights=_flag(kwargs, "center_writing_weights", False, where),
             model_name=model_name,
         )
-
-
-def _is_int(value: object) -> TypeGuard[int]:
-    """A JSON integer: Python's bool is an int, but JSON's true is not a size."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _object(cfg: dict[str, Any], name: str, where: str) -> dict[str, Any]:

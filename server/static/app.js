@@ -169,9 +169,24 @@ async function whileLoading(load, waiting = () => {}) {
 
 // ---------------------------------------------------------------- run
 
-// The latest run. A new run supersedes the one in flight: its requests are aborted and anything it still
-// draws is dropped (each step checks that its run is still the latest).
-const runs = { latest: 0, controller: null };
+// Runs of one kind (the page's, the gradient highway's), where a new run supersedes the one in flight: its
+// requests are aborted (the server stops their work) and anything it still draws is dropped. `start` gives the
+// new run's abort signal and `current()`, whether it is still the latest.
+class Runs {
+  constructor() {
+    this.latest = 0;
+    this.controller = null;
+  }
+
+  start() {
+    const id = ++this.latest;
+    if (this.controller) this.controller.abort();
+    this.controller = new AbortController();
+    return { signal: this.controller.signal, current: () => id === this.latest };
+  }
+}
+
+const runs = new Runs();
 
 // A seed the page can send exactly: an integer of at most 2^53 - 1 in magnitude (JSON numbers in the
 // browser are doubles). Throws a message for any other; null for none.
@@ -225,12 +240,7 @@ function blankCanvas(canvas) {
 
 async function run(event) {
   event.preventDefault();
-  const id = ++runs.latest;
-  if (runs.controller) runs.controller.abort(); // the superseded run's requests: the server stops their work
-  const controller = new AbortController();
-  runs.controller = controller;
-  const signal = controller.signal;
-  const current = () => id === runs.latest;
+  const { signal, current } = runs.start();
   const button = $("run");
   button.disabled = true;
   showErrors([]);

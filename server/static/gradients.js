@@ -4,15 +4,12 @@
 "use strict";
 
 const gradState = { highway: null, attribution: null };
-const highwayRuns = { latest: 0, controller: null }; // as app.js's runs: a new run supersedes the one in flight
+const highwayRuns = new Runs(); // as app.js's runs: a new run supersedes the one in flight
 
 // ---------------------------------------------------------------- the gradient highway
 
 async function runHighway() {
-  const id = ++highwayRuns.latest;
-  if (highwayRuns.controller) highwayRuns.controller.abort();
-  const controller = new AbortController();
-  highwayRuns.controller = controller;
+  const { signal, current } = highwayRuns.start();
   const status = $("grad-status");
   // the previous prompt's highway is gone before this one's is asked for: a failure leaves the charts empty
   gradState.highway = null;
@@ -32,14 +29,14 @@ async function runHighway() {
       "POST",
       "v1/analyze",
       { prompt: $("prompt").value, compare_ablated: true, gradients: true, top_k: 1 },
-      { signal: controller.signal },
+      { signal },
     );
-    if (id !== highwayRuns.latest) return;
+    if (!current()) return;
     gradState.highway = highway;
     drawHighway();
     status.dataset.state = "done";
   } catch (e) {
-    if (id !== highwayRuns.latest) return; // superseded (aborted): the newer run reports
+    if (!current()) return; // superseded (aborted): the newer run reports
     status.textContent = e.message;
     status.dataset.state = "error";
   }
