@@ -24,12 +24,17 @@ K for real; `--plot` draws the scores as heatmaps.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # `python scripts/analyze.py`: started as `gpt2-analyze` is, which holds a Ctrl-C
+    from gpt2_scripts.console import analyze  # during the imports below (this file is imported again there)
+
+    analyze()
+
 import argparse
 import sys
 from pathlib import Path
 from typing import Any
 
-from gpt2_scripts.console import empty_flag, run_console
+from gpt2_scripts.console import empty_flag
 from gpt2_scripts.generate import PromptError, read_prompt, utf8_checked
 from gpt2_scripts.json_flag import read_json_flag
 from gpt2_scripts.sae_cli import add_sae_arguments, directions, features_table
@@ -407,12 +412,3 @@ def save_figure(plt: Any, fig: Any, path: str) -> None:
 def fail(message: str) -> int:
     print(f"gpt2-analyze: error: {message}", file=sys.stderr)
     return 1
-
-
-def console() -> None:
-    """`python scripts/analyze.py ...`, the same program as `gpt2-analyze` (`scripts/console.py`)."""
-    run_console(main, "gpt2-analyze: interrupted")
-
-
-if __name__ == "__main__":
-    console()

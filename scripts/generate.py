@@ -10,12 +10,17 @@
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # `python scripts/generate.py`: started as `gpt2-generate` is, which holds a Ctrl-C
+    from gpt2_scripts.console import generate  # during the imports below (this file is imported again there)
+
+    generate()
+
 import argparse
 import re
 import sys
 from pathlib import Path
 
-from gpt2_scripts.console import empty_flag, run_console
+from gpt2_scripts.console import empty_flag
 from gpt2_scripts.sae_cli import add_sae_arguments, directions, steering_edits, steering_specs
 
 from model.dump import dump_path_problem, save_dump
@@ -233,12 +238,3 @@ def _write_text(prompt: str, generation: Generation, tok: Tokenizer) -> str | No
 def fail(message: str) -> int:
     print(f"gpt2-generate: error: {message}", file=sys.stderr)
     return 1
-
-
-def console() -> None:
-    """`python scripts/generate.py ...`, the same program as `gpt2-generate` (`scripts/console.py`)."""
-    run_console(main, "gpt2-generate: interrupted")
-
-
-if __name__ == "__main__":
-    console()

@@ -10,6 +10,11 @@ shard missing and ends with the same shards an uninterrupted run writes.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # `python scripts/harvest.py`: started as `gpt2-harvest` is, which holds a Ctrl-C
+    from gpt2_scripts.console import harvest  # during the imports below (this file is imported again there)
+
+    harvest()
+
 import argparse
 import contextlib
 import logging
@@ -18,7 +23,7 @@ import sys
 import time
 
 import torch
-from gpt2_scripts.console import HARVEST_INTERRUPTED, empty_flag, run_console
+from gpt2_scripts.console import empty_flag
 
 from model.harvest import FORMATS, HarvestError, HarvestSpec, run_harvest
 from model.loading import add_checkpoint_arguments
@@ -215,12 +220,3 @@ def max_threads() -> int:
 def fail(message: str) -> int:
     print(f"gpt2-harvest: error: {message}", file=sys.stderr)
     return 1
-
-
-def console() -> None:
-    """`python scripts/harvest.py ...`, the same program as `gpt2-harvest` (`scripts/console.py`)."""
-    run_console(main, f"gpt2-harvest: {HARVEST_INTERRUPTED}")
-
-
-if __name__ == "__main__":
-    console()

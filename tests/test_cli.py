@@ -360,7 +360,7 @@ def test_ctrl_c_ends_the_tool_by_sigint_without_a_traceback(tool: str, ckpt_with
         wait = "import time; cli.run_harvest = lambda *a, **k: time.sleep(60); "
     code = (
         f"import sys; sys.argv = ['gpt2-{tool}', *{args!r}]; import gpt2_scripts.{tool} as cli; {wait}"
-        "print('ready', flush=True); cli.console()"
+        f"import gpt2_scripts.console as c; print('ready', flush=True); c.{tool}()"
     )
     proc = subprocess.Popen(
         [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -397,7 +397,7 @@ def test_a_second_ctrl_c_during_the_clean_up_ends_the_tool_at_once(ckpt_with_tok
     )
     code = (
         f"import sys; sys.argv = ['gpt2-harvest', *{args!r}]; import gpt2_scripts.harvest as cli\n{job}"
-        "cli.run_harvest = run; print('ready', flush=True); cli.console()"
+        "cli.run_harvest = run; import gpt2_scripts.console as c; print('ready', flush=True); c.harvest()"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -437,6 +437,31 @@ def test_ctrl_c_while_the_tool_still_imports_is_one_line(tool: str) -> None:
     # harvest's line says how to go on, as `python scripts/harvest.py`'s does (the installed command's did not)
     hint = "; run it again with the same arguments to resume" if tool == "harvest" else ""
     assert err.strip() == f"gpt2-{tool}: interrupted{hint}", err
+
+
+@pytest.mark.parametrize("tool", ["generate", "analyze", "harvest"])
+def test_python_scripts_tool_starts_as_the_installed_command(tool: str) -> None:
+    """`python scripts/<tool>.py` goes through `gpt2_scripts.console` too: a Ctrl-C while torch is being imported
+    is the same one line (it was a traceback from the script's own imports), and the program is the same."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / f"{tool}.py"
+    code = (
+        f"import sys, time, importlib, runpy; sys.argv = [{str(script)!r}]; "
+        "importlib.import_module = lambda name: [time.sleep(0.1) for _ in range(30)]; "
+        f"print('ready', flush=True); runpy.run_path({str(script)!r}, run_name='__main__')"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        time.sleep(0.5)  # inside the (hanging) import of the tool's module
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGINT, err
+    hint = "; run it again with the same arguments to resume" if tool == "harvest" else ""
+    assert err.strip() == f"gpt2-{tool}: interrupted{hint}", err
+    usage = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert usage.returncode == 0 and usage.stdout.startswith(f"usage: gpt2-{tool}"), usage
 
 
 def test_an_interrupt_is_held_until_the_block_is_over() -> None:
