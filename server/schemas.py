@@ -478,14 +478,17 @@ class AttributionRequest(Strict):
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    """vLLM's /tokenize for a prompt; a field it does not have (its chat form's `messages`, say) is refused."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
     model: str | None = None  # vLLM's clients send it: checked against the served names, as completions do
     prompt: str
-    add_special_tokens: bool = True
+    add_special_tokens: bool = True  # GPT-2 adds none either way
+    return_token_strs: bool = False  # also each token's string in the vocabulary (`Ġcat`)
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
     model: str | None = None
     tokens: list[int]
 
@@ -534,9 +537,7 @@ class CompletionRequest(BaseModel):
 
     def check(self) -> None:
         """Refuse unimplemented fields whose value would change the result, `n` and `logprobs` out of
-        range, and a `model` name that is not valid Unicode (it could not be echoed back)."""
-        if self.model is not None:
-            valid_text(self.model, "model")
+        range (`model` is the route's to check: `check_model`)."""
         extra = self.model_extra or {}
         bias = extra.get("logit_bias")
         if isinstance(bias, dict) and all(_is_zero(v) for v in bias.values()):  # biases of 0 change nothing

@@ -64,11 +64,21 @@ def test_a_key_named_twice_is_refused_with_its_path(body: str, path: str) -> Non
         b'{"a": NaN, "b": [Infinity, -Infinity], "c": 1e400}',
         b'{"input_ids": [464, 50256], "n": 123456789012345678901234567890, "x": {"y": [{}, {"z": null}]}}',
         '{"prompt": "caf\u00e9 \\ud83d\\ude00 \\udc80"}'.encode(),  # a lone surrogate is valid JSON
-        '{"prompt": "hi"}'.encode("utf-16"),  # json.loads reads UTF-16 and UTF-32 too
+        '{"prompt": "hi"}'.encode("utf-8-sig"),  # a byte order mark, which RFC 8259 lets a parser ignore
     ],
 )
 def test_everything_else_reads_as_json_loads_reads_it(body: bytes) -> None:
     assert repr(loads(body)) == repr(json.loads(body))  # repr: NaN is not equal to itself
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le"])
+def test_a_body_in_another_unicode_encoding_is_not_utf8(encoding: str) -> None:
+    """`json.loads` would guess UTF-16 and UTF-32 from the first bytes; the API takes UTF-8 only, as it says (the
+    forms without a byte order mark are UTF-8 bytes, with NULs: not JSON)."""
+    body = '{"prompt": "hi"}'.encode(encoding)
+    assert json.loads(body) == {"prompt": "hi"}
+    with pytest.raises(UnicodeDecodeError if encoding in ("utf-16", "utf-32") else json.JSONDecodeError):
+        loads(body)
 
 
 @pytest.mark.parametrize(
@@ -182,9 +192,10 @@ def test_every_route_that_reads_a_body_refuses_duplicates(client: TestClient) ->
         (b'{"prompt": "Hi", "max_tokens": 1, "temperature": NaN}', "temperature"),
         (b'{"prompt": "Hi", "max_tokens": ' + b"9" * 5000 + b"}", "an integer of more than 4300 digits"),
         (b'{"prompt": "\xff"}', "the body is not UTF-8: invalid start byte at byte 12"),
+        ('{"prompt": "Hi"}'.encode("utf-16"), "the body is not UTF-8"),
         (b'{"prompt": "Hi",}', "the body is not valid JSON: Expecting property name enclosed in double quotes"),
     ],
-    ids=["nan", "5000-digits", "not-utf8", "not-json"],
+    ids=["nan", "5000-digits", "not-utf8", "utf16", "not-json"],
 )
 def test_other_bad_bodies_are_answered_as_before(client: TestClient, content: bytes, says: str) -> None:
     error = assert_error(post(client, CMPL, content), 400)

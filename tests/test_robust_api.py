@@ -72,6 +72,11 @@ CASES = [
     # the model name is echoed back: it must be text that can be sent
     case("surrogate-model", CMPL, {"prompt": "Hi", "model": SURROGATE}, "model", "model is not valid Unicode"),
     case("surrogate-model-stream", CMPL, {"prompt": "Hi", "model": SURROGATE, "stream": True}, "model", "model is"),
+    case("surrogate-model-tokenize", TOKENIZE, {"prompt": "Hi", "model": SURROGATE}, "model", "model is not valid"),
+    case("surrogate-model-detokenize", "/detokenize", {"tokens": [1], "model": SURROGATE}, "model", "model is not"),
+    # the tokenizer endpoints refuse a field they do not have, where it would have been ignored
+    case("tokenize-chat", TOKENIZE, {"prompt": "Hi", "messages": []}, "messages", "not permitted"),
+    case("detokenize-skip", "/detokenize", {"tokens": [1], "skip_special_tokens": True}, "skip_special_tokens", ""),
     # numbers beyond float32 in an edit (more in test_lab_api.BAD_EDITS): also NaN, which Python's JSON reads
     case(
         "factor-nan",

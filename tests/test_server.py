@@ -115,8 +115,21 @@ def test_tokenize_detokenize(client: TestClient, loaded: LoadedModel) -> None:
     assert body["tokens"][-1] == 50256
     assert body["count"] == len(body["tokens"])
     assert body["max_model_len"] == 128
+    assert body["token_strs"] is None
     assert post_ok(client, "/detokenize", {"tokens": body["tokens"]}) == {"prompt": text}
     assert post_ok(client, "/detokenize", {"tokens": body["tokens"], "model": None}) == {"prompt": text}
+
+
+def test_tokenize_returns_the_vocabulary_strings_when_asked(client: TestClient, tokenizer_dir: Path) -> None:
+    """vLLM's `return_token_strs`: each token's string in the vocabulary, transformers' `convert_ids_to_tokens`
+    (a space is `Ġ`; a piece of a character is its byte's character, so two ids never share one)."""
+    from transformers import GPT2TokenizerFast
+
+    reference = GPT2TokenizerFast.from_pretrained(str(tokenizer_dir))
+    text = "Hello world, 😀 ü <|endoftext|>\n\n  x"
+    body = post_ok(client, "/tokenize", {"prompt": text, "return_token_strs": True})
+    assert body["token_strs"] == reference.convert_ids_to_tokens(body["tokens"])
+    assert body["token_strs"][:2] == ["Hello", "Ġworld"] and body["token_strs"][-1] == "Ġx"
 
 
 def test_tokenizer_info(client: TestClient) -> None:
@@ -140,6 +153,7 @@ def test_next_token(client: TestClient, loaded: LoadedModel) -> None:
     assert [t["id"] for t in body["top"]] == top.indices.tolist()
     for entry, p, i in zip(body["top"], top.values.tolist(), top.indices.tolist(), strict=True):
         assert entry["token"] == loaded.tokenizer.token_text(i)
+        assert bytes(entry["bytes"]) == loaded.tokenizer.token_bytes(i)
         assert entry["prob"] == pytest.approx(p, rel=1e-4, abs=1e-7)
         assert entry["logprob"] == pytest.approx(float(logprobs[i]), abs=1e-4)
     entropy = float(-(probs * logprobs).sum())
@@ -1192,6 +1206,10 @@ def test_top_logprobs_name_ids_past_the_tokenizer_apart(tmp_path: Path, tokenize
         assert len(padded) >= 2 and all(int(name[5:-2]) >= 50257 for name in padded), top
         (token,) = choice["logprobs"]["tokens"]
         assert top[token] == choice["logprobs"]["token_logprobs"][0]
+        # /v1/next-token names them so too, with no bytes (the tokenizer has none for them)
+        entries = post_ok(c, NEXT, {"input_ids": [50300], "top_k": 5})["top"]
+        past = [e for e in entries if e["id"] >= 50257]
+        assert past and all(e["token"] == f"<|id:{e['id']}|>" and e["bytes"] is None for e in past), entries
 
 
 def test_echo_of_a_prompt_that_ends_inside_a_character(tiny: Any, tokenizer_dir: Path) -> None:

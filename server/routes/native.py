@@ -173,13 +173,16 @@ async def next_token(req: NextTokenRequest, engine: EngineDep, request: Request,
     dist = run.result()
     tok = engine.tokenizer
 
+    def token_bytes(i: int) -> list[int] | None:  # a piece of a character shows as U+FFFD: its bytes tell them apart
+        return list(tok.token_bytes(i)) if i < tok.vocab_size else None  # None: an id past the tokenizer's
+
     def body() -> dict[str, Any]:  # top_k may be the whole vocabulary: 50,257 entries, written off the event loop
         return {
             "model": engine.loaded.name,
             "input_ids": ids,
             "tokens": [tok.token_text(t) for t in ids],
             "top": [
-                {"id": i, "token": tok.token_text(i), "prob": math.exp(v), "logprob": v}
+                {"id": i, "token": tok.token_text(i), "bytes": token_bytes(i), "prob": math.exp(v), "logprob": v}
                 for v, i in zip(dist.logprobs, dist.ids, strict=True)
             ],
             "entropy": dist.entropy,

@@ -14,12 +14,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from model.generate import Completion, GenerationError, TokenLogprob
+from model.json_file import clip
 from model.loading import hub_repo
 
 from ..engine import Engine, RequestStream
 from ..errors import APIError
 from ..json_body import JSONBodyRoute
-from ..schemas import CompletionRequest, StreamOptions
+from ..schemas import CompletionRequest, StreamOptions, valid_text
 from ..settings import Settings
 from ..threads import run_in_threadpool
 from .deps import EngineDep, SettingsDep, json_response, merged, openai_prompt_ids, results, sse
@@ -49,11 +50,14 @@ def served_names(engine: Engine, settings: Settings) -> tuple[str, ...]:
 
 def check_model(name: str | None, engine: Engine, settings: Settings) -> None:
     """A model this server does not serve is a 404, as OpenAI and vLLM answer it: never another model's text
-    (or its tokenizer's ids) under the name asked for. None or "": the served model, as vLLM takes them."""
+    (or its tokenizer's ids) under the name asked for. None or "": the served model, as vLLM takes them. A name
+    that is not valid Unicode (a lone surrogate) is a 400: it could not be echoed back."""
+    if name is not None:
+        valid_text(name, "model")
     names = served_names(engine, settings)
     if name and name not in names:
         served = ", ".join(repr(n) for n in names)
-        message = f"the model {name!r} does not exist: this server serves {served}"
+        message = f"the model {clip(name)} does not exist: this server serves {served}"
         raise APIError(404, message, "model", code="model_not_found")
 
 
