@@ -19,7 +19,7 @@ from .gpt import GPT, LAST
 from .hooks import Hooks, check_ids, head_parts
 from .interventions import HookChain, NonFiniteActivations
 from .json_file import is_int
-from .overflow import layer_norm_inputs, layer_norm_overflow, variance_overflows
+from .overflow import dtype_range, layer_norm_inputs, layer_norm_overflow, variance_overflows
 
 
 def residual_norms(x: torch.Tensor) -> torch.Tensor:
@@ -259,7 +259,7 @@ class LayerMeasure:
             cause = "the edits made the activations" if self.edited else "the activations became"
             raise NonFiniteActivations(
                 f"{cause} non-finite (inf or NaN, or too large to measure) {where}"
-                + ("" if self.edited else ": the weights, or their dtype's range (float16's ends at 65504)")
+                + ("" if self.edited else f": the weights, or {dtype_range(self.stream.x.dtype)}")
             )
         return stats
 

@@ -11,6 +11,11 @@ from __future__ import annotations
 import torch
 
 
+def dtype_range(dtype: torch.dtype) -> str:
+    """How an error names the range a value left: "float16's range (it ends at 65504)"."""
+    return f"{str(dtype).removeprefix('torch.')}'s range (it ends at {torch.finfo(dtype).max:.6g})"
+
+
 def layer_norm_inputs(n_layer: int) -> dict[str, str]:
     """Each hook point whose value a LayerNorm normalises, and that LayerNorm (TransformerLens' name): ln1
     reads hook_resid_pre (and, when asked for, each head's own copy, hook_q_input ...), ln2 hook_mlp_in,

@@ -191,6 +191,17 @@ BAD = [
         400,
         "interventions",
     ),
+    (  # logits times 3e38: a finite logit difference whose gradient back through the LM head is inf (it was NaN)
+        "gradient-inf",
+        "/v1/gradients",
+        grad(
+            metric={"type": "logit_diff", "tokens": [318, 373]},
+            hooks=["hook_embed"],
+            interventions=[{"hook": "logits", "op": "scale", "factor": 3e38}],
+        ),
+        400,
+        "interventions",
+    ),
     (  # the MLP's own copy of the stream: every measure of the stream stayed finite
         "analyze-layer-norm-overflow",
         "/v1/analyze",

@@ -7,6 +7,7 @@ LayerNorm; a float64 model, whose LayerNorm has the range for it, still answers.
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from model.gpt import GPT
 from model.hooks import Capture
 from model.interventions import Edit, EditSpec, NonFiniteActivations
 from model.lab.attribution import attribution
-from model.lab.gradients import LogProb, Loss, MetricError, gradients, highway
+from model.lab.gradients import LogitDiff, LogProb, Loss, MetricError, gradients, highway
 from model.overflow import variance_overflows
 
 PROMPT = [464, 3797, 3332, 319, 262, 2603, 780, 340]  # "The cat sat on the mat because it"
@@ -140,6 +141,43 @@ def test_an_overflow_a_mean_carries_back_to_the_metric_is_refused(tiny_model: GP
     spec = EditSpec((huge("blocks.0.hook_resid_post"), Edit("blocks.1.hook_attn_out", "mean")))
     with pytest.raises(MetricError, match=r"^LayerNorm blocks\.1\.ln1 overflowed: the edits"):
         gradients(tiny_model, PROMPT, LogProb(2068, 2), ["hook_embed"], spec)
+
+
+def test_a_gradient_that_goes_inf_on_its_way_back_is_refused(tiny_model: GPT) -> None:
+    """The logits times 3e38: the logit difference is finite, its gradient back through ln_final is not.
+    The gradients came back inf and NaN; now the run is refused, naming the piece and the edits. At 1e30 the
+    gradient is finite (each entry about 1e30) and is the answer."""
+    metric, names = LogitDiff((318, 373)), ["blocks.1.hook_resid_post", "hook_embed"]
+    times = lambda factor: EditSpec((Edit("logits", "scale", factor=factor),))  # noqa: E731
+    with pytest.raises(
+        MetricError,
+        match=r"^the gradient of the metric became inf or NaN going back through the "
+        r"final LayerNorm, at its input: the edits took it there",
+    ) as e:
+        gradients(tiny_model, PROMPT, metric, names, times(3e38))
+    assert e.value.param == "interventions"
+    answer = gradients(tiny_model, PROMPT, metric, names, times(1e30))
+    assert all(bool(torch.isfinite(g).all()) for g in answer.grads.values())
+
+
+def test_the_highway_refuses_a_jacobian_past_float16(tiny: Checkpoint) -> None:
+    """Block 0's MLP output times 1e4 in float16: the forward pass and the loss's gradient stay finite, the
+    block's vector-Jacobian products do not (its Jacobian's entries are about 1e4 times an O(1) probe's sum over
+    the width). The highway printed nan; it is refused, saying where and why. Times 1e3 it answers."""
+    for scale, fails in ((1e4, True), (1e3, False)):
+        model = load_ours(tiny, torch.float16)
+        with torch.no_grad():
+            model.h[0].mlp.c_proj.weight.mul_(scale)
+        if not fails:
+            assert all(math.isfinite(g.grad_norm) for g in highway(model, PROMPT, probes=2))
+            continue
+        with pytest.raises(
+            MetricError,
+            match=r"^the gradient highway became inf or NaN at block 0's Jacobian: its "
+            r"vector-Jacobian products left float16's range \(it ends at 65504\)$",
+        ) as e:
+            highway(model, PROMPT, probes=2)
+        assert e.value.param == "gradients"
 
 
 def test_the_highway_refuses_an_overflow_at_the_last_position(tiny_model: GPT) -> None:

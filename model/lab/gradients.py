@@ -24,7 +24,7 @@ from ..config import GPTConfig
 from ..gpt import GPT
 from ..hooks import LOGIT_HOOKS, Hooks, needs_whole_prompt, select_hooks, uses_the_head, uses_the_logits
 from ..interventions import EditSpec, HookChain, InterventionError, split_input_clashes, takes_whole_prompt
-from ..overflow import layer_norm_inputs, layer_norm_overflow, variance_overflows
+from ..overflow import dtype_range, layer_norm_inputs, layer_norm_overflow, variance_overflows
 
 
 class MetricError(InterventionError):
@@ -246,6 +246,7 @@ class _Stage:
     inp: torch.Tensor | None
     out: torch.Tensor
     names: list[str]
+    piece: str  # what it runs, for errors: "block 3", "the LM head"
 
 
 class MetricPass:
@@ -356,28 +357,28 @@ class MetricPass:
     def _forward_block(self, model: GPT) -> None:
         if self._x is None:
             self._x = model.embed(torch.tensor([self.ids], device=model.wte.weight.device), hooks=self._hooks)
-            self._keep(None, self._x, 0)
+            self._keep(None, self._x, 0, "the embeddings")
         seen, inp = len(self.values), _leaf(self._x)
         self._x = model.h[self._blocks](inp, None, self._hooks)
-        self._keep(inp, self._x, seen)
+        self._keep(inp, self._x, seen, f"block {self._blocks}")
         self._blocks += 1
         if self._blocks == self._n_layer:
             if not self._whole_head:
                 seen, inp, normed = len(self.values), _leaf(self._x), self._normed
                 self._x = model.final_norm(inp[:, normed.start : normed.stop], self._hooks)
-                self._head_stage = self._keep(inp, self._x, seen)
+                self._head_stage = self._keep(inp, self._x, seen, "the final LayerNorm")
             self._watch.check(self._blamed, self.refusal.overflow)  # ln_final's input is in too
             if self._x.requires_grad and not self._whole_head:
                 self._grad = torch.zeros_like(self._x)  # the head's parts fill in their rows
 
-    def _keep(self, inp: torch.Tensor | None, out: torch.Tensor, seen: int) -> _Stage | None:
+    def _keep(self, inp: torch.Tensor | None, out: torch.Tensor, seen: int, piece: str) -> _Stage | None:
         """Keep a piece just run, to go back through, where it has a graph or reached a wanted hook point (and
         return it). `inp`: its input (None for the embeddings'); where that has no graph, nothing before it is
         wanted."""
         names = list(self.values)[seen:]
         if not (out.requires_grad or names):
             return None
-        self._stages.append(_Stage(inp, out, names))
+        self._stages.append(_Stage(inp, out, names, piece))
         return self._stages[-1]
 
     def _head_part(self, model: GPT, rows: range) -> None:
@@ -395,7 +396,7 @@ class MetricPass:
             logits = model.unembed(inp, self._hooks, slice(self._read.start, self._read.stop))[0]
             share = metric_share(self.metric, logits, self.targets, self._read)
             self._value += float(share.detach())
-            self._head_stage = self._keep(inp, share, seen)
+            self._head_stage = self._keep(inp, share, seen, "the LM head")
             self._grad = None if self._head_stage is None else torch.ones_like(share)
         else:
             logits = model.head(inp, self._hooks)[0]  # [len(rows), vocab]
@@ -405,7 +406,8 @@ class MetricPass:
                 logits = logits[read.start - rows.start : read.stop - rows.start]
                 share = metric_share(self.metric, logits, self.targets, read)
                 self._value += float(share.detach())
-                grad = self._through(_Stage(inp, share, names), torch.ones_like(share), retain=False)
+                self._check_value()  # before its gradient goes back: a metric past its range is the error to give
+                grad = self._through(_Stage(inp, share, names, "the LM head"), torch.ones_like(share), retain=False)
                 if grad is not None and self._grad is not None:
                     self._grad[:, at] = grad
             for name in names:  # its rows of the whole's [1, T, vocab] (0 where the metric reads none)
@@ -417,7 +419,11 @@ class MetricPass:
                     self._head_grads[name][:, at] = part
             if not self._parts:
                 self.grads |= self._head_grads
-        if not self._parts and not math.isfinite(self._value):  # refused before any block goes back
+        if not self._parts:
+            self._check_value()  # refused before any block goes back
+
+    def _check_value(self) -> None:
+        if not math.isfinite(self._value):
             raise MetricError(
                 f"{self.refusal.subject} is not finite ({self._value}): {self.refusal.consequence}", self._blamed
             )
@@ -442,7 +448,17 @@ class MetricPass:
             got = list(torch.autograd.grad(stage.out, inputs, grad, retain_graph=retain, allow_unused=True))
         for n, v, g in zip(stage.names, values, got, strict=False):  # `got` may end with the input's
             self.grads[n] = torch.zeros_like(v.detach()) if g is None else g.detach()
-        return got[-1] if len(inputs) > len(values) else None
+        below = got[-1] if len(inputs) > len(values) else None
+        for at, g in [*zip(stage.names, got, strict=False), ("its input", below)]:
+            if g is not None and not bool(torch.isfinite(g).all()):  # the numbers would mean nothing
+                edits = self._blamed == self.refusal.edits_param
+                cause = "the edits took it there" if edits else f"the weights, or it left {dtype_range(g.dtype)}"
+                raise MetricError(
+                    f"the gradient of {self.refusal.subject} became inf or NaN going back through {stage.piece}, "
+                    f"at {at}: {cause}",
+                    self._blamed,
+                )
+        return below
 
 
 def _leaf(x: torch.Tensor) -> torch.Tensor:
@@ -502,6 +518,9 @@ class FrobeniusEstimate:
         self._minus_identity += float((v - u).double().pow(2).sum())
         self.probes += 1
 
+    def finite(self) -> bool:
+        return math.isfinite(self._jacobian) and math.isfinite(self._minus_identity)
+
     def rms(self, n: int) -> tuple[float, float]:
         """(‖J‖_F / √n, ‖J - I‖_F / √n) over the probes added."""
         return math.sqrt(self._jacobian / self.probes / n), math.sqrt(self._minus_identity / self.probes / n)
@@ -554,6 +573,12 @@ class HighwayPass:
             if self._u is None:
                 self._u = rademacher(self._probes, tuple(pre.shape), pre.dtype, pre.device, self._seed)
             estimate.add(post, pre, self._u[estimate.probes], retain_graph=not last)
+        if not estimate.finite():
+            raise MetricError(
+                f"the gradient highway became inf or NaN at block {self._block}'s Jacobian: its vector-Jacobian "
+                f"products left {dtype_range(pre.dtype)}",
+                HIGHWAY.param,
+            )
         if last:
             self._block += 1
 
