@@ -44,7 +44,7 @@ from model.dump import dump_path_problem, replace_whole
 from model.generate import GenerationError, validate_prompt
 from model.interventions import EditSpec, InterventionError
 from model.lab.attribution import Attribution, attribution
-from model.lab.gradients import LayerGradient, Loss, Metric, highway
+from model.lab.gradients import LayerGradient, Loss, highway
 from model.lab.sae import SAEError
 from model.loading import LoadError, add_checkpoint_arguments, load_from
 from model.tokenizer import InvalidTextError, Tokenizer
@@ -58,9 +58,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("prompt", nargs="?", help="the prompt (read from standard input when omitted or '-')")
     add_checkpoint_arguments(p)
-    p.add_argument("--top-k", type=int, default=5, help=f"logit-lens tokens per position (1..{MAX_TOP_K})")
+    p.add_argument(
+        "--top-k",
+        type=int,
+        help=f"the logit lens's most likely tokens at the last position, per layer, and with --sae each token's "
+        f"top features (1..{MAX_TOP_K}, default 5)",
+    )
     p.add_argument("--no-ablated", action="store_true", help="skip the run without residual connections")
-    p.add_argument("--plot", metavar="PNG", help="write norm, effective rank and collapse across layers here")
+    p.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="write the figure here, in the format its extension names (.png, .svg, .pdf, ...): norm, effective "
+        "rank and collapse across layers (and with --gradients the highway; with --attribution the heatmaps)",
+    )
     add_sae_arguments(p, steer=False)
     p.add_argument(
         "--gradients", action="store_true", help="add the gradient highway: the loss's gradient, each block's Jacobian"
@@ -79,17 +89,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 ("--sae", args.sae),
                 ("--gradients", args.gradients),
                 ("--no-ablated", args.no_ablated),
+                ("--top-k", args.top_k is not None),
             )
             if value
         ]
         if given:
             p.error(f"--attribution CLEAN CORRUPT does not take {', '.join(given)}")
+        from server.schemas import MAX_VERIFY
+
         args.metric = "loss" if args.metric is None else args.metric
         args.verify = 0 if args.verify is None else args.verify
+        if not 0 <= args.verify <= MAX_VERIFY:
+            p.error(f"--verify must be in 0..{MAX_VERIFY}, got {args.verify}")
     else:
         for flag, value in (("--metric", args.metric), ("--verify", args.verify)):
             if value is not None:
                 p.error(f"{flag} is for --attribution CLEAN CORRUPT")
+        args.top_k = 5 if args.top_k is None else args.top_k
+        if not 1 <= args.top_k <= MAX_TOP_K:
+            p.error(f"--top-k must be in 1..{MAX_TOP_K}, got {args.top_k}")
     return args
 
 
@@ -97,8 +115,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if problem := empty_flag((("--model", args.model), ("--plot", args.plot))):
         return fail(problem)
-    if not 1 <= args.top_k <= MAX_TOP_K:
-        return fail(f"--top-k must be in 1..{MAX_TOP_K}, got {args.top_k}")
     if sys.stdout is None:  # before the long part
         return fail("standard output is closed: nowhere to write the tables")
     plt = None
@@ -148,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
 
     tables = [f"{loaded.name}: {len(ids)} tokens; layer -1 is the embeddings, layer L the stream after block L"]
     tables.append(table(normal, ablated, tok))
+    tables += ["", lens_table(normal, tok, "with residual connections")]
+    if ablated is not None:
+        tables += ["", lens_table(ablated, tok, "without residual connections")]
     for sae_id, sae in saes.saes.items():  # --sae: each SAE's features per token
         tables += ["", features_table(sae_id, sae, loaded, ids, args.top_k)]
     if grads is not None:
@@ -188,16 +207,35 @@ def table(normal: list[LayerStats], ablated: list[LayerStats] | None, tok: Token
 def _cells(s: LayerStats, tok: Tokenizer) -> str:
     norm = sum(s.norms) / len(s.norms)
     entropy = f"{sum(s.attention_entropy) / len(s.attention_entropy):8.3f}" if s.attention_entropy else f"{'-':>8}"
-    token = repr(tok.token_text(s.logit_lens[-1][0][0]))
-    token = token if len(token) <= 14 else token[:13] + "…"
-    return f"{norm:9.2f} {s.effective_rank:8.2f} {s.collapse:8.4f} {s.mean_cosine:8.3f} {entropy}  {token:<14}"
+    token = _token(tok, s.logit_lens[-1][0][0])
+    cosine = _shown(s.mean_cosine, 3)
+    return f"{norm:9.2f} {s.effective_rank:8.2f} {s.collapse:8.4f} {cosine:8.3f} {entropy}  {token:<14}"
+
+
+def _token(tok: Tokenizer, token_id: int) -> str:
+    token = repr(tok.token_text(token_id))
+    return token if len(token) <= 14 else token[:13] + "…"
+
+
+def _shown(value: float, digits: int) -> float:
+    """`value`, but 0 where it rounds to 0 at `digits`: no -0.000 for a value that is 0 up to float noise."""
+    value = float(value)  # a 0-d tensor too (attribution's per-block scores)
+    return value if round(value, digits) else 0.0
+
+
+def lens_table(run: list[LayerStats], tok: Tokenizer, which: str) -> str:
+    """The logit lens at the last position: each layer's stream through the final LayerNorm and the
+    unembedding, its `--top-k` most likely next tokens with their probabilities."""
+    lines = [f"logit lens at the last position, {which} (token probability, most likely first):"]
+    for s in run:
+        lines.append(f"{s.layer:>5}  " + "  ".join(f"{_token(tok, t)} {p:.3f}" for t, p in s.logit_lens[-1]))
+    return "\n".join(lines)
 
 
 def _pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
-    matplotlib.rcParams["text.parse_math"] = False  # a prompt's text and tokens as they are, $ included
     import matplotlib.pyplot as plt
 
     return plt
@@ -233,7 +271,9 @@ def plot(
     axes[1].set_ylim(bottom=0)
     axes[2].set_ylim(bottom=0)
     axes[0].legend()
-    fig.suptitle(title if len(title) <= 100 else title[:99] + "…")
+    for ax in axes:
+        ax.set_xticks(layers)
+    fig.suptitle(title if len(title) <= 100 else title[:99] + "…", parse_math=False)  # the prompt as it is, $ too
     fig.tight_layout()
     save_figure(plt, fig, path)
 
@@ -244,13 +284,14 @@ _GRAD_COLUMNS = f"{'grad_norm':>10} {'jac_rms':>8} {'|J-I|_rms':>9}"
 def highway_table(normal: list[LayerGradient], ablated: list[LayerGradient] | None) -> str:
     """The gradient highway, one row per layer: ‖∂loss/∂x‖ at the stream (mean over positions), and the
     block's Jacobian ‖J‖_F/√n and ‖J - I‖_F/√n (1 and 0 for the identity); with and without the skips."""
-    width = len(_GRAD_COLUMNS)
-    rows = [f"{'':5} {'gradient, with residual connections':^{width}}", f"{'layer':>5} {_GRAD_COLUMNS}"]
+    titles = ("gradient, with residual connections", "without residual connections")
+    width = max(len(_GRAD_COLUMNS), *(len(t) for t in titles))  # each side's cells padded to its title
+    rows = [f"{'':5} {titles[0]:^{width}}", f"{'layer':>5} {_GRAD_COLUMNS:<{width}}"]
     if ablated is not None:
-        rows[0] += f" | {'without residual connections':^{width}}"
+        rows[0] += f" | {titles[1]:^{width}}"
         rows[1] += f" | {_GRAD_COLUMNS}"
     for i, g in enumerate(normal):
-        row = f"{g.layer:>5} {_grad_cells(g)}"
+        row = f"{g.layer:>5} {_grad_cells(g):<{width}}"
         if ablated is not None:
             row += f" | {_grad_cells(ablated[i])}"
         rows.append(row)
@@ -299,19 +340,23 @@ def _plot_highway(axes: Any, normal: list[LayerGradient], ablated: list[LayerGra
 
 def attribution_main(args: argparse.Namespace, plt: Any) -> int:
     """gpt2-analyze --attribution CLEAN CORRUPT: the scores as tables (and heatmaps with --plot)."""
-    if not 0 <= args.verify <= 64:
-        return fail(f"--verify must be in 0..64, got {args.verify}")
     try:
-        loaded = load_from(args)
-        tok = loaded.tokenizer
+        spec = read_metric(args.metric)  # before the model loads
         texts = [
             utf8_checked(p, f"the {which} prompt")
             for p, which in zip(args.attribution, ("clean", "corrupted"), strict=True)
         ]
+    except (GenerationError, PromptError) as e:
+        return fail(str(e))
+    try:
+        loaded = load_from(args)
+        tok = loaded.tokenizer
         clean, corrupt = (validate_prompt(loaded.model, tok.encode(p), 0) for p in texts)
-        metric = parse_metric(args.metric, tok)
+        metric = Loss() if spec is None else spec.metric(tok)
         result = attribution(loaded.model, clean, corrupt, metric, args.verify)
-    except (LoadError, GenerationError, InvalidTextError, InterventionError, PromptError) as e:
+    except (GenerationError, InterventionError) as e:  # the metric's are named so: its token, its position
+        return fail(f"--metric: {e}" if (getattr(e, "param", None) or "").startswith("metric") else str(e))
+    except (LoadError, InvalidTextError) as e:
         return fail(str(e))
     tables = [f"{loaded.name}: {len(clean)} tokens; metric {args.metric}"]
     tables.append(attribution_table(result, [tok.token_text(t) for t in clean], [tok.token_text(t) for t in corrupt]))
@@ -326,16 +371,27 @@ def attribution_main(args: argparse.Namespace, plt: Any) -> int:
     return 0
 
 
-def parse_metric(text: str, tok: Tokenizer) -> Metric:
-    """`loss`, or the metric as the HTTP API takes it (JSON), with token texts turned into ids."""
+METRICS = (
+    '{"type": "logprob", "token": ..., "position": -1}, {"type": "logit_diff", "tokens": [a, b]}, {"type": "loss"}'
+)
+
+
+def read_metric(text: str) -> Any:
+    """`loss` (None), or the metric as the HTTP API takes it (JSON: a `MetricSpec`, whose `metric(tokenizer)`
+    turns token texts into ids)."""
     if text.strip() == "loss":
-        return Loss()
+        return None
     from pydantic import TypeAdapter
 
     from server.schemas import MetricSpec
 
     adapter: TypeAdapter[Any] = TypeAdapter(MetricSpec)
-    return read_json_flag("--metric", text, adapter.validate_python, GenerationError).metric(tok)
+    try:
+        return read_json_flag("--metric", text, adapter.validate_python, GenerationError)
+    except GenerationError as e:
+        if text.lstrip().startswith("{"):
+            raise
+        raise GenerationError(f"{e}; give loss, or a metric as JSON: {METRICS}") from None
 
 
 def attribution_table(result: Attribution, clean: list[str], corrupt: list[str]) -> str:
@@ -351,13 +407,14 @@ def attribution_table(result: Attribution, clean: list[str], corrupt: list[str])
     width = max(9, *(min(len(s), 18) for s in labels))
     lines.append(f"{'layer':>5} " + " ".join(f"{s[:18]:>{width}}" for s in labels))
     for i, row in enumerate(result.resid_pre.tolist()):
-        lines.append(f"{i:>5} " + " ".join(f"{v:>{width}.4f}" for v in row))
+        lines.append(f"{i:>5} " + " ".join(f"{_shown(v, 4):>{width}.4f}" for v in row))
     H = result.z.shape[1]
     lines += ["", "attribution at blocks.L.attn.hook_z, per head (every position):"]
     lines.append(f"{'layer':>5} " + " ".join(f"{'head ' + str(h):>9}" for h in range(H)))
-    lines += [f"{i:>5} " + " ".join(f"{v:9.4f}" for v in row) for i, row in enumerate(result.z.tolist())]
+    lines += [f"{i:>5} " + " ".join(f"{_shown(v, 4):9.4f}" for v in row) for i, row in enumerate(result.z.tolist())]
     lines += ["", f"{'layer':>5} {'attn_out':>9} {'mlp_out':>9}"]
-    lines += [f"{i:>5} {a:9.4f} {m:9.4f}" for i, (a, m) in enumerate(zip(result.attn_out, result.mlp_out, strict=True))]
+    pairs = zip(result.attn_out, result.mlp_out, strict=True)
+    lines += [f"{i:>5} {_shown(a, 4):9.4f} {_shown(m, 4):9.4f}" for i, (a, m) in enumerate(pairs)]
     if result.verified:
         lines += ["", f"{'patched for real (the `set` edit)':<44} {'estimate':>9} {'change':>9}"]
         for v in result.verified:
@@ -377,7 +434,8 @@ def plot_attribution(plt: Any, path: str, result: Attribution, tokens: list[str]
     ):
         bound = float(scores.abs().max()) or 1.0
         image = ax.imshow(scores.numpy(), cmap="RdBu", vmin=-bound, vmax=bound, aspect="auto")
-        ax.set_xticks(range(len(ticks)), ticks, rotation=60 if xlabel == "position" else 0, fontsize=8)
+        rotation = 60 if xlabel == "position" else 0
+        ax.set_xticks(range(len(ticks)), ticks, rotation=rotation, fontsize=8, parse_math=False)  # tokens as they are
         ax.set_xlabel(xlabel)
         ax.set_ylabel("layer")
         ax.set_yticks(range(scores.shape[0]))
@@ -401,10 +459,11 @@ def write_out(lines: list[str]) -> str | None:
 
 
 def save_figure(plt: Any, fig: Any, path: str) -> None:
-    """Write `fig` to `path` whole (a temporary file renamed over it: a full disk leaves the old file), then
-    let it go."""
+    """Write `fig` to `path` whole (a temporary file renamed over it: a full disk leaves the old file), in the
+    format `path`'s extension names (the temporary's is the file's a link at `path` points to), then let it go."""
+    kind = Path(path).suffix.removeprefix(".").lower()
     try:
-        replace_whole(path, lambda temporary: fig.savefig(temporary, dpi=110))
+        replace_whole(path, lambda temporary: fig.savefig(temporary, dpi=110, format=kind))
     finally:
         plt.close(fig)
 

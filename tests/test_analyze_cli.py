@@ -3,9 +3,11 @@ the table, the plot, and one-line errors."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import Checkpoint
@@ -38,7 +40,8 @@ def test_prints_the_table_and_writes_the_plot(model_args: list[str], tmp_path: P
     columns = ["norm", "eff_rank", "collapse", "mean_cos", "attn_ent", "lens@last"]
     assert lines[2].split() == ["layer", *columns, "|", *columns]
     bar = lines[2].index(" | ")  # fixed-width columns: each side of the bar is one run
-    rows = [(line[:5].strip(), line[5:bar].split()[:5], line[bar + 3 :].split()[:5]) for line in lines[3:]]
+    table = lines[3 : lines.index("")]
+    rows = [(line[:5].strip(), line[5:bar].split()[:5], line[bar + 3 :].split()[:5]) for line in table]
     assert [layer for layer, _, _ in rows] == ["-1", "0", "1"]
     assert rows[0][1] == rows[0][2] and rows[0][1][4] == "-"  # the embeddings, before any attention
     (_, with_skips, without) = rows[-1]
@@ -60,14 +63,44 @@ def test_no_ablated_top_k_and_the_prompt_from_stdin(model_args: list[str]) -> No
     assert r.returncode == 0, r.stderr
     assert "8 tokens" in r.stdout
     assert "without residual connections" not in r.stdout and "|" not in r.stdout
-    assert len(r.stdout.splitlines()) == 3 + 3  # title, two header lines, layers -1..1
+    # title, two header lines, layers -1..1; then the logit lens's top 1 at the last position, a layer a line
+    assert len(r.stdout.splitlines()) == 3 + 3 + 1 + 1 + 3
+
+
+def test_top_k_is_the_logit_lens_at_the_last_position(
+    model_args: list[str], tiny: Checkpoint, tokenizer_dir: Path
+) -> None:
+    """Each layer's `--top-k` most likely next tokens at the last position, with their probabilities, as
+    `model.analysis.analyze` gives them, with and without the skips (the flag changed nothing printed)."""
+    from model.analysis import analyze
+    from model.interventions import EditSpec
+    from model.loading import load
+
+    loaded = load(tiny.path, tokenizer_dir=tokenizer_dir, device="cpu")
+    ids = loaded.tokenizer.encode(PROMPT)
+    everything = tuple(range(loaded.model.config.n_layer))
+    no_skips = EditSpec((), everything, everything).hooks(loaded.model.config, len(ids))
+    r = gpt2_analyze(PROMPT, *model_args, "--top-k", "3")
+    assert r.returncode == 0, r.stderr
+    sections = r.stdout.split("\n\n")
+    for section, hooks, which in ((sections[1], None, "with"), (sections[2], no_skips, "without")):
+        title, *rows = section.strip("\n").splitlines()
+        assert (
+            title
+            == f"logit lens at the last position, {which} residual connections (token probability, most likely first):"
+        )
+        for row, s in zip(rows, analyze(loaded.model, ids, 3, hooks), strict=True):
+            assert row.split()[0] == str(s.layer)
+            probabilities = [float(p) for p in re.findall(r" (\d\.\d{3})(?=  |$)", row)]  # each after its token
+            expected = [p for _, p in s.logit_lens[-1]]
+            assert len(expected) == 3 and probabilities == pytest.approx(expected, abs=5e-4), (row, expected)
+            assert all(repr(loaded.tokenizer.token_text(t))[:13] in row for t, _ in s.logit_lens[-1])
 
 
 @pytest.mark.parametrize(
     ("args", "says"),
     [
         (["", "{model}"], "the prompt is empty"),
-        ([PROMPT, "{model}", "--top-k", "0"], "--top-k must be in 1..100, got 0"),
         ([PROMPT, "--model", "/nonexistent/checkpoint", "--device", "cpu"], "/nonexistent/checkpoint"),
         ([PROMPT, "{model}", "--plot", "/nonexistent/dir/out.png"], "cannot write /nonexistent/dir/out.png"),
         ([PROMPT, "{model}", "--plot", "/tmp"], "--plot /tmp: the name must end in a format matplotlib writes ("),
@@ -80,7 +113,6 @@ def test_no_ablated_top_k_and_the_prompt_from_stdin(model_args: list[str]) -> No
     ],
     ids=[
         "empty prompt",
-        "bad top-k",
         "missing model",
         "unwritable plot",
         "plot without a format",
@@ -140,8 +172,24 @@ def test_a_torch_device_this_project_does_not_run_on(model_args: list[str], caps
         (["--attribution", "a b", "c d", "--no-ablated"], "does not take --no-ablated"),
         ([PROMPT, "--metric", "loss"], "--metric is for --attribution CLEAN CORRUPT"),
         ([PROMPT, "--verify", "3"], "--verify is for --attribution CLEAN CORRUPT"),
+        (["--attribution", "a b", "c d", "--top-k", "7"], "does not take --top-k"),
+        ([PROMPT, "--top-k", "0"], "--top-k must be in 1..100, got 0"),
+        ([PROMPT, "--top-k", "101"], "--top-k must be in 1..100, got 101"),
+        (["--attribution", "a b", "c d", "--verify", "65"], "--verify must be in 0..64, got 65"),
+        (["--attribution", "a b", "c d", "--verify", "-1"], "--verify must be in 0..64, got -1"),
     ],
-    ids=["prompt", "sae and gradients", "no-ablated", "metric", "verify"],
+    ids=[
+        "prompt",
+        "sae and gradients",
+        "no-ablated",
+        "metric",
+        "verify",
+        "top-k",
+        "top-k-0",
+        "top-k-101",
+        "verify-65",
+        "verify-negative",
+    ],
 )
 def test_flags_attribution_would_ignore_are_usage_errors(
     args: list[str], says: str, capsys: pytest.CaptureFixture[str]
@@ -222,6 +270,68 @@ def test_a_prompt_with_dollars_is_plotted_as_text(model_args: list[str], tmp_pat
     r = gpt2_analyze("price $\\frac{1 $ here", *model_args, "--no-ablated", "--plot", str(png))
     assert r.returncode == 0, r.stderr
     assert png.stat().st_size > 0 and r.stderr == f"wrote {png}\n"
+
+
+def test_the_log_axis_of_the_highway_keeps_its_math_and_the_title_is_text(
+    model_args: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prompt is drawn as text ($ included) while the log axis's labels stay mathtext: math was switched
+    off for every text, and the axis printed `$\\mathdefault{10^{0}}$` as it is."""
+    import gpt2_scripts.analyze as cli
+
+    seen: list[Any] = []
+    monkeypatch.setattr(cli, "save_figure", lambda plt, fig, path: seen.append(fig))
+    assert (
+        cli.main(["a $5 cat sat", *model_args, "--gradients", "--no-ablated", "--plot", str(tmp_path / "h.png")]) == 0
+    )
+    (fig,) = seen
+    fig.canvas.draw()
+    log_axis = next(ax for ax in fig.axes if ax.get_yscale() == "log")
+    labels = [t for t in log_axis.get_yticklabels() if t.get_text()]
+    assert labels and all("$" in t.get_text() and t.get_parse_math() for t in labels)
+    assert fig._suptitle.get_text().endswith(": 'a $5 cat sat'") and not fig._suptitle.get_parse_math()
+
+
+def test_a_plot_behind_a_link_takes_the_format_of_the_name_given(model_args: list[str], tmp_path: Path) -> None:
+    """A link `out.png` to `data.txt`: the figure is a PNG written over the link's target (matplotlib took the
+    format from the temporary file's name, `.part.txt`, and raised after the work)."""
+    (tmp_path / "data.txt").write_text("old")
+    (tmp_path / "out.png").symlink_to("data.txt")
+    r = gpt2_analyze(PROMPT, *model_args, "--no-ablated", "--plot", str(tmp_path / "out.png"))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "data.txt").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+@pytest.mark.parametrize(
+    ("metric", "says"),
+    [
+        (
+            "LOSS",
+            "--metric ('LOSS'): not valid JSON: Expecting value: line 1 column 1 (char 0); give loss, or a metric",
+        ),
+        ('{"type": "kl"}', "--metric ("),
+        ('{"type": "logprob", "token": 5, "position": 9}', "--metric: position 9 is outside the prompt"),
+        ('{"type": "logprob", "token": 99999}', "--metric: token id 99999 is outside the vocabulary"),
+    ],
+    ids=["not-json", "unknown-type", "position", "token"],
+)
+def test_metric_errors_name_the_flag(
+    model_args: list[str], metric: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gpt2_scripts.analyze import main
+
+    assert main(["--attribution", "a b", "c d", *model_args, "--metric", metric]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"gpt2-analyze: error: {says}"), err
+
+
+def test_a_metric_that_is_not_json_is_refused_before_the_model_loads(
+    model_args: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gpt2_scripts.analyze as cli
+
+    monkeypatch.setattr(cli, "load_from", lambda args: pytest.fail("the model was loaded"))
+    assert cli.main(["--attribution", "a b", "c d", *model_args, "--metric", "{"]) == 1
 
 
 def test_a_last_gradient_norm_of_zero_is_a_ratio_not_a_crash() -> None:
