@@ -6,10 +6,10 @@ for ever; and a client that reads none of its answer holds it in the send buffer
 say). `bounded_protocol` is uvicorn's h11 protocol with a deadline for the headers (a 408 in the API's error
 shape, then the connection closes), a deadline for a client that leaves its answer unread (the connection
 is dropped, its buffer freed) and a cap on open connections (a request on a connection opened when the cap's
-worth of others were open already, and still are, is answered 503). The body's deadline is the request
-guard's (`server.middleware`), so that it holds behind Ray Serve's proxy too. A request h11 cannot parse is
-answered 400 in the API's error shape too (uvicorn's is plain text).
-"""
+worth of others were open already, and still are, is answered 503, `/health` excepted: see `UNCAPPED`). The
+body's deadline is the request guard's (`server.middleware`), so that it holds behind Ray Serve's proxy too. A
+request h11 cannot parse is answered 400 in the API's error shape too (uvicorn's is plain text). On shutdown,
+the requests in flight get `drain_timeout` seconds (`uvicorn_config`)."""
 
 from __future__ import annotations
 
@@ -29,10 +29,16 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .errors import error_body
-from .middleware import REFUSAL
+from .middleware import REFUSAL, app_path
 from .settings import Settings
 
 log = logging.getLogger(__name__)
+
+# Paths served past the connection cap. A liveness probe opens a new connection each time, so under a flood of
+# connections a capped /health would fail it and the orchestrator would restart a pod that serves its clients
+# within the cap well. Answering /health costs no more than answering its 503 would: the connection is open
+# already either way, and the route reads a flag.
+UNCAPPED = frozenset({"/health"})
 
 
 def uvicorn_config(app: ASGIApp, settings: Settings) -> uvicorn.Config:
@@ -48,6 +54,9 @@ def uvicorn_config(app: ASGIApp, settings: Settings) -> uvicorn.Config:
         http=bounded_protocol(settings.header_timeout, settings.max_connections, settings.write_timeout),
         loop="asyncio",
         timeout_keep_alive=settings.keep_alive_timeout,  # type: ignore[arg-type]  # typed int; a float works
+        # on SIGTERM, the requests in flight get this long, then are cancelled: a bound an orchestrator's grace
+        # period can cover (uvicorn's default, None, waits on a stream for as long as it runs)
+        timeout_graceful_shutdown=settings.drain_timeout,  # type: ignore[arg-type]  # as above
     )
 
 
@@ -276,9 +285,9 @@ class _BoundedH11Protocol(H11Protocol):
         order they opened, is refused: a client that keeps a connection within the cap is served however many
         open after it (idle ones, say, which the header deadline closes), and a newer connection is served once
         older ones have closed. The request guard answers it: a 503 with a request id, logged and counted like
-        every other answer."""
+        every other answer. `UNCAPPED` paths are served whatever the count."""
         older = 0 if len(self.connections) <= self.max_connections else bisect.bisect_left(self._opened(), self._order)
-        if older >= self.max_connections:
+        if older >= self.max_connections and app_path(scope) not in UNCAPPED:
             scope[REFUSAL] = (
                 f"the server's {self.max_connections} connections (its limit, --max-connections) are taken by "
                 f"{older} opened before this one"

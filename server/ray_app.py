@@ -63,8 +63,6 @@ RAY_ARGS = (
     "num_gpus",
     "graceful_shutdown_timeout_s",
 )
-DRAIN_S = 120.0  # how long a replica Serve stops (a redeploy, a scale-down) finishes its requests: Serve's 20 s cut
-# streams of a few hundred tokens on a CPU
 
 
 @dataclass(frozen=True)
@@ -98,6 +96,10 @@ def plan(args: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> P
         else:
             valid = ", ".join(sorted((names - PROXY_SETTINGS.keys()) | set(RAY_ARGS)))
             raise ValueError(f"unknown argument {key!r}: the arguments are {valid}")
+    if "drain_timeout" in values and "graceful_shutdown_timeout_s" in ray_args:
+        raise ValueError(
+            "drain_timeout (GPT2_DRAIN_TIMEOUT) is Serve's graceful_shutdown_timeout_s under Ray: give one of them"
+        )
     settings = Settings(**values)
     if settings.device.startswith("cuda:"):
         raise ValueError(
@@ -112,7 +114,11 @@ def plan(args: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> P
         "name": DEPLOYMENT,
         "max_ongoing_requests": settings.max_batch_size + settings.max_queue,
         "ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus},
-        "graceful_shutdown_timeout_s": _number(ray_args, "graceful_shutdown_timeout_s", DRAIN_S, low=0.0),
+        # how long a replica Serve stops (a redeploy, a scale-down) finishes its requests: Serve's default 20 s
+        # cut streams of a few hundred tokens on a CPU; gpt2-serve's --drain-timeout, unless given here
+        "graceful_shutdown_timeout_s": _number(
+            ray_args, "graceful_shutdown_timeout_s", settings.drain_timeout, low=0.0
+        ),
     }
     autoscaled = [name for name in ("min_replicas", "max_replicas", "target_ongoing_requests") if name in ray_args]
     if autoscaled:

@@ -160,7 +160,7 @@ def test_a_request_beyond_the_connection_cap_is_a_503(loaded: LoadedModel) -> No
         idle = [r.connect() for _ in range(2)]
         try:
             wait_until(lambda: r.open_connections() == 2, timeout=GUARD)
-            refused = httpx.get(r.url + "/health", timeout=GUARD)
+            refused = httpx.get(r.url + "/v1/models", timeout=GUARD)  # /health is answered past the cap
             assert refused.status_code == 503
             assert refused.headers["retry-after"] == "1"
             error = refused.json()["error"]
@@ -190,6 +190,7 @@ def http_exchange(sock: socket.socket, request: bytes) -> tuple[int, dict[str, s
 
 
 HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+MODELS = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"  # a route the cap applies to (not /health: test_deploy.py)
 
 
 def test_the_connection_cap_refuses_the_newest_connections_not_one_opened_within_it(loaded: LoadedModel) -> None:
@@ -198,24 +199,24 @@ def test_the_connection_cap_refuses_the_newest_connections_not_one_opened_within
     the cap must not make it worse), and the newest one past the cap is refused until older ones close."""
     with running(loaded, max_connections=2, header_timeout=120.0) as r:
         with r.connect() as kept:
-            assert http_exchange(kept, HEALTH)[0] == 200
+            assert http_exchange(kept, MODELS)[0] == 200
             idle = [r.connect() for _ in range(3)]  # the second one is the cap's; the others are past it
             try:
                 wait_until(lambda: r.open_connections() == 4, timeout=GUARD)
-                assert http_exchange(kept, HEALTH)[0] == 200  # it was refused: the count was over the cap
+                assert http_exchange(kept, MODELS)[0] == 200  # it was refused: the count was over the cap
                 with r.connect() as newest:
-                    status, headers, body = http_exchange(newest, HEALTH)
+                    status, headers, body = http_exchange(newest, MODELS)
                 assert status == 503 and headers["connection"] == "close", body
                 assert "taken by 4 opened before this one" in body["error"]["message"]
                 for sock in idle[1:]:  # past the cap, they go: the second one and the kept one are the two
                     sock.close()
                 wait_until(lambda: r.open_connections() == 2, timeout=GUARD)
                 with r.connect() as late:  # two older ones are open: still past the cap
-                    assert http_exchange(late, HEALTH)[0] == 503
+                    assert http_exchange(late, MODELS)[0] == 503
                 idle[0].close()
                 wait_until(lambda: r.open_connections() == 1, timeout=GUARD)
                 with r.connect() as later:  # one older one: within the cap now
-                    assert http_exchange(later, HEALTH)[0] == 200
+                    assert http_exchange(later, MODELS)[0] == 200
             finally:
                 for sock in idle:
                     sock.close()
@@ -380,7 +381,7 @@ def test_a_cors_preflight_beyond_the_connection_cap_is_a_503_too(loaded: LoadedM
             refused = httpx.options(r.url + "/v1/generate", headers=preflight, timeout=GUARD)
             assert refused.status_code == 503 and refused.headers["connection"] == "close", refused.text
             assert "--max-connections" in refused.json()["error"]["message"]
-            plain = httpx.get(r.url + "/health", headers={"Origin": "http://a.example"}, timeout=GUARD)
+            plain = httpx.get(r.url + "/v1/models", headers={"Origin": "http://a.example"}, timeout=GUARD)
             assert plain.status_code == 503  # and readable by the page that sent it
             assert plain.headers["access-control-allow-origin"] == "http://a.example", plain.headers
         finally:

@@ -1,5 +1,6 @@
 """The Dockerfile, checked without Docker: hadolint finds nothing, and the instructions the image's users
-rely on are there (ENTRYPOINT, HEALTHCHECK, a non-root USER, the weight-cache VOLUME, torch's range)."""
+rely on are there (ENTRYPOINT, HEALTHCHECK, a non-root USER, the weight-cache VOLUME, the tested torch, kernels
+compiled only where they can be). And gpt2-serve's torch threads in a container: sized by its CPU quota."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import torch
 
-from server.settings import parse_settings
+from server.cli import size_threads, threads_for
+from server.settings import available_cpus, cpu_quota, parse_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -72,12 +75,27 @@ def test_base_image_and_torch_index_are_build_arguments() -> None:
     assert '--index-url "${TORCH_INDEX_URL}"' in DOCKERFILE.read_text(encoding="utf-8")
 
 
-def test_torch_range_is_pyprojects() -> None:
+def test_torch_is_the_tested_version_within_pyprojects_range() -> None:
+    requirements = pytest.importorskip("packaging.requirements", reason="packaging is not installed")
     pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     (torch_requirement,) = re.findall(r'"(torch[<>=!~].*?)"', pyproject)
+    args = dict(a.partition("=")[::2] for kw, a in instructions() if kw == "ARG")
+    pinned = args["TORCH_VERSION"]
+    assert requirements.Requirement(torch_requirement).specifier.contains(pinned), (pinned, torch_requirement)
     runs = " ".join(a for kw, a in instructions() if kw == "RUN")
-    assert f'"{torch_requirement}"' in runs, f"the Dockerfile should install {torch_requirement} (pyproject's range)"
+    assert '"torch==${TORCH_VERSION}"' in runs
     assert "[test]" not in runs, "the image installs the package without its test extras"
+
+
+def test_the_kernels_are_compiled_only_on_x86_64() -> None:
+    """Their builds take -mavx2 and -mavx512*, which g++ refuses for another CPU: `docker build --platform
+    linux/arm64` failed there. The step runs where `uname -m` says x86_64, and nothing else installs g++."""
+    (compile_step,) = [a for kw, a in instructions() if kw == "RUN" and "kernels.build" in a]
+    assert compile_step.startswith('if [ "$(uname -m)" = x86_64 ]; then ') and compile_step.endswith("; fi")
+    others = [a for kw, a in instructions() if kw == "RUN" and a != compile_step]
+    assert not [a for a in others if "g++" in a]
+    result = subprocess.run(["sh", "-c", compile_step.replace("uname -m", "echo aarch64")], capture_output=True)
+    assert result.returncode == 0 and not result.stdout, "on arm64 the step should do nothing, and succeed"
 
 
 def test_entrypoint_binds_all_interfaces_and_takes_flags() -> None:
@@ -149,3 +167,83 @@ def test_dockerignore_lets_in_only_what_the_image_installs() -> None:
         if keyword == "COPY":
             for source in args.split()[:-1]:
                 assert any(fnmatch(a, source) for a in allowed), f"COPY {source}: .dockerignore keeps it out"
+
+
+def cgroup_v2(root: Path, cpu_max: str) -> Path:
+    (root / "cpu.max").write_text(cpu_max + "\n")
+    return root
+
+
+def cgroup_v1(root: Path, quota: int, period: int, folder: str = "cpu,cpuacct") -> Path:
+    (root / folder).mkdir()
+    (root / folder / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+    (root / folder / "cpu.cfs_period_us").write_text(f"{period}\n")
+    return root
+
+
+@pytest.mark.parametrize(
+    ("make", "quota"),
+    [
+        (lambda root: cgroup_v2(root, "200000 100000"), 2.0),  # docker run --cpus 2
+        (lambda root: cgroup_v2(root, "150000 100000"), 1.5),
+        (lambda root: cgroup_v2(root, "max 100000"), None),  # no limit
+        (lambda root: cgroup_v1(root, 50000, 100000), 0.5),
+        (lambda root: cgroup_v1(root, 300000, 100000, folder="cpu"), 3.0),
+        (lambda root: cgroup_v1(root, -1, 100000), None),  # v1's "no limit"
+        (lambda root: root, None),  # no cgroup files at all (not Linux, or not mounted)
+    ],
+)
+def test_the_cgroups_cpu_quota_is_read(tmp_path: Path, make: object, quota: float | None) -> None:
+    assert cpu_quota(make(tmp_path)) == quota  # type: ignore[operator]
+
+
+@pytest.fixture
+def cpus(monkeypatch: pytest.MonkeyPatch) -> int:
+    """A host of 64 CPUs, all of them this process's (its affinity)."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    return 64
+
+
+@pytest.mark.parametrize(("cpu_max", "expected"), [("200000 100000", 2), ("150000 100000", 2), ("max 100000", 64)])
+def test_available_cpus_are_the_quota_rounded_up_within_the_affinity(
+    tmp_path: Path, cpus: int, cpu_max: str, expected: int
+) -> None:
+    assert available_cpus(cgroup_v2(tmp_path, cpu_max)) == expected
+
+
+def test_available_cpus_are_at_most_the_affinity(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)  # docker run --cpuset-cpus 0-2
+    assert available_cpus(cgroup_v2(tmp_path, "800000 100000")) == 3
+    assert available_cpus(cgroup_v2(tmp_path, "10000 100000")) == 1  # a tenth of a CPU: still one thread
+
+
+@pytest.mark.parametrize(
+    ("environ", "default", "expected"),
+    [
+        ({}, 32, 2),  # docker run --cpus 2 on a host where torch would take 32
+        ({}, 1, 1),  # never more than torch's own default
+        ({"OMP_NUM_THREADS": "8"}, 32, None),  # chosen by the operator: torch has read it, left alone
+    ],
+)
+def test_gpt2_serve_sizes_torchs_threads_by_the_container(
+    tmp_path: Path, cpus: int, environ: dict[str, str], default: int, expected: int | None
+) -> None:
+    assert threads_for(default, environ, cgroup_v2(tmp_path, "200000 100000")) == expected
+
+
+def test_size_threads_sets_them_and_says_so(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    before = torch.get_num_threads()
+    monkeypatch.setattr("server.cli.available_cpus", lambda cgroup: 1)
+    try:
+        torch.set_num_threads(3)
+        with caplog.at_level("INFO", logger="server.cli"):
+            size_threads({})
+        assert torch.get_num_threads() == 1
+        assert "torch threads: 1 (the CPUs this process may use" in caplog.text
+        caplog.clear()
+        torch.set_num_threads(3)
+        with caplog.at_level("INFO", logger="server.cli"):
+            size_threads({"OMP_NUM_THREADS": "3"})
+        assert torch.get_num_threads() == 3 and "torch threads: 3 (OMP_NUM_THREADS)" in caplog.text
+    finally:
+        torch.set_num_threads(before)

@@ -315,6 +315,11 @@ def test_ray_options_follow_from_the_settings() -> None:
         "num_replicas": 3,
     }
     assert plan({"graceful_shutdown_timeout_s": "600"}, environ={}).options["graceful_shutdown_timeout_s"] == 600.0
+    # gpt2-serve's --drain-timeout is the same setting: taken from the args or the environment, not both ways
+    assert plan({"drain_timeout": "45"}, environ={}).options["graceful_shutdown_timeout_s"] == 45.0
+    assert plan({}, environ={"GPT2_DRAIN_TIMEOUT": "30"}).options["graceful_shutdown_timeout_s"] == 30.0
+    with pytest.raises(ValueError, match="is Serve's graceful_shutdown_timeout_s under Ray: give one of them"):
+        plan({"drain_timeout": "45", "graceful_shutdown_timeout_s": "60"}, environ={})
     gpu = plan({"device": "cuda"}, environ={"GPT2_MAX_BATCH_SIZE": "32"})
     assert gpu.options["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0}
     assert gpu.options["max_ongoing_requests"] == 32 + 256  # the variable, as gpt2-serve reads it
