@@ -79,7 +79,8 @@ def size_threads(environ: Mapping[str, str]) -> None:
     if threads is None:
         log.info("torch threads: %d (OMP_NUM_THREADS)", default)
         return
-    torch.set_num_threads(threads)
+    if threads != default:  # else leave torch's OpenMP settings untouched: nothing to change
+        torch.set_num_threads(threads)
     log.info(
         "torch threads: %d (the CPUs this process may use, by its affinity and its cgroup's CPU quota; torch's "
         "default was %d; set OMP_NUM_THREADS to choose)",
