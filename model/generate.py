@@ -41,6 +41,7 @@ from .interventions import EditSpec, HookChain
 from .json_file import is_int
 from .kernels.decode import FusedDecode
 from .kv_cache import KVCache, PackedBatch
+from .overflow import dtype_range
 from .sampling import sample, top_logprobs
 from .tokenizer import EOT_ID, Tokenizer
 
@@ -800,7 +801,7 @@ class DecodeBatch:
                     why = (
                         "interventions with large factors or values can do this"
                         if edited
-                        else "the weights, or their dtype's range: float16's ends at 65504"
+                        else f"the weights, or {dtype_range(self.model.ln_f.weight.dtype)}"  # the activations'
                     )
                     raise GenerationError(
                         f"the logits became non-finite (inf or NaN) at generated token {len(seq.tokens) + 1}: "

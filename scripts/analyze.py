@@ -43,7 +43,7 @@ from model.analysis import LayerStats, analyze
 from model.dump import dump_path_problem, replace_whole
 from model.generate import GenerationError, validate_prompt
 from model.interventions import EditSpec, InterventionError
-from model.lab.attribution import Attribution, attribution
+from model.lab.attribution import MAX_VERIFY, Attribution, attribution
 from model.lab.gradients import LayerGradient, Loss, highway
 from model.lab.sae import SAEError
 from model.loading import LoadError, add_checkpoint_arguments, load_from
@@ -95,8 +95,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ]
         if given:
             p.error(f"--attribution CLEAN CORRUPT does not take {', '.join(given)}")
-        from server.schemas import MAX_VERIFY
-
         args.metric = "loss" if args.metric is None else args.metric
         args.verify = 0 if args.verify is None else args.verify
         if not 0 <= args.verify <= MAX_VERIFY:
@@ -251,6 +249,8 @@ def plot(
 ) -> None:
     """Norm, effective rank and collapse across layers, with (and without) residual connections; with
     `grads`, a second row: the loss's gradient norm per layer and each block's Jacobian RMS gain."""
+    from matplotlib.ticker import MaxNLocator
+
     measures = [
         ("mean residual norm", lambda s: sum(s.norms) / len(s.norms)),
         ("effective rank", lambda s: s.effective_rank),
@@ -272,7 +272,7 @@ def plot(
     axes[2].set_ylim(bottom=0)
     axes[0].legend()
     for ax in axes:
-        ax.set_xticks(layers)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # whole layers (49 ticks would crowd gpt2-xl's)
     fig.suptitle(title if len(title) <= 100 else title[:99] + "…", parse_math=False)  # the prompt as it is, $ too
     fig.tight_layout()
     save_figure(plt, fig, path)
@@ -314,8 +314,9 @@ def _grad_cells(g: LayerGradient) -> str:
 
 
 def _plot_highway(axes: Any, normal: list[LayerGradient], ablated: list[LayerGradient] | None) -> None:
+    from matplotlib.ticker import MaxNLocator
+
     series = [("with residual connections", "o-", normal), ("without residual connections", "s--", ablated)]
-    blocks = [g for g in normal if g.jacobian_norm is not None]
     for label, style, run in series:
         if run is None:
             continue
@@ -331,9 +332,8 @@ def _plot_highway(axes: Any, normal: list[LayerGradient], ablated: list[LayerGra
     for ax in axes:
         ax.set_xlabel("layer (-1: embeddings)" if ax is axes[0] else "block")
         ax.grid(alpha=0.3)
-    axes[0].set_xticks([g.layer for g in normal])
-    axes[1].set_xticks([g.layer for g in blocks])
-    axes[2].set_xticks([g.layer for g in blocks])
+    for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0].legend()
     axes[1].legend()
 

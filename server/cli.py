@@ -26,7 +26,6 @@ log = logging.getLogger(__name__)
 def main(argv: list[str] | None = None) -> int:
     settings = parse_settings(argv)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    size_threads(os.environ)
     failures: list[Exception] = []
 
     def on_load_error(error: Exception) -> None:
@@ -40,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
             f"gpt2-serve: error: cannot listen on {settings.host}:{settings.port}: {e.strerror or e}", file=sys.stderr
         )
         return 1
+    size_threads(os.environ)
     app = create_app(settings, on_load_error=on_load_error, on_loaded=freeze_long_lived)
     server = uvicorn.Server(uvicorn_config(app, settings))
     log.info("listening on %s port %d", settings.host, settings.port)
@@ -73,14 +73,13 @@ def threads_for(default: int, environ: Mapping[str, str], cgroup: Path = CGROUP)
 
 
 def size_threads(environ: Mapping[str, str]) -> None:
-    """Set torch's threads (`threads_for`) before the model loads, and say where the number came from."""
+    """Set torch's threads (`threads_for`) before the model loads, saying so where that changes them."""
     default = torch.get_num_threads()
     threads = threads_for(default, environ)
-    if threads is None:
-        log.info("torch threads: %d (OMP_NUM_THREADS)", default)
+    if threads is None or threads == default:  # torch's own choice stands: said only at --log-level debug
+        log.debug("torch threads: %d (%s)", default, "OMP_NUM_THREADS" if threads is None else "torch's default")
         return
-    if threads != default:  # else leave torch's OpenMP settings untouched: nothing to change
-        torch.set_num_threads(threads)
+    torch.set_num_threads(threads)
     log.info(
         "torch threads: %d (the CPUs this process may use, by its affinity and its cgroup's CPU quota; torch's "
         "default was %d; set OMP_NUM_THREADS to choose)",

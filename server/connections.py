@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .errors import error_body
-from .middleware import REFUSAL, app_path
+from .middleware import CLOSE, REFUSAL, app_path
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 # Paths served past the connection cap. A liveness probe opens a new connection each time, so under a flood of
 # connections a capped /health would fail it and the orchestrator would restart a pod that serves its clients
 # within the cap well. Answering /health costs no more than answering its 503 would: the connection is open
-# already either way, and the route reads a flag.
+# already either way, the route reads a flag, and the connection closes after it as after the 503.
 UNCAPPED = frozenset({"/health"})
 
 
@@ -285,9 +285,11 @@ class _BoundedH11Protocol(H11Protocol):
         order they opened, is refused: a client that keeps a connection within the cap is served however many
         open after it (idle ones, say, which the header deadline closes), and a newer connection is served once
         older ones have closed. The request guard answers it: a 503 with a request id, logged and counted like
-        every other answer. `UNCAPPED` paths are served whatever the count."""
+        every other answer. `UNCAPPED` paths are served whatever the count, and their connection then closes."""
         older = 0 if len(self.connections) <= self.max_connections else bisect.bisect_left(self._opened(), self._order)
-        if older >= self.max_connections and app_path(scope) not in UNCAPPED:
+        if older >= self.max_connections and app_path(scope) in UNCAPPED:
+            scope[CLOSE] = True
+        elif older >= self.max_connections:
             scope[REFUSAL] = (
                 f"the server's {self.max_connections} connections (its limit, --max-connections) are taken by "
                 f"{older} opened before this one"

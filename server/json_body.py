@@ -6,7 +6,8 @@ leaves such objects to the parser ("the names within an object SHOULD be unique"
 with a 400 naming the key's path (`residual.attn`, `interventions.0.hook`). Everything else reads as
 `json.loads` reads it (NaN and Infinity, integers up to Python's 4,300 digits, the same errors), in the same
 single pass, but for the encoding: UTF-8 only, as RFC 8259 has it (a byte order mark before it is taken, as
-the RFC allows); `json.loads` would also guess UTF-16 and UTF-32 from the first bytes.
+the RFC allows); `json.loads` would also guess UTF-16 and UTF-32 from the first bytes, and take surrogates
+encoded as UTF-8 bytes (CESU-8), which are not UTF-8.
 
 FastAPI parses a body with `await request.json()` on the request its route handler is given: a router made
 with `APIRouter(route_class=JSONBodyRoute)` hands its handlers a `JSONBodyRequest`.
@@ -38,7 +39,8 @@ def loads(body: bytes) -> Any:
     """`json.loads(body)` of a UTF-8 body, raising DuplicateKeyError for an object that names a key twice (and
     UnicodeDecodeError for bytes that are not UTF-8)."""
     keys = _UniqueKeys()
-    value = json.loads(body.decode("utf-8-sig"), object_pairs_hook=keys.object)
+    text = body.decode("utf-8").removeprefix("\ufeff")  # a bad byte's offset counts a BOM before it, as sent
+    value = json.loads(text, object_pairs_hook=keys.object)
     if keys.path is not None:
         above = _path_to(keys.holder, value)
         assert above is not None, "the object holding the duplicate is in the body"

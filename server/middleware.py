@@ -40,6 +40,9 @@ ABSOLUTE_FORM = re.compile(rb"[A-Za-z][A-Za-z0-9+.-]*://([^/?#]*)")
 # A scope key the connection layer (`server.connections`) sets on a request it refuses, with the reason: the
 # guard answers it 503, so that the refusal carries a request id and is logged and counted like any answer.
 REFUSAL = "gpt2.refusal"
+# A scope key it sets on a request past the cap that it serves all the same (/health): its answer closes the
+# connection, so that the cap still bounds the connections a client can hold open.
+CLOSE = "gpt2.close"
 
 
 def origin_form(scope: Scope) -> None:
@@ -126,6 +129,8 @@ class RequestGuard:
             if message["type"] == "http.response.start":
                 status, started = message["status"], True
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1"))]
+                if scope.get(CLOSE):
+                    message["headers"].append((b"connection", b"close"))
             await send(message)
 
         try:

@@ -96,10 +96,10 @@ def plan(args: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> P
         else:
             valid = ", ".join(sorted((names - PROXY_SETTINGS.keys()) | set(RAY_ARGS)))
             raise ValueError(f"unknown argument {key!r}: the arguments are {valid}")
-    if "drain_timeout" in values and "graceful_shutdown_timeout_s" in ray_args:
-        raise ValueError(
-            "drain_timeout (GPT2_DRAIN_TIMEOUT) is Serve's graceful_shutdown_timeout_s under Ray: give one of them"
-        )
+    if "graceful_shutdown_timeout_s" in ray_args:  # the same setting: the argument wins over the environment's
+        if any(key.replace("-", "_") == "drain_timeout" for key in args):
+            raise ValueError("drain_timeout is Serve's graceful_shutdown_timeout_s under Ray: give one of them")
+        values.pop("drain_timeout", None)
     settings = Settings(**values)
     if settings.device.startswith("cuda:"):
         raise ValueError(

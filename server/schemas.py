@@ -14,6 +14,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from model.generate import SEED_RANGE, ContextLengthError, GenerationError, SamplingParams
 from model.hooks import UnknownHookError, select_hooks
 from model.interventions import OP_READS, Edit, EditSpec, InterventionError
+from model.lab.attribution import MAX_VERIFY
 from model.lab.gradients import LogitDiff, LogProb, Loss, Metric
 from model.lab.steering import STEERING_OPS, DirectionError, Directions
 from model.tokenizer import EOT_ID, InvalidTextError, Tokenizer, check_unicode
@@ -459,9 +460,6 @@ class GradientsRequest(Edits):
             return select_hooks(self.hooks, n_layer)
         except UnknownHookError as e:
             raise GenerationError(str(e), "hooks") from None
-
-
-MAX_VERIFY = 64  # sites patched for real in one attribution request
 
 
 class AttributionRequest(Strict):

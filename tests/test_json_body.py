@@ -193,9 +193,10 @@ def test_every_route_that_reads_a_body_refuses_duplicates(client: TestClient) ->
         (b'{"prompt": "Hi", "max_tokens": ' + b"9" * 5000 + b"}", "an integer of more than 4300 digits"),
         (b'{"prompt": "\xff"}', "the body is not UTF-8: invalid start byte at byte 12"),
         ('{"prompt": "Hi"}'.encode("utf-16"), "the body is not UTF-8"),
+        (b'\xef\xbb\xbf{"prompt": "\xff"}', "the body is not UTF-8: invalid start byte at byte 15"),  # after a BOM
         (b'{"prompt": "Hi",}', "the body is not valid JSON: Expecting property name enclosed in double quotes"),
     ],
-    ids=["nan", "5000-digits", "not-utf8", "utf16", "not-json"],
+    ids=["nan", "5000-digits", "not-utf8", "utf16", "bom-then-not-utf8", "not-json"],
 )
 def test_other_bad_bodies_are_answered_as_before(client: TestClient, content: bytes, says: str) -> None:
     error = assert_error(post(client, CMPL, content), 400)

@@ -320,6 +320,8 @@ def test_ray_options_follow_from_the_settings() -> None:
     assert plan({}, environ={"GPT2_DRAIN_TIMEOUT": "30"}).options["graceful_shutdown_timeout_s"] == 30.0
     with pytest.raises(ValueError, match="is Serve's graceful_shutdown_timeout_s under Ray: give one of them"):
         plan({"drain_timeout": "45", "graceful_shutdown_timeout_s": "60"}, environ={})
+    given = plan({"graceful_shutdown_timeout_s": "60"}, environ={"GPT2_DRAIN_TIMEOUT": "30"})  # args win, as always
+    assert given.options["graceful_shutdown_timeout_s"] == 60.0
     gpu = plan({"device": "cuda"}, environ={"GPT2_MAX_BATCH_SIZE": "32"})
     assert gpu.options["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0}
     assert gpu.options["max_ongoing_requests"] == 32 + 256  # the variable, as gpt2-serve reads it

@@ -21,6 +21,7 @@ from ..json_file import is_int
 from .gradients import Metric, MetricError, MetricPass, Refusal, check_metric
 
 SITES = ("hook_resid_pre", "attn.hook_z", "hook_attn_out", "hook_mlp_out")
+MAX_VERIFY = 64  # sites patched for real in one run: each is a forward pass of its own (the API's and CLI's bound)
 
 
 @dataclass(frozen=True)

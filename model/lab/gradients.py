@@ -295,7 +295,8 @@ class MetricPass:
         self._read = metric_rows(metric, len(ids))
         watch = len(ids) if watch_every_position else self._read.stop
         self._hooks, self._watch = watched(hooks, edits, config, len(ids), watch)
-        self._blamed = refusal.edits_param if edits is not None else refusal.param  # what the errors name
+        self.edited = edits is not None
+        self._blamed = refusal.edits_param if self.edited else refusal.param  # what the errors name
         self._n_layer = config.n_layer
         # the final LayerNorm's rows: every row where a hook point after the last block is in use (its hooks
         # see them all, as in one pass), else the metric's. The head's parts: the metric's rows; where the
@@ -449,15 +450,15 @@ class MetricPass:
         for n, v, g in zip(stage.names, values, got, strict=False):  # `got` may end with the input's
             self.grads[n] = torch.zeros_like(v.detach()) if g is None else g.detach()
         below = got[-1] if len(inputs) > len(values) else None
-        for at, g in [*zip(stage.names, got, strict=False), ("its input", below)]:
-            if g is not None and not bool(torch.isfinite(g).all()):  # the numbers would mean nothing
-                edits = self._blamed == self.refusal.edits_param
-                cause = "the edits took it there" if edits else f"the weights, or it left {dtype_range(g.dtype)}"
-                raise MetricError(
-                    f"the gradient of {self.refusal.subject} became inf or NaN going back through {stage.piece}, "
-                    f"at {at}: {cause}",
-                    self._blamed,
-                )
+        checked = [(at, g) for at, g in [*zip(stage.names, got, strict=False), ("its input", below)] if g is not None]
+        if checked and not bool(torch.stack([g.isfinite().all() for _, g in checked]).all()):  # one sync a piece
+            at, g = next((at, g) for at, g in checked if not bool(g.isfinite().all()))  # the numbers would mean nothing
+            cause = "the edits took it there" if self.edited else f"the weights, or it left {dtype_range(g.dtype)}"
+            raise MetricError(
+                f"the gradient of {self.refusal.subject} became inf or NaN going back through {stage.piece}, "
+                f"at {at}: {cause}",
+                self._blamed,
+            )
         return below
 
 
@@ -519,6 +520,7 @@ class FrobeniusEstimate:
         self.probes += 1
 
     def finite(self) -> bool:
+        """Whether every product added so far was finite (a sum of squares past float64's is not, either)."""
         return math.isfinite(self._jacobian) and math.isfinite(self._minus_identity)
 
     def rms(self, n: int) -> tuple[float, float]:
@@ -574,10 +576,15 @@ class HighwayPass:
                 self._u = rademacher(self._probes, tuple(pre.shape), pre.dtype, pre.device, self._seed)
             estimate.add(post, pre, self._u[estimate.probes], retain_graph=not last)
         if not estimate.finite():
+            edited = self._loss.edited
+            reason = (
+                "the edits took its vector-Jacobian products there"
+                if edited
+                else f"its vector-Jacobian products left {dtype_range(pre.dtype)}"
+            )
             raise MetricError(
-                f"the gradient highway became inf or NaN at block {self._block}'s Jacobian: its vector-Jacobian "
-                f"products left {dtype_range(pre.dtype)}",
-                HIGHWAY.param,
+                f"the gradient highway became inf or NaN at block {self._block}'s Jacobian: {reason}",
+                HIGHWAY.edits_param if edited else HIGHWAY.param,
             )
         if last:
             self._block += 1
