@@ -25,6 +25,7 @@ import time
 import torch
 from gpt2_scripts.console import empty_flag
 
+from model.cpus import available_cpus, size_threads
 from model.harvest import FORMATS, HarvestError, HarvestSpec, run_harvest
 from model.loading import add_checkpoint_arguments
 
@@ -54,7 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, help="stop after this many tokens (whole contexts); default: all the text")
     p.add_argument("--shard-size", type=int, help="contexts per shard (default: about 256 MiB of activations)")
     p.add_argument("--format", choices=FORMATS, default="safetensors", help="shard format (safetensors)")
-    p.add_argument("--threads", type=int, help="torch threads in this process (default: torch's)")
+    p.add_argument(
+        "--threads", type=int, help="torch threads in this process (default: torch's, at most the CPUs it may use)"
+    )
     ray = p.add_argument_group("Ray", "run the job as a Ray Data pipeline (needs the [ray] extra)")
     ray.add_argument(
         "--ray",
@@ -159,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if problem := empty_flag((("--model", args.model), ("--out", args.out), ("the source", args.source))):
         return fail(problem)
-    if args.threads is not None:
+    if args.threads is None:
+        size_threads(os.environ)  # torch's default, cut to the CPUs a container allows (model/cpus.py)
+    else:
         most = max_threads()
         if not 1 <= args.threads <= most:  # libgomp fails to start 20,000 threads, and 100,000 crashed torch
             return fail(f"--threads must be in 1..{most} ({THREADS_PER_CPU} per CPU here), got {args.threads}")
@@ -213,8 +218,8 @@ THREADS_PER_CPU = 4
 
 
 def max_threads() -> int:
-    """The most torch threads `--threads` takes: a few per CPU (more only wait on each other)."""
-    return THREADS_PER_CPU * (os.cpu_count() or 1)
+    """The most torch threads `--threads` takes: a few per CPU it may use (more only wait on each other)."""
+    return THREADS_PER_CPU * available_cpus()
 
 
 def fail(message: str) -> int:

@@ -10,15 +10,14 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Mapping
-from pathlib import Path
 
-import torch
 import uvicorn
+
+from model.cpus import size_threads
 
 from .app import create_app, freeze_long_lived
 from .connections import uvicorn_config
-from .settings import CGROUP, available_cpus, parse_settings
+from .settings import parse_settings
 
 log = logging.getLogger(__name__)
 
@@ -60,29 +59,3 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
-
-
-def threads_for(default: int, environ: Mapping[str, str], cgroup: Path = CGROUP) -> int | None:
-    """Torch's threads for this process: None where `OMP_NUM_THREADS` names them (torch has read it already),
-    else torch's `default` (the host's cores, whatever the container allows) cut to `available_cpus`. Never
-    more than the default: on a host with SMT torch counts physical cores, and threads on sibling hyperthreads
-    only contend."""
-    if environ.get("OMP_NUM_THREADS"):
-        return None
-    return min(default, available_cpus(cgroup))
-
-
-def size_threads(environ: Mapping[str, str]) -> None:
-    """Set torch's threads (`threads_for`) before the model loads, saying so where that changes them."""
-    default = torch.get_num_threads()
-    threads = threads_for(default, environ)
-    if threads is None or threads == default:  # torch's own choice stands: said only at --log-level debug
-        log.debug("torch threads: %d (%s)", default, "OMP_NUM_THREADS" if threads is None else "torch's default")
-        return
-    torch.set_num_threads(threads)
-    log.info(
-        "torch threads: %d (the CPUs this process may use, by its affinity and its cgroup's CPU quota; torch's "
-        "default was %d; set OMP_NUM_THREADS to choose)",
-        threads,
-        default,
-    )

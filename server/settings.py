@@ -7,7 +7,6 @@ import math
 import os
 import re
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # what both logging and uvicorn accept
@@ -145,46 +144,6 @@ class Settings:
         if self.max_dump_bytes_in_flight is not None:
             return self.max_dump_bytes_in_flight
         return 4 * self.max_activation_bytes
-
-
-CGROUP = Path("/sys/fs/cgroup")  # in a container, its own cgroup (Docker's and Kubernetes' cgroup namespace)
-
-
-def available_cpus(cgroup: Path = CGROUP) -> int:
-    """The CPUs this process can keep busy: those it may run on (its affinity, which `docker run --cpuset-cpus`
-    and Kubernetes' static CPU manager narrow), or fewer where its cgroup's CPU quota (`docker run --cpus`, a
-    Kubernetes CPU limit) allows less time than that, rounded up. Torch sizes its threads by the host's cores:
-    in a container with a quota of 2 on a 64-core host, 64 threads would share 2 CPUs' time and mostly wait on
-    each other."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS has no affinity to read
-        cpus = os.cpu_count() or 1
-    quota = cpu_quota(cgroup)
-    return cpus if quota is None else max(1, min(cpus, math.ceil(quota)))
-
-
-def cpu_quota(cgroup: Path = CGROUP) -> float | None:
-    """The CPUs' worth of time the cgroup at `cgroup` may use (quota over period), or None where it has no
-    quota or none can be read: cgroup v2's `cpu.max` ("200000 100000"; "max 100000" for none), else v1's
-    `cpu.cfs_quota_us` (-1 for none) over `cpu.cfs_period_us`, under `cpu/` or `cpu,cpuacct/`."""
-    try:
-        quota, period = (cgroup / "cpu.max").read_text().split()
-    except (OSError, ValueError):
-        for v1 in (cgroup / "cpu", cgroup / "cpu,cpuacct"):
-            try:
-                quota = (v1 / "cpu.cfs_quota_us").read_text().strip()
-                period = (v1 / "cpu.cfs_period_us").read_text().strip()
-                break
-            except OSError:
-                continue
-        else:
-            return None
-    try:
-        ratio = int(quota) / int(period)
-    except (ValueError, ZeroDivisionError):  # "max", or a file we do not understand: no quota we can use
-        return None
-    return ratio if ratio > 0 else None  # v1's -1: no quota
 
 
 def _env_name(name: str) -> str:

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.cli import size_threads, threads_for
-from server.settings import available_cpus, cpu_quota, parse_settings
+from model.cpus import available_cpus, cpu_quota, size_threads, threads_for
+from server.settings import parse_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -231,21 +231,48 @@ def test_gpt2_serve_sizes_torchs_threads_by_the_container(
     assert threads_for(default, environ, cgroup_v2(tmp_path, "200000 100000")) == expected
 
 
+def test_gpt2_harvest_sizes_its_threads_unless_told(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A harvest is the longest CPU job: without --threads it takes `size_threads`'s count (a container's CPUs),
+    with it exactly what it is told."""
+    import gpt2_scripts.harvest as cli
+
+    class Started(Exception):
+        pass
+
+    def started(*args: object, **kwargs: object) -> None:
+        raise Started
+
+    sized: list[object] = []
+    monkeypatch.setattr(cli, "size_threads", sized.append)
+    monkeypatch.setattr(cli, "HarvestSpec", started)  # the job's start: nothing past it runs
+    argv = [str(tmp_path / "docs.txt"), "--model", "gpt2", "--hooks", "hook_embed", "--out", str(tmp_path / "o")]
+    with pytest.raises(Started):
+        cli.main(argv)
+    assert len(sized) == 1
+    before = torch.get_num_threads()
+    try:
+        with pytest.raises(Started):
+            cli.main([*argv, "--threads", "1"])
+        assert len(sized) == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_size_threads_sets_them_and_says_so(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     before = torch.get_num_threads()
-    monkeypatch.setattr("server.cli.available_cpus", lambda cgroup: 1)
+    monkeypatch.setattr("model.cpus.available_cpus", lambda cgroup: 1)
     try:
         torch.set_num_threads(3)
-        with caplog.at_level("INFO", logger="server.cli"):
+        with caplog.at_level("INFO", logger="model.cpus"):
             size_threads({})
         assert torch.get_num_threads() == 1
         assert "torch threads: 1 (the CPUs this process may use" in caplog.text
         caplog.clear()
         torch.set_num_threads(3)
-        with caplog.at_level("INFO", logger="server.cli"):
+        with caplog.at_level("INFO", logger="model.cpus"):
             size_threads({"OMP_NUM_THREADS": "3"})
         assert torch.get_num_threads() == 3 and caplog.text == ""  # torch's own choice: nothing said at INFO
-        with caplog.at_level("DEBUG", logger="server.cli"):
+        with caplog.at_level("DEBUG", logger="model.cpus"):
             size_threads({"OMP_NUM_THREADS": "3"})
         assert "torch threads: 3 (OMP_NUM_THREADS)" in caplog.text
     finally:

@@ -142,7 +142,17 @@ def test_tokenizer_info(client: TestClient) -> None:
 # --- native API ---------------------------------------------------------------------------------
 
 
-def test_next_token(client: TestClient, loaded: LoadedModel) -> None:
+def reference_bytes(tokenizer_dir: Path, token_id: int) -> bytes:
+    """A token's bytes as transformers spells them: its vocabulary string, one character a byte."""
+    from transformers import GPT2TokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    piece = GPT2TokenizerFast.from_pretrained(str(tokenizer_dir)).convert_ids_to_tokens(token_id)
+    return piece.encode() if piece == "<|endoftext|>" else bytes(byte_of[c] for c in piece)
+
+
+def test_next_token(client: TestClient, loaded: LoadedModel, tokenizer_dir: Path) -> None:
     ids = ids_of(loaded, "The quick brown fox")
     body = post_ok(client, NEXT, {"prompt": "The quick brown fox", "top_k": 7})
     assert body["input_ids"] == ids
@@ -153,7 +163,7 @@ def test_next_token(client: TestClient, loaded: LoadedModel) -> None:
     assert [t["id"] for t in body["top"]] == top.indices.tolist()
     for entry, p, i in zip(body["top"], top.values.tolist(), top.indices.tolist(), strict=True):
         assert entry["token"] == loaded.tokenizer.token_text(i)
-        assert bytes(entry["bytes"]) == loaded.tokenizer.token_bytes(i)
+        assert bytes(entry["bytes"]) == reference_bytes(tokenizer_dir, i)
         assert entry["prob"] == pytest.approx(p, rel=1e-4, abs=1e-7)
         assert entry["logprob"] == pytest.approx(float(logprobs[i]), abs=1e-4)
     entropy = float(-(probs * logprobs).sum())
