@@ -419,6 +419,9 @@ def test_the_bounds_are_settings(argv: list[str], env: dict[str, str], expected:
         ),
         ([], {"GPT2_MAX_CONNECTIONS": "0"}, "GPT2_MAX_CONNECTIONS must be at least 1, got 0"),
         (["--write-timeout", "-1"], {}, "--write-timeout must be a number of seconds above 0, got -1.0"),
+        (["--drain-timeout", "0"], {}, "--drain-timeout must be a number of seconds above 0, got 0.0"),
+        ([], {"GPT2_DRAIN_TIMEOUT": "inf"}, "GPT2_DRAIN_TIMEOUT must be a number of seconds above 0, got inf"),
+        ([], {"GPT2_DRAIN_TIMEOUT": "later"}, "GPT2_DRAIN_TIMEOUT must be a number, got 'later'"),
     ],
 )
 def test_a_bad_bound_is_a_usage_error(

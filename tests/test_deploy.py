@@ -169,23 +169,6 @@ def test_the_uvicorn_config_bounds_the_drain() -> None:
     assert parse_settings([], environ={}).drain_timeout == 120.0  # Ray Serve's graceful_shutdown_timeout_s too
 
 
-@pytest.mark.parametrize(
-    ("argv", "env", "says"),
-    [
-        (["--drain-timeout", "0"], {}, "--drain-timeout must be a number of seconds above 0, got 0.0"),
-        ([], {"GPT2_DRAIN_TIMEOUT": "inf"}, "GPT2_DRAIN_TIMEOUT must be a number of seconds above 0, got inf"),
-        ([], {"GPT2_DRAIN_TIMEOUT": "later"}, "GPT2_DRAIN_TIMEOUT must be a number, got 'later'"),
-    ],
-)
-def test_a_bad_drain_timeout_is_a_usage_error(
-    argv: list[str], env: dict[str, str], says: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        parse_settings(argv, environ=env)
-    assert exit_info.value.code == 2
-    assert says in capsys.readouterr().err
-
-
 def test_sigterm_ends_a_request_in_flight_at_the_drain_timeout(tiny: Any, tokenizer_dir: Path, tmp_path: Path) -> None:
     """A real gpt2-serve with a 1 s drain, a request in flight (its body arriving slowly, within the body's 60 s
     deadline), then SIGTERM: the process exits at the drain's bound, not when the request would have ended."""
