@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from itertools import groupby
 from pathlib import Path
 from typing import Any
 
@@ -123,10 +124,20 @@ class Tokenizer:
             width *= 8
 
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=False)
+        """The text of `ids`; an id past the tokenizer's vocabulary (a model's padded one) is `<|id:N|>`, as in
+        `token_text`, where the library would leave it out."""
+        if not ids or max(ids) < self.vocab_size:
+            return self._tok.decode(ids, skip_special_tokens=False)
+        runs = groupby(ids, key=lambda i: i < self.vocab_size)
+        return "".join(
+            self._tok.decode(list(run), skip_special_tokens=False) if known else "".join(map(self.token_text, run))
+            for known, run in runs
+        )
 
     def decode_batch(self, batch: list[list[int]]) -> list[str]:
         """Like `decode` for each list of ids; like `encode_batch`, it lets go of the GIL while it works."""
+        if any(ids and max(ids) >= self.vocab_size for ids in batch):
+            return [self.decode(ids) for ids in batch]
         return self._tok.decode_batch(batch, skip_special_tokens=False)
 
     def token_text(self, token_id: int) -> str:
@@ -136,6 +147,19 @@ class Tokenizer:
         if token_id >= self.vocab_size:
             return f"<|id:{token_id}|>"
         return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def token_name(self, token_id: int) -> str:
+        """A name for one token that no other token shares: its text on its own (`token_text`), but
+        `bytes:\\xNN...` for a piece of a multi-byte character, whose text alone would be U+FFFD (as OpenAI's
+        logprobs name such a token)."""
+        text = self.token_text(token_id)  # <|id:N|> past the tokenizer's vocabulary
+        if "\ufffd" not in text:
+            return text
+        raw = self.token_bytes(token_id)
+        try:
+            return raw.decode("utf-8")  # a real U+FFFD
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     def pieces(self, ids: list[int]) -> list[str]:
         """Each id's own string in the vocabulary, as transformers' `convert_ids_to_tokens` gives it: its bytes

@@ -211,7 +211,7 @@ def _cells(s: LayerStats, tok: Tokenizer) -> str:
 
 
 def _token(tok: Tokenizer, token_id: int) -> str:
-    token = repr(tok.token_text(token_id))
+    token = repr(tok.token_name(token_id))  # a piece of a character by its bytes, not as U+FFFD
     return token if len(token) <= 14 else token[:13] + "…"
 
 
@@ -359,12 +359,12 @@ def attribution_main(args: argparse.Namespace, plt: Any) -> int:
     except (LoadError, InvalidTextError) as e:
         return fail(str(e))
     tables = [f"{loaded.name}: {len(clean)} tokens; metric {args.metric}"]
-    tables.append(attribution_table(result, [tok.token_text(t) for t in clean], [tok.token_text(t) for t in corrupt]))
+    tables.append(attribution_table(result, [tok.token_name(t) for t in clean], [tok.token_name(t) for t in corrupt]))
     if failure := write_out(tables):
         return fail(failure)
     if plt is not None:
         try:
-            plot_attribution(plt, args.plot, result, [tok.token_text(t) for t in clean])
+            plot_attribution(plt, args.plot, result, [tok.token_name(t) for t in clean])
         except (OSError, RuntimeError) as e:
             return fail(f"cannot write {args.plot}: {getattr(e, 'strerror', None) or e}")
         print(f"wrote {args.plot}", file=sys.stderr)

@@ -77,12 +77,12 @@ def features_table(sae_id: str, sae: SAE, loaded: LoadedModel, ids: list[int], t
     with torch.inference_mode():
         x = run_with_cache(loaded.model, torch.tensor([ids], device=loaded.device), [sae.cfg.hook_name])
     rows = token_features(sae, x[sae.cfg.hook_name][0], top_k, None)
-    text = loaded.tokenizer.token_text
+    name = loaded.tokenizer.token_name  # a piece of a character by its bytes, not as U+FFFD
     lines = [f"SAE {sae_id} at {sae.cfg.hook_name} ({sae.cfg.architecture}, {sae.cfg.d_sae} features)", ""]
     lines.append(f"{'pos':>4}  {'token':<16} {'L0':>5} {'var.expl':>8}  top features (id:value)")
     for p, (t, r) in enumerate(zip(ids, rows, strict=True)):
         ve = f"{r.variance_explained:8.3f}" if r.variance_explained is not None else f"{'-':>8}"
         top = "  ".join(f"{i}:{v:.2f}" for i, v in r.features)
         l0 = f"{r.l0:>5}" if r.l0 is not None else f"{'-':>5}"  # not finite: no count
-        lines.append(f"{p:>4}  {json.dumps(text(t))[:16]:<16} {l0} {ve}  {top}")
+        lines.append(f"{p:>4}  {json.dumps(name(t))[:16]:<16} {l0} {ve}  {top}")
     return "\n".join(lines)

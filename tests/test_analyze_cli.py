@@ -94,7 +94,7 @@ def test_top_k_is_the_logit_lens_at_the_last_position(
             probabilities = [float(p) for p in re.findall(r" (\d\.\d{3})(?=  |$)", row)]  # each after its token
             expected = [p for _, p in s.logit_lens[-1]]
             assert len(expected) == 3 and probabilities == pytest.approx(expected, abs=5e-4), (row, expected)
-            assert all(repr(loaded.tokenizer.token_text(t))[:13] in row for t, _ in s.logit_lens[-1])
+            assert all(repr(loaded.tokenizer.token_name(t))[:13] in row for t, _ in s.logit_lens[-1])
 
 
 @pytest.mark.parametrize(

@@ -1216,7 +1216,10 @@ def test_top_logprobs_name_ids_past_the_tokenizer_apart(tmp_path: Path, tokenize
         assert len(padded) >= 2 and all(int(name[5:-2]) >= 50257 for name in padded), top
         (token,) = choice["logprobs"]["tokens"]
         assert top[token] == choice["logprobs"]["token_logprobs"][0]
-        # /v1/next-token names them so too, with no bytes (the tokenizer has none for them)
+        # /detokenize gives them by those names (it refused them), /v1/next-token names them so too, with no
+        # bytes (the tokenizer has none for them)
+        assert post_ok(c, "/detokenize", {"tokens": [15496, 50300]}) == {"prompt": "Hello<|id:50300|>"}
+        assert_error(c.post("/detokenize", json={"tokens": [50304]}), 400, "tokens")
         entries = post_ok(c, NEXT, {"input_ids": [50300], "top_k": 5})["top"]
         past = [e for e in entries if e["id"] >= 50257]
         assert past and all(e["token"] == f"<|id:{e['id']}|>" and e["bytes"] is None for e in past), entries

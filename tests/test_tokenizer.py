@@ -65,6 +65,27 @@ def test_token_text_and_bytes(tok: Tokenizer) -> None:
     assert [tok.token_text(i) for i in (50257, 50303)] == ["<|id:50257|>", "<|id:50303|>"]
 
 
+def test_every_token_has_a_name_of_its_own(tok: Tokenizer) -> None:
+    """`token_name`: the text, but a piece of a multi-byte character by its bytes (255 ids' text alone is
+    U+FFFD, which named them all alike in the CLI's tables), and `<|id:N|>` past the vocabulary."""
+    names = [tok.token_name(i) for i in range(tok.vocab_size)]
+    assert len(set(names)) == tok.vocab_size
+    lead = next(i for i in range(tok.vocab_size) if tok.token_bytes(i) == b"\xe2")
+    assert tok.token_text(lead) == "\ufffd" and tok.token_name(lead) == "bytes:\\xe2"
+    assert tok.token_name(995) == " world" and tok.token_name(50300) == "<|id:50300|>"
+
+
+def test_ids_past_the_vocabulary_decode_as_their_names(tok: Tokenizer) -> None:
+    """A model padded past the tokenizer's vocabulary (nanoGPT's 50304) may be given those ids in a prompt: its
+    text names them as `token_text` does (the library left them out: 'Hello world'), in a batch too, and a
+    character split around one decodes each side on its own."""
+    assert tok.decode([15496, 50300, 995]) == "Hello<|id:50300|> world"
+    assert tok.decode_batch([[15496, 50300, 995], [15496]]) == ["Hello<|id:50300|> world", "Hello"]
+    emoji = tok.encode("😀")  # four bytes in more than one token
+    assert len(emoji) > 1
+    assert tok.decode([*emoji[:1], 50257, *emoji[1:]]) == tok.decode(emoji[:1]) + "<|id:50257|>" + tok.decode(emoji[1:])
+
+
 def test_save_and_reload(from_vocab_and_merges: Tokenizer, tmp_path: Path) -> None:
     from_vocab_and_merges.save(tmp_path)
     again = Tokenizer.from_dir(tmp_path)

@@ -135,14 +135,7 @@ class _Reply:
         50304), so distinct tokens never share a name; `token_id:N` for each token if the request asks so."""
         if self.req.return_tokens_as_token_ids:
             return f"token_id:{token_id}"
-        text = self.engine.tokenizer.token_text(token_id)  # <|id:N|> past the tokenizer's vocabulary
-        if "\ufffd" not in text:
-            return text
-        raw = self.engine.tokenizer.token_bytes(token_id)
-        try:
-            return raw.decode("utf-8")  # a real U+FFFD
-        except UnicodeDecodeError:
-            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return self.engine.tokenizer.token_name(token_id)
 
     def _logprobs(self, entries: list[TokenLogprob | None], ids: list[int], offsets: _TextOffsets) -> dict[str, Any]:
         """OpenAI's logprobs object over tokens `ids`, the next ones of the choice whose `offsets` these are

@@ -30,7 +30,7 @@ async def tokenize(req: TokenizeRequest, engine: EngineDep, settings: SettingsDe
 @router.post("/detokenize")
 async def detokenize(req: DetokenizeRequest, engine: EngineDep, settings: SettingsDep) -> dict[str, Any]:
     check_model(req.model, engine, settings)
-    vocab = engine.tokenizer.vocab_size
+    vocab = engine.model.config.vocab_size  # the model's: one padded past the tokenizer's shows those as <|id:N|>
     bad = [t for t in req.tokens if not 0 <= t < vocab]
     if bad:
         raise GenerationError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "tokens")
