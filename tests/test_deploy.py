@@ -182,11 +182,11 @@ def test_sigterm_ends_a_request_in_flight_at_the_drain_timeout(tiny: Any, tokeni
             time.sleep(0.5)  # the request reaches the app, which waits for the rest of its body
             stopping = time.monotonic()
             process.send_signal(signal.SIGTERM)
-            process.wait(timeout=20)  # well under the body's 60 s: past it, the drain was not bounded
+            process.wait(timeout=45)  # under the body's 60 s: at it, the drain was not bounded
             took = time.monotonic() - stopping
         # uvicorn raises the signal again once it has shut down: the exit status a SIGTERM'd process has
         assert process.returncode == -signal.SIGTERM, log.read_text(errors="replace")
-        assert 1.0 <= took < 10.0, took
+        assert 1.0 <= took < 30.0, took  # the 1 s drain and the shutdown, far from the 60 s an unbounded one takes
         assert "timeout graceful shutdown exceeded" in log.read_text(errors="replace")
     finally:
         shut_down(process)
