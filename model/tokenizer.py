@@ -161,20 +161,17 @@ class Tokenizer:
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
-    def pieces(self, ids: list[int]) -> list[str]:
-        """Each id's own string in the vocabulary, as transformers' `convert_ids_to_tokens` gives it: its bytes
+    def piece(self, token_id: int) -> str:
+        """One id's own string in the vocabulary, as transformers' `convert_ids_to_tokens` gives it: its bytes
         spelled one character a byte (a space is `Ġ`), so that no two ids share one."""
-        pieces = [self._tok.id_to_token(i) for i in ids]
-        if None in pieces:
-            bad = ids[pieces.index(None)]
-            raise ValueError(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
-        return pieces  # type: ignore[return-value]
-
-    def token_bytes(self, token_id: int) -> bytes:
-        """The exact bytes of one token."""
         piece = self._tok.id_to_token(token_id)
         if piece is None:
             raise ValueError(f"token id {token_id} is outside the vocabulary (0..{self.vocab_size - 1})")
+        return piece
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes of one token."""
+        piece = self.piece(token_id)
         if piece == EOT:
             return piece.encode()
         return bytes(_UNICODE_TO_BYTE[c] for c in piece)

@@ -23,7 +23,7 @@ async def tokenize(req: TokenizeRequest, engine: EngineDep, settings: SettingsDe
     check_model(req.model, engine, settings)
     # GPT-2 adds no special tokens, whatever add_special_tokens says
     (ids,) = await encode(engine, [req.prompt], "prompt")
-    strs = engine.tokenizer.pieces(ids) if req.return_token_strs else None
+    strs = [engine.tokenizer.piece(i) for i in ids] if req.return_token_strs else None
     return {"tokens": ids, "count": len(ids), "max_model_len": engine.model.config.n_positions, "token_strs": strs}
 
 
