@@ -483,6 +483,7 @@ class TokenizeRequest(BaseModel):
     prompt: str
     add_special_tokens: bool = True  # GPT-2 adds none either way
     return_token_strs: bool = False  # also each token's string in the vocabulary (`Ġcat`)
+    split_special_tokens: bool = False  # transformers': `<|endoftext|>` in the text is read as plain text
 
 
 class DetokenizeRequest(BaseModel):

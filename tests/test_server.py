@@ -120,6 +120,24 @@ def test_tokenize_detokenize(client: TestClient, loaded: LoadedModel) -> None:
     assert post_ok(client, "/detokenize", {"tokens": body["tokens"], "model": None}) == {"prompt": text}
 
 
+def test_tokenize_can_read_the_end_of_text_marker_as_text(client: TestClient, tokenizer_dir: Path) -> None:
+    """transformers' `split_special_tokens`: `<|endoftext|>` written in the text is then its characters'
+    tokens, as transformers gives them, and not id 50256; detokenized, the same text either way."""
+    from transformers import GPT2TokenizerFast
+
+    reference = GPT2TokenizerFast.from_pretrained(str(tokenizer_dir))
+    text = "a<|endoftext|>b <|endoftext|>"
+    split = post_ok(client, "/tokenize", {"prompt": text, "split_special_tokens": True})["tokens"]
+    assert split == reference(text, split_special_tokens=True)["input_ids"]
+    assert 50256 not in split and len(split) > 4
+    whole = post_ok(client, "/tokenize", {"prompt": text, "split_special_tokens": False})["tokens"]
+    assert whole == reference(text)["input_ids"] and whole.count(50256) == 2
+    for ids in (split, whole):
+        assert post_ok(client, "/detokenize", {"tokens": ids}) == {"prompt": text}
+    bad = client.post("/tokenize", json={"prompt": text, "split_special_tokens": "yes"})
+    assert bad.status_code == 400 and "split_special_tokens" in bad.text
+
+
 def test_tokenize_returns_the_vocabulary_strings_when_asked(client: TestClient, tokenizer_dir: Path) -> None:
     """vLLM's `return_token_strs`: each token's string in the vocabulary, transformers' `convert_ids_to_tokens`
     (a space is `Ġ`; a piece of a character is its byte's character, so two ids never share one)."""

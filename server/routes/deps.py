@@ -278,11 +278,12 @@ async def openai_prompt_ids(engine: Engine, prompt: str | Sequence[Any] | None) 
     return [list(x) for x in items]
 
 
-async def encode(engine: Engine, texts: list[str], param: str) -> list[list[int]]:
+async def encode(engine: Engine, texts: list[str], param: str, special: bool = True) -> list[list[int]]:
     """Token ids of `texts`, encoded on a worker thread (`encode_batch` lets go of the GIL meanwhile, so
-    the event loop keeps serving); text that is not valid Unicode is a 400 naming `param`."""
+    the event loop keeps serving); text that is not valid Unicode is a 400 naming `param`. `special`:
+    `<|endoftext|>` in the text is id 50256, else the tokens of its characters."""
     try:
-        return await run_in_threadpool(engine.tokenizer.encode_batch, texts)
+        return await run_in_threadpool(engine.tokenizer.encode_batch, texts, special)
     except InvalidTextError as e:
         where = param if len(texts) == 1 else f"{param}[{e.item}]"
         raise GenerationError(f"{where} is {e}", param) from None
