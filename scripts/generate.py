@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="gpt2-generate", description="Continue a prompt with GPT-2.")
     p.add_argument("prompt", nargs="?", help="the prompt (read from standard input when omitted or '-')")
     add_checkpoint_arguments(p)
-    p.add_argument("--max-new-tokens", type=int, default=50)
+    p.add_argument("--max-new-tokens", type=int, default=50, help="tokens to generate at most (default 50)")
     p.add_argument("--temperature", type=float, help="sampling temperature (default 1; 0 is --greedy)")
     p.add_argument("--top-k", type=int, help="sample among the k most likely tokens (default 0: all)")
     p.add_argument("--top-p", type=float, help="sample from the nucleus of this probability mass (default 1)")
@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--hooks",
         action="append",
         metavar="PATTERN",
-        help="hook names or globs to dump (repeatable; default: every hook point)",
+        help="hook names or globs to dump (repeatable; default: *, every default hook point, not the optional ones)",
     )
     add_sae_arguments(p, steer=True)
     args = p.parse_args(argv)

@@ -6,7 +6,7 @@ import argparse
 import math
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # what both logging and uvicorn accept
@@ -150,6 +150,13 @@ def _env_name(name: str) -> str:
     return "GPT2_" + name.upper()
 
 
+def _default(f: Field[Any]) -> str:
+    """A setting's default for its help line, where it has one its help does not already give."""
+    if f.default in (None, (), MISSING) or "default" in f.metadata["help"]:
+        return ""
+    return f" (default: {f.default})"
+
+
 def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> Settings:
     """Flags override environment variables (`--max-queue` / `GPT2_MAX_QUEUE`), which override defaults."""
     env = os.environ if environ is None else environ
@@ -157,10 +164,11 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
     for f in fields(Settings):
         flag = "--" + f.name.replace("_", "-")
         kind = int if f.type in ("int", "int | None") else float if f.type == "float" else str
+        help = f"{f.metadata['help']}{_default(f)} [env {_env_name(f.name)}]"
         if f.metadata.get("repeat"):
-            p.add_argument(flag, action="append", help=f"{f.metadata['help']} [env {_env_name(f.name)}]")
+            p.add_argument(flag, action="append", help=help)
         else:
-            p.add_argument(flag, type=kind, help=f"{f.metadata['help']} [env {_env_name(f.name)}]")
+            p.add_argument(flag, type=kind, help=help)
     args = p.parse_args(argv)
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}  # each value's flag or variable, as the user gave it

@@ -72,3 +72,20 @@ def test_the_dump_budget_defaults_to_four_of_the_largest_dump() -> None:
     assert parse_settings([], environ=env).dump_bytes_in_flight == 4000
     assert parse_settings(["--max-dump-bytes-in-flight", "1500"], environ=env).dump_bytes_in_flight == 1500
     assert parse_settings([], environ={}).dump_bytes_in_flight == 4 * 256 * 2**20
+
+
+def test_the_help_gives_each_default(capsys: pytest.CaptureFixture[str]) -> None:
+    """`gpt2-serve --help` shows a setting's default where its own help does not already say it."""
+    with pytest.raises(SystemExit) as exit:
+        parse_settings(["--help"], environ={})
+    assert exit.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for shown in (
+        "port to listen on (default: 8000)",
+        "(default: 16) [env GPT2_MAX_BATCH_SIZE]",
+        "(default: 120.0) [env GPT2_DRAIN_TIMEOUT]",
+        "(default: 512 CUDA, 64 otherwise) [env",
+    ):
+        assert shown in text
+    assert "(default: None)" not in text and "(default: ())" not in text
+    assert text.count("default") == text.count("(default: ") + text.count("by default")
