@@ -61,6 +61,22 @@ CASES = [
     # lengths against the context (128) and the server's cap (64)
     Bad("beyond-context", GEN, {"input_ids": [464] * 100, "max_new_tokens": 60}, param="max_new_tokens", code=TOO_LONG),
     Bad("prompt-over-context", GEN, {"input_ids": [464] * 129, "max_new_tokens": 0}, param="input_ids", code=TOO_LONG),
+    # past the context with a dump asked for: the context's error, not the dump's size (which it would make 413)
+    Bad(
+        "long-prompt-with-a-dump",
+        GEN,
+        {"prompt": "hello " * 500, "activations": {"hooks": ["*"]}},
+        param="prompt",
+        code=TOO_LONG,
+    ),
+    Bad(
+        "beyond-context-with-a-dump",
+        GEN,
+        {"input_ids": [[464] * 100] * 3, "max_new_tokens": 60, "activations": {"hooks": ["*"]}},
+        param="max_new_tokens",
+        code=TOO_LONG,
+    ),
+    Bad("long-prompt-activations", ACTS, {"prompt": "hello " * 3000}, param="prompt", code=TOO_LONG),
     Bad("max-new-tokens-negative", GEN, hi(max_new_tokens=-1), param="max_new_tokens"),
     Bad("max-new-tokens-over-cap", GEN, hi(max_new_tokens=65), param="max_new_tokens"),
     # over the cap and past the whole context: said as the context's (OpenAI's code, on which clients shrink it)

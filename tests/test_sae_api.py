@@ -426,6 +426,18 @@ BAD = {
         "hook",
         "not a hook with one vector per position",
     ),
+    "contrast with an empty prompt among them": (
+        "/v1/steering-vectors",
+        {"positive": ["a", ""], "negative": ["b"], "hook": RES},
+        "positive",
+        "positive[1]: the prompt is empty",
+    ),
+    "contrast with a prompt past the context": (
+        "/v1/steering-vectors",
+        {"positive": ["a"], "negative": [[1], [2] * 129], "hook": RES},
+        "negative",
+        "negative[1]: the prompt (129 tokens) is longer than the context",
+    ),
     "contrast with no prompts": (
         "/v1/steering-vectors",
         {"positive": [], "negative": ["b"], "hook": RES},

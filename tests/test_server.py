@@ -933,6 +933,24 @@ def test_bad_request(client: TestClient, case: Bad) -> None:
     assert_still_serving(client)
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "param", "says"),
+    [
+        (GEN, {"prompt": ["a", ""]}, "prompt", "prompt[1]: the prompt is empty"),
+        (GEN, {"input_ids": [[1], [1, 50257]]}, "input_ids", "input_ids[1]: token id 50257 is outside"),
+        (GEN, {"prompt": ["a", "b " * 200]}, "prompt", "prompt[1]: the prompt (201 tokens) is longer than"),
+        (CMPL, {"prompt": [[1], [2], [1, -1]]}, "prompt", "prompt[2]: token id -1 is outside"),
+        (CMPL, {"prompt": ["a", "b " * 200], "max_tokens": 1}, "prompt", "prompt[1]: the prompt (201 tokens)"),
+    ],
+)
+def test_an_error_about_one_prompt_of_several_says_which(
+    client: TestClient, path: str, body: dict[str, Any], param: str, says: str
+) -> None:
+    error = assert_error(client.post(path, json=body), 400, param)
+    assert error["message"].startswith(says), error
+    assert_still_serving(client)
+
+
 def test_body_over_limit_without_content_length(client: TestClient) -> None:
     def chunks() -> Iterator[bytes]:
         yield b'{"prompt": "'

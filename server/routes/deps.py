@@ -258,10 +258,22 @@ async def token_ids(
         if not ids:
             raise GenerationError("input_ids is empty", "input_ids")
         prompts = [list(x) for x in ids] if isinstance(ids[0], list) else [ids]
-        for p in prompts:  # empty or out-of-vocabulary ids: name the field they came in
-            validate_prompt(engine.model, p, 0, "input_ids")
+        check_prompts(engine, prompts, 0, "input_ids")  # empty or out-of-vocabulary ids: named as they came
         return prompts
     return await openai_prompt_ids(engine, prompt)
+
+
+def check_prompts(engine: Engine, prompts: list[list[int]], max_new_tokens: int, param: str) -> None:
+    """Each of a request's prompts checked against the model (`validate_prompt`), before anything is sized on
+    them (a dump's bytes): a prompt too long for the context is a 400 `context_length_exceeded` whatever else
+    the request asks. Of several, the error says which (`prompt[1]: the prompt is empty ...`)."""
+    for i, ids in enumerate(prompts):
+        try:
+            validate_prompt(engine.model, ids, max_new_tokens, param)
+        except GenerationError as e:
+            if len(prompts) == 1:
+                raise
+            raise type(e)(f"{param}[{i}]: {e}", e.param) from None  # of its kind: a ContextLengthError stays one
 
 
 async def openai_prompt_ids(engine: Engine, prompt: str | Sequence[Any] | None) -> list[list[int]]:

@@ -23,7 +23,7 @@ from ..json_body import JSONBodyRoute
 from ..schemas import CompletionRequest, StreamOptions, valid_text
 from ..settings import Settings
 from ..threads import run_in_threadpool
-from .deps import EngineDep, SettingsDep, json_response, merged, openai_prompt_ids, results, sse
+from .deps import EngineDep, SettingsDep, check_prompts, json_response, merged, openai_prompt_ids, results, sse
 
 router = APIRouter(tags=["openai"], route_class=JSONBodyRoute)
 
@@ -81,6 +81,7 @@ async def completions(req: CompletionRequest, request: Request, engine: EngineDe
     # an empty or missing prompt is <|endoftext|>, as OpenAI reads it: "as from the beginning of a new document"
     eot = engine.tokenizer.eot_id
     prompts = [ids or [eot] for ids in await openai_prompt_ids(engine, req.prompt or "")]
+    check_prompts(engine, prompts, 0, "prompt")  # of several, the error names which
     with _openai_names():
         sequences = req.sequences(prompts, engine.model.config.n_positions, settings.max_new_tokens)
         too_many_prompts = len(prompts) > engine.max_queue  # then no n could help

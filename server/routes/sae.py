@@ -15,7 +15,7 @@ import torch
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from model.generate import GenerationError, validate_prompt
+from model.generate import GenerationError
 from model.hooks import hook_names, reads_as_one_vector
 from model.lab.sae import SAE, FeatureReading, TokenFeatures, load_saes, read_features
 from model.lab.steering import (
@@ -39,6 +39,7 @@ from .deps import (
     EngineDep,
     Held,
     SettingsDep,
+    check_prompts,
     encode,
     json_response,
     resolved_edits,
@@ -293,8 +294,5 @@ async def _prompts(engine: EngineDep, prompts: list[str] | list[list[int]], para
         ids = await encode(engine, [str(p) for p in prompts], param)
     else:
         ids = [list(p) for p in prompts if isinstance(p, list)]
-    for i, p in enumerate(ids):
-        validate_prompt(engine.model, p, 0, param)
-        if not p:
-            raise GenerationError(f"{param}[{i}] is empty", param)
+    check_prompts(engine, ids, 0, param)
     return ids
