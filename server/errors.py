@@ -30,6 +30,7 @@ _TYPES = {
     405: "method_not_allowed",
     408: "request_timeout",
     413: "request_too_large",
+    415: "unsupported_media_type",
     429: "rate_limit_error",
     499: "client_closed_request",
     500: "internal_error",

@@ -139,7 +139,7 @@ class RequestGuard:
                 log.warning("%s: answering 503 (request %s)", refusal, request_id)
                 rejection = error_response(503, refusal, headers={"Retry-After": "1", "Connection": "close"})
             else:
-                rejection = _framing(headers) or self._check_key(app_path(scope), headers)
+                rejection = _framing(headers) or self._check_key(app_path(scope), headers) or _coding(headers)
             if rejection is None:
                 try:
                     receive, rejection = await self._bounded_body(headers, receive)
@@ -258,6 +258,18 @@ def _framing(headers: dict[str, str]) -> Any:
         message = "the request has both Content-Length and Transfer-Encoding: send one (RFC 9112, section 6.3)"
         return error_response(400, message, headers={"Connection": "close"})
     return None
+
+
+def _coding(headers: dict[str, str]) -> Any:
+    """A 415 for a body sent compressed (`Content-Encoding: gzip`): bodies are read as they come, so a gzipped
+    one would be a 400 for bytes that are not UTF-8, and plain JSON labelled gzip would be read as if the label
+    were not there. RFC 9110, section 15.5.16: say which codings are taken, in Accept-Encoding."""
+    codings = [c.strip().lower() for c in headers.get("content-encoding", "").split(",")]
+    given = [c for c in codings if c and c != "identity"]
+    if not given:
+        return None
+    message = f"the body is sent with Content-Encoding: {headers['content-encoding'].strip()}: send it uncompressed"
+    return error_response(415, message, headers={"Accept-Encoding": "identity"})
 
 
 class SlicedBodies(HTTPOnly):

@@ -951,6 +951,24 @@ def test_an_error_about_one_prompt_of_several_says_which(
     assert_still_serving(client)
 
 
+@pytest.mark.parametrize("coding", ["gzip", "br", "GZIP", "identity, gzip"])
+def test_a_compressed_body_is_a_415_that_says_so(client: TestClient, coding: str) -> None:
+    """Bodies are read as sent: one with a content coding (compressed, or labelled so) is refused, saying
+    which coding it came with and, as RFC 9110 asks, which are taken (Accept-Encoding: identity)."""
+    import gzip
+
+    plain = json.dumps({"prompt": "hi", "max_new_tokens": 1}).encode()
+    for body in (gzip.compress(plain), plain):
+        headers = {"content-type": "application/json", "content-encoding": coding}
+        r = client.post(GEN, content=body, headers=headers)
+        error = assert_error(r, 415)
+        assert r.headers["accept-encoding"] == "identity"
+        assert error["type"] == "unsupported_media_type" and f"Content-Encoding: {coding}" in error["message"]
+    r = client.post(GEN, content=plain, headers={"content-type": "application/json", "content-encoding": "identity"})
+    assert r.status_code == 200, r.text
+    assert_still_serving(client)
+
+
 def test_body_over_limit_without_content_length(client: TestClient) -> None:
     def chunks() -> Iterator[bytes]:
         yield b'{"prompt": "'
