@@ -205,6 +205,13 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
 
+    @property
+    def most_sequences(self) -> int:
+        """The most sequences a request may ask for: what an idle server takes at once, the batch's places
+        and the queue's. More is a 400 (a retry could never succeed); fewer, while others are being served,
+        may be a 429 (`QueueFull`)."""
+        return self.max_batch_size + self.max_queue
+
     def submit(
         self,
         prompts: Sequence[Sequence[int]],
@@ -219,10 +226,11 @@ class Engine:
         invalid request or one that could never fit (both 400s: a retry would not help; `count_param`, the
         field that set how many there are, is named when they are too many), then `QueueFull` (429) when
         valid sequences do not fit now; nothing is queued then."""
-        if len(prompts) > self.max_queue:  # checked before building anything: the count is the client's
+        if len(prompts) > self.most_sequences:  # checked before building anything: the count is the client's
             raise GenerationError(
                 f"the request asks for {len(prompts)} sequences (one per prompt and choice), more than the "
-                f"server queues at once ({self.max_queue}, its --max-queue): send at most {self.max_queue}",
+                f"server takes at once ({self.most_sequences}: its --max-batch-size {self.max_batch_size} decoding "
+                f"and --max-queue {self.max_queue} waiting): send at most {self.most_sequences}",
                 count_param,
             )
         names = select_hooks(hooks, self.model.config.n_layer) if hooks else None

@@ -172,14 +172,17 @@ def test_seeds_outside_int64_are_a_400(loaded: LoadedModel) -> None:
 # --- more sequences than the queue holds ------------------------------------------------------------
 
 
-def test_more_sequences_than_the_queue_holds_are_a_400(loaded: LoadedModel) -> None:
-    """429 would tell the client to retry, which could never succeed."""
-    with serve(loaded, max_queue=8) as c:
-        error = assert_error(c.post(CMPL, json={"prompt": "Hello", "max_tokens": 2, "n": 16}), 400)
-        assert "16 sequences" in error["message"] and "--max-queue" in error["message"] and "8" in error["message"]
-        assert_error(c.post(GEN, json={"input_ids": [[1, 1]] * 9, "max_new_tokens": 1}), 400)
-        body = post_ok(c, CMPL, {"prompt": "Hello", "max_tokens": 2, "n": 8})
-        assert len(body["choices"]) == 8
+def test_more_sequences_than_the_server_takes_at_once_are_a_400(loaded: LoadedModel) -> None:
+    """429 would tell the client to retry, which could never succeed. An idle server takes the batch's places
+    and the queue's at once: as many are served."""
+    with serve(loaded, max_queue=8, max_batch_size=4) as c:
+        error = assert_error(c.post(CMPL, json={"prompt": "Hello", "max_tokens": 2, "n": 13}), 400)
+        assert "13 sequences" in error["message"], error
+        assert "takes at once (12: its --max-batch-size 4 decoding and --max-queue 8 waiting)" in error["message"]
+        assert_error(c.post(GEN, json={"input_ids": [[1, 1]] * 13, "max_new_tokens": 1}), 400)
+        body = post_ok(c, CMPL, {"prompt": "Hello", "max_tokens": 2, "n": 12})
+        assert len(body["choices"]) == 12
+        assert len(post_ok(c, GEN, {"input_ids": [[1, 1]] * 12, "max_new_tokens": 1})["choices"]) == 12
         assert_still_serving(c)
 
 
@@ -197,7 +200,7 @@ def test_more_sequences_than_the_queue_holds_build_none(loaded: LoadedModel, mon
 
     async def main() -> None:
         with running(loaded, max_batch_size=1, max_queue=2) as engine:
-            with pytest.raises(GenerationError, match="--max-queue"):
+            with pytest.raises(GenerationError, match="--max-queue 2 waiting"):
                 engine.submit([[1, 1]] * 1000, [greedy_params(1)] * 1000)
             assert built == []
 

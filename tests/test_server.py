@@ -1054,16 +1054,18 @@ def test_queue_full_is_429(loaded: LoadedModel) -> None:
 
 
 def test_more_sequences_than_the_queue_holds_is_a_400_naming_the_field(loaded: LoadedModel) -> None:
-    """A request of more sequences (prompts x n) than --max-queue could ever hold is a 400, not a 429 (a
-    retry could not succeed), and `param` names what made them too many: n, or the prompts."""
-    with serve(loaded, max_queue=4) as c:
-        error = assert_error(c.post(CMPL, json={"prompt": ["a"] * 5, "max_tokens": 1}), 400, "prompt")
-        assert "asks for 5 sequences" in error["message"], error
+    """A request of more sequences (prompts x n) than the server could ever take at once (--max-batch-size
+    and --max-queue, here 1 + 4) is a 400, not a 429 (a retry could not succeed), and `param` names what made
+    them too many: n, or the prompts."""
+    with serve(loaded, max_queue=4, max_batch_size=1) as c:
+        error = assert_error(c.post(CMPL, json={"prompt": ["a"] * 6, "max_tokens": 1}), 400, "prompt")
+        assert "asks for 6 sequences" in error["message"], error
         error = assert_error(c.post(CMPL, json={"prompt": ["a", "b"], "n": 3, "max_tokens": 1}), 400, "n")
         assert "asks for 6 sequences" in error["message"], error
-        assert_error(c.post(CMPL, json={"prompt": ["a"] * 5, "n": 2, "max_tokens": 1}), 400, "prompt")  # n can't help
-        assert_error(c.post(GEN, json={"prompt": ["a"] * 5, "max_new_tokens": 1}), 400, "prompt")
-        assert_error(c.post(GEN, json={"input_ids": [[1]] * 5, "max_new_tokens": 1}), 400, "input_ids")
+        assert_error(c.post(CMPL, json={"prompt": ["a"] * 6, "n": 2, "max_tokens": 1}), 400, "prompt")  # n can't help
+        assert_error(c.post(GEN, json={"prompt": ["a"] * 6, "max_new_tokens": 1}), 400, "prompt")
+        assert_error(c.post(GEN, json={"input_ids": [[1]] * 6, "max_new_tokens": 1}), 400, "input_ids")
+        assert len(post_ok(c, CMPL, {"prompt": ["a"] * 5, "max_tokens": 1})["choices"]) == 5
         assert_still_serving(c)
 
 

@@ -84,7 +84,7 @@ async def completions(req: CompletionRequest, request: Request, engine: EngineDe
     check_prompts(engine, prompts, 0, "prompt")  # of several, the error names which
     with _openai_names():
         sequences = req.sequences(prompts, engine.model.config.n_positions, settings.max_new_tokens)
-        too_many_prompts = len(prompts) > engine.max_queue  # then no n could help
+        too_many_prompts = len(prompts) > engine.most_sequences  # then no n could help
         streams = engine.submit(*sequences, count_param="n" if req.n > 1 and not too_many_prompts else "prompt")
     reply = _Reply(engine, req, req.model or served_names(engine, settings)[0])
     if req.stream:
