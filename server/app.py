@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, FastAPI
 from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
+from starlette.routing import BaseRoute, Mount, Route
 
 from model.lab.steering import SharedVectors
 from model.loading import LoadedModel, load_from
@@ -93,9 +94,17 @@ def create_app(
     app.state.dump_budget = DumpBudget(settings.dump_bytes_in_flight, settings.max_queue, metrics)
     app.state.graph_turn = GraphTurn(settings.max_queue)
     install_error_handlers(app)
-    for router in (ops.router, native.router, openai.router, tokenizer.router, lab.router, gradients.router):
+    routers = (
+        ops.router,
+        native.router,
+        openai.router,
+        tokenizer.router,
+        lab.router,
+        gradients.router,
+        sae_routes.router,
+    )
+    for router in routers:
         app.include_router(answer_head(router))
-    app.include_router(answer_head(sae_routes.router))
     app.mount("/static", StaticFiles(directory=lab.STATIC), name="static")
     app.add_middleware(ReleaseOpenMP)  # innermost: after the handler, before the guard's own bookkeeping
     if sliced:  # the handler waits while its answer goes out, a slice at a time (where sends wait for room)
@@ -107,6 +116,7 @@ def create_app(
         metrics=metrics,
         body_timeout=settings.body_timeout,
         client_gone=client_gone,
+        routes=[r for r in (*app.router.routes, *(r for router in routers for r in router.routes)) if _has_path(r)],
     )
     if settings.cors_origins:  # outermost, so that preflight requests need no API key
         app.add_middleware(
@@ -116,6 +126,12 @@ def create_app(
             allow_headers=["*"],
         )
     return app
+
+
+def _has_path(route: BaseRoute) -> bool:
+    """A route of the app's own or of a router (each has its path): what the guard counts the requests it
+    answers itself under. Not FastAPI's entry for an included router, whose routes are counted each."""
+    return isinstance(route, (Route, Mount))
 
 
 def answer_head(router: APIRouter) -> APIRouter:

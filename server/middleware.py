@@ -16,12 +16,14 @@ import math
 import re
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import unquote
 
 from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .asgi import HTTPOnly
@@ -103,8 +105,10 @@ class RequestGuard:
         metrics: Metrics,
         body_timeout: float = math.inf,
         client_gone: tuple[type[Exception], ...] = (),
+        routes: Sequence[BaseRoute] = (),
     ) -> None:
         self.app = app
+        self.routes = routes  # the app's, to count a request the guard answers under its route
         self.client_gone = client_gone  # errors a host raises into a request whose client has left
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
@@ -172,9 +176,7 @@ class RequestGuard:
                     failed = error_response(500, f"internal server error (request id {request_id})")
                     await failed(scope, receive, send_with_id)
         finally:
-            route = scope.get("route")
-            label = getattr(route, "path", "unmatched")
-            self.metrics.requests.labels(route=label, status=str(status)).inc()
+            self.metrics.requests.labels(route=self._route(scope), status=str(status)).inc()
             line: dict[str, Any] = {
                 "request_id": request_id,
                 "method": scope["method"],
@@ -183,6 +185,16 @@ class RequestGuard:
                 "duration_ms": round((time.perf_counter() - start) * 1000, 1),
             }
             log.info(json.dumps(line))
+
+    def _route(self, scope: Scope) -> str:
+        """The route a request is counted under: the one that answered it, or, for a request the guard answered
+        itself (a 401, a 413, a 503 past the connections), the one it was sent to; "unmatched" for a path no
+        route has (so that made-up paths cannot grow the metrics without bound)."""
+        route = scope.get("route")
+        if route is None:
+            matches = [(r.matches(scope)[0], r) for r in self.routes]
+            route = next((r for match in (Match.FULL, Match.PARTIAL) for m, r in matches if m == match), None)
+        return getattr(route, "path", "unmatched")
 
     def _check_key(self, path: str, headers: dict[str, str]) -> Any:
         """`Authorization: Bearer KEY` (the scheme in any case, RFC 7235) or `X-API-Key: KEY`; either may hold

@@ -173,7 +173,7 @@ def test_a_request_beyond_the_connection_cap_is_a_503(loaded: LoadedModel) -> No
         wait_until(lambda: r.open_connections() == 0, timeout=GUARD)
         assert_good_request(r)
         metrics = httpx.get(r.url + "/metrics", timeout=GUARD).text  # counted like any answer
-        assert 'gpt2_requests_total{route="unmatched",status="503"} 1.0' in metrics, metrics
+        assert 'gpt2_requests_total{route="/v1/models",status="503"} 1.0' in metrics, metrics  # where it was sent
 
 
 def http_exchange(sock: socket.socket, request: bytes) -> tuple[int, dict[str, str], Any]:
@@ -504,7 +504,7 @@ def test_a_client_that_leaves_during_its_body_is_a_499(loaded: LoadedModel) -> N
         sock.sendall(head.encode() + b'{"prompt": "Hel')
         time.sleep(0.2)
         sock.close()
-        counted = 'gpt2_requests_total{route="unmatched",status="499"} 1.0'
+        counted = 'gpt2_requests_total{route="/v1/generate",status="499"} 1.0'
         wait_until(lambda: counted in httpx.get(r.url + "/metrics", timeout=GUARD).text, timeout=GUARD)
         assert 'status="400"' not in httpx.get(r.url + "/metrics", timeout=GUARD).text
         assert_good_request(r)

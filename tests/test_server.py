@@ -951,6 +951,31 @@ def test_an_error_about_one_prompt_of_several_says_which(
     assert_still_serving(client)
 
 
+def test_a_request_the_guard_refuses_is_counted_under_its_route(loaded: LoadedModel) -> None:
+    """The metrics count requests by route and status: also those answered before any route ran (a missing
+    key's 401, a body over the cap's 413, a compressed body's 415), under the route they were sent to; a path
+    no route has stays "unmatched" whatever it is, so made-up paths do not grow the metrics."""
+    with serve(loaded, api_key="k") as c:
+        key = {"authorization": "Bearer k"}
+        assert_error(c.post(GEN, json={"prompt": "hi"}), 401)
+        assert_error(c.get("/v1/models/someone"), 401)
+        big = {"prompt": "x" * (70 * 1024)}
+        assert_error(c.post(GEN, json=big, headers=key), 413)
+        assert_error(c.post(CMPL, content=b"{}", headers={**key, "content-encoding": "gzip"}), 415)
+        assert_error(c.post("/v1/made-up", json={}, headers=key), 404)
+        assert_error(c.post("/v1/also-made-up", json={}), 401)
+        metrics = c.get("/metrics", headers=key).text
+    counts = {
+        (s.labels["route"], s.labels["status"]): s.value
+        for family in text_string_to_metric_families(metrics)
+        for s in family.samples
+        if s.name == "gpt2_requests_total"
+    }
+    assert counts[(GEN, "401")] == counts[(GEN, "413")] == counts[(CMPL, "415")] == 1, counts
+    assert counts[("/v1/models/{model_id:path}", "401")] == 1, counts  # its template, as the route counts it
+    assert counts[("unmatched", "404")] == counts[("unmatched", "401")] == 1, counts
+
+
 @pytest.mark.parametrize("coding", ["gzip", "br", "GZIP", "identity, gzip"])
 def test_a_compressed_body_is_a_415_that_says_so(client: TestClient, coding: str) -> None:
     """Bodies are read as sent: one with a content coding (compressed, or labelled so) is refused, saying
