@@ -149,6 +149,9 @@ def validation_message(errors: Sequence[Any]) -> tuple[str, str]:
     if union is not None:
         return union, loc[0]
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")  # a validator's own words
+    given = first.get("input")
+    if first.get("type") == "float_type" and isinstance(given, int) and not isinstance(given, bool):
+        message = f"an integer of {len(str(abs(given)))} digits is past a float's range (about 1.8e308)"
     return (f"{'.'.join(loc)}: {message}" if loc else message), (loc[0] if loc else "body")
 
 

@@ -14,6 +14,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from model.generate import SEED_RANGE, ContextLengthError, GenerationError, SamplingParams
 from model.hooks import UnknownHookError, select_hooks
 from model.interventions import OP_READS, Edit, EditSpec, InterventionError
+from model.json_file import clip
 from model.lab.attribution import MAX_VERIFY
 from model.lab.gradients import LogitDiff, LogProb, Loss, Metric
 from model.lab.steering import STEERING_OPS, DirectionError, Directions
@@ -28,7 +29,7 @@ OpenAIPrompt = str | list[str] | list[int] | list[list[int]]
 MAX_HOOKS = 2048  # hook names or globs in one list: more than gpt2-xl's 1111 hook points, each named
 MAX_INTERVENTIONS = 1024  # edits in one request
 MAX_EDIT_SITES = 4096  # (edit, hook point) pairs, a glob counted once per hook it matches: work on every pass
-MAX_N = 128  # choices per prompt in /v1/completions, as OpenAI bounds `n` (prompts x n is bounded by --max-queue too)
+MAX_N = 128  # choices per prompt in /v1/completions, as OpenAI bounds `n` (prompts x n: also Engine.most_sequences)
 # clamps of topk SAEs in one request: each encodes every position with its whole SAE (whether a feature is
 # among the k largest depends on all of them), at d_sae 32768 on gpt2-small a fifth of a forward pass more
 MAX_TOPK_CLAMPS = 8
@@ -311,7 +312,7 @@ class FeatureCapture(Strict):
             return None, list(self.features)
         top_k = self.top_k if self.top_k is not None else min(10, d_sae)  # the default: 10 at most
         if not 1 <= top_k <= min(d_sae, 1024):
-            raise GenerationError(f"{where}top_k must be in 1..{min(d_sae, 1024)}, got {top_k}", f"{where}top_k")
+            raise GenerationError(f"{where}top_k must be in 1..{min(d_sae, 1024)}, got {clip(top_k)}", f"{where}top_k")
         return top_k, None
 
 
@@ -472,7 +473,7 @@ class AttributionRequest(Strict):
 
     def check(self) -> None:
         if not 0 <= self.verify <= MAX_VERIFY:
-            raise GenerationError(f"verify must be in 0..{MAX_VERIFY}, got {self.verify}", "verify")
+            raise GenerationError(f"verify must be in 0..{MAX_VERIFY}, got {clip(self.verify)}", "verify")
 
 
 class TokenizeRequest(BaseModel):
@@ -562,9 +563,9 @@ class CompletionRequest(BaseModel):
         if self.stream_options is not None and not self.stream:  # as OpenAI answers it, not silently dropped
             raise GenerationError("stream_options is only allowed when stream is true", "stream_options")
         if not 1 <= self.n <= MAX_N:
-            raise GenerationError(f"n must be in 1..{MAX_N}, got {self.n}", "n")
+            raise GenerationError(f"n must be in 1..{MAX_N}, got {clip(self.n)}", "n")
         if self.logprobs is not None and not 0 <= self.logprobs <= 5:
-            raise GenerationError(f"logprobs must be in 0..5, got {self.logprobs}", "logprobs")
+            raise GenerationError(f"logprobs must be in 0..5, got {clip(self.logprobs)}", "logprobs")
 
     def sequences(self, prompts: list[list[int]], n_ctx: int, cap: int) -> tuple[list[list[int]], list[SamplingParams]]:
         """The engine's sequences: each prompt `n` times, the j-th sample seeded with seed + j (wrapping
@@ -661,13 +662,13 @@ def check_cap(value: int, cap: int, param: str, n_ctx: int) -> None:
     room for a prompt in the context of `n_ctx` tokens is said to be that (OpenAI's `context_length_exceeded`,
     on which a client shrinks it), whatever the cap."""
     if value < 0:  # checked here too, so that the error names the field of this API (max_tokens)
-        raise GenerationError(f"{param} must be an integer >= 0, got {value}", param)
+        raise GenerationError(f"{param} must be an integer >= 0, got {clip(value)}", param)
     if value > cap:
         if value >= n_ctx:
             raise ContextLengthError(
-                f"{param} ({value}) leaves no room for a prompt in the context of {n_ctx} tokens", param
+                f"{param} ({clip(value)}) leaves no room for a prompt in the context of {n_ctx} tokens", param
             )
-        raise GenerationError(f"{param} must be at most {cap} (the server's limit), got {value}", param)
+        raise GenerationError(f"{param} must be at most {cap} (the server's limit), got {clip(value)}", param)
 
 
 def nth_seed(seed: int, j: int) -> int:

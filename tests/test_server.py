@@ -976,6 +976,27 @@ def test_a_request_the_guard_refuses_is_counted_under_its_route(loaded: LoadedMo
     assert counts[("unmatched", "404")] == counts[("unmatched", "401")] == 1, counts
 
 
+@pytest.mark.parametrize(
+    ("path", "field", "says"),
+    [
+        (GEN, "temperature", "temperature: an integer of 401 digits is past a float's range"),
+        (GEN, "top_p", "top_p: an integer of 401 digits is past a float's range"),
+        (GEN, "max_new_tokens", "max_new_tokens (1000"),
+        (CMPL, "logprobs", "logprobs must be in 0..5, got 1000"),
+        (CMPL, "n", "n must be in 1..128, got 1000"),
+    ],
+)
+def test_an_integer_of_hundreds_of_digits_is_refused_in_a_short_message(
+    client: TestClient, path: str, field: str, says: str
+) -> None:
+    """A valid JSON number too large for its field: a message that says why, not 'not a valid number', and
+    that does not copy back all of its digits."""
+    body = f'{{"prompt": "hi", "{field}": 1{"0" * 400}}}'.encode()
+    error = assert_error(client.post(path, content=body, headers={"content-type": "application/json"}), 400, field)
+    assert error["message"].startswith(says) and len(error["message"]) < 300, error
+    assert_still_serving(client)
+
+
 @pytest.mark.parametrize("coding", ["gzip", "br", "GZIP", "identity, gzip"])
 def test_a_compressed_body_is_a_415_that_says_so(client: TestClient, coding: str) -> None:
     """Bodies are read as sent: one with a content coding (compressed, or labelled so) is refused, saying
