@@ -38,7 +38,7 @@ from .hooks import (
     uses_the_logits,
 )
 from .interventions import EditSpec, HookChain
-from .json_file import is_int
+from .json_file import clip, is_int
 from .kernels.decode import FusedDecode
 from .kv_cache import KVCache, PackedBatch
 from .overflow import dtype_range
@@ -87,7 +87,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         def check(ok: bool, param: str, message: str) -> None:
             if not ok:
-                raise GenerationError(f"{param} {message}, got {getattr(self, param)!r}", param)
+                raise GenerationError(f"{param} {message}, got {clip(getattr(self, param))}", param)
 
         check(is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens", "must be an integer >= 0")
         check(
@@ -404,7 +404,7 @@ def validate_prompt(model: GPT, prompt: Sequence[int], max_new_tokens: int, para
         raise GenerationError(f"token ids must be integers, got {odd[0]!r}", param)
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
-        raise GenerationError(f"token id {bad[0]!r} is outside the vocabulary (0..{vocab - 1})", param)
+        raise GenerationError(f"token id {clip(bad[0])} is outside the vocabulary (0..{vocab - 1})", param)
     if len(ids) + max_new_tokens > n_ctx:
         raise ContextLengthError(
             f"the prompt ({len(ids)} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
@@ -432,7 +432,9 @@ def new_sequence(
     vocab = model.config.vocab_size
     bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
     if bad:
-        raise GenerationError(f"stop token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "stop_token_ids")
+        raise GenerationError(
+            f"stop token id {clip(bad[0])} is outside the vocabulary (0..{vocab - 1})", "stop_token_ids"
+        )
     capture = Capture(hook_names, capture_dtype) if hook_names else None
     edit_hooks = edits.hooks(model.config, len(ids) + params.max_new_tokens) if edits is not None else None
     parts = [h for h in (edit_hooks, capture) if h is not None]

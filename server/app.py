@@ -14,7 +14,7 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI
@@ -116,7 +116,7 @@ def create_app(
         metrics=metrics,
         body_timeout=settings.body_timeout,
         client_gone=client_gone,
-        routes=[r for r in (*app.router.routes, *(r for router in routers for r in router.routes)) if _has_path(r)],
+        routes=_routes(app, routers),
     )
     if settings.cors_origins:  # outermost, so that preflight requests need no API key
         app.add_middleware(
@@ -128,10 +128,13 @@ def create_app(
     return app
 
 
-def _has_path(route: BaseRoute) -> bool:
-    """A route of the app's own or of a router (each has its path): what the guard counts the requests it
-    answers itself under. Not FastAPI's entry for an included router, whose routes are counted each."""
-    return isinstance(route, (Route, Mount))
+def _routes(app: FastAPI, routers: Sequence[APIRouter]) -> list[BaseRoute]:
+    """Every route of the app, each with its path, for the guard to count a request it answers itself under the
+    route it was sent to: the app's own (the docs, the static files' mount) and each router's. Newer FastAPI
+    lists an included router in the app as one entry with no path (skipped); older ones list its routes there
+    too, and a route listed twice only matches twice."""
+    listed = [*app.router.routes, *(route for router in routers for route in router.routes)]
+    return [route for route in listed if isinstance(route, (Route, Mount))]
 
 
 def answer_head(router: APIRouter) -> APIRouter:

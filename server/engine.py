@@ -212,6 +212,17 @@ class Engine:
         may be a 429 (`QueueFull`)."""
         return self.max_batch_size + self.max_queue
 
+    def check_count(self, n: int, param: str) -> None:
+        """A 400 naming `param` (the field that set how many there are) for a request of `n` sequences, more
+        than `most_sequences`."""
+        if n > self.most_sequences:
+            raise GenerationError(
+                f"the request asks for {n} sequences (one per prompt and choice), more than the server takes at "
+                f"once ({self.most_sequences}: its --max-batch-size {self.max_batch_size} decoding and --max-queue "
+                f"{self.max_queue} waiting): send at most {self.most_sequences}",
+                param,
+            )
+
     def submit(
         self,
         prompts: Sequence[Sequence[int]],
@@ -226,13 +237,7 @@ class Engine:
         invalid request or one that could never fit (both 400s: a retry would not help; `count_param`, the
         field that set how many there are, is named when they are too many), then `QueueFull` (429) when
         valid sequences do not fit now; nothing is queued then."""
-        if len(prompts) > self.most_sequences:  # checked before building anything: the count is the client's
-            raise GenerationError(
-                f"the request asks for {len(prompts)} sequences (one per prompt and choice), more than the "
-                f"server takes at once ({self.most_sequences}: its --max-batch-size {self.max_batch_size} decoding "
-                f"and --max-queue {self.max_queue} waiting): send at most {self.most_sequences}",
-                count_param,
-            )
+        self.check_count(len(prompts), count_param)  # before building anything: the count is the client's
         names = select_hooks(hooks, self.model.config.n_layer) if hooks else None
         seqs = [
             new_sequence(self.model, i, prompt, p, self.tokenizer, names, edits, capture_dtype)

@@ -26,6 +26,8 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from model.json_file import clip
+
 from .asgi import HTTPOnly
 from .errors import GONE, error_response
 from .metrics import Metrics
@@ -121,6 +123,8 @@ class RequestGuard:
             return
         start = time.perf_counter()
         origin_form(scope)
+        # what the request was sent to, for the metrics, kept as it came (a Mount rewrites its scope's root_path)
+        target = {key: scope[key] for key in ("type", "method", "path", "root_path") if key in scope}
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         given = headers.get("x-request-id", "")
         request_id = given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
@@ -143,7 +147,7 @@ class RequestGuard:
                 log.warning("%s: answering 503 (request %s)", refusal, request_id)
                 rejection = error_response(503, refusal, headers={"Retry-After": "1", "Connection": "close"})
             else:
-                rejection = _framing(headers) or self._check_key(app_path(scope), headers) or _coding(headers)
+                rejection = _framing(headers) or self._check_key(app_path(scope), headers) or _coding(scope, headers)
             if rejection is None:
                 try:
                     receive, rejection = await self._bounded_body(headers, receive)
@@ -176,7 +180,7 @@ class RequestGuard:
                     failed = error_response(500, f"internal server error (request id {request_id})")
                     await failed(scope, receive, send_with_id)
         finally:
-            self.metrics.requests.labels(route=self._route(scope), status=str(status)).inc()
+            self.metrics.requests.labels(route=self._route(scope.get("route"), target), status=str(status)).inc()
             line: dict[str, Any] = {
                 "request_id": request_id,
                 "method": scope["method"],
@@ -186,13 +190,13 @@ class RequestGuard:
             }
             log.info(json.dumps(line))
 
-    def _route(self, scope: Scope) -> str:
-        """The route a request is counted under: the one that answered it, or, for a request the guard answered
-        itself (a 401, a 413, a 503 past the connections), the one it was sent to; "unmatched" for a path no
-        route has (so that made-up paths cannot grow the metrics without bound)."""
-        route = scope.get("route")
+    def _route(self, route: BaseRoute | None, target: Scope) -> str:
+        """The route a request is counted under: `route`, the one that answered it, or where none did (the
+        guard answered itself: a 400, 401, 408, 413, 415, 499 or 503; a static file's mount) the one `target`
+        (the request's path and method, as they came) was sent to; "unmatched" for a path no route has, so that
+        made-up paths cannot grow the metrics without bound."""
         if route is None:
-            matches = [(r.matches(scope)[0], r) for r in self.routes]
+            matches = [(r.matches(target)[0], r) for r in self.routes]
             route = next((r for match in (Match.FULL, Match.PARTIAL) for m, r in matches if m == match), None)
         return getattr(route, "path", "unmatched")
 
@@ -272,15 +276,19 @@ def _framing(headers: dict[str, str]) -> Any:
     return None
 
 
-def _coding(headers: dict[str, str]) -> Any:
+def _coding(scope: Scope, headers: dict[str, str]) -> Any:
     """A 415 for a body sent compressed (`Content-Encoding: gzip`): bodies are read as they come, so a gzipped
     one would be a 400 for bytes that are not UTF-8, and plain JSON labelled gzip would be read as if the label
-    were not there. RFC 9110, section 15.5.16: say which codings are taken, in Accept-Encoding."""
-    codings = [c.strip().lower() for c in headers.get("content-encoding", "").split(",")]
-    given = [c for c in codings if c and c != "identity"]
+    were not there. RFC 9110, section 15.5.16: say which codings are taken, in Accept-Encoding. The codings of
+    every Content-Encoding line count (a list split over lines is one list, section 5.3); a request with no
+    body has nothing to decode."""
+    if "transfer-encoding" not in headers and headers.get("content-length", "0").strip() in ("", "0"):
+        return None
+    lines = [value.decode("latin-1") for name, value in scope["headers"] if name.lower() == b"content-encoding"]
+    given = [c.strip().lower() for line in lines for c in line.split(",") if c.strip().lower() not in ("", "identity")]
     if not given:
         return None
-    message = f"the body is sent with Content-Encoding: {headers['content-encoding'].strip()}: send it uncompressed"
+    message = f"the body is sent with Content-Encoding {clip(', '.join(given), str)}: send it uncompressed"
     return error_response(415, message, headers={"Accept-Encoding": "identity"})
 
 

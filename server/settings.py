@@ -164,11 +164,11 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
     for f in fields(Settings):
         flag = "--" + f.name.replace("_", "-")
         kind = int if f.type in ("int", "int | None") else float if f.type == "float" else str
-        help = f"{f.metadata['help']}{_default(f)} [env {_env_name(f.name)}]"
+        text = f"{f.metadata['help']}{_default(f)} [env {_env_name(f.name)}]"
         if f.metadata.get("repeat"):
-            p.add_argument(flag, action="append", help=help)
+            p.add_argument(flag, action="append", help=text)
         else:
-            p.add_argument(flag, type=kind, help=help)
+            p.add_argument(flag, type=kind, help=text)
     args = p.parse_args(argv)
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}  # each value's flag or variable, as the user gave it

@@ -1,6 +1,6 @@
 """Bad inputs against the engine and the in-process server: each gets a clear 4xx error of the contract's
 shape, fails no other request, and the server serves afterwards. Sampling at its limits (tiny temperature
-or top_p), a sequence whose logits blow up, seeds outside int64, more sequences than the queue holds,
+or top_p), a sequence whose logits blow up, seeds outside int64, more sequences than the server takes at once,
 bursts of model calls (next-token, analyze) beside a stream, and stop strings beyond their limits."""
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def test_seeds_outside_int64_are_a_400(loaded: LoadedModel) -> None:
         assert_still_serving(c)
 
 
-# --- more sequences than the queue holds ------------------------------------------------------------
+# --- more sequences than the server takes at once -----------------------------------------------
 
 
 def test_more_sequences_than_the_server_takes_at_once_are_a_400(loaded: LoadedModel) -> None:
@@ -186,7 +186,7 @@ def test_more_sequences_than_the_server_takes_at_once_are_a_400(loaded: LoadedMo
         assert_still_serving(c)
 
 
-def test_more_sequences_than_the_queue_holds_build_none(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_more_sequences_than_the_server_takes_build_none(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     """The count is checked before any sequence (and its random generator) is made: a huge request costs
     nothing."""
     built: list[int] = []

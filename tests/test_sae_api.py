@@ -672,6 +672,9 @@ def test_feature_readings_are_bounded_like_dumps(tiny: Checkpoint, tokenizer_dir
         gen = {"input_ids": IDS, "max_new_tokens": 1, "features": {"sae": "res1", "top_k": 256}}
         r = c.post("/v1/generate", json=gen)
         assert r.status_code == 413 and r.json()["error"]["param"] == "features.top_k", r.text
+        for path, long in (("/v1/features", {"sae": "res1"}), ("/v1/generate", {"features": {"sae": "res1"}})):
+            r = c.post(path, json={"prompt": "hello " * 3000, **long})  # past the context: that, not the size
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
         assert post(c, "/v1/generate", gen | {"max_new_tokens": 0})["choices"][0]["features"]
 
 

@@ -15,10 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import safetensors.torch
 import torch
 from contract import (
+    ACTS,
     CASES,
     CMPL,
     GEN,
@@ -964,6 +966,7 @@ def test_a_request_the_guard_refuses_is_counted_under_its_route(loaded: LoadedMo
         assert_error(c.post(CMPL, content=b"{}", headers={**key, "content-encoding": "gzip"}), 415)
         assert_error(c.post("/v1/made-up", json={}, headers=key), 404)
         assert_error(c.post("/v1/also-made-up", json={}), 401)
+        assert c.get("/static/index.html").status_code == 200 and c.get("/static/nope.js").status_code == 404
         metrics = c.get("/metrics", headers=key).text
     counts = {
         (s.labels["route"], s.labels["status"]): s.value
@@ -972,6 +975,7 @@ def test_a_request_the_guard_refuses_is_counted_under_its_route(loaded: LoadedMo
         if s.name == "gpt2_requests_total"
     }
     assert counts[(GEN, "401")] == counts[(GEN, "413")] == counts[(CMPL, "415")] == 1, counts
+    assert counts[("/static", "200")] == counts[("/static", "404")] == 1, counts  # the static files' mount
     assert counts[("/v1/models/{model_id:path}", "401")] == 1, counts  # its template, as the route counts it
     assert counts[("unmatched", "404")] == counts[("unmatched", "401")] == 1, counts
 
@@ -984,6 +988,9 @@ def test_a_request_the_guard_refuses_is_counted_under_its_route(loaded: LoadedMo
         (GEN, "max_new_tokens", "max_new_tokens (1000"),
         (CMPL, "logprobs", "logprobs must be in 0..5, got 1000"),
         (CMPL, "n", "n must be in 1..128, got 1000"),
+        (GEN, "seed", "seed must be an integer in"),
+        (GEN, "stop_token_ids", "stop token id 1000"),
+        (GEN, "input_ids", "token id 1000"),
     ],
 )
 def test_an_integer_of_hundreds_of_digits_is_refused_in_a_short_message(
@@ -991,7 +998,11 @@ def test_an_integer_of_hundreds_of_digits_is_refused_in_a_short_message(
 ) -> None:
     """A valid JSON number too large for its field: a message that says why, not 'not a valid number', and
     that does not copy back all of its digits."""
-    body = f'{{"prompt": "hi", "{field}": 1{"0" * 400}}}'.encode()
+    value = f"1{'0' * 400}"
+    if field in ("stop_token_ids", "input_ids"):
+        value = f"[{value}]"
+    prompt = "" if field == "input_ids" else '"prompt": "hi", '
+    body = f'{{{prompt}"{field}": {value}}}'.encode()
     error = assert_error(client.post(path, content=body, headers={"content-type": "application/json"}), 400, field)
     assert error["message"].startswith(says) and len(error["message"]) < 300, error
     assert_still_serving(client)
@@ -1009,10 +1020,26 @@ def test_a_compressed_body_is_a_415_that_says_so(client: TestClient, coding: str
         r = client.post(GEN, content=body, headers=headers)
         error = assert_error(r, 415)
         assert r.headers["accept-encoding"] == "identity"
-        assert error["type"] == "unsupported_media_type" and f"Content-Encoding: {coding}" in error["message"]
+        named = coding.lower().removeprefix("identity, ")  # the codings that are not identity
+        assert error["type"] == "unsupported_media_type" and f"Content-Encoding {named}:" in error["message"]
     r = client.post(GEN, content=plain, headers={"content-type": "application/json", "content-encoding": "identity"})
     assert r.status_code == 200, r.text
     assert_still_serving(client)
+
+
+def test_content_codings_on_every_line_count_and_a_request_with_no_body_has_none(client: TestClient) -> None:
+    """Content-Encoding split over two lines is one list (RFC 9110, section 5.3): a gzip on either refuses the
+    body; a GET, with no body, is answered whatever it says; a long list is cut short in the message."""
+    import gzip
+
+    body = gzip.compress(json.dumps({"prompt": "hi", "max_new_tokens": 1}).encode())
+    headers = [("content-type", "application/json"), ("content-encoding", "gzip"), ("content-encoding", "identity")]
+    error = assert_error(client.post(GEN, content=body, headers=httpx.Headers(headers)), 415)
+    assert "Content-Encoding gzip: send it uncompressed" in error["message"], error
+    for path in ("/health", "/v1/models"):
+        assert client.get(path, headers={"content-encoding": "gzip"}).status_code == 200
+    error = assert_error(client.post(GEN, content=body, headers={"content-encoding": "x" * 8000}), 415)
+    assert len(error["message"]) < 300, error
 
 
 def test_body_over_limit_without_content_length(client: TestClient) -> None:
@@ -1099,7 +1126,7 @@ def test_queue_full_is_429(loaded: LoadedModel) -> None:
         assert_still_serving(c)
 
 
-def test_more_sequences_than_the_queue_holds_is_a_400_naming_the_field(loaded: LoadedModel) -> None:
+def test_more_sequences_than_the_server_takes_at_once_is_a_400_naming_the_field(loaded: LoadedModel) -> None:
     """A request of more sequences (prompts x n) than the server could ever take at once (--max-batch-size
     and --max-queue, here 1 + 4) is a 400, not a 429 (a retry could not succeed), and `param` names what made
     them too many: n, or the prompts."""
@@ -1112,6 +1139,9 @@ def test_more_sequences_than_the_queue_holds_is_a_400_naming_the_field(loaded: L
         assert_error(c.post(GEN, json={"prompt": ["a"] * 6, "max_new_tokens": 1}), 400, "prompt")
         assert_error(c.post(GEN, json={"input_ids": [[1]] * 6, "max_new_tokens": 1}), 400, "input_ids")
         assert len(post_ok(c, CMPL, {"prompt": ["a"] * 5, "max_tokens": 1})["choices"]) == 5
+        dump = {"input_ids": [[1, 2]] * 6, "max_new_tokens": 0, "activations": {"hooks": ["*"]}}  # count before size
+        assert "asks for 6 sequences" in assert_error(c.post(GEN, json=dump), 400, "input_ids")["message"]
+        assert "asks for 6 sequences" in assert_error(c.post(ACTS, json=dump), 400, "input_ids")["message"]
         assert_still_serving(c)
 
 

@@ -42,6 +42,7 @@ from .deps import (
     check_prompts,
     encode,
     json_response,
+    prompt_field,
     resolved_edits,
     results,
     stepped,
@@ -184,6 +185,7 @@ async def features(
     sae = reader.sae
     prompts = await token_ids(engine, req.prompt, req.input_ids)
     params = req.sampling_params(settings.max_new_tokens, engine.model.config.n_positions)
+    check_prompts(engine, prompts, params.max_new_tokens, prompt_field(req.input_ids))
     n_tokens = len(prompts[0]) + params.max_new_tokens
     size = reader.check_size(n_tokens, req.format, settings.max_activation_bytes)
     edits = await resolved_edits(req, engine, directions)
