@@ -81,11 +81,11 @@ async def completions(req: CompletionRequest, request: Request, engine: EngineDe
     # an empty or missing prompt is <|endoftext|>, as OpenAI reads it: "as from the beginning of a new document"
     eot = engine.tokenizer.eot_id
     prompts = [ids or [eot] for ids in await openai_prompt_ids(engine, req.prompt or "")]
+    engine.check_count(len(prompts), "prompt")  # before any prompt is read through: then no n could help
     check_prompts(engine, prompts, 0, "prompt")  # of several, the error names which
     with _openai_names():
         sequences = req.sequences(prompts, engine.model.config.n_positions, settings.max_new_tokens)
-        too_many_prompts = len(prompts) > engine.most_sequences  # then no n could help
-        streams = engine.submit(*sequences, count_param="n" if req.n > 1 and not too_many_prompts else "prompt")
+        streams = engine.submit(*sequences, count_param="n" if req.n > 1 else "prompt")
     reply = _Reply(engine, req, req.model or served_names(engine, settings)[0])
     if req.stream:
         return sse(reply.stream(streams))
