@@ -285,7 +285,8 @@ def _coding(scope: Scope, headers: dict[str, str]) -> Any:
     if "transfer-encoding" not in headers and headers.get("content-length", "0").strip() in ("", "0"):
         return None
     lines = [value.decode("latin-1") for name, value in scope["headers"] if name.lower() == b"content-encoding"]
-    given = [c.strip().lower() for line in lines for c in line.split(",") if c.strip().lower() not in ("", "identity")]
+    codings = (c.strip().lower() for line in lines for c in line.split(","))
+    given = [c for c in codings if c not in ("", "identity")]
     if not given:
         return None
     message = f"the body is sent with Content-Encoding {clip(', '.join(given), str)}: send it uncompressed"

@@ -476,10 +476,9 @@ class AttributionRequest(Strict):
             raise GenerationError(f"verify must be in 0..{MAX_VERIFY}, got {clip(self.verify)}", "verify")
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(Strict):
     """vLLM's /tokenize for a prompt; a field it does not have (its chat form's `messages`, say) is refused."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
     model: str | None = None  # vLLM's clients send it: checked against the served names, as completions do
     prompt: str
     add_special_tokens: bool = True  # GPT-2 adds none either way
@@ -487,8 +486,7 @@ class TokenizeRequest(BaseModel):
     split_special_tokens: bool = False  # transformers': `<|endoftext|>` in the text is read as plain text
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+class DetokenizeRequest(Strict):
     model: str | None = None
     tokens: list[int]
 

@@ -120,6 +120,9 @@ def test_tokenize_detokenize(client: TestClient, loaded: LoadedModel) -> None:
     assert body["token_strs"] is None
     assert post_ok(client, "/detokenize", {"tokens": body["tokens"]}) == {"prompt": text}
     assert post_ok(client, "/detokenize", {"tokens": body["tokens"], "model": None}) == {"prompt": text}
+    huge_id = f'{{"tokens": [1, 1{"0" * 400}]}}'
+    huge = client.post("/detokenize", content=huge_id, headers={"content-type": "application/json"})
+    assert "token id 1000" in assert_error(huge, 400, "tokens")["message"] and len(huge.text) < 400  # clipped
 
 
 def test_tokenize_can_read_the_end_of_text_marker_as_text(client: TestClient, tokenizer_dir: Path) -> None:

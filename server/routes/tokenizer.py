@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter
 
 from model.generate import GenerationError
+from model.json_file import clip
 from model.tokenizer import EOT
 
 from ..json_body import JSONBodyRoute
@@ -33,7 +34,7 @@ async def detokenize(req: DetokenizeRequest, engine: EngineDep, settings: Settin
     vocab = engine.model.config.vocab_size  # the model's: one padded past the tokenizer's shows those as <|id:N|>
     bad = [t for t in req.tokens if not 0 <= t < vocab]
     if bad:
-        raise GenerationError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "tokens")
+        raise GenerationError(f"token id {clip(bad[0])} is outside the vocabulary (0..{vocab - 1})", "tokens")
     (text,) = await run_in_threadpool(engine.tokenizer.decode_batch, [req.tokens])  # up to a body's worth of ids
     return {"prompt": text}
 
