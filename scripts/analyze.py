@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--plot needs matplotlib, which is not installed: pip install matplotlib (the project's plot extra)"
             )
         formats = plt.FigureCanvasBase.get_supported_filetypes()
-        if Path(args.plot).suffix.removeprefix(".").lower() not in formats:  # else matplotlib would add .png
+        if plot_format(args.plot) not in formats:  # else matplotlib would add .png
             return fail(
                 f"--plot {args.plot}: the name must end in a format matplotlib writes ({', '.join(sorted(formats))})"
             )
@@ -461,11 +461,16 @@ def write_out(lines: list[str]) -> str | None:
 def save_figure(plt: Any, fig: Any, path: str) -> None:
     """Write `fig` to `path` whole (a temporary file renamed over it: a full disk leaves the old file), in the
     format `path`'s extension names (the temporary's is the file's a link at `path` points to), then let it go."""
-    kind = Path(path).suffix.removeprefix(".").lower()
+    kind = plot_format(path)
     try:
         replace_whole(path, lambda temporary: fig.savefig(temporary, dpi=110, format=kind))
     finally:
         plt.close(fig)
+
+
+def plot_format(path: str) -> str:
+    """The format a plot's file name asks matplotlib for: its extension, lowercased ("svg" for `fig.SVG`)."""
+    return Path(path).suffix.removeprefix(".").lower()
 
 
 def fail(message: str) -> int:

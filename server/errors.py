@@ -148,11 +148,17 @@ def validation_message(errors: Sequence[Any]) -> tuple[str, str]:
     union = _union_error(errors)
     if union is not None:
         return union, loc[0]
-    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")  # a validator's own words
-    given = first.get("input")
-    if first.get("type") == "float_type" and isinstance(given, int) and not isinstance(given, bool):
-        message = f"an integer of {len(str(abs(given)))} digits is past a float's range (about 1.8e308)"
+    message = _past_float(first) or str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     return (f"{'.'.join(loc)}: {message}" if loc else message), (loc[0] if loc else "body")
+
+
+def _past_float(error: Any) -> str | None:
+    """For a float given a JSON integer too large to be one (401 digits, say): why, in a short message that
+    does not copy back its digits; else None."""
+    given = error.get("input")
+    if error.get("type") != "float_type" or not isinstance(given, int) or isinstance(given, bool):
+        return None
+    return f"an integer of {len(str(abs(given)))} digits is past a float's range (about 1.8e308)"
 
 
 def _union_error(errors: Sequence[Any]) -> str | None:
@@ -174,7 +180,8 @@ def _union_error(errors: Sequence[Any]) -> str | None:
             closest = min(objects, key=lambda t: sum(p[i] == t for p, _ in under))
             p, e = next((p, e) for p, e in under if p[i] == closest)
             return f"{'.'.join([field, *p[i + 1 :]])}: {e.get('msg', 'invalid value')}"
-        return f"{field}: fits none of the forms it takes ({', '.join(tried)})"
+        past = next((m for _, e in under if (m := _past_float(e))), None)  # a float's form, given 1e400 spelled out
+        return f"{field}: {past}" if past else f"{field}: fits none of the forms it takes ({', '.join(tried)})"
     return None
 
 

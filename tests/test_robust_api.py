@@ -111,6 +111,13 @@ CASES = [
         NEXT,
         {"prompt": "Hi", "interventions": [{"hook": "hook_embed", "op": "add", "value": 10**400}]},
         "interventions",
+        "interventions.0.value: an integer of 401 digits is past a float's range (about 1.8e308)",
+    ),
+    case(
+        "edit-value-of-no-form",
+        NEXT,
+        {"prompt": "Hi", "interventions": [{"hook": "hook_embed", "op": "add", "value": "high"}]},
+        "interventions",
         "interventions.0.value: fits none of the forms it takes (float, list[any], DumpValue)",
     ),
     case(
