@@ -20,7 +20,7 @@ from torch import nn
 
 from . import kernels
 from .gpt import GPT, Conv1D, TiedLMHead
-from .kernels.layers import replace_modules
+from .kernels.layers import KernelConv1D, KernelLMHead, replace_modules
 
 QMAX = 127  # symmetric: -127..127 (-128 unused, so that -q is always representable)
 
@@ -37,7 +37,7 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """q [N, K] int8, scale [N] -> [N, K] in `dtype`."""
-    return (q.to(dtype) * scale.to(dtype)[:, None]).to(dtype)
+    return q.to(dtype) * scale.to(dtype)[:, None]
 
 
 def _int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -113,10 +113,11 @@ class Int8LMHead(TiedLMHead):
 
 
 def quantize_(model: GPT) -> GPT:
-    """Replace `model`'s projections and LM head by int8 ones, in place (float32 model in, same device)."""
+    """Replace `model`'s projections and LM head by int8 ones, in place (float32 model in, same device): the
+    stock layers or, in a model `load` gave to a CPU, our kernels' (`use_kernels`)."""
     assert model.wte.weight.dtype == torch.float32, "quantize a float32 model"
-    replace_modules(model, Conv1D, Int8Conv1D)
-    replace_modules(model, TiedLMHead, lambda _: Int8LMHead(model.wte.weight))
+    replace_modules(model, (Conv1D, KernelConv1D), Int8Conv1D)
+    replace_modules(model, (TiedLMHead, KernelLMHead), lambda _: Int8LMHead(model.wte.weight))
     return model
 
 

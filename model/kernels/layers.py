@@ -39,10 +39,13 @@ class KernelLMHead(TiedLMHead):
         return super().forward(x, wte)
 
 
-def replace_modules(model: nn.Module, kind: type[nn.Module], make: Callable[[Any], nn.Module]) -> None:
-    """Replace every submodule of type `kind` (exactly) by `make(old)`."""
+def replace_modules(
+    model: nn.Module, kinds: type[nn.Module] | tuple[type[nn.Module], ...], make: Callable[[Any], nn.Module]
+) -> None:
+    """Replace every submodule of one of the types `kinds` (exactly: not their other subclasses) by `make(old)`."""
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
     for name, module in list(model.named_modules()):
-        if type(module) is kind:
+        if type(module) in kinds:
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, child, make(module))
