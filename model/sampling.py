@@ -40,8 +40,9 @@ def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def top_logprobs(logprobs: torch.Tensor, n: int) -> list[tuple[int, float]]:
-    """The `n` most likely (token id, log-probability) pairs of a log-distribution [vocab]."""
+    """The `n` most likely (token id, log-probability) pairs of a log-distribution [vocab]: all of them, most
+    likely first, where the vocabulary has fewer than `n`."""
     if n <= 0:
         return []
-    values, ids = torch.topk(logprobs, n)
+    values, ids = torch.topk(logprobs, min(n, logprobs.shape[-1]))
     return list(zip(ids.tolist(), values.tolist(), strict=True))
