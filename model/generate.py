@@ -663,7 +663,8 @@ class DecodeBatch:
             outputs += range(len(tokens) + n - kept, len(tokens) + n)
             tokens += seq.prompt[start:end]
         hooks, piece_hooks = self._packed_hooks(decoding, chunks, spans)
-        if self._fused_fits(hooks, len(tokens)):  # no hooks: every output's logits are wanted
+        fused_tokens = len(decoding) + sum(end - start for _, start, end in chunks)  # the fused pass has no dummies
+        if self._fused_fits(hooks, fused_tokens):  # no hooks: every output's logits are wanted
             logits = self._packed_fused(decoding, chunks, outputs)
         else:
             packed = PackedBatch(
@@ -763,7 +764,8 @@ class DecodeBatch:
         tokens = [s.tokens[-1] for s in self.seqs]
         if self.static is not None and hooks is None:
             logits = self.static(tokens, list(self.cache.lengths))  # [B, vocab]
-        elif self._fused_fits(hooks, len(tokens)) and self.fused is not None:
+        elif self._fused_fits(hooks, len(tokens)):
+            assert self.fused is not None
             logits = self.fused(tokens, self.cache.lengths)  # [B, vocab], the same math in one C++ call
         else:
             idx = torch.tensor(tokens, device=self.model.wte.weight.device)[:, None]  # [B, 1]
@@ -946,8 +948,24 @@ class Generation:
 
 def _generator(seed: int | None, device: torch.device) -> torch.Generator:
     g = torch.Generator(device=device)
-    g.manual_seed(seed if seed is not None else secrets.randbits(63))
+    seed = seed if seed is not None else secrets.randbits(63)
+    g.manual_seed(seed if device.type != "cpu" else fold_seed(seed))  # CUDA's Philox keeps all 64 bits
     return g
+
+
+def fold_seed(seed: int) -> int:
+    """An int64 seed as the 32 bits torch's CPU generator (mt19937) keeps: the low half as it is, xor the high
+    half mixed (murmur3's finalizer, a bijection that leaves 0 alone). Seeds 0..2³²-1 stay themselves, and
+    seeds that differ only above bit 31 (s and s + 2³², -1 and 2³²-1), which a plain cut would make equal,
+    sample apart; 2⁶⁴ seeds in 2³² states still meet somewhere, but not along such lines."""
+    seed &= 2**64 - 1  # two's complement: a negative seed as the uint64 torch reads it
+    high = seed >> 32
+    high ^= high >> 16
+    high = (high * 0x85EBCA6B) & 0xFFFFFFFF
+    high ^= high >> 13
+    high = (high * 0xC2B2AE35) & 0xFFFFFFFF
+    high ^= high >> 16
+    return (seed & 0xFFFFFFFF) ^ high
 
 
 def generate(
