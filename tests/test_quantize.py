@@ -16,10 +16,11 @@ from inprocess import serve
 
 from model import kernels
 from model.generate import SamplingParams, generate
+from model.gpt import Conv1D, TiedLMHead
 from model.hooks import Capture
 from model.interventions import Edit, EditSpec
 from model.loading import load, load_weights, save_checkpoint
-from model.quantize import Int8Conv1D, Int8LMHead, dequantize_rows, quantize_rows
+from model.quantize import Int8Conv1D, Int8LMHead, dequantize_rows, quantize_, quantize_rows
 
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
 
@@ -129,6 +130,40 @@ def test_int8_exports_its_dequantized_weights(tiny: Checkpoint, tmp_path: Path) 
     # equal up to the int8 kernel's rounding of activations to int16: 1% of int8's distance from float32
     ours, exported, reference = (c.tensors()["ln_final.hook_normalized"] for c in (cap8, cap32, cap))
     assert float((ours - exported).abs().max()) <= 0.01 * float((exported - reference).abs().max())
+
+
+def test_quantize_a_loaded_float32_model(tiny: Checkpoint) -> None:
+    """`quantize_` on a float32 model `load` gave (on a CPU, our kernels' layers) makes the model loading as
+    int8 makes: every product int8, the same logits bit for bit."""
+    model = quantize_(load_weights(tiny.path, dtype="float32", device="cpu"))
+    int8 = load_weights(tiny.path, dtype="int8", device="cpu")
+    kinds = {type(m) for m in model.modules() if isinstance(m, (Conv1D, TiedLMHead, Int8Conv1D))}
+    assert kinds == {Int8Conv1D, Int8LMHead}, kinds
+    idx = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    with torch.inference_mode():
+        assert torch.equal(model(idx), int8(idx))
+
+
+def test_int8_in_a_batch_is_bit_for_bit_alone_with_avx512(tiny: Checkpoint) -> None:
+    """The README's promise: with the AVX-512 builds every product of up to max_rows() rows takes dot-product
+    tiles that round a row alike whatever rows are beside it, so a plain batch (rows joining, prefilling in
+    chunks and finishing at different steps) gives each sequence the log-probabilities it gets alone."""
+    if not kernels.available() or not kernels.cpu_isa().startswith("avx512"):
+        pytest.skip("the AVX2 build's int16 outer products (16-96 rows) round with the rows beside them")
+    g = torch.Generator().manual_seed(0)
+    q, scale = quantize_rows(torch.randn(300, 768, generator=g))
+    x = torch.randn(96, 768, generator=g)
+    alone = torch.cat([kernels.matmul_int8(x[i : i + 1], q, scale, None) for i in range(96)])
+    for m in (2, 8, 15, 16, 20, 32, 64, 96):  # AVX2 would take outer products from 16 rows
+        assert torch.equal(kernels.matmul_int8(x[:m], q, scale, None), alone[:m]), m
+    model = load_weights(tiny.path, dtype="int8", device="cpu")
+    prompts = [torch.randint(0, 50257, (n,), generator=g).tolist() for n in (7, 40, 33, 3, 90)]
+    params = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True, logprobs=0) for n in (6, 2, 9, 4, 5)]
+    alone = [generate(model, [p], ps)[0] for p, ps in zip(prompts, params, strict=True)]
+    batch = generate(model, prompts, params)
+    for a, b in zip(alone, batch, strict=True):
+        assert a.token_ids == b.token_ids
+        assert [x.logprob for x in a.logprobs or []] == [x.logprob for x in b.logprobs or []]
 
 
 def test_model_info_says_int8(tiny: Checkpoint, tokenizer_dir: Path) -> None:

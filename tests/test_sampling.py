@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import Checkpoint, load_ours
 
-from model.generate import MAX_LOGPROBS, GenerationError, SamplingParams, generate
+from model.generate import MAX_LOGPROBS, GenerationError, SamplingParams, fold_seed, generate
 from model.gpt import GPT
 from model.sampling import nucleus, sample, top_logprobs
 
@@ -111,6 +111,19 @@ def test_top_logprobs() -> None:
     assert [i for i, _ in top] == [1, 2]
     assert [v for _, v in top] == pytest.approx([logprobs[1].item(), logprobs[2].item()])
     assert top_logprobs(logprobs, 0) == []
+    assert [i for i, _ in top_logprobs(logprobs, 20)] == [1, 2, 0, 3]  # a vocabulary smaller than n: all of it
+
+
+def test_seeds_apart_only_above_32_bits_sample_apart(flat_model: GPT) -> None:
+    """A CPU generator keeps 32 bits of its seed: seeds that differ only above them (s and s + 2³², -1 and
+    2³²-1) are folded apart, and a seed in 0..2³²-1 is the seed torch's own generator would take."""
+    assert [fold_seed(s) for s in (0, 1, 2**32 - 1)] == [0, 1, 2**32 - 1]
+    for a, b in [(1, 1 + 2**32), (-1, 2**32 - 1), (0, -(2**63)), (5, 5 + 2**62)]:
+        assert fold_seed(a) != fold_seed(b)
+        assert tokens(flat_model, max_new_tokens=30, temperature=1.0, seed=a) != tokens(
+            flat_model, max_new_tokens=30, temperature=1.0, seed=b
+        )
+    assert all(0 <= fold_seed(s) < 2**32 for s in (-(2**63), -1, 2**63 - 1))
 
 
 @pytest.mark.parametrize(

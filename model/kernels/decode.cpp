@@ -99,7 +99,7 @@ void layer_norm(const Norm& n, const float* x, int64_t M, int64_t C, float eps, 
   for (int64_t m = 0; m < M; ++m) layer_norm_row(n, x + m * C, C, eps, y + m * C);
 }
 
-void gelu(float* x, int64_t n, int threads) {  // in place, in blocks of 8 floats split among the threads
+void gelu(float* x, int64_t n, int threads) {  // in place, in blocks of 1024 floats split among the threads
   const int64_t blocks = (n + 1023) / 1024;
 #pragma omp parallel for schedule(static) num_threads(threads) if (blocks > 1)
   for (int64_t i = 0; i < blocks; ++i) gpt2::gelu(x + i * 1024, i * 1024 + 1024 <= n ? 1024 : n - i * 1024);

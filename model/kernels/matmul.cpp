@@ -1,5 +1,6 @@
 // The matrix products of matmul.h with a plain C ABI (no torch headers), for model/kernels/__init__.py:
-// compiled in a second with -mavx2 -mfma -fopenmp, together with decode.cpp. OpenMP here is torch's own
+// compiled with -fopenmp and the flags of the build model/kernels/__init__.py chooses (AVX2, AVX-512 or AVX-512
+// with VNNI), together with decode.cpp, about 12 s once per source version. OpenMP here is torch's own
 // runtime (libgomp.so.1 is already loaded by torch when this library is), and the thread count is the
 // caller's (torch.get_num_threads()).
 #include "matmul.h"
@@ -26,5 +27,4 @@ int gpt2_fma_ports(int set) {
   return gpt2::fma_ports();
 }
 
-int gpt2_kernels_version(void) { return 3; }
 }
