@@ -324,6 +324,32 @@ def test_decode_batch_chooses_the_fused_pass(tiny: Checkpoint, monkeypatch: pyte
         assert calls == []  # every step has a hooked row
 
 
+@needs_kernels
+def test_a_packed_pass_counts_only_the_tokens_the_fused_pass_gets(
+    tiny: Checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A packed step lays out a dummy decode token for each row still prefilling, which the fused pass never
+    receives: a step of one decode token and a 7-token chunk, beside two rows that wait, fits a fused pass of 8."""
+    model = load_ours(tiny)
+    calls: list[int] = []
+    forward = FusedDecode.forward
+    monkeypatch.setattr(
+        FusedDecode, "forward", lambda self, tokens, *a: calls.append(len(tokens)) or forward(self, tokens, *a)
+    )
+    greedy = SamplingParams(max_new_tokens=4, temperature=0)
+    with torch.inference_mode():
+        batch = DecodeBatch(model, 3, 128, prefill_chunk=7)
+        assert batch.fused is not None
+        monkeypatch.setattr(batch.fused, "max_tokens", 8)
+        batch.add(new_sequence(model, 0, [1, 2, 3], greedy, None))
+        batch.step()  # its prompt
+        batch.add(new_sequence(model, 1, [5] * 7, greedy, None))
+        batch.add(new_sequence(model, 2, [6] * 7, greedy, None))
+        calls.clear()
+        batch.step()  # row 0's decode token and row 1's prompt; row 2 waits for the next chunk
+        assert calls == [8]
+
+
 def test_what_it_cannot_run(tiny: Checkpoint) -> None:
     """bfloat16, a model laid out for prefill only, or a cache not float32: a reason, and no fused pass."""
     model16 = load_weights(tiny.path, dtype="bfloat16", device="cpu")
