@@ -10,12 +10,14 @@ not Ray Serve's replicas, whose sends are queued at once).
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import APIRouter, FastAPI
 from fastapi.routing import APIRoute
@@ -37,6 +39,8 @@ from .threads import ReleaseOpenMP
 
 log = logging.getLogger(__name__)
 
+SETTLE_S = 5.0  # at shutdown, how long the requests cancelled at the end of the drain get to send their 503
+
 
 def create_app(
     settings: Settings | None = None,
@@ -55,6 +59,7 @@ def create_app(
     deployment's replicas)."""
     settings = settings or Settings()
     metrics = Metrics()
+    in_flight: set[asyncio.Task[Any]] = set()  # the requests' tasks (`RequestGuard`), until each is answered
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -66,6 +71,10 @@ def create_app(
         else:
             threading.Thread(target=_load_in_background, args=(app,), name="gpt2-loader", daemon=True).start()
         yield
+        # the requests a drain that ran out cancelled answer first (a 503, `DRAINING`): the engine's stop below
+        # holds the event loop, and the process ends after it
+        if in_flight:
+            await asyncio.wait(set(in_flight), timeout=SETTLE_S)
         if app.state.engine is not None:
             app.state.engine.stop()
 
@@ -117,6 +126,7 @@ def create_app(
         body_timeout=settings.body_timeout,
         client_gone=client_gone,
         routes=_routes(app, routers),
+        in_flight=in_flight,
     )
     if settings.cors_origins:  # outermost, so that preflight requests need no API key
         app.add_middleware(

@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .errors import error_body
-from .middleware import CLOSE, REFUSAL, app_path
+from .middleware import CLOSE, DRAINING, REFUSAL, app_path
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -123,6 +123,13 @@ class _BoundedH11Protocol(H11Protocol):
         self.limit_concurrency = None  # the cap is checked below, answered in the API's error shape
         self._app = self.app
         self.app = self._app_or_503
+
+    def shutdown(self) -> None:
+        """uvicorn's start of a graceful shutdown; the request in flight is marked, so that the guard tells its
+        cancellation at the end of the drain from a client's leaving (`DRAINING`)."""
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.scope[DRAINING] = True  # type: ignore[literal-required]  # our key in the ASGI scope
+        super().shutdown()
 
     # The headers' deadline starts when the connection opens, and again when the first bytes of a next
     # request arrive on a kept-alive connection (until then it is idle, and the keep-alive timeout applies),

@@ -47,6 +47,11 @@ REFUSAL = "gpt2.refusal"
 # A scope key it sets on a request past the cap that it serves all the same (/health): its answer closes the
 # connection, so that the cap still bounds the connections a client can hold open.
 CLOSE = "gpt2.close"
+# A scope key it sets on the requests in flight when gpt2-serve begins to shut down: a task uvicorn cancels at
+# the end of the drain (`--drain-timeout`) is then cut by the shutdown, not given up by its client (Ray Serve's
+# cancellation), and the guard answers it 503 in the API's shape rather than let uvicorn answer a bare 500.
+DRAINING = "gpt2.draining"
+DRAINED = "the server is shutting down, and the request did not finish within its drain timeout (--drain-timeout)"
 
 
 def origin_form(scope: Scope) -> None:
@@ -97,6 +102,10 @@ class CORS(CORSMiddleware):
         return error_response(400, f"the CORS preflight was refused: {reason}", headers=headers)
 
 
+class _Drained(Exception):
+    """A request's task cancelled by gpt2-serve's shutdown at the end of its drain (`DRAINING`)."""
+
+
 class RequestGuard:
     def __init__(
         self,
@@ -108,8 +117,10 @@ class RequestGuard:
         body_timeout: float = math.inf,
         client_gone: tuple[type[Exception], ...] = (),
         routes: Sequence[BaseRoute] = (),
+        in_flight: set[asyncio.Task[Any]] | None = None,
     ) -> None:
         self.app = app
+        self.in_flight = in_flight if in_flight is not None else set()  # the requests' tasks, until answered
         self.routes = routes  # the app's, to count a request the guard answers under its route
         self.client_gone = client_gone  # errors a host raises into a request whose client has left
         self.api_key = api_key
@@ -122,6 +133,9 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
+        task = asyncio.current_task()
+        assert task is not None  # a request runs in a task of its own
+        self.in_flight.add(task)
         origin_form(scope)
         # what the request was sent to, for the metrics, kept as it came (a Mount rewrites its scope's root_path)
         target = {key: scope[key] for key in ("type", "method", "path", "root_path") if key in scope}
@@ -152,6 +166,8 @@ class RequestGuard:
                 try:
                     receive, rejection = await self._bounded_body(headers, receive)
                 except asyncio.CancelledError:  # the host gave the request up while its body came (Ray Serve)
+                    if scope.get(DRAINING):  # or the shutdown's drain ended: answered below
+                        raise _Drained from None
                     status = 499
                     raise
                 except self.client_gone:  # as the app's own below: the 499 that says no one reads the answer
@@ -165,6 +181,8 @@ class RequestGuard:
                 try:
                     await self.app(scope, receive, send_with_id)
                 except asyncio.CancelledError:  # the host gave the request up (Ray Serve: its client left)
+                    if scope.get(DRAINING):  # or the shutdown's drain ended: answered below
+                        raise _Drained from None
                     status = status if started else 499
                     raise
                 except self.client_gone:  # no one reads the answer (the 499 that says so), nor a stream's end
@@ -179,7 +197,14 @@ class RequestGuard:
                     log.exception("internal error (request %s)", request_id)
                     failed = error_response(500, f"internal server error (request id {request_id})")
                     await failed(scope, receive, send_with_id)
+        except _Drained:  # the cancellation ends here, with the answer it leaves
+            log.warning("request %s: cut by the shutdown at the end of its drain timeout", request_id)
+            if not started:  # a stream already under way is cut (its connection closes, no end marker)
+                drained = error_response(503, DRAINED, headers={"Connection": "close"})
+                with contextlib.suppress(Exception):
+                    await drained(scope, receive, send_with_id)
         finally:
+            self.in_flight.discard(task)
             self.metrics.requests.labels(route=self._route(scope.get("route"), target), status=str(status)).inc()
             line: dict[str, Any] = {
                 "request_id": request_id,

@@ -7,6 +7,7 @@ liveness probe's)."""
 from __future__ import annotations
 
 import importlib
+import json
 import re
 import signal
 import socket
@@ -171,7 +172,9 @@ def test_the_uvicorn_config_bounds_the_drain() -> None:
 
 def test_sigterm_ends_a_request_in_flight_at_the_drain_timeout(tiny: Any, tokenizer_dir: Path, tmp_path: Path) -> None:
     """A real gpt2-serve with a 1 s drain, a request in flight (its body arriving slowly, within the body's 60 s
-    deadline), then SIGTERM: the process exits at the drain's bound, not when the request would have ended."""
+    deadline), then SIGTERM: the process exits at the drain's bound, not when the request would have ended, and
+    the request cut there is answered a 503 in the API's shape (logged as one, without a traceback), not
+    uvicorn's bare 500."""
     port, log = free_port(), tmp_path / "gpt2-serve.log"
     args = ["--model", str(tiny.path), "--tokenizer", str(tokenizer_dir), "--port", str(port)]
     process = launch([*args, "--drain-timeout", "1", "--body-timeout", "60"], log)
@@ -184,10 +187,18 @@ def test_sigterm_ends_a_request_in_flight_at_the_drain_timeout(tiny: Any, tokeni
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=45)  # under the body's 60 s: at it, the drain was not bounded
             took = time.monotonic() - stopping
+            answer = b""
+            while chunk := slow.recv(65536):
+                answer += chunk
         # uvicorn raises the signal again once it has shut down: the exit status a SIGTERM'd process has
-        assert process.returncode == -signal.SIGTERM, log.read_text(errors="replace")
+        text = log.read_text(errors="replace")
+        assert process.returncode == -signal.SIGTERM, text
         assert 1.0 <= took < 30.0, took  # the 1 s drain and the shutdown, far from the 60 s an unbounded one takes
-        assert "timeout graceful shutdown exceeded" in log.read_text(errors="replace")
+        assert "timeout graceful shutdown exceeded" in text
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503 "), (answer, text)
+        assert "did not finish within its drain timeout" in json.loads(body)["error"]["message"], answer
+        assert "Traceback" not in text and '"status": 503' in text, text
     finally:
         shut_down(process)
 
