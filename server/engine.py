@@ -254,8 +254,9 @@ class Engine:
             free = max(0, self.max_batch_size - self._active() - self._admitting)  # places about to be taken
             if len(self._waiting) + len(requests) > self.max_queue + free:
                 raise QueueFull(
-                    f"{len(self._waiting)} sequences are waiting (the limit is {self.max_queue} beyond the batch's "
-                    f"free places, {free} now)"
+                    f"the request's {len(requests)} sequence{'s do' if len(requests) > 1 else ' does'} not fit now: "
+                    f"{len(self._waiting)} are waiting, and at most {self.max_queue} wait beyond the batch's free "
+                    f"places ({free} now)"
                 )
             self._waiting.extend(requests)
             self.metrics.queue_depth.set(len(self._waiting))

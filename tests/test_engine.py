@@ -181,8 +181,12 @@ def test_queue_bound(loaded: LoadedModel) -> None:
         with running(loaded, max_batch_size=1, max_queue=2) as engine:
             async with held(engine) as job:
                 a, b = engine.submit([[464], [464]], [greedy_params(2)] * 2)
-                with pytest.raises(QueueFull):  # all or none: 2 + 2 > 2 + 1
+                with pytest.raises(QueueFull) as refused:  # all or none: 2 + 2 > 2 + 1
                     engine.submit([[464], [464]], [greedy_params(2)] * 2)
+                assert str(refused.value) == (  # what this request needs, beside what the server holds
+                    "the request's 2 sequences do not fit now: 2 are waiting, and at most 2 wait beyond the batch's "
+                    "free places (1 now)"
+                )
                 (c,) = engine.submit([[464]], [greedy_params(2)])
                 with pytest.raises(QueueFull):
                     engine.submit([[464]], [greedy_params(2)])
