@@ -390,7 +390,8 @@ def test_work_under_way_is_not_refused_for_a_full_queue(loaded: LoadedModel) -> 
             for path in ("/v1/next-token", "/v1/analyze"):
                 r = c.post(path, json={"input_ids": CLEAN})
                 assert r.status_code == 429, (path, r.text)
-                assert "2 model calls of many steps are under way (the limit is 2)" in r.json()["error"]["message"]
+                said = r.json()["error"]["message"]
+                assert "2 model calls of many steps are under way: a new one waits for fewer than 2" in said
         finally:
             engine.passes = 0
         post_ok(c, "/v1/gradients", grad(hooks=["blocks.0.hook_resid_pre"]))

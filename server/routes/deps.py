@@ -185,7 +185,10 @@ async def stepped(request: Request, engine: Engine, work: Steps, begun: bool = F
     keeps between its jobs; its later passes are not. A client gone ends it (a 499): its waiting job leaves the
     queue, a running one stops where `Engine.call` stops it, and no job of it follows."""
     if engine.passes >= engine.max_queue and not begun:
-        raise QueueFull(f"{engine.passes} model calls of many steps are under way (the limit is {engine.max_queue})")
+        raise QueueFull(
+            f"{engine.passes} model calls of many steps are under way: a new one waits for fewer than "
+            f"{engine.max_queue} (the requests already under way go on to their ends, so there can be more)"
+        )
     engine.passes += 1
     try:
         while not work.done:
