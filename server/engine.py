@@ -56,6 +56,8 @@ from .threads import release_openmp_pool
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+CLAIM_S = 5.0  # how long the room a refused request needs is held for its retry (its 429 says retry after 1 s)
+
 
 class QueueFull(Exception):
     """More requests are waiting than the queue allows."""
@@ -67,6 +69,17 @@ class EngineStopped(Exception):
 
 class JobCancelled(Exception):
     """A running job's caller is gone: raised as its forward pass enters the next block."""
+
+
+@dataclass
+class _Claim:
+    """Room held for the largest request refused lately (a 429), so that smaller ones arriving all the time
+    cannot keep it out for ever: while it holds, a smaller request is taken only where it leaves that many
+    places; the next request of that size or more takes the room, and the claim lapses `CLAIM_S` after its last
+    refusal (a client that gave up)."""
+
+    n: int  # sequences
+    until: float  # time.monotonic()
 
 
 @dataclass(eq=False)  # compared by identity (`in`, `remove` on the queue)
@@ -172,6 +185,7 @@ class Engine:
         self._requests: dict[int, _Request] = {}  # id(seq) -> request, for every admitted sequence
         self._waiting: deque[_Request] = deque()
         self._admitting = 0  # requests taken from `_waiting` into the batch this turn, not in it yet
+        self._claim: _Claim | None = None  # room held for a request refused for the lack of it
         self._jobs: deque[_Job] = deque()
         self._cv = threading.Condition()
         self._stopping = False
@@ -251,17 +265,34 @@ class Engine:
         with self._cv:
             if self._stopping:
                 raise EngineStopped("the server is shutting down")
-            free = max(0, self.max_batch_size - self._active() - self._admitting)  # places about to be taken
-            if len(self._waiting) + len(requests) > self.max_queue + free:
-                raise QueueFull(
-                    f"the request's {len(requests)} sequence{'s do' if len(requests) > 1 else ' does'} not fit now: "
-                    f"{len(self._waiting)} are waiting, and at most {self.max_queue} wait beyond the batch's free "
-                    f"places ({free} now)"
-                )
+            self._make_room(len(requests))
             self._waiting.extend(requests)
             self.metrics.queue_depth.set(len(self._waiting))
             self._cv.notify()
         return [RequestStream(self, r) for r in requests]
+
+    def _make_room(self, n: int) -> None:
+        """Take a request of `n` sequences, or raise `QueueFull` (nothing taken): at most `max_queue` wait beyond
+        the batch's free places, and while a larger request refused lately holds its room (`_Claim`), a
+        smaller one is taken only beside it. Under the lock."""
+        now = time.monotonic()
+        free = max(0, self.max_batch_size - self._active() - self._admitting)  # places about to be taken
+        room = self.max_queue + free - len(self._waiting)
+        claim = self._claim if self._claim is not None and self._claim.until > now else None
+        held = claim.n if claim is not None and n < claim.n else 0  # none where this request is as large
+        if n <= room - held:
+            if claim is not None and n >= claim.n:  # the room held was for this one (or one as large)
+                self._claim = None
+            return
+        if claim is None or n >= claim.n:  # the largest refused holds the room, from now for CLAIM_S more
+            self._claim = _Claim(n, now + CLAIM_S)
+        why = (
+            f"{len(self._waiting)} are waiting, and at most {self.max_queue} wait beyond the batch's free places "
+            f"({free} now)"
+        )
+        if held:
+            why += f"; {held} places are held for a larger request refused before, which comes first"
+        raise QueueFull(f"the request's {n} sequence{'s do' if n > 1 else ' does'} not fit now: {why}")
 
     async def call(self, fn: Callable[[GPT], T], continuing: bool = False) -> T:
         """Run `fn(model)` on the engine's thread, between engine steps, and return its result (raises

@@ -181,13 +181,13 @@ def test_queue_bound(loaded: LoadedModel) -> None:
         with running(loaded, max_batch_size=1, max_queue=2) as engine:
             async with held(engine) as job:
                 a, b = engine.submit([[464], [464]], [greedy_params(2)] * 2)
-                with pytest.raises(QueueFull) as refused:  # all or none: 2 + 2 > 2 + 1
+                (c,) = engine.submit([[464]], [greedy_params(2)])
+                with pytest.raises(QueueFull) as refused:  # all or none: 3 + 2 > 2 + 1
                     engine.submit([[464], [464]], [greedy_params(2)] * 2)
                 assert str(refused.value) == (  # what this request needs, beside what the server holds
-                    "the request's 2 sequences do not fit now: 2 are waiting, and at most 2 wait beyond the batch's "
+                    "the request's 2 sequences do not fit now: 3 are waiting, and at most 2 wait beyond the batch's "
                     "free places (1 now)"
                 )
-                (c,) = engine.submit([[464]], [greedy_params(2)])
                 with pytest.raises(QueueFull):
                     engine.submit([[464]], [greedy_params(2)])
                 assert engine.metrics.registry.get_sample_value("gpt2_queue_depth") == 3
@@ -195,6 +195,40 @@ def test_queue_bound(loaded: LoadedModel) -> None:
             assert [len(r.token_ids) for r in await asyncio.gather(a.result(), b.result(), c.result())] == [2, 2, 2]
             (d,) = engine.submit([[464]], [greedy_params(1)])  # room again
             await d.result()
+
+    run(main())
+
+
+def test_a_large_request_refused_for_room_is_not_kept_out_by_smaller_ones(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request of many sequences refused for the lack of room (a 429) holds that room for its retry: smaller
+    requests are taken only beside it (else refused, saying so) until it is back, and the hold lapses after
+    `CLAIM_S` for a client that gave up. Without it, small requests arriving all the time would keep it out."""
+
+    async def main() -> None:
+        with running(loaded, max_batch_size=1, max_queue=3) as engine:
+            async with held(engine) as job:
+                (a,) = engine.submit([[464]], [greedy_params(2)])  # waits: room for 3 more
+                with pytest.raises(QueueFull):
+                    engine.submit([[464]] * 4, [greedy_params(2)] * 4)  # 4 > 3: refused, its room held
+                with pytest.raises(QueueFull) as refused:
+                    engine.submit([[464]], [greedy_params(2)])  # would fit, but not beside the 4 held
+                assert "4 places are held for a larger request refused before" in str(refused.value)
+            assert await job == "held"
+            await a.result()
+            big = engine.submit([[464]] * 4, [greedy_params(2)] * 4)  # the retry, once there is room: taken
+            assert [len(r.token_ids) for r in await asyncio.gather(*(s.result() for s in big))] == [2] * 4
+            async with held(engine) as job:  # and the hold went with it: 4 single ones fit where it stood
+                smalls = [engine.submit([[464]], [greedy_params(1)])[0] for _ in range(4)]
+            await asyncio.gather(job, *(s.result() for s in smalls))
+            monkeypatch.setattr("server.engine.CLAIM_S", 0.0)  # a client that never comes back
+            async with held(engine) as job:
+                (c,) = engine.submit([[464]], [greedy_params(1)])
+                with pytest.raises(QueueFull):
+                    engine.submit([[464]] * 4, [greedy_params(1)] * 4)
+                (d,) = engine.submit([[464]], [greedy_params(1)])  # its hold lapsed at once
+            await asyncio.gather(job, c.result(), d.result())
 
     run(main())
 
