@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import math
 import mmap
 import weakref
@@ -29,6 +30,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 THP = Path("/sys/kernel/mm/transparent_hugepage")
 THP_MODE = THP / "enabled"
@@ -93,30 +96,32 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return _bytes(mapping, start, nbytes).view(dtype).view(shape)
 
 
-def _movable(t: torch.Tensor) -> bool:
-    """A plain strided CPU tensor with memory of its own to move (not already in huge pages of ours)."""
+def _movable(t: torch.Tensor, again: bool) -> bool:
+    """A plain strided CPU tensor with memory of its own to move (not already in huge pages of ours, unless
+    `again`)."""
     return (
         t.device.type == "cpu"
         and t.layout == torch.strided
         and not (t.is_quantized or t.is_conj() or t.is_neg())
         and t.untyped_storage().nbytes() > 0
-        and not _ours(t.untyped_storage().data_ptr())
+        and (again or not _ours(t.untyped_storage().data_ptr()))
     )
 
 
-def move_into(module: nn.Module) -> bool:
+def move_into(module: nn.Module, again: bool = False) -> bool:
     """Move the CPU parameters and buffers of `module` into one mapping advised for huge pages, each with its
     values, shape, strides and dtype, tensors that shared a storage still sharing one (tied weights, views),
     parameters the same objects (and requires_grad). Run it before anything takes the tensors' addresses
     (a `FusedDecode`); tensors outside the module that shared memory with it stop sharing it. One storage
     at a time, each freed once moved (if nothing else holds it): the move needs the module's memory and its
     largest storage. The mapping lives while any of the moved storages does. Returns whether it moved
-    anything (not where there are no huge pages, for less than a page, nor a second time)."""
+    anything (not where there are no huge pages, for less than a page, nor a second time unless `again`: into
+    a new mapping, so that the old one, holding weights the module no longer has, goes with its last tensor)."""
     if not available():
         return False
     by_storage: dict[int, list[torch.Tensor]] = {}  # the tensors on each storage, by its address
     for t in (*module.parameters(), *module.buffers()):
-        if _movable(t):
+        if _movable(t, again):
             by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
     sizes = {a: -(-ts[0].untyped_storage().nbytes() // 64) * 64 for a, ts in by_storage.items()}  # cache lines
     if sum(sizes.values()) < page_size():
@@ -135,6 +140,15 @@ def move_into(module: nn.Module) -> bool:
         del storage, moved, group[:]  # the old storage goes once nothing else holds it,
         trim_heap()  # and its pages back to the system now, not at the end: the peak stays near one copy
     return True
+
+
+def move_or_stay(module: nn.Module, again: bool = False) -> None:
+    """`move_into`, where a failure (no memory for the mapping, say) leaves the weights where they are, with a
+    warning."""
+    try:
+        move_into(module, again)
+    except (OSError, RuntimeError) as e:
+        log.warning("the weights stay in ordinary pages (moving them into huge pages failed: %s)", e)
 
 
 def trim_heap() -> None:

@@ -615,11 +615,8 @@ def _load(
             )
     elif decode_kernels:
         use_kernels(model)  # float32 on a CPU: the decode step's products on our kernels
-    if dev.type == "cpu":  # a decode step streams every weight: in huge pages, faster
-        try:
-            huge_pages.move_into(model)
-        except (OSError, RuntimeError) as e:  # no memory for the mapping, say: they stay where they are
-            log.warning("the weights stay in ordinary pages (moving them into huge pages failed: %s)", e)
+    if dev.type == "cpu":  # a decode step streams every weight: in huge pages, faster (int8's are there already)
+        huge_pages.move_or_stay(model)
     return model, files, dev, dt
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import kernels
+from . import huge_pages, kernels
 from .gpt import GPT, Conv1D, TiedLMHead
 from .kernels.layers import KernelConv1D, KernelLMHead, replace_modules
 
@@ -118,6 +118,8 @@ def quantize_(model: GPT) -> GPT:
     assert model.wte.weight.dtype == torch.float32, "quantize a float32 model"
     replace_modules(model, (Conv1D, KernelConv1D), Int8Conv1D)
     replace_modules(model, (TiedLMHead, KernelLMHead), lambda _: Int8LMHead(model.wte.weight))
+    if model.wte.weight.device.type == "cpu":  # into huge pages, a new mapping: `load` may have moved the float32
+        huge_pages.move_or_stay(model, again=True)  # weights into one, which would live on as long as wte does
     return model
 
 

@@ -21,6 +21,7 @@ from model.generate import SamplingParams, generate
 from model.kernels.decode import FusedDecode
 from model.kv_cache import KVCache
 from model.loading import load_weights
+from model.quantize import quantize_
 
 needs_huge_pages = pytest.mark.skipif(
     not huge_pages.available(), reason=f"no transparent huge pages here (mode: {huge_pages.mode()})"
@@ -202,6 +203,23 @@ def test_the_mode_is_read_from_the_kernel(
 
 
 @needs_huge_pages
+def test_quantizing_a_loaded_model_lets_its_float32_weights_go(tiny: Checkpoint) -> None:
+    """`quantize_` on a float32 model `load` moved into huge pages: the int8 model lies in a mapping of its own,
+    as `load(dtype="int8")` leaves it, and the float32 one goes (wte and the LayerNorms, still in it, would
+    otherwise hold every float32 projection there as long as they live)."""
+    if not huge_pages.available():
+        pytest.skip("no transparent huge pages on this host")
+    model = load_weights(tiny.path, dtype="float32", device="cpu")
+    old = mapping_of(model.wte.weight.data_ptr())
+    assert old is not None and "hg" in old[1]
+    quantize_(model)
+    gc.collect()
+    tensors = [*model.parameters(), *model.buffers()]
+    new = mapping_of(tensors[0].data_ptr())
+    assert new is not None and "hg" in new[1] and all(t.data_ptr() in new[0] for t in tensors)
+    assert not huge_pages._ours(old[0].start)  # the old mapping is gone
+
+
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
 def test_a_loaded_model_is_in_huge_pages_and_computes_the_same(
     tiny: Checkpoint, dtype: str, monkeypatch: pytest.MonkeyPatch
@@ -212,7 +230,7 @@ def test_a_loaded_model_is_in_huge_pages_and_computes_the_same(
     assert where is not None and "hg" in where[1]
     assert all(t.data_ptr() in where[0] for t in tensors)
     with monkeypatch.context() as m:
-        m.setattr(huge_pages, "move_into", lambda module: False)
+        m.setattr(huge_pages, "move_into", lambda module, again=False: False)
         stayed = load_weights(tiny.path, dtype=dtype, device="cpu")
     plain = mapping_of(stayed.wte.weight.data_ptr())
     assert plain is not None and "hg" not in plain[1]
