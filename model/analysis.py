@@ -95,6 +95,12 @@ def analyze(model: GPT, ids: list[int], top_k: int = 5, edits: Hooks | None = No
     return run.result()
 
 
+def check_top_k(top_k: int, vocab_size: int) -> None:
+    """A ValueError unless `top_k` is an int in 1..`vocab_size` (what torch.topk can give)."""
+    if not is_int(top_k) or not 1 <= top_k <= vocab_size:
+        raise ValueError(f"top_k must be an int in 1..{vocab_size} (the vocabulary), got {top_k!r}")
+
+
 class AnalysisPass:
     """`analyze` a piece at a time, each `step` an engine job on the server, decode steps going on between
     them: a block of the pass (`ResidualPass.step`), or a part of measuring a stream it handed over
@@ -104,8 +110,7 @@ class AnalysisPass:
 
     def __init__(self, config: GPTConfig, ids: list[int], top_k: int, edits: Hooks | None = None) -> None:
         check_ids(ids, config.vocab_size)  # a clear error, not an indexing one from deep in the pass
-        if not is_int(top_k) or not 1 <= top_k <= config.vocab_size:
-            raise ValueError(f"top_k must be an int in 1..{config.vocab_size} (the vocabulary), got {top_k!r}")
+        check_top_k(top_k, config.vocab_size)
         if edits is not None and not callable(getattr(edits, "active", None)):
             raise TypeError(f"edits are hooks (EditSpec.hooks(config, len(ids))), got {type(edits).__name__}")
         self.top_k = top_k
@@ -291,6 +296,7 @@ class NextTokenPass:
     over every position where an edit uses its output there, as in `GPT.forward`)."""
 
     def __init__(self, config: GPTConfig, ids: list[int], top_k: int, hooks: Hooks | None = None) -> None:
+        check_top_k(top_k, config.vocab_size)
         self.ids, self.top_k, self.hooks = ids, top_k, hooks
         self._blocks: Iterator[torch.Tensor] | None = None  # `GPT.block_by_block`, from the first step on
         self._x: torch.Tensor | None = None  # [1, T, C]: the stream leaving the last block run

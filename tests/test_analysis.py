@@ -16,6 +16,7 @@ from model import analysis
 from model.analysis import (
     LayerMeasure,
     LayerStats,
+    NextTokenPass,
     ResidualPass,
     Stream,
     analyze,
@@ -26,6 +27,7 @@ from model.analysis import (
     mean_cosine,
     residual_norms,
 )
+from model.config import GPTConfig
 from model.gpt import GPT
 from model.hooks import Capture, Hooks
 from model.interventions import Edit, EditSpec, HookChain, NonFiniteActivations
@@ -379,3 +381,13 @@ def test_analyze_refuses_bad_input_in_words(tiny_model: GPT) -> None:
             analyze(tiny_model, ids, top_k)
     with pytest.raises(TypeError, match=r"edits are hooks \(EditSpec.hooks"):
         analyze(tiny_model, [1, 2, 3], 3, edits=EditSpec())  # type: ignore[arg-type]
+
+
+def test_top_k_beyond_the_vocabulary_is_a_clear_error() -> None:
+    """A toy model of 10 tokens asked for its 20 most likely next tokens: a ValueError that says so, from the
+    analysis and from the next-token pass alike, not torch.topk's from the end of the pass."""
+    config = GPTConfig(n_layer=1, n_head=2, n_embd=16, n_positions=8, vocab_size=10)
+    model = GPT(config).eval()
+    for run in (lambda: analyze(model, [1, 2, 3], top_k=20), lambda: NextTokenPass(config, [1, 2, 3], top_k=20)):
+        with pytest.raises(ValueError, match=r"top_k must be an int in 1\.\.10 \(the vocabulary\), got 20"):
+            run()

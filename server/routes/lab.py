@@ -60,8 +60,9 @@ async def analyze_prompt(
     config = engine.model.config
     field = prompt_field(req.input_ids)
     validate_prompt(engine.model, ids, 0, field)
-    if not 1 <= req.top_k <= 100:
-        raise GenerationError(f"top_k must be in 1..100, got {req.top_k}", "top_k")
+    most = min(100, config.vocab_size)  # a toy model's vocabulary may be smaller
+    if not 1 <= req.top_k <= most:
+        raise GenerationError(f"top_k must be in 1..{most}, got {req.top_k}", "top_k")
 
     def too_big(size: int | None, at_least: bool) -> APIError:
         """A 413 naming what would make the answer smaller: top_k, or else the prompt (`size` None: the answer
