@@ -286,9 +286,10 @@ class Engine:
             return
         if claim is None or n >= claim.n:  # the largest refused holds the room, from now for CLAIM_S more
             self._claim = _Claim(n, now + CLAIM_S)
+        waiting = len(self._waiting)
         why = (
-            f"{len(self._waiting)} are waiting, and at most {self.max_queue} wait beyond the batch's free places "
-            f"({free} now)"
+            f"{waiting} {'is' if waiting == 1 else 'are'} waiting, and at most {self.max_queue} wait beyond the "
+            f"batch's free places ({free} now)"
         )
         if held:
             why += f"; {held} places are held for a larger request refused before, which comes first"

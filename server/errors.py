@@ -180,8 +180,10 @@ def _union_error(errors: Sequence[Any]) -> str | None:
             closest = min(objects, key=lambda t: sum(p[i] == t for p, _ in under))
             p, e = next((p, e) for p, e in under if p[i] == closest)
             return f"{'.'.join([field, *p[i + 1 :]])}: {e.get('msg', 'invalid value')}"
-        past = next((m for _, e in under if (m := _past_float(e))), None)  # a float's form, given 1e400 spelled out
-        return f"{field}: {past}" if past else f"{field}: fits none of the forms it takes ({', '.join(tried)})"
+        past = _past_float(errors[0])  # the first error a float's, given 1e400 spelled out: said where it is
+        if past:
+            return f"{'.'.join([field, *first[i + 1 :]])}: {past}"
+        return f"{field}: fits none of the forms it takes ({', '.join(tried)})"
     return None
 
 

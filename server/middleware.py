@@ -133,9 +133,6 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        task = asyncio.current_task()
-        assert task is not None  # a request runs in a task of its own
-        self.in_flight.add(task)
         origin_form(scope)
         # what the request was sent to, for the metrics, kept as it came (a Mount rewrites its scope's root_path)
         target = {key: scope[key] for key in ("type", "method", "path", "root_path") if key in scope}
@@ -145,6 +142,8 @@ class RequestGuard:
         scope.setdefault("state", {})["request_id"] = request_id
         status = 500
         started = False
+        task = asyncio.current_task()
+        assert task is not None  # a request runs in a task of its own
 
         async def send_with_id(message: Message) -> None:
             nonlocal status, started
@@ -156,6 +155,7 @@ class RequestGuard:
             await send(message)
 
         try:
+            self.in_flight.add(task)
             refusal = scope.get(REFUSAL)
             if refusal is not None:
                 log.warning("%s: answering 503 (request %s)", refusal, request_id)

@@ -391,7 +391,7 @@ def test_work_under_way_is_not_refused_for_a_full_queue(loaded: LoadedModel) -> 
                 r = c.post(path, json={"input_ids": CLEAN})
                 assert r.status_code == 429, (path, r.text)
                 said = r.json()["error"]["message"]
-                assert "2 model calls of many steps are under way: a new one waits for fewer than 2" in said
+                assert "2 model calls of many steps are under way: a new one is taken once fewer than 2" in said
         finally:
             engine.passes = 0
         post_ok(c, "/v1/gradients", grad(hooks=["blocks.0.hook_resid_pre"]))

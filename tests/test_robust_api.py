@@ -114,6 +114,16 @@ CASES = [
         "interventions.0.value: an integer of 401 digits is past a float's range (about 1.8e308)",
     ),
     case(
+        "steer-direction-number-too-big",
+        NEXT,
+        {
+            "prompt": "Hi",
+            "interventions": [{"hook": "hook_embed", "op": "steer", "scale": 1, "direction": [1, 10**400]}],
+        },
+        "interventions",
+        "interventions.0.direction.1: an integer of 401 digits is past a float's range",
+    ),
+    case(
         "edit-value-of-no-form",
         NEXT,
         {"prompt": "Hi", "interventions": [{"hook": "hook_embed", "op": "add", "value": "high"}]},

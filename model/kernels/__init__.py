@@ -63,9 +63,10 @@ MAX_ROWS_AVX2 = 512  # products of more rows (long prefills) go to torch's GEMM 
 # matched or beat it up to here (2 threads: 60 vs 48 GFLOP/s at 128 rows, 62 vs 62 at 512, 60 vs 60 at 1024,
 # Zen 1 host; with the outer products, the AVX2 build on a Zen 4 host against MKL held to AVX2, a block's four
 # products: 114 vs 97 at 128, 145 vs 137 at 512, then even: 137 vs 139 at 1024, 142 vs 144 at 2048)
-MAX_ROWS_AVX512 = 2048  # with AVX-512, float32 blocks of 8-96 rows (32-96 on one FMA pipe) take outer products
-# (matmul.h), ahead of MKL's GEMM at every size measured (2 threads, Zen 4 host, a block's four products: 172 vs
-# 149 GFLOP/s at 128 rows, 165 vs 135 at 1024, 172 vs 153 at 2048); the int8 products of prompts too (int16 tiles)
+MAX_ROWS_AVX512 = 2048  # with AVX-512, float32 blocks of up to 96 rows take outer products (matmul.h's first
+# lines say which, by the core's FMA pipes), ahead of MKL's GEMM at every size measured (2 threads, Zen 4 host,
+# a block's four products: 172 vs 149 GFLOP/s at 128 rows, 165 vs 135 at 1024, 172 vs 153 at 2048); the int8
+# products of prompts too (int16 tiles)
 
 
 def cache_dir() -> Path:

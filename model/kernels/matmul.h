@@ -21,8 +21,8 @@
 //   end: a third of the instructions per weight of converting each weight to float32. So an int8 product
 //   rounds x the same way whatever the rows beside it; with AVX-512 its sums too, as every int8 product
 //   there takes these tiles, so a row's outputs are bit for bit the same alone or in a batch. (With AVX2 a
-//   block of 16-96 rows takes int16 outer products, `OuterI16`, whose sums turn into float32 every kSubK of
-//   K: rounded otherwise, about 1e-5 apart.)
+//   block of 16-96 rows at least 7/8 full takes int16 outer products, `OuterI16`, whose sums turn into
+//   float32 every kSubK of K: rounded otherwise, about 1e-5 apart.)
 //
 // Each output ends with an epilogue (`Op`): stored, or added to y (the residual stream's `x += f(x)`), so
 // the decode step (decode.cpp) needs no pass of its own for it. `gelu` is GPT-2's activation, vectorised.

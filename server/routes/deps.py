@@ -186,8 +186,8 @@ async def stepped(request: Request, engine: Engine, work: Steps, begun: bool = F
     queue, a running one stops where `Engine.call` stops it, and no job of it follows."""
     if engine.passes >= engine.max_queue and not begun:
         raise QueueFull(
-            f"{engine.passes} model calls of many steps are under way: a new one waits for fewer than "
-            f"{engine.max_queue} (the requests already under way go on to their ends, so there can be more)"
+            f"{engine.passes} model calls of many steps are under way: a new one is taken once fewer than "
+            f"{engine.max_queue} are (the requests already under way go on to their ends, so there can be more)"
         )
     engine.passes += 1
     try:
