@@ -16,7 +16,7 @@ import math
 import re
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import unquote
 
@@ -102,6 +102,27 @@ class CORS(CORSMiddleware):
         return error_response(400, f"the CORS preflight was refused: {reason}", headers=headers)
 
 
+class Sparse:
+    """A warning said at most once every `seconds` (a flood of refusals is one line, not hundreds a second),
+    with how many like it were held back since the last one said."""
+
+    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.seconds, self.clock = seconds, clock
+        self.last = -math.inf
+        self.held = 0
+
+    def warning(self, message: str) -> bool:
+        """Log `message` unless one was logged within `seconds`; returns whether it did."""
+        now = self.clock()
+        if now - self.last < self.seconds:
+            self.held += 1
+            return False
+        more = f" (and {self.held} more like it in the {now - self.last:.0f} s before)" if self.held else ""
+        log.warning("%s%s", message, more)
+        self.last, self.held = now, 0
+        return True
+
+
 class _Drained(Exception):
     """A request's task cancelled by gpt2-serve's shutdown at the end of its drain (`DRAINING`)."""
 
@@ -121,6 +142,7 @@ class RequestGuard:
     ) -> None:
         self.app = app
         self.in_flight = in_flight if in_flight is not None else set()  # the requests' tasks, until answered
+        self.refusals = Sparse(10.0)  # the connection cap's: one line every 10 s at most (each is in the access log)
         self.routes = routes  # the app's, to count a request the guard answers under its route
         self.client_gone = client_gone  # errors a host raises into a request whose client has left
         self.api_key = api_key
@@ -158,7 +180,7 @@ class RequestGuard:
             self.in_flight.add(task)
             refusal = scope.get(REFUSAL)
             if refusal is not None:
-                log.warning("%s: answering 503 (request %s)", refusal, request_id)
+                self.refusals.warning(f"{refusal}: answering 503 (request {request_id})")
                 rejection = error_response(503, refusal, headers={"Retry-After": "1", "Connection": "close"})
             else:
                 rejection = _framing(headers) or self._check_key(app_path(scope), headers) or _coding(scope, headers)

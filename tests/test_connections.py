@@ -28,6 +28,7 @@ from model.loading import LoadedModel
 from server.app import create_app
 from server.cli import _bind
 from server.connections import uvicorn_config
+from server.middleware import Sparse
 from server.settings import parse_settings
 
 GUARD = 60.0  # seconds a socket waits before the test fails as hung (a guard, not a measured bound)
@@ -633,3 +634,21 @@ def test_the_tcp_info_read_is_what_the_peer_acknowledged() -> None:
         while got < 100_000:
             got += len(client.recv(65536))
         wait_until(lambda: bytes_acked(server) == 100_000, timeout=GUARD)
+
+
+def test_refusals_are_logged_sparsely(caplog: pytest.LogCaptureFixture) -> None:
+    """A flood of connection-cap refusals is one warning every 10 s, saying how many it held back, not a line
+    each (each refusal still has its access-log line)."""
+    now = [0.0]
+    sparse = Sparse(10.0, clock=lambda: now[0])
+    with caplog.at_level("WARNING", logger="server.access"):
+        said = []
+        for t in (0.0, 0.5, 3.0, 9.9, 10.5, 11.0, 30.0):
+            now[0] = t
+            said.append(sparse.warning(f"refused at {t}"))
+    assert said == [True, False, False, False, True, False, True]
+    assert [r.getMessage() for r in caplog.records] == [
+        "refused at 0.0",
+        "refused at 10.5 (and 3 more like it in the 10 s before)",
+        "refused at 30.0 (and 1 more like it in the 20 s before)",
+    ]
