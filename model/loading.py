@@ -607,15 +607,16 @@ def _load(
     model = build_model(files.config, state)
     del state  # the model holds the tensors now (moving them below frees each old copy as it goes)
     if dtype == INT8:
-        quantize_(model)
+        quantize_(model)  # on a CPU, into huge pages too
         if dev.type == "cpu" and not kernels.available():  # each product dequantizes its weights in torch
             log.warning(
                 "int8 without our CPU kernels (GPT2_KERNELS=0, or they could not be built: the log says which) "
                 "dequantizes its weights in every product: slower than float32 on this CPU"
             )
-    elif decode_kernels:
+        return model, files, dev, dt
+    if decode_kernels:
         use_kernels(model)  # float32 on a CPU: the decode step's products on our kernels
-    if dev.type == "cpu":  # a decode step streams every weight: in huge pages, faster (int8's are there already)
+    if dev.type == "cpu":  # a decode step streams every weight: in huge pages, faster
         huge_pages.move_or_stay(model)
     return model, files, dev, dt
 
