@@ -123,10 +123,6 @@ class Sparse:
         return True
 
 
-class _Drained(Exception):
-    """A request's task cancelled by gpt2-serve's shutdown at the end of its drain (`DRAINING`)."""
-
-
 class RequestGuard:
     def __init__(
         self,
@@ -188,8 +184,6 @@ class RequestGuard:
                 try:
                     receive, rejection = await self._bounded_body(headers, receive)
                 except asyncio.CancelledError:  # the host gave the request up while its body came (Ray Serve)
-                    if scope.get(DRAINING):  # or the shutdown's drain ended: answered below
-                        raise _Drained from None
                     status = 499
                     raise
                 except self.client_gone:  # as the app's own below: the 499 that says no one reads the answer
@@ -203,8 +197,6 @@ class RequestGuard:
                 try:
                     await self.app(scope, receive, send_with_id)
                 except asyncio.CancelledError:  # the host gave the request up (Ray Serve: its client left)
-                    if scope.get(DRAINING):  # or the shutdown's drain ended: answered below
-                        raise _Drained from None
                     status = status if started else 499
                     raise
                 except self.client_gone:  # no one reads the answer (the 499 that says so), nor a stream's end
@@ -219,7 +211,9 @@ class RequestGuard:
                     log.exception("internal error (request %s)", request_id)
                     failed = error_response(500, f"internal server error (request id {request_id})")
                     await failed(scope, receive, send_with_id)
-        except _Drained:  # the cancellation ends here, with the answer it leaves
+        except asyncio.CancelledError:  # or the shutdown's drain ended (`DRAINING`): the cancellation ends here
+            if not scope.get(DRAINING):
+                raise
             log.warning("request %s: cut by the shutdown at the end of its drain timeout", request_id)
             if not started:  # a stream already under way is cut (its connection closes, no end marker)
                 drained = error_response(503, DRAINED, headers={"Connection": "close"})
