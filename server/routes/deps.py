@@ -266,6 +266,14 @@ async def token_ids(
     return await openai_prompt_ids(engine, prompt)
 
 
+def check_sequences(engine: Engine, prompts: list[list[int]], max_new_tokens: int, param: str) -> None:
+    """A generation's prompts checked before anything is sized on them: their count against what the server
+    takes at once (`Engine.check_count`, a 400 whatever else is wrong, before any prompt is read through),
+    then each prompt (`check_prompts`)."""
+    engine.check_count(len(prompts), param)
+    check_prompts(engine, prompts, max_new_tokens, param)
+
+
 def check_prompts(engine: Engine, prompts: list[list[int]], max_new_tokens: int, param: str) -> None:
     """Each of a request's prompts checked against the model (`validate_prompt`), before anything is sized on
     them (a dump's bytes): a prompt too long for the context is a 400 `context_length_exceeded` whatever else

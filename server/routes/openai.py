@@ -23,7 +23,7 @@ from ..json_body import JSONBodyRoute
 from ..schemas import CompletionRequest, StreamOptions, valid_text
 from ..settings import Settings
 from ..threads import run_in_threadpool
-from .deps import EngineDep, SettingsDep, check_prompts, json_response, merged, openai_prompt_ids, results, sse
+from .deps import EngineDep, SettingsDep, check_sequences, json_response, merged, openai_prompt_ids, results, sse
 
 router = APIRouter(tags=["openai"], route_class=JSONBodyRoute)
 
@@ -81,8 +81,7 @@ async def completions(req: CompletionRequest, request: Request, engine: EngineDe
     # an empty or missing prompt is <|endoftext|>, as OpenAI reads it: "as from the beginning of a new document"
     eot = engine.tokenizer.eot_id
     prompts = [ids or [eot] for ids in await openai_prompt_ids(engine, req.prompt or "")]
-    engine.check_count(len(prompts), "prompt")  # before any prompt is read through: then no n could help
-    check_prompts(engine, prompts, 0, "prompt")  # of several, the error names which
+    check_sequences(engine, prompts, 0, "prompt")  # too many prompts: then no n could help
     with _openai_names():
         sequences = req.sequences(prompts, engine.model.config.n_positions, settings.max_new_tokens)
         streams = engine.submit(*sequences, count_param="n" if req.n > 1 else "prompt")
