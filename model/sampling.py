@@ -17,22 +17,26 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, g
         return int(logits.argmax())
     # Shifted so that the best token is at 0: dividing by a tiny temperature then gives -inf at worst, never
     # +inf (softmax would be NaN), so the limit is greedy. A temperature below float32's smallest normal
-    # number would round to 0 (0 / 0 = NaN), so it counts as that number.
-    logits = (logits - logits.max()) / max(temperature, torch.finfo(logits.dtype).tiny)
+    # number would round to 0 (0 / 0 = NaN), so it counts as that number; one above its largest, to inf
+    # (-inf / inf = NaN), so it counts as that one. The tokens are ranked (top-k, the nucleus' order) on the
+    # logits themselves: divided by so large a temperature they all but tie.
+    logits = logits - logits.max()
+    finfo = torch.finfo(logits.dtype)
+    temperature = min(max(temperature, finfo.tiny), finfo.max)
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        logits = nucleus(logits, top_p)
-    probs = torch.softmax(logits, dim=-1)
+        logits = nucleus(logits, top_p, temperature)
+    probs = torch.softmax(logits / temperature, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability adds up to at least `top_p` (always the
-    most likely one: top_p 0, as OpenAI allows it, keeps that one alone)."""
+def nucleus(logits: torch.Tensor, top_p: float, temperature: float = 1.0) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability at `temperature` adds up to at least
+    `top_p` (always the most likely one: top_p 0, as OpenAI allows it, keeps that one alone)."""
     sorted_logits, order = torch.sort(logits, descending=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
+    probs = torch.softmax(sorted_logits / temperature, dim=-1)
     drop_sorted = probs.cumsum(dim=-1) - probs >= top_p  # the more likely tokens already reach top_p
     drop_sorted[0] = False  # the most likely token always stays
     drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)

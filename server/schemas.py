@@ -494,10 +494,10 @@ class DetokenizeRequest(Strict):
 class StreamOptions(BaseModel):
     """OpenAI's `stream_options`: whether the stream ends with a usage chunk, and vLLM's: whether every chunk
     carries its choice's usage so far (and the stream ends with one, as vLLM's `include_usage` defaults to
-    true; other options are ignored)."""
+    true; `include_usage` false turns both off, as in vLLM; other options are ignored)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
-    include_usage: bool | None = False  # null: the default
+    include_usage: bool | None = None  # null: the default, true with continuous_usage_stats, else false
     continuous_usage_stats: bool | None = False
 
 

@@ -93,6 +93,16 @@ def test_sampling_draws_only_from_the_nucleus_and_the_top_k() -> None:
     assert {sample(logits, 0.0, 0, 1.0, g) for _ in range(10)} == {1}
 
 
+def test_a_temperature_past_float32_still_keeps_the_top_k_and_the_nucleus() -> None:
+    """Divided by 1e39 (past float32's largest number) every logit is 0: the ranking is still the logits'."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1000, generator=g)
+    top5 = set(torch.topk(logits, 5).indices.tolist())
+    assert {sample(logits, 1e39, 5, 1.0, g) for _ in range(200)} <= top5
+    assert {sample(logits, 1e39, 0, 0.0, g) for _ in range(20)} == {int(logits.argmax())}
+    assert len({sample(logits, 1e39, 0, 1.0, g) for _ in range(200)}) > 150  # otherwise uniform, as its limit is
+
+
 def test_sampling_follows_the_distribution() -> None:
     """Frequencies over 4000 draws at temperature 1 and 0.5 are those of softmax(logits / T)."""
     logits = torch.tensor([0.1, 0.5, 0.2, 0.2]).log()

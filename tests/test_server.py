@@ -617,6 +617,10 @@ def test_completions_stream_with_continuous_usage(client: TestClient, loaded: Lo
         return [[c["usage"] for c in events if c["choices"][0]["index"] == i] for i in range(4)]
 
     assert per_choice(alone) == per_choice(chunks)
+    off = {"include_usage": False, "continuous_usage_stats": True}  # vLLM: no usage at all, continuous or last
+    events = sse_events(client.post(CMPL, json=request | {"stream_options": off}).text)
+    assert [e["choices"] for e in events] == [e["choices"] for e in sse_events(client.post(CMPL, json=request).text)]
+    assert all(e.get("usage") is None for e in events)
 
 
 def test_stream_options_without_stream_is_a_400(client: TestClient) -> None:
@@ -705,6 +709,7 @@ def test_models_retrieve(client: TestClient, loaded: LoadedModel) -> None:
     assert entry["owned_by"] == "local"  # a checkpoint directory: no hub owner
     error = assert_error(client.get("/v1/models/gpt2-nope"), 404, "model", "model_not_found")
     assert "'gpt2-nope' does not exist" in error["message"]
+    assert_error(client.get("/v1/models/"), 404, "model", "model_not_found")  # no default model here
 
 
 @pytest.mark.parametrize(
@@ -946,6 +951,8 @@ def test_bad_request(client: TestClient, case: Bad) -> None:
         (GEN, {"prompt": ["a", "b " * 200]}, "prompt", "prompt[1]: the prompt (201 tokens) is longer than"),
         (CMPL, {"prompt": [[1], [2], [1, -1]]}, "prompt", "prompt[2]: token id -1 is outside"),
         (CMPL, {"prompt": ["a", "b " * 200], "max_tokens": 1}, "prompt", "prompt[1]: the prompt (201 tokens)"),
+        (GEN, {"input_ids": [[5], [1] * 120], "max_new_tokens": 10}, "max_new_tokens", "input_ids[1]: the prompt"),
+        (CMPL, {"prompt": [[5], [1] * 120], "max_tokens": 10}, "max_tokens", "prompt[1]: the prompt (120 tokens) plus max_tokens (10)"),
     ],
 )
 def test_an_error_about_one_prompt_of_several_says_which(

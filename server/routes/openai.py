@@ -39,7 +39,7 @@ async def models(engine: EngineDep, settings: SettingsDep) -> dict[str, Any]:
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, engine: EngineDep, settings: SettingsDep) -> dict[str, Any]:
     """OpenAI's model retrieval: the served model by an id /v1/models lists (a local path's slashes too)."""
-    check_model(model_id, engine, settings)
+    check_served(model_id, engine, settings)  # "" too: no default here, unlike a request's `model`
     return _model_card(engine, model_id)
 
 
@@ -49,13 +49,19 @@ def served_names(engine: Engine, settings: Settings) -> tuple[str, ...]:
 
 
 def check_model(name: str | None, engine: Engine, settings: Settings) -> None:
+    """A request's `model`: None or "" is the served model, as vLLM takes them; any other name is checked
+    (`check_served`)."""
+    if name:
+        check_served(name, engine, settings)
+
+
+def check_served(name: str, engine: Engine, settings: Settings) -> None:
     """A model this server does not serve is a 404, as OpenAI and vLLM answer it: never another model's text
-    (or its tokenizer's ids) under the name asked for. None or "": the served model, as vLLM takes them. A name
-    that is not valid Unicode (a lone surrogate) is a 400: it could not be echoed back."""
-    if name is not None:
-        valid_text(name, "model")
+    (or its tokenizer's ids) under the name asked for. A name that is not valid Unicode (a lone surrogate) is a
+    400: it could not be echoed back."""
+    valid_text(name, "model")
     names = served_names(engine, settings)
-    if name and name not in names:
+    if name not in names:
         served = ", ".join(repr(n) for n in names)
         message = f"the model {clip(name)} does not exist: this server serves {served}"
         raise APIError(404, message, "model", code="model_not_found")
@@ -81,8 +87,9 @@ async def completions(req: CompletionRequest, request: Request, engine: EngineDe
     # an empty or missing prompt is <|endoftext|>, as OpenAI reads it: "as from the beginning of a new document"
     eot = engine.tokenizer.eot_id
     prompts = [ids or [eot] for ids in await openai_prompt_ids(engine, req.prompt or "")]
-    check_sequences(engine, prompts, 0, "prompt")  # too many prompts: then no n could help
     with _openai_names():
+        # before the n samples are laid out (too many prompts: then no n could help); max_tokens null fits each
+        check_sequences(engine, prompts, req.max_tokens or 0, "prompt")
         sequences = req.sequences(prompts, engine.model.config.n_positions, settings.max_new_tokens)
         streams = engine.submit(*sequences, count_param="n" if req.n > 1 else "prompt")
     reply = _Reply(engine, req, req.model or served_names(engine, settings)[0])
@@ -190,8 +197,9 @@ class _Reply:
         index = {id(s): i for i, s in enumerate(streams)}
         offsets: dict[int, _TextOffsets] = {}  # per choice, from its first event on
         options = self.req.stream_options or StreamOptions()
-        continuous = bool(options.continuous_usage_stats)  # implies include_usage, as vLLM's default has it
-        usage = bool(options.include_usage) or continuous
+        continuous = bool(options.continuous_usage_stats)
+        usage = continuous if options.include_usage is None else options.include_usage  # vLLM's default, with it
+        continuous = continuous and usage  # include_usage false: none at all, as vLLM has it
         generated = [0] * len(streams)  # per choice, its tokens so far
 
         def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
