@@ -124,16 +124,20 @@ class Settings:
         from model.loading import device_problem, dtype_problem
 
         if problem := device_problem(self.device):
-            raise ValueError(problem)
+            raise ValueError(f"device: {problem}")
         if self.preset is not None and self.preset not in PRESETS:
-            raise ValueError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
+            raise ValueError(f"preset: unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
         if problem := dtype_problem(self.dtype):
-            raise ValueError(problem)
+            raise ValueError(f"dtype: {problem}")
         # an empty host would bind every interface, an empty key lock every request out, an empty tokenizer
         # mean the current directory, an empty revision name nothing
         for name in ("model", "host", "api_key", "tokenizer", "revision"):
             if getattr(self, name) == "":
                 raise ValueError(f"{name} must not be empty")
+        if self.api_key is not None and self.api_key != self.api_key.strip():
+            # a header's value loses its outer whitespace (and cannot hold a line break): no request could give
+            # it; a key file's or a Secret's trailing newline, most often
+            raise ValueError(f"api_key must not begin or end with whitespace, got {len(self.api_key)} characters")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
 
@@ -184,9 +188,10 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
             p.error(f"{source} {e}")
     try:
         return Settings(**values)
-    except ValueError as e:  # "max_queue must be at least 1": named as it was given, --max-queue or GPT2_MAX_QUEUE
-        name, _, rest = str(e).partition(" ")
-        p.error(f"{sources[name]} {rest}" if name in sources else str(e))
+    except ValueError as e:  # "max_queue must be at least 1", "device: unknown ...": named as it was given,
+        name, _, rest = str(e).partition(" ")  # --max-queue or GPT2_MAX_QUEUE
+        field = name.removesuffix(":")
+        p.error(f"{sources[field]}{name[len(field) :]} {rest}" if field in sources else str(e))
         raise  # unreachable: p.error exits
 
 

@@ -37,13 +37,16 @@ def test_served_model_names() -> None:
         (["--sae", "res8"], {}, "--sae must be ID=PATH"),
         (["--cors-origins", "x"], {"GPT2_MAX_QUEUE": "q"}, "GPT2_MAX_QUEUE must be an integer"),
         # names torch knows but nothing here runs on: refused at once, not served (or crashed on) after binding
-        ([], {"GPT2_DEVICE": "meta"}, "unknown device 'meta'; use auto, cpu, cuda, cuda:N or mps"),
-        (["--device", "xpu"], {}, "unknown device 'xpu'"),
-        (["--preset", "gpt3"], {}, "unknown preset 'gpt3'; choose one of gpt2, "),
-        (["--dtype", "fp8"], {}, "unknown dtype 'fp8'; use auto, float32, float16, bfloat16 or int8"),
+        ([], {"GPT2_DEVICE": "meta"}, "GPT2_DEVICE: unknown device 'meta'; use auto, cpu, cuda, cuda:N or mps"),
+        (["--device", "xpu"], {}, "--device: unknown device 'xpu'"),
+        (["--preset", "gpt3"], {}, "--preset: unknown preset 'gpt3'; choose one of gpt2, "),
+        ([], {"GPT2_DTYPE": "fp8"}, "GPT2_DTYPE: unknown dtype 'fp8'; use auto, float32, float16, bfloat16 or int8"),
         # empty: a host that would bind every interface, a key that no request can give
         ([], {"GPT2_HOST": ""}, "GPT2_HOST must not be empty"),
         ([], {"GPT2_API_KEY": ""}, "GPT2_API_KEY must not be empty"),
+        # a key with outer whitespace (a Secret's trailing newline): a header never carries it, so none matches
+        ([], {"GPT2_API_KEY": "secret\n"}, "GPT2_API_KEY must not begin or end with whitespace"),
+        (["--api-key", " secret"], {}, "--api-key must not begin or end with whitespace"),
         ([], {"GPT2_REVISION": ""}, "GPT2_REVISION must not be empty"),
         (["--tokenizer", ""], {}, "--tokenizer must not be empty"),
     ],
