@@ -69,10 +69,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "new local Ray instance"
         ),
     )
-    ray.add_argument("--actors", type=int, default=2, help="model actors (2)")
-    ray.add_argument("--cpus-per-actor", type=float, default=1.0, help="CPUs per actor (1)")
-    ray.add_argument("--gpus-per-actor", type=float, default=0.0, help="GPUs per actor (0)")
-    return p.parse_args(argv)
+    ray.add_argument("--actors", type=int, help="model actors (2)")
+    ray.add_argument("--cpus-per-actor", type=float, help="CPUs per actor (1)")
+    ray.add_argument("--gpus-per-actor", type=float, help="GPUs per actor (0)")
+    args = p.parse_args(argv)
+    ray_flags = {
+        "--actors": args.actors,
+        "--cpus-per-actor": args.cpus_per_actor,
+        "--gpus-per-actor": args.gpus_per_actor,
+    }
+    if args.ray is None and (given := [flag for flag, value in ray_flags.items() if value is not None]):
+        p.error(f"{', '.join(given)} only with --ray")  # never taken and silently dropped
+    return args
 
 
 class BarProgress:
@@ -195,9 +203,9 @@ def main(argv: list[str] | None = None) -> int:
                 spec,
                 args.out,
                 address=args.ray or None,
-                actors=args.actors,
-                cpus_per_actor=args.cpus_per_actor,
-                gpus_per_actor=args.gpus_per_actor,
+                actors=2 if args.actors is None else args.actors,
+                cpus_per_actor=1.0 if args.cpus_per_actor is None else args.cpus_per_actor,
+                gpus_per_actor=0.0 if args.gpus_per_actor is None else args.gpus_per_actor,
                 progress=progress,
             )
         else:

@@ -782,6 +782,20 @@ def test_cli_errors_are_one_line(
     assert len(err) == 1 and err[0].startswith("gpt2-harvest: error: ") and message in err[0], err
 
 
+def test_cli_ray_flags_need_ray(capsys) -> None:
+    """--actors, --cpus-per-actor and --gpus-per-actor without --ray were taken and silently dropped."""
+    from gpt2_scripts import harvest as harvest_cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        harvest_cli.parse_args(
+            ["x.txt", "--out", "o", "--hooks", "hook_embed", "--actors", "0", "--gpus-per-actor", "1"]
+        )
+    assert exit_info.value.code == 2
+    assert "--actors, --gpus-per-actor only with --ray" in capsys.readouterr().err
+    args = harvest_cli.parse_args(["x.txt", "--out", "o", "--hooks", "hook_embed", "--ray", "--actors", "3"])
+    assert (args.ray, args.actors, args.cpus_per_actor) == ("", 3, None)
+
+
 def test_cli_bad_file(tiny, tokenizer_dir: Path, tmp_path: Path, capsys) -> None:
     from gpt2_scripts import harvest as harvest_cli
 

@@ -94,7 +94,7 @@ def run_on_ray(
     _ray()
     if actors < 1:
         raise HarvestError(f"actors must be a positive integer, got {actors}")
-    if cpus_per_actor <= 0 or gpus_per_actor < 0:
+    if not (cpus_per_actor > 0 and gpus_per_actor >= 0):  # NaN too
         raise HarvestError(f"CPUs per actor must be > 0 and GPUs >= 0, got {cpus_per_actor} and {gpus_per_actor}")
     if spec.device.startswith("cuda") and gpus_per_actor == 0:
         raise HarvestError(
