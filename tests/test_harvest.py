@@ -523,6 +523,10 @@ def test_a_damaged_shard_record_is_refused_in_words(
     (out / MANIFEST).write_text(json.dumps(saved))
     with pytest.raises(HarvestError, match=rf"is not a harvest manifest this version can read \({re.escape(says)}\)"):
         harvest(tiny.path, source, out, ["blocks.0.hook_resid_pre"], **opts)
+    for job in (None, "x"):  # its job of another type: a TypeError from deep in the resume, once
+        (out / MANIFEST).write_text(json.dumps(saved | {"job": job}))
+        with pytest.raises(HarvestError, match=rf"\(its job is {job!r}, not an object\)"):
+            harvest(tiny.path, source, out, ["blocks.0.hook_resid_pre"], **opts)
 
 
 def test_a_manifest_of_another_version_is_refused_in_words(tiny, tokenizer_dir: Path, corpus, tmp_path: Path) -> None:

@@ -260,6 +260,8 @@ class Manifest:
         try:
             saved = json.loads(path.read_text(encoding="utf-8"))
             saved_job = saved["job"]
+            if not isinstance(saved_job, dict):
+                raise TypeError(f"its job is {saved_job!r}, not an object")
             records = [ShardRecord.read(r) for r in saved["shards"]]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise HarvestError(f"{path} is not a harvest manifest this version can read ({e})") from None
