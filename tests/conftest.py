@@ -93,6 +93,22 @@ def tiny_hub(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
 
 
 @pytest.fixture(scope="session")
+def tiny_past_float16(tiny: Checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint with block 0's MLP weights scaled 300x: every weight within float16's range, the
+    MLP's output past it (inf in float16, finite in float32)."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("tiny_past_float16")
+    (out / "config.json").write_bytes((tiny.path / "config.json").read_bytes())
+    state = load_file(tiny.path / "model.safetensors")
+    for name in ("transformer.h.0.mlp.c_fc.weight", "transformer.h.0.mlp.c_proj.weight"):
+        state[name] = state[name] * 300
+    assert max(t.abs().max().item() for t in state.values()) < torch.finfo(torch.float16).max
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="session")
 def distil(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
     """distilgpt2's shape (6 layers, 12 heads, d_model 768), hub layout."""
     return make_checkpoint(tmp_path_factory.mktemp("distil"), n_layer=6, n_head=12, n_embd=768, layout="hub", seed=2)

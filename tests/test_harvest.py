@@ -786,6 +786,20 @@ def test_cli_errors_are_one_line(
     assert len(err) == 1 and err[0].startswith("gpt2-harvest: error: ") and message in err[0], err
 
 
+def test_activations_past_their_dtype_are_refused(
+    tiny_past_float16: Path, tokenizer_dir: Path, corpus, tmp_path: Path
+) -> None:
+    """A float16 harvest whose activations overflow stops in one line, naming the hook and the range (its shards
+    were written full of inf, exit status 0); in float32 the same model harvests."""
+    source, _ = corpus
+    opts = {"tokenizer": str(tokenizer_dir), "device": "cpu", "context_size": 16, "max_tokens": 16 * 8}
+    says = r"^the activations at blocks\.0\.hook_mlp_out became non-finite \(inf or NaN\): .* float16's range"
+    with pytest.raises(HarvestError, match=says):
+        harvest(tiny_past_float16, source, tmp_path / "f16", ["blocks.0.hook_mlp_out"], dtype="float16", **opts)
+    assert not (tmp_path / "f16").exists()  # failed before its first shard: no folder to refuse a fix
+    harvest(tiny_past_float16, source, tmp_path / "f32", ["blocks.0.hook_mlp_out"], dtype="float32", **opts)
+
+
 def test_cli_ray_flags_need_ray(capsys) -> None:
     """--actors, --cpus-per-actor and --gpus-per-actor without --ray were taken and silently dropped."""
     from gpt2_scripts import harvest as harvest_cli

@@ -130,6 +130,23 @@ def test_a_driver_without_a_gpu_plans_a_job_for_actors_with_one(tiny, tokenizer_
     assert not (tmp_path / "other").exists()
 
 
+def test_an_actors_error_is_the_drivers_one_line(tiny_past_float16: Path, tokenizer_dir: Path, tmp_path: Path) -> None:
+    """Activations past float16's range on an actor: the driver raises the actor's HarvestError in its words
+    (Ray's own exception carried it only as the text of a traceback)."""
+    from model.harvest.ray_data import run_on_ray
+
+    source = tmp_path / "docs.txt"
+    source.write_text("the cat sat on the mat . " * 40)
+    spec = HarvestSpec(
+        model=str(tiny_past_float16), source=str(source), hooks=("blocks.0.hook_mlp_out",), context_size=16,
+        tokenizer=str(tokenizer_dir), device="cpu", dtype="float16",
+    )  # fmt: skip
+    says = r"^the activations at blocks\.0\.hook_mlp_out became non-finite \(inf or NaN\): .* float16's range"
+    with pytest.raises(HarvestError, match=says):
+        run_on_ray(spec, tmp_path / "out", actors=1)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_bad_ray_address_is_one_error_and_leaves_no_folder(tiny, tokenizer_dir: Path, tmp_path: Path) -> None:
     """An address Ray refuses is a HarvestError in one line (it was Ray's traceback), and the job's new folder
     is removed as for any job failing before its first shard."""

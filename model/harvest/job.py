@@ -29,6 +29,7 @@ from ..config import ConfigError, GPTConfig
 from ..gpt import GPT
 from ..hooks import UnknownHookError, is_attention_square, run_with_cache, select_hooks, site_shape
 from ..loading import DTYPE_NAMES, INT8, LoadedModel, LoadError, load_from, locate, resolve_device, resolve_dtype
+from ..overflow import dtype_range
 from ..tokenizer import EOT, Tokenizer, TokenizerError, tokenizer_files
 from . import saelens
 from .errors import HarvestError
@@ -248,12 +249,23 @@ def compute_shard(
             got = run_with_cache(model, idx, list(names))
             for name in names:
                 value = got[name]
+                if not value.isfinite().all():  # an SAE's training set of inf, found only in training
+                    raise HarvestError(not_finite(name, value.dtype))
                 if name not in out:
                     out[name] = torch.empty((len(ids), *value.shape[1:]), dtype=value.dtype)
                 out[name][start : start + len(idx)].copy_(value)
             if on_batch is not None:
                 on_batch(idx.numel())
     return out
+
+
+def not_finite(name: str, dtype: torch.dtype) -> str:
+    """The error of a harvest whose activations at hook `name` left `dtype`'s range."""
+    wider = "; --dtype bfloat16 or float32 reaches further" if dtype == torch.float16 else ""
+    return (
+        f"the activations at {name} became non-finite (inf or NaN): the model's values overflowed "
+        f"{dtype_range(dtype)}{wider}"
+    )
 
 
 def encode_shard(plan: Plan, acts: dict[str, torch.Tensor], tokens: np.ndarray) -> bytes:

@@ -68,13 +68,20 @@ class ShardActor:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
         plan, T = self.plan, self.plan.spec.context_size
         records: list[ShardRecord] = []
+        errors: list[str] = []  # a shard's HarvestError, for the driver to raise: Ray would keep only its text
         for index, first, rows, raw in zip(batch["index"], batch["first"], batch["rows"], batch["tokens"], strict=True):
-            tokens = np.frombuffer(raw, dtype=np.int32).reshape(int(rows), T)
-            acts = compute_shard(self.lm.model, tokens, plan.names, plan.spec.batch_size)
+            tokens = np.frombuffer(raw, dtype=np.int32).reshape(int(rows), T).copy()  # writable, as torch wants
+            try:
+                acts = compute_shard(self.lm.model, tokens, plan.names, plan.spec.batch_size)
+            except HarvestError as e:  # activations past their dtype's range
+                records.append(ShardRecord(int(index), "", 0, int(first), "", 0))
+                errors.append(str(e))
+                continue
             data = encode_shard(plan, acts, tokens)
             records.append(write_shard_file(self.out_dir, plan, int(index), int(first), int(rows), data))
+            errors.append("")
         fields = ("index", "file", "rows", "first_context", "sha256", "bytes")
-        return {f: [getattr(r, f) for r in records] for f in fields}
+        return {f: [getattr(r, f) for r in records] for f in fields} | {"error": errors}
 
 
 def run_on_ray(
@@ -171,7 +178,11 @@ def _run(
                 num_gpus=gpus_per_actor,
             )
             for row in shards.iter_rows():
-                record = ShardRecord(**{k: v.item() if isinstance(v, np.generic) else v for k, v in row.items()})
+                if row["error"]:
+                    raise HarvestError(row["error"])
+                record = ShardRecord(
+                    **{k: v.item() if isinstance(v, np.generic) else v for k, v in row.items() if k != "error"}
+                )
                 record_shard(manifest, plan, record)
                 log.info("shard %d written on Ray (%d contexts)", record.index, record.rows)
                 if progress is not None:
