@@ -398,8 +398,8 @@ def attribution_table(result: Attribution, clean: list[str], corrupt: list[str])
     """The residual stream's scores (layer x position), each head's, attn_out's and mlp_out's, and the
     patched sites: each estimate beside the real change."""
     lines = [
-        f"metric: clean {result.clean_metric:.4f}, corrupted {result.corrupted_metric:.4f} "
-        f"(patching everything would change it by {result.clean_metric - result.corrupted_metric:+.4f})",
+        f"metric: clean {_shown(result.clean_metric, 4):.4f}, corrupted {_shown(result.corrupted_metric, 4):.4f} "
+        f"(patching everything would change it by {_shown(result.clean_metric - result.corrupted_metric, 4):+.4f})",
         "",
         "attribution at blocks.L.hook_resid_pre, per position (clean token / corrupted token):",
     ]
@@ -421,7 +421,7 @@ def attribution_table(result: Attribution, clean: list[str], corrupt: list[str])
             s = v.site
             where = s.hook + (f" @ position {s.position}" if s.position is not None else "")
             where += f" head {s.head}" if s.head is not None else ""
-            lines.append(f"{where:<44} {v.attribution:9.4f} {v.patched_change:9.4f}")
+            lines.append(f"{where:<44} {_shown(v.attribution, 4):9.4f} {_shown(v.patched_change, 4):9.4f}")
     return "\n".join(lines)
 
 

@@ -74,6 +74,23 @@ def test_attribution_tables_and_plot(model_args: list[str], tiny: Checkpoint, tm
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
+def test_attribution_table_shows_no_negative_zero() -> None:
+    """Values that round to 0 at 4 digits are shown as 0.0000 in every column, the patched sites' too."""
+    import torch
+    from gpt2_scripts.analyze import attribution_table
+
+    from model.lab.attribution import Attribution, Site, Verified
+
+    tiny = -3e-6
+    result = Attribution(
+        clean_metric=tiny, corrupted_metric=0.0, resid_pre=torch.full((1, 1), tiny), z=torch.full((1, 2), tiny),
+        attn_out=torch.full((1,), tiny), mlp_out=torch.full((1,), tiny),
+        verified=[Verified(Site("blocks.0.hook_resid_pre", 0, None), tiny, tiny, tiny)],
+    )  # fmt: skip
+    table = attribution_table(result, ["a"], ["b"])
+    assert "-0.0000" not in table and "0.0000" in table, table
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
