@@ -24,6 +24,7 @@ from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 from starlette.routing import BaseRoute, Mount, Route
 
+from model.lab.sae import SAEError
 from model.lab.steering import SharedVectors
 from model.loading import LoadedModel, load_from
 
@@ -40,6 +41,11 @@ from .threads import ReleaseOpenMP
 log = logging.getLogger(__name__)
 
 SETTLE_S = 5.0  # at shutdown, how long the requests cancelled at the end of the drain get to send their 503
+
+
+def load_failure(error: Exception) -> str:
+    """What failed as the server loaded: the model, or an SAE `--sae` names (whose error names it)."""
+    return f"cannot load {'an SAE' if isinstance(error, SAEError) else 'the model'}: {error}"
 
 
 def create_app(
@@ -85,7 +91,7 @@ def create_app(
             engine = _start_engine(model, settings, metrics)
             _loaded(engine, on_loaded)  # before the first request: /health says 503 until the engine is set
         except Exception as e:
-            log.error("cannot load the model: %s", e)
+            log.error("%s", load_failure(e))
             if on_load_error is not None:
                 on_load_error(e)
             return

@@ -15,7 +15,7 @@ import uvicorn
 
 from model.cpus import size_threads
 
-from .app import create_app, freeze_long_lived
+from .app import create_app, freeze_long_lived, load_failure
 from .connections import uvicorn_config
 from .settings import parse_settings
 
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("listening on %s port %d", settings.host, settings.port)
     server.run(sockets=[sock])
     if failures:
-        print(f"gpt2-serve: error: cannot load the model: {failures[0]}", file=sys.stderr)
+        print(f"gpt2-serve: error: {load_failure(failures[0])}", file=sys.stderr)
         return 1
     return 0
 

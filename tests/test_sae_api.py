@@ -479,6 +479,11 @@ def test_clamps_within_the_bound_apply_as_on_the_model(client: TestClient, tiny_
 def test_an_sae_that_does_not_fit_the_model_ends_start_up(tiny: Checkpoint, tokenizer_dir: Path, tmp_path) -> None:
     loaded = load(tiny.path, tokenizer_dir=tokenizer_dir, device="cpu")
     from model.lab.sae import SAEError
+    from server.app import load_failure
+
+    # gpt2-serve's last line names what failed: the model loaded (it said "cannot load the model" of an SAE)
+    assert load_failure(SAEError("SAE 'w' (x) reads ...")) == "cannot load an SAE: SAE 'w' (x) reads ..."
+    assert load_failure(OSError("no file")) == "cannot load the model: no file"
 
     wide = write_sae(tmp_path / "wide", hook=RES, d_in=32, d_sae=8)
     app = create_app(Settings(sae=(f"w={wide}",)), loaded=loaded)
