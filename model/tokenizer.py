@@ -71,7 +71,8 @@ class Tokenizer:
             raise TokenizerError(f"no tokenizer in {directory}: expected tokenizer.json, or vocab.json and merges.txt")
         try:
             if files == ["tokenizer.json"]:
-                return cls(_HFTokenizer.from_file(str(directory / "tokenizer.json")))
+                # read here: the library's from_file takes only paths that are valid UTF-8
+                return cls(_HFTokenizer.from_str((directory / "tokenizer.json").read_text(encoding="utf-8")))
             return cls(_byte_level_bpe(directory / "vocab.json", directory / "merges.txt"))
         except TokenizerError:
             raise
@@ -177,7 +178,7 @@ class Tokenizer:
         return bytes(_UNICODE_TO_BYTE[c] for c in piece)
 
     def save(self, directory: str | Path) -> None:
-        self._tok.save(str(Path(directory) / "tokenizer.json"))
+        (Path(directory) / "tokenizer.json").write_text(self._tok.to_str(pretty=True), encoding="utf-8")  # any path
 
 
 def check_unicode(text: str, item: int = 0) -> None:

@@ -86,6 +86,20 @@ def test_ids_past_the_vocabulary_decode_as_their_names(tok: Tokenizer) -> None:
     assert tok.decode([*emoji[:1], 50257, *emoji[1:]]) == tok.decode(emoji[:1]) + "<|id:50257|>" + tok.decode(emoji[1:])
 
 
+def test_a_folder_whose_name_is_not_utf8(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """A path of bytes that are not UTF-8 (as Linux allows, Python holding them as surrogates): the library's
+    from_file refused it ("surrogates not allowed"), though the files are fine."""
+    import os
+
+    directory = tmp_path / os.fsdecode(b"tok\xff")
+    directory.mkdir()
+    shutil.copy(tokenizer_dir / "tokenizer.json", directory / "tokenizer.json")
+    assert Tokenizer.from_dir(directory).encode("Hello world") == [15496, 995]
+    (directory / "tokenizer.json").unlink()
+    Tokenizer.from_dir(tokenizer_dir).save(directory)  # and written there
+    assert Tokenizer.from_dir(directory).encode("Hello world") == [15496, 995]
+
+
 def test_save_and_reload(from_vocab_and_merges: Tokenizer, tmp_path: Path) -> None:
     from_vocab_and_merges.save(tmp_path)
     again = Tokenizer.from_dir(tmp_path)
