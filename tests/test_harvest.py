@@ -798,6 +798,10 @@ def test_activations_past_their_dtype_are_refused(
         harvest(tiny_past_float16, source, tmp_path / "f16", ["blocks.0.hook_mlp_out"], dtype="float16", **opts)
     assert not (tmp_path / "f16").exists()  # failed before its first shard: no folder to refuse a fix
     harvest(tiny_past_float16, source, tmp_path / "f32", ["blocks.0.hook_mlp_out"], dtype="float32", **opts)
+    # the causal mask's -inf in attention scores is no overflow: harvested as it is
+    harvest(tiny_past_float16, source, tmp_path / "scores", ["blocks.0.attn.hook_attn_scores"], **opts)
+    scores = load_file(tmp_path / "scores" / "acts-00000.safetensors")["blocks.0.attn.hook_attn_scores"]
+    assert scores.isneginf().any() and scores.tril().isfinite().all()
 
 
 def test_cli_ray_flags_need_ray(capsys) -> None:
