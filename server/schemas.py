@@ -567,9 +567,8 @@ class CompletionRequest(BaseModel):
 
     def sequences(self, prompts: list[list[int]], n_ctx: int, cap: int) -> tuple[list[list[int]], list[SamplingParams]]:
         """The engine's sequences: each prompt `n` times, the j-th sample seeded with seed + j (wrapping
-        within int64), with `max_tokens` (null: as many as fit the context, up to the server's cap)."""
-        if self.max_tokens is not None:
-            check_cap(self.max_tokens, cap, "max_tokens", n_ctx)
+        within int64), with `max_tokens` (null: as many as fit the context, up to the server's cap; a number is
+        checked against the cap by the route, `check_cap`)."""
         seqs, params = [], []
         for prompt in prompts:
             max_tokens = max(0, min(cap, n_ctx - len(prompt))) if self.max_tokens is None else self.max_tokens

@@ -20,7 +20,7 @@ from model.loading import hub_repo
 from ..engine import Engine, RequestStream
 from ..errors import APIError
 from ..json_body import JSONBodyRoute
-from ..schemas import CompletionRequest, StreamOptions, valid_text
+from ..schemas import CompletionRequest, StreamOptions, check_cap, valid_text
 from ..settings import Settings
 from ..threads import run_in_threadpool
 from .deps import EngineDep, SettingsDep, check_sequences, json_response, merged, openai_prompt_ids, results, sse
@@ -87,10 +87,13 @@ async def completions(req: CompletionRequest, request: Request, engine: EngineDe
     # an empty or missing prompt is <|endoftext|>, as OpenAI reads it: "as from the beginning of a new document"
     eot = engine.tokenizer.eot_id
     prompts = [ids or [eot] for ids in await openai_prompt_ids(engine, req.prompt or "")]
+    n_ctx = engine.model.config.n_positions
     with _openai_names():
+        if req.max_tokens is not None:  # the server's cap first, as /v1/generate checks it
+            check_cap(req.max_tokens, settings.max_new_tokens, "max_tokens", n_ctx)
         # before the n samples are laid out (too many prompts: then no n could help); max_tokens null fits each
         check_sequences(engine, prompts, req.max_tokens or 0, "prompt")
-        sequences = req.sequences(prompts, engine.model.config.n_positions, settings.max_new_tokens)
+        sequences = req.sequences(prompts, n_ctx, settings.max_new_tokens)
         streams = engine.submit(*sequences, count_param="n" if req.n > 1 else "prompt")
     reply = _Reply(engine, req, req.model or served_names(engine, settings)[0])
     if req.stream:
