@@ -248,8 +248,11 @@ class RequestGuard:
         client sends it UTF-8 encoded."""
         if self.api_key is None or path in OPEN_PATHS or path.startswith("/static/"):
             return None
-        scheme, _, token = headers.get("authorization", "").strip().partition(" ")
-        given = [k for k in (token.strip() if scheme.lower() == "bearer" else "", headers.get("x-api-key", "")) if k]
+        # HTTP's whitespace, space and tab: str.strip() would also take 0x85 and 0xA0, bytes of UTF-8 characters
+        scheme, _, token = headers.get("authorization", "").strip(" \t").partition(" ")
+        given = [
+            k for k in (token.strip(" \t") if scheme.lower() == "bearer" else "", headers.get("x-api-key", "")) if k
+        ]
         # Headers were decoded as latin-1, byte for byte: encoding back gives the bytes that were sent.
         key = self.api_key.encode("utf-8")
         if any(hmac.compare_digest(k.encode("latin-1"), key) for k in given):

@@ -134,10 +134,13 @@ class Settings:
         for name in ("model", "host", "api_key", "tokenizer", "revision"):
             if getattr(self, name) == "":
                 raise ValueError(f"{name} must not be empty")
-        if self.api_key is not None and self.api_key != self.api_key.strip():
-            # a header's value loses its outer whitespace (and cannot hold a line break): no request could give
-            # it; a key file's or a Secret's trailing newline, most often
-            raise ValueError(f"api_key must not begin or end with whitespace, got {len(self.api_key)} characters")
+        if self.api_key is not None and not _header_value(self.api_key):
+            # no request could give it; a key file's or a Secret's trailing newline, most often (the key itself
+            # is not echoed)
+            raise ValueError(
+                "api_key must not begin or end with a space or tab, nor hold a control character (a line break): "
+                "an HTTP header cannot carry it"
+            )
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
 
@@ -148,6 +151,12 @@ class Settings:
         if self.max_dump_bytes_in_flight is not None:
             return self.max_dump_bytes_in_flight
         return 4 * self.max_activation_bytes
+
+
+def _header_value(text: str) -> bool:
+    """Whether an HTTP header can carry `text` as its value: no space or tab at either end (HTTP strips them),
+    and no control character but a tab (a line break ends the header)."""
+    return text == text.strip(" \t") and not any((ord(c) < 32 and c != "\t") or ord(c) == 127 for c in text)
 
 
 def _env_name(name: str) -> str:

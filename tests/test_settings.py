@@ -45,8 +45,9 @@ def test_served_model_names() -> None:
         ([], {"GPT2_HOST": ""}, "GPT2_HOST must not be empty"),
         ([], {"GPT2_API_KEY": ""}, "GPT2_API_KEY must not be empty"),
         # a key with outer whitespace (a Secret's trailing newline): a header never carries it, so none matches
-        ([], {"GPT2_API_KEY": "secret\n"}, "GPT2_API_KEY must not begin or end with whitespace"),
-        (["--api-key", " secret"], {}, "--api-key must not begin or end with whitespace"),
+        ([], {"GPT2_API_KEY": "secret\n"}, "GPT2_API_KEY must not begin or end with a space or tab"),
+        (["--api-key", " secret"], {}, "--api-key must not begin or end with a space or tab"),
+        (["--api-key", "sec\x01ret"], {}, "--api-key must not begin or end with a space or tab, nor hold a control"),
         ([], {"GPT2_REVISION": ""}, "GPT2_REVISION must not be empty"),
         (["--tokenizer", ""], {}, "--tokenizer must not be empty"),
     ],
@@ -58,6 +59,13 @@ def test_a_bad_value_is_a_usage_error_naming_it(
         parse_settings(argv, environ=env)
     assert exit_info.value.code == 2
     assert says in capsys.readouterr().err
+
+
+def test_a_key_a_header_can_carry_is_taken() -> None:
+    """Inner spaces and tabs, non-ASCII characters (sent as UTF-8), and a non-breaking space at the end, which
+    HTTP does not strip (Python's str.strip() would)."""
+    for key in ("two words", "tab\there", "s3cret-ключ", "ends-in-nbsp\u00a0"):
+        assert parse_settings(["--api-key", key], environ={}).api_key == key
 
 
 def test_a_valid_flag_overrides_a_bad_variable() -> None:
