@@ -21,6 +21,7 @@ import logging
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 from gpt2_scripts.console import empty_flag
@@ -73,14 +74,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ray.add_argument("--cpus-per-actor", type=float, help="CPUs per actor (1)")
     ray.add_argument("--gpus-per-actor", type=float, help="GPUs per actor (0)")
     args = p.parse_args(argv)
-    ray_flags = {
-        "--actors": args.actors,
-        "--cpus-per-actor": args.cpus_per_actor,
-        "--gpus-per-actor": args.gpus_per_actor,
-    }
-    if args.ray is None and (given := [flag for flag, value in ray_flags.items() if value is not None]):
-        p.error(f"{', '.join(given)} only with --ray")  # never taken and silently dropped
+    if args.ray is None and (given := [k for k, v in ray_options(args).items() if v is not None]):
+        p.error(f"{', '.join('--' + k.replace('_', '-') for k in given)} need --ray")  # else silently dropped
     return args
+
+
+def ray_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The Ray flags as `run_on_ray` takes them, None where not given."""
+    return {"actors": args.actors, "cpus_per_actor": args.cpus_per_actor, "gpus_per_actor": args.gpus_per_actor}
 
 
 class BarProgress:
@@ -203,9 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                 spec,
                 args.out,
                 address=args.ray or None,
-                actors=2 if args.actors is None else args.actors,
-                cpus_per_actor=1.0 if args.cpus_per_actor is None else args.cpus_per_actor,
-                gpus_per_actor=0.0 if args.gpus_per_actor is None else args.gpus_per_actor,
+                **{k: v for k, v in ray_options(args).items() if v is not None},  # the rest: run_on_ray's defaults
                 progress=progress,
             )
         else:

@@ -813,7 +813,7 @@ def test_cli_ray_flags_need_ray(capsys) -> None:
             ["x.txt", "--out", "o", "--hooks", "hook_embed", "--actors", "0", "--gpus-per-actor", "1"]
         )
     assert exit_info.value.code == 2
-    assert "--actors, --gpus-per-actor only with --ray" in capsys.readouterr().err
+    assert "--actors, --gpus-per-actor need --ray" in capsys.readouterr().err
     args = harvest_cli.parse_args(["x.txt", "--out", "o", "--hooks", "hook_embed", "--ray", "--actors", "3"])
     assert (args.ray, args.actors, args.cpus_per_actor) == ("", 3, None)
 

@@ -124,7 +124,8 @@ def test_a_driver_without_a_gpu_plans_a_job_for_actors_with_one(tiny, tokenizer_
         assert plan.job()["device"] == "cuda" and plan.job()["dtype"] == "bfloat16"
     with pytest.raises(HarvestError, match="unknown device 'meta'"):
         run_on_ray(dataclasses.replace(spec, device="meta"), tmp_path / "other", gpus_per_actor=1)
-    for cpus, gpus in ((float("nan"), 1), (1, float("nan")), (0, 1), (1, -1)):  # NaN passed both checks once
+    nan, inf = float("nan"), float("inf")
+    for cpus, gpus in ((nan, 1), (1, nan), (inf, 1), (1, inf), (0, 1), (1, -1)):  # NaN passed both checks once
         with pytest.raises(HarvestError, match="CPUs per actor must be > 0 and GPUs >= 0"):
             run_on_ray(spec, tmp_path / "other", cpus_per_actor=cpus, gpus_per_actor=gpus)
     assert not (tmp_path / "other").exists()

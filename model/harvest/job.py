@@ -249,10 +249,12 @@ def compute_shard(
             got = run_with_cache(model, idx, list(names))
             for name in names:
                 value = got[name]
-                # an SAE's training set of inf, found only in training; attention scores hold the causal mask's
-                # -inf above the diagonal (keys after the query), which is no overflow
-                seen = value.tril() if is_attention_square(name) else value
-                if not seen.isfinite().all():
+                # else the shards hold inf, found only when an SAE trains on them; attention scores hold the
+                # causal mask's -inf above the diagonal (keys after the query), which is no overflow
+                ok = value.isfinite()
+                if is_attention_square(name):
+                    ok |= torch.ones(ok.shape[-2:], dtype=torch.bool, device=ok.device).triu(1)
+                if not ok.all():
                     raise HarvestError(not_finite(name, value.dtype))
                 if name not in out:
                     out[name] = torch.empty((len(ids), *value.shape[1:]), dtype=value.dtype)
@@ -264,7 +266,7 @@ def compute_shard(
 
 def not_finite(name: str, dtype: torch.dtype) -> str:
     """The error of a harvest whose activations at hook `name` left `dtype`'s range."""
-    wider = "; --dtype bfloat16 or float32 reaches further" if dtype == torch.float16 else ""
+    wider = "; bfloat16 or float32 reaches further" if dtype == torch.float16 else ""
     return (
         f"the activations at {name} became non-finite (inf or NaN): the model's values overflowed "
         f"{dtype_range(dtype)}{wider}"

@@ -14,6 +14,7 @@ for every worker (or be hub names).
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -101,7 +102,7 @@ def run_on_ray(
     _ray()
     if actors < 1:
         raise HarvestError(f"actors must be a positive integer, got {actors}")
-    if not (cpus_per_actor > 0 and gpus_per_actor >= 0):  # NaN too
+    if not (0 < cpus_per_actor < math.inf and 0 <= gpus_per_actor < math.inf):  # NaN too
         raise HarvestError(f"CPUs per actor must be > 0 and GPUs >= 0, got {cpus_per_actor} and {gpus_per_actor}")
     if spec.device.startswith("cuda") and gpus_per_actor == 0:
         raise HarvestError(
