@@ -138,9 +138,9 @@ def main(argv: list[str] | None = None) -> int:  # Ctrl-C leaves nothing half-wr
     if sys.stdout is None:
         return fail("standard output is closed: nowhere to write the text")
     try:
-        prompt = read_prompt(args.prompt)
-        for i, stop in enumerate(args.stop):  # a stop of bytes that are not UTF-8 could never match the text
-            utf8_checked(stop, f"--stop {i + 1}" if len(args.stop) > 1 else "--stop")
+        for i, stop in enumerate(args.stop):  # bytes that are not UTF-8 could never match the text
+            utf8_checked(stop, f"--stop number {i + 1}" if len(args.stop) > 1 else "--stop")
+        prompt = read_prompt(args.prompt)  # last: it may wait for standard input
     except PromptError as e:
         return fail(str(e))
     try:

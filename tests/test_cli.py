@@ -253,7 +253,7 @@ def test_prompt_that_is_not_valid_utf8(ckpt_with_tokenizer: Path, capsys: pytest
     bad = b"x\xfe".decode("utf-8", "surrogateescape")
     assert main(["hi", "--model", str(ckpt_with_tokenizer), "--stop", "a", "--stop", bad]) == 1
     err = capsys.readouterr().err
-    assert err == "gpt2-generate: error: --stop 2 is not valid UTF-8: it holds the byte 0xFE at character 1\n"
+    assert err == "gpt2-generate: error: --stop number 2 is not valid UTF-8: it holds the byte 0xFE at character 1\n"
 
 
 def test_unavailable_device(
