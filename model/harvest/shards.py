@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from ..json_file import clip
 from .errors import HarvestError
 from .lock import LOCK, FolderLock
 
@@ -261,7 +262,7 @@ class Manifest:
             saved = json.loads(path.read_text(encoding="utf-8"))
             saved_job = saved["job"]
             if not isinstance(saved_job, dict):
-                raise TypeError(f"its job is {saved_job!r}, not an object")
+                raise TypeError(f"its job is {clip(saved_job)}, not an object")
             records = [ShardRecord.read(r) for r in saved["shards"]]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise HarvestError(f"{path} is not a harvest manifest this version can read ({e})") from None
