@@ -173,6 +173,21 @@ def test_an_edit_is_honoured_as_the_same_edit_in_transformers(ours64: GPT, hf64:
     assert not torch.allclose(plain.grads["blocks.0.hook_resid_pre"], got.grads["blocks.0.hook_resid_pre"])
 
 
+def test_ids_outside_the_vocabulary_are_a_clear_error(ours64: GPT) -> None:
+    """As `run_with_cache` says it: not an IndexError from the embedding."""
+    from model.lab.attribution import attribution
+
+    vocab = ours64.config.vocab_size
+    says = r"outside the vocabulary|non-empty list of ints"
+    for ids in ([vocab, 3], [-1, 3], [True, 3]):
+        with pytest.raises(ValueError, match=says):
+            gradients(ours64, ids, Loss(), ["blocks.0.hook_resid_pre"])
+        with pytest.raises(ValueError, match=says):
+            highway(ours64, ids)
+        with pytest.raises(ValueError, match=says):
+            attribution(ours64, [1, 2], ids, Loss())
+
+
 def test_parameters_get_no_grad_and_inference_stays_inference(ours64: GPT) -> None:
     with torch.inference_mode():
         gradients(ours64, PROMPT, Loss(), ["blocks.0.hook_resid_pre"])

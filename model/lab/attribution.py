@@ -15,7 +15,7 @@ import torch
 
 from ..config import GPTConfig
 from ..gpt import GPT
-from ..hooks import Capture
+from ..hooks import Capture, check_ids
 from ..interventions import Edit, EditSpec
 from ..json_file import is_int
 from .gradients import Metric, MetricError, MetricPass, Refusal, check_metric
@@ -221,7 +221,10 @@ def patched_pass(
 
 
 def check_attribution(clean: list[int], corrupted: list[int], metric: Metric, vocab_size: int) -> None:
-    """Refuse (`MetricError`, naming the field) prompts of different lengths and a metric they cannot give."""
+    """Refuse (`MetricError`, naming the field) prompts of different lengths and a metric they cannot give (and,
+    in a `ValueError`, ids outside the vocabulary)."""
+    check_ids(clean, vocab_size)
+    check_ids(corrupted, vocab_size)
     if len(clean) != len(corrupted):
         raise MetricError(
             f"the clean prompt has {len(clean)} tokens and the corrupted one {len(corrupted)}: patching needs "

@@ -22,7 +22,7 @@ import torch
 
 from ..config import GPTConfig
 from ..gpt import GPT
-from ..hooks import LOGIT_HOOKS, Hooks, needs_whole_prompt, select_hooks, uses_the_head, uses_the_logits
+from ..hooks import LOGIT_HOOKS, Hooks, check_ids, needs_whole_prompt, select_hooks, uses_the_head, uses_the_logits
 from ..interventions import EditSpec, HookChain, InterventionError, split_input_clashes, takes_whole_prompt
 from ..overflow import dtype_range, layer_norm_inputs, layer_norm_overflow, variance_overflows
 
@@ -474,6 +474,7 @@ def gradient_pass(
     per-head input beside an edit of ln1's hooks: `check_split_inputs`), not run yet: the server runs each
     `step` as an engine job."""
     names = select_hooks(names, config.n_layer)
+    check_ids(ids, config.vocab_size)  # a clear error, not an indexing one from deep in the pass
     check_metric(metric, len(ids), config.vocab_size)
     check_split_inputs(names, set(edits.sites(config.n_layer)) if edits is not None else set())
     return MetricPass(config, ids, metric, names, GRADIENTS, edits)
@@ -545,6 +546,7 @@ class HighwayPass:
     def __init__(
         self, config: GPTConfig, ids: list[int], edits: EditSpec | None = None, probes: int = 8, seed: int = 0
     ) -> None:
+        check_ids(ids, config.vocab_size)
         if len(ids) < 2:
             raise MetricError(
                 "the gradient highway needs a prompt of at least 2 tokens (the loss predicts the second)", "gradients"
