@@ -16,7 +16,7 @@ import torch
 
 from .config import GPTConfig
 from .gpt import GPT, LAST
-from .hooks import Hooks, check_ids, head_parts
+from .hooks import Hooks, check_edit_hooks, check_ids, head_parts
 from .interventions import HookChain, NonFiniteActivations
 from .json_file import is_int
 from .overflow import dtype_range, layer_norm_inputs, layer_norm_overflow, variance_overflows
@@ -111,8 +111,7 @@ class AnalysisPass:
     def __init__(self, config: GPTConfig, ids: list[int], top_k: int, edits: Hooks | None = None) -> None:
         check_ids(ids, config.vocab_size)  # a clear error, not an indexing one from deep in the pass
         check_top_k(top_k, config.vocab_size)
-        if edits is not None and not callable(getattr(edits, "active", None)):
-            raise TypeError(f"edits are hooks (EditSpec.hooks(config, len(ids))), got {type(edits).__name__}")
+        check_edit_hooks(edits)
         self.top_k = top_k
         self._run = ResidualPass(config, ids, edits)
         self._waiting: list[Stream] = []  # handed over by the last block, not measured yet

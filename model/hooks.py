@@ -490,6 +490,7 @@ class CapturePass:
 
         names = select_hooks(names, config.n_layer)  # in model order: the pass ends at the last
         check_ids(idx, config.vocab_size)
+        check_edit_hooks(edits)
         self.idx, self._capture = idx, Capture(names)
         self._wanted: Hooks = self._capture if edits is None else HookChain(edits, self._capture)
         self._hooks = StopAfter(self._wanted, names[-1])
@@ -548,6 +549,13 @@ def check_ids(idx: torch.Tensor | list[int], vocab_size: int) -> None:
         low, high = min(ids), max(ids)
     if low < 0 or high >= vocab_size:
         raise ValueError(f"token id {low if low < 0 else high} is outside the vocabulary (0..{vocab_size - 1})")
+
+
+def check_edit_hooks(edits: object) -> None:
+    """Hooks (`EditSpec.hooks(config, n_tokens)`, a `Capture`, ...) or None: else a `TypeError` that says how
+    to get them (an `EditSpec` as it is failed deep in the pass: "'EditSpec' object is not callable")."""
+    if edits is not None and not callable(getattr(edits, "active", None)):
+        raise TypeError(f"edits are hooks (EditSpec.hooks(config, n_tokens)), got {type(edits).__name__}")
 
 
 def run_until(model: GPT, idx: torch.Tensor, hooks: Hooks, last: str) -> None:

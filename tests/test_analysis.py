@@ -379,6 +379,10 @@ def test_analyze_refuses_bad_input_in_words(tiny_model: GPT) -> None:
     ):
         with pytest.raises(ValueError, match=says):
             analyze(tiny_model, ids, top_k)
+    from model.hooks import run_with_cache  # as `run_with_cache` says it (it failed deep in the pass)
+
+    with pytest.raises(TypeError, match=r"edits are hooks \(EditSpec.hooks"):
+        run_with_cache(tiny_model, [1, 2], ["blocks.0.hook_resid_pre"], edits=EditSpec())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"edits are hooks \(EditSpec.hooks"):
         analyze(tiny_model, [1, 2, 3], 3, edits=EditSpec())  # type: ignore[arg-type]
 
