@@ -908,19 +908,29 @@ class Generation:
         ]
         self._events: Iterator[TokenEvent] | None = None
         self._done = False
+        self._failed: Exception | None = None  # what ended the run, if it raised
 
     @property
     def results(self) -> list[Completion]:
+        if self._failed is not None:  # iterating again gives nothing: no waiting for an end that will not come
+            raise RuntimeError(f"the generation failed: {self._failed}") from self._failed
         if not self._done:
             raise RuntimeError("the generation has not finished: iterate it to the end first")
         return [s.result() for s in self._seqs]
 
     def __iter__(self) -> Iterator[TokenEvent]:
         """The generation's one run of events: iterated again after a `break`, it goes on where it stopped;
-        after its end, it gives nothing more (a new `Generation` runs again)."""
+        after its end, or an error, it gives nothing more (a new `Generation` runs again)."""
         if self._events is None:
-            self._events = self._run()
+            self._events = self._failures_kept(self._run())
         return self._events
+
+    def _failures_kept(self, events: Iterator[TokenEvent]) -> Iterator[TokenEvent]:
+        try:
+            yield from events
+        except Exception as e:
+            self._failed = e
+            raise
 
     @torch.inference_mode()  # around each step of the generator: the caller's code between events runs as it is
     def _run(self) -> Iterator[TokenEvent]:

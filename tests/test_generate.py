@@ -417,6 +417,22 @@ def test_bad_requests(tiny_model: GPT) -> None:
         _ = generation.results
 
 
+def test_a_generation_that_failed_says_so(tiny_model: GPT) -> None:
+    """Its results after the error: "failed", with the error (it said to iterate to the end, which gives
+    nothing more)."""
+    from model.interventions import EditSpec
+
+    T = len(PROMPT)
+    overflow = EditSpec(edits=(Edit("blocks.0.hook_resid_post", "scale", factor=3e38, positions=(T + 2,)),))
+    generation = Generation(tiny_model, [PROMPT], SamplingParams(max_new_tokens=6, **GREEDY), edits=overflow)
+    with pytest.raises(GenerationError, match="non-finite"):
+        list(generation)
+    assert list(generation) == []
+    with pytest.raises(RuntimeError, match="the generation failed: the logits became non-finite") as info:
+        _ = generation.results
+    assert isinstance(info.value.__cause__, GenerationError)
+
+
 def test_each_prompt_keeps_its_own_settings_in_a_batch(tiny_model: GPT, tokenizer: Tokenizer) -> None:
     params = [
         SamplingParams(max_new_tokens=4, **GREEDY),
