@@ -115,7 +115,8 @@ class Int8LMHead(TiedLMHead):
 def quantize_(model: GPT) -> GPT:
     """Replace `model`'s projections and LM head by int8 ones, in place (float32 model in, same device): the
     stock layers or, in a model `load` gave to a CPU, our kernels' (`use_kernels`)."""
-    assert model.wte.weight.dtype == torch.float32, "quantize a float32 model"
+    if model.wte.weight.dtype != torch.float32:  # rounding float16's or bfloat16's rounding again
+        raise ValueError(f"quantize_ takes a float32 model, got {str(model.wte.weight.dtype).removeprefix('torch.')}")
     replace_modules(model, (Conv1D, KernelConv1D), Int8Conv1D)
     replace_modules(model, (TiedLMHead, KernelLMHead), lambda _: Int8LMHead(model.wte.weight))
     if model.wte.weight.device.type == "cpu":  # into huge pages, a new mapping: `load` may have moved the float32

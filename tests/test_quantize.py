@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Checkpoint
+from conftest import Checkpoint, load_ours
 from inprocess import serve
 
 from model import kernels
@@ -57,6 +57,13 @@ def fidelity(ck: Checkpoint) -> dict[str, float]:
         "top1": float((a.argmax(-1) == b.argmax(-1)).double().mean()),
         "greedy_same": sum(same) / len(same),
     }
+
+
+def test_quantize_takes_a_float32_model(tiny: Checkpoint) -> None:
+    from model.quantize import quantize_
+
+    with pytest.raises(ValueError, match="quantize_ takes a float32 model, got float16"):
+        quantize_(load_ours(tiny, torch.float16))
 
 
 def test_int8_fidelity_tiny(tiny: Checkpoint) -> None:
