@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from typing import Any
 
 import pytest
@@ -186,6 +187,26 @@ def test_ids_outside_the_vocabulary_are_a_clear_error(ours64: GPT) -> None:
             highway(ours64, ids)
         with pytest.raises(ValueError, match=says):
             attribution(ours64, [1, 2], ids, Loss())
+
+
+@pytest.mark.parametrize(
+    ("metric", "param", "says"),
+    [
+        (LogProb(torch.tensor(5)), "metric.token", "a token is an int (convert numpy"),  # it said "outside"
+        (LogitDiff((1, 2, 3)), "metric.tokens", "a logit difference's tokens are two ints"),  # a ValueError
+        (LogitDiff(1), "metric.tokens", "a logit difference's tokens are two ints"),  # a TypeError
+        (LogProb(5, position=-1.0), "metric.position", "a position is an int, got -1.0"),
+        (LogProb(5, position=True), "metric.position", "a position is an int, got True"),  # taken as 1
+        (Loss(span=(1.0, 3)), "metric.span", "a loss span is two ints (start, end), got (1.0, 3)"),
+        ("loss", "metric", "a metric is a LogProb, a LogitDiff or a Loss, got str"),  # an AttributeError
+    ],
+)
+def test_a_metric_of_other_types_is_refused_in_words(ours64: GPT, metric: Any, param: str, says: str) -> None:
+    with pytest.raises(MetricError, match=re.escape(says)) as e:
+        gradients(ours64, [1, 2, 3], metric, ["blocks.0.hook_resid_pre"])
+    assert e.value.param == param
+    with pytest.raises(ValueError, match=r"probes must be an int >= 1"):  # an IndexError
+        highway(ours64, [1, 2, 3], probes=0)
 
 
 def test_parameters_get_no_grad_and_inference_stays_inference(ours64: GPT) -> None:

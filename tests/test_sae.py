@@ -346,6 +346,8 @@ def test_bad_files(tmp_path: Path) -> None:
     assert isinstance(sae, SAE)
     with pytest.raises(SAEError, match=r"feature 48 is out of range 0\.\.47"):
         sae.direction(D_SAE)
+    with pytest.raises(SAEError, match=r"feature must be an int \(convert numpy"):  # it said "out of range"
+        sae.direction(torch.tensor(3))  # type: ignore[arg-type]
 
 
 def test_an_sae_on_a_device_this_machine_lacks_is_said(tmp_path: Path) -> None:

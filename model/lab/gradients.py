@@ -24,6 +24,7 @@ from ..config import GPTConfig
 from ..gpt import GPT
 from ..hooks import LOGIT_HOOKS, Hooks, check_ids, needs_whole_prompt, select_hooks, uses_the_head, uses_the_logits
 from ..interventions import EditSpec, HookChain, InterventionError, split_input_clashes, takes_whole_prompt
+from ..json_file import clip, is_int
 from ..overflow import dtype_range, layer_norm_inputs, layer_norm_overflow, variance_overflows
 
 
@@ -74,8 +75,13 @@ def _loss_span(metric: Loss, n_tokens: int) -> tuple[int, int]:
 
 
 def check_metric(metric: Metric, n_tokens: int, vocab_size: int) -> None:
-    """Refuse (`MetricError`, naming the field) what cannot be computed on a prompt of `n_tokens`."""
+    """Refuse (`MetricError`, naming the field) what cannot be computed on a prompt of `n_tokens`, and fields of
+    another type (a numpy id, a float position: errors from deep in the pass, or a wrong one, otherwise)."""
+    if not isinstance(metric, (LogProb, LogitDiff, Loss)):
+        raise MetricError(f"a metric is a LogProb, a LogitDiff or a Loss, got {type(metric).__name__}", "metric")
     if isinstance(metric, Loss):
+        if metric.span is not None and not _ints(metric.span, 2):
+            raise MetricError(f"a loss span is two ints (start, end), got {clip(metric.span)}", "metric.span")
         start, end = _loss_span(metric, n_tokens)
         if not 1 <= start < end <= n_tokens:
             raise MetricError(
@@ -85,17 +91,32 @@ def check_metric(metric: Metric, n_tokens: int, vocab_size: int) -> None:
                 "metric.span",
             )
         return
-    tokens = metric.tokens if isinstance(metric, LogitDiff) else (metric.token,)
+    convert = "convert numpy or torch values with int()"
+    tokens: tuple[int, ...]
+    if isinstance(metric, LogitDiff):
+        field, tokens = "metric.tokens", metric.tokens
+        if not _ints(tokens, 2):
+            raise MetricError(f"a logit difference's tokens are two ints ({convert}), got {clip(tokens)}", field)
+    else:
+        field, tokens = "metric.token", (metric.token,)
+        if not is_int(metric.token):
+            raise MetricError(f"a token is an int ({convert}), got {clip(metric.token)}", field)
     for t in tokens:
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
-            field = "metric.tokens" if isinstance(metric, LogitDiff) else "metric.token"
+        if not 0 <= t < vocab_size:
             raise MetricError(f"token id {t!r} is outside the vocabulary (0..{vocab_size - 1})", field)
+    if not is_int(metric.position):
+        raise MetricError(f"a position is an int, got {clip(metric.position)}", "metric.position")
     if not -n_tokens <= metric.position < n_tokens:
         raise MetricError(
             f"position {metric.position} is outside the prompt of {n_tokens} tokens "
             f"(0..{n_tokens - 1}, or -{n_tokens}..-1 from the end)",
             "metric.position",
         )
+
+
+def _ints(values: object, n: int) -> bool:
+    """Whether `values` is a tuple or list of `n` ints (not bools)."""
+    return isinstance(values, (tuple, list)) and len(values) == n and all(is_int(v) for v in values)
 
 
 def metric_rows(metric: Metric, n_tokens: int) -> range:
@@ -547,6 +568,8 @@ class HighwayPass:
         self, config: GPTConfig, ids: list[int], edits: EditSpec | None = None, probes: int = 8, seed: int = 0
     ) -> None:
         check_ids(ids, config.vocab_size)
+        if not is_int(probes) or probes < 1:
+            raise ValueError(f"probes must be an int >= 1 (vector-Jacobian products a block), got {clip(probes)}")
         if len(ids) < 2:
             raise MetricError(
                 "the gradient highway needs a prompt of at least 2 tokens (the loss predicts the second)", "gradients"

@@ -332,7 +332,9 @@ class SAE:
         return self.W_dec[feature]
 
     def check_feature(self, feature: object, what: str) -> int:
-        if not isinstance(feature, int) or isinstance(feature, bool) or not 0 <= feature < self.cfg.d_sae:
+        if not isinstance(feature, int) or isinstance(feature, bool):
+            raise SAEError(f"{what} must be an int (convert numpy or torch values with int()), got {clip(feature)}")
+        if not 0 <= feature < self.cfg.d_sae:
             raise SAEError(f"{what} {clip(feature)} is out of range 0..{self.cfg.d_sae - 1}")
         return feature
 
