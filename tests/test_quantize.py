@@ -137,6 +137,12 @@ def test_int8_exports_its_dequantized_weights(tiny: Checkpoint, tmp_path: Path) 
     # equal up to the int8 kernel's rounding of activations to int16: 1% of int8's distance from float32
     ours, exported, reference = (c.tensors()["ln_final.hook_normalized"] for c in (cap8, cap32, cap))
     assert float((ours - exported).abs().max()) <= 0.01 * float((exported - reference).abs().max())
+    # loaded back as int8, it is the same int8 model: q * scale rounds back to q, with the same scales
+    again = load_weights(tmp_path, dtype="int8", device="cpu")
+    state, state_again = model.state_dict(), again.state_dict()
+    assert state.keys() == state_again.keys() and all(torch.equal(state[k], state_again[k]) for k in state)
+    with torch.inference_mode():
+        assert torch.equal(model(idx), again(idx))
 
 
 def test_quantize_a_loaded_float32_model(tiny: Checkpoint) -> None:
