@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -47,6 +48,18 @@ def test_save_and_load(activations: tuple[dict[str, torch.Tensor], list[int]], t
     assert arrays["logits"].shape == (1, 7, 50257) and (arrays["logits"] == tensors["logits"].numpy()).all()
     with safe_open(str(path), framework="pt") as f:
         assert f.metadata()["model"] == "tiny"
+
+
+def test_a_path_that_is_not_utf8(activations: tuple[dict[str, torch.Tensor], list[int]], tmp_path: Path) -> None:
+    """A folder whose name's bytes are not UTF-8 (Linux allows any): the dump is written and loaded back
+    (safetensors' own reader refuses such a path: "Path ... is not valid UTF-8")."""
+    tensors, _ = activations
+    folder = tmp_path / os.fsdecode(b"caf\xe9")
+    folder.mkdir()
+    save_dump(folder / "dump.safetensors", tensors, {"model": "tiny"})
+    loaded, metadata = load_dump(folder / "dump.safetensors")
+    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+    assert metadata == {"model": "tiny"}
 
 
 def test_bytes_are_the_file(activations: tuple[dict[str, torch.Tensor], list[int]], tmp_path: Path) -> None:

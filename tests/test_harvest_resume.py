@@ -314,6 +314,19 @@ def test_a_job_resumes_with_its_paths_spelled_otherwise(
         harvest(str(tiny.path), moved, out, HOOKS, **options(tokenizer_dir))
 
 
+def test_a_job_in_a_folder_whose_name_is_not_utf8_resumes(
+    tiny, tokenizer_dir: Path, source: Path, tmp_path: Path
+) -> None:
+    """Linux names a folder with any bytes: a job there is written, and resumed over its listed shards (their
+    token ids read back, as the dumps and SAEs are, by our own safetensors reader, which takes any path)."""
+    out = tmp_path / os.fsdecode(b"acts-\xe9")
+    harvest(str(tiny.path), source, out, HOOKS, **options(tokenizer_dir))
+    shards = {k: v for k, v in tree_shas(out).items() if k.startswith("acts-")}
+    (out / "acts-00001.safetensors").unlink()  # a shard the resume computes again, beside those it reads
+    manifest = harvest(str(tiny.path), source, out, HOOKS, **options(tokenizer_dir))
+    assert manifest.complete and {k: v for k, v in tree_shas(out).items() if k.startswith("acts-")} == shards
+
+
 def test_a_job_resumes_with_its_model_named_from_elsewhere_or_copied(
     tiny, tokenizer_dir: Path, source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -323,6 +324,15 @@ def test_token_features(tmp_path: Path) -> None:
     assert row.mse == pytest.approx(float(err.pow(2).mean()), rel=1e-5) and math.isfinite(row.mse)
     centred = (big[0] - big[0].mean()).double()
     assert row.variance_explained == pytest.approx(1 - float(err.pow(2).sum() / centred.pow(2).sum()), rel=1e-4)
+
+
+def test_an_sae_in_a_folder_whose_name_is_not_utf8(tmp_path: Path) -> None:
+    """Linux names a folder with any bytes: an SAE there loads (safetensors' reader refused the path, and the
+    SAE was said to be "not a readable safetensors file")."""
+    here = write_sae(tmp_path / "plain", hook=HOOK, d_in=D_IN, d_sae=D_SAE)
+    there = write_sae(tmp_path / os.fsdecode(b"caf\xe9"), hook=HOOK, d_in=D_IN, d_sae=D_SAE)
+    x = torch.randn(2, 3, D_IN, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(load_sae(there).encode(x), load_sae(here).encode(x), atol=0, rtol=0)
 
 
 def test_bad_files(tmp_path: Path) -> None:

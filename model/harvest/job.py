@@ -30,6 +30,7 @@ from ..gpt import GPT
 from ..hooks import UnknownHookError, is_attention_square, run_with_cache, select_hooks, site_shape
 from ..loading import DTYPE_NAMES, INT8, LoadedModel, LoadError, load_from, locate, resolve_device, resolve_dtype
 from ..overflow import dtype_range
+from ..safetensors_file import SafetensorsFile
 from ..tokenizer import EOT, Tokenizer, TokenizerError, tokenizer_files
 from . import saelens
 from .errors import HarvestError
@@ -327,10 +328,7 @@ def already_written(
     if plan.spec.format == "saelens":
         written = saelens.shard_token_ids(path)
     else:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="np") as f:
-            written = f.get_tensor("token_ids")
+        written = SafetensorsFile(path).read("token_ids").numpy()
     if np.array_equal(written, tokens):
         return True
     log.warning("shard %s holds other text than the source gives now: computing it again", record.file)

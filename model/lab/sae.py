@@ -37,6 +37,7 @@ from ..config import GPTConfig
 from ..hooks import as_vectors, hook_names, is_hook_z, reads_as_one_vector, site_shape
 from ..hub import download, hub_errors
 from ..json_file import clip, is_int, read_json
+from ..safetensors_file import SafetensorsError, SafetensorsFile
 
 Architecture = Literal["standard", "topk", "jumprelu"]
 ARCHITECTURES = ("standard", "topk", "jumprelu")
@@ -388,9 +389,6 @@ def _release_copy(path: Path) -> tuple[str, str] | None:
 def _from_dir(path: Path, where: str, repo: str = "", folder: str = "") -> SAE:
     """The SAE in `path`; `repo` and `folder`, where it is (a copy of) a hub folder, name its release's
     processing that its files do not hold (`HUB_MODEL_KWARGS`, `HUB_INPUT_SCALING`)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     cfg_path, weights_path = path / CFG_FILE, path / WEIGHTS_FILE
     for f in (cfg_path, weights_path):
         if not f.is_file():
@@ -400,9 +398,10 @@ def _from_dir(path: Path, where: str, repo: str = "", folder: str = "") -> SAE:
     cfg = read_json(cfg_path, lambda message: SAEError(f"{where}: {message}"), f"an SAE's {CFG_FILE}")
     if not isinstance(cfg, dict):
         raise SAEError(f"{where}: {CFG_FILE} must hold a JSON object")
-    try:
-        weights = load_file(str(weights_path))
-    except (SafetensorError, OSError) as e:
+    try:  # our reader: safetensors' own refuses a path that is not UTF-8
+        st = SafetensorsFile(weights_path)
+        weights = {name: st.read(name) for name in st.entries}
+    except (SafetensorsError, OSError) as e:
         raise SAEError(f"{where}: {WEIGHTS_FILE} is not a readable safetensors file: {e}") from None
     sae = SAE(SAEConfig.from_dict(cfg, where, HUB_MODEL_KWARGS.get(repo)), weights, where)
     input_scale = HUB_INPUT_SCALING.get(repo, {}).get(folder)
