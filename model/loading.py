@@ -24,7 +24,7 @@ from .gpt import GPT
 from .hub import download, hub_errors
 from .json_file import clip, read_json
 from .kernels.layers import use_kernels
-from .quantize import quantize_
+from .quantize import Int8Conv1D, quantize_
 from .safetensors_file import SafetensorsError, SafetensorsFile
 from .tokenizer import Tokenizer, TokenizerError, tokenizer_files
 
@@ -482,7 +482,17 @@ class LoadedModel:
     revision: str | None
     dtype: torch.dtype  # of the activations
     device: torch.device
-    quantization: str | None = None  # "int8": weight-only int8 (model/quantize.py), float32 activations
+
+    @property
+    def quantization(self) -> str | None:
+        """ "int8" where the model's weights are (by `load(dtype="int8")`, or `quantize_` since): weight-only
+        int8 (model/quantize.py), float32 activations; None for float weights."""
+        return INT8 if any(isinstance(m, Int8Conv1D) for m in self.model.modules()) else None
+
+    @property
+    def weights(self) -> str:
+        """What the weights are stored as: "int8", or the activations' dtype ("float32", ...)."""
+        return self.quantization or str(self.dtype).removeprefix("torch.")
 
 
 def load_weights(
@@ -538,7 +548,7 @@ def load(
         raise LoadError(str(e)) from None
     if tokenizer.vocab_size > model.config.vocab_size:
         raise LoadError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {model.config.vocab_size}")
-    return LoadedModel(model, tokenizer, files.name, files.revision, dt, dev, INT8 if dtype == INT8 else None)
+    return LoadedModel(model, tokenizer, files.name, files.revision, dt, dev)
 
 
 class Checkpoint(Protocol):

@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:  # Ctrl-C leaves nothing half-wr
     result = generation.results[0]
     if args.dump_activations and result.activations is not None:
         token_ids = result.prompt_ids + result.token_ids
-        meta = {"model": loaded.name, "token_ids": token_ids, "text": prompt + result.text}
+        meta = {"model": loaded.name, "weights": loaded.weights, "token_ids": token_ids, "text": prompt + result.text}
         try:
             save_dump(args.dump_activations, result.activations, meta)
         except OSError as e:

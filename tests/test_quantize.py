@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import Checkpoint, load_ours
+from contract import safetensors_metadata
 from inprocess import serve
 
 from model import kernels
@@ -203,3 +204,36 @@ def test_int8_overflowed_edits_are_a_400_as_on_float32(tiny: Checkpoint, tokeniz
         assert r.status_code == 400 and "non-finite" in r.json()["error"]["message"], r.text
         r = client.post("/v1/generate", json={"prompt": "Hello", "max_new_tokens": 3, "temperature": 0})
         assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 3
+
+
+def test_int8_without_our_layouts_generates(tiny: Checkpoint, tokenizer_dir: Path) -> None:
+    """`decode_kernels=False` keeps the token embedding column-major (as the unfused LM head reads it fastest):
+    an int8 model so loaded, or quantized after such a float32 load, generates (the fused step, which reads
+    the embedding's rows, steps aside: it was an AssertionError, in `generate` and at the server's start), the
+    same tokens as an int8 load with our layouts."""
+    ours = load(tiny.path, tokenizer_dir=tokenizer_dir, device="cpu", dtype="int8")
+    plain = load(tiny.path, tokenizer_dir=tokenizer_dir, device="cpu", dtype="int8", decode_kernels=False)
+    after = load(tiny.path, tokenizer_dir=tokenizer_dir, device="cpu", dtype="float32", decode_kernels=False)
+    quantize_(after.model)
+    prompts = [[5, 6, 7, 8], [40, 41]]
+    expected = [c.token_ids for c in generate(ours.model, prompts, GREEDY)]
+    for lm in (plain, after):
+        assert not lm.model.wte.weight.is_contiguous()
+        assert [c.token_ids for c in generate(lm.model, prompts, GREEDY)] == expected
+
+
+def test_a_model_quantized_after_loading_says_int8(tiny: Checkpoint, tokenizer_dir: Path) -> None:
+    """`quantize_` on a float32 load makes what `load(dtype="int8")` makes, and the LoadedModel says so: in
+    /v1/model and in its dumps' metadata (it said float32)."""
+    loaded = load(tiny.path, tokenizer_dir=tokenizer_dir, device="cpu", dtype="float32")
+    assert (loaded.quantization, loaded.weights) == (None, "float32")
+    quantize_(loaded.model)
+    assert (loaded.quantization, loaded.weights, loaded.dtype) == ("int8", "int8", torch.float32)
+    with serve(loaded) as client:
+        info = client.get("/v1/model").json()
+        assert (info["dtype"], info["weights"]) == ("float32", "int8") and info["quantization"]
+        r = client.post(
+            "/v1/activations", json={"prompt": "Hello", "activations": {"hooks": ["blocks.0.hook_resid_post"]}}
+        )
+        assert r.status_code == 200, r.text
+        assert safetensors_metadata(r.content)["weights"] == "int8"

@@ -365,7 +365,7 @@ def test_generate_activations_safetensors(client: TestClient, loaded: LoadedMode
         )
     meta = safetensors_metadata(blob)  # what every dump's metadata holds (the README's "Loading a dump")
     assert json.loads(meta["token_ids"]) == ids_of(loaded, PROMPTS[0]) + choice["token_ids"]
-    assert meta["text"] == PROMPTS[0] + choice["text"] and meta["model"] == loaded.name
+    assert meta["text"] == PROMPTS[0] + choice["text"] and meta["model"] == loaded.name and meta["weights"] == "float32"
 
 
 def test_generate_activations_stream(client: TestClient, loaded: LoadedModel) -> None:

@@ -107,6 +107,8 @@ def unsupported(model: GPT, cache: KVCache) -> str | None:
     w = model.wte.weight
     if w.device.type != "cpu" or w.dtype != torch.float32:
         return "the model is not float32 (or int8) on the CPU"
+    if not (w.is_contiguous() and model.wpe.weight.is_contiguous()):  # the embeddings' rows, read in any model
+        return "the embeddings are not laid out for our kernels"
     for name, module in model.named_modules():
         if isinstance(module, Conv1D) and not (
             isinstance(module, Int8Conv1D) or (type(module) is KernelConv1D and module.weight.t().is_contiguous())

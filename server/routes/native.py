@@ -64,7 +64,7 @@ async def model_info(engine: EngineDep, directions: DirectionsDep) -> dict[str, 
         "name": loaded.name,
         "revision": loaded.revision,
         "dtype": str(loaded.dtype).removeprefix("torch."),  # of the activations (and dumps)
-        "weights": loaded.quantization or str(loaded.dtype).removeprefix("torch."),
+        "weights": loaded.weights,
         "quantization": QUANTIZATION_NOTES.get(loaded.quantization or ""),
         "device": str(loaded.device),
         "n_layer": c.n_layer,
@@ -271,7 +271,8 @@ class _Reply:
         acts = {name: t for name, t in c.activations.items() if self.hooks is None or name in self.hooks}
         if self.spec.format == "json":
             return encoding.to_json(acts, self.spec.dtype)
-        meta = {"model": self.engine.loaded.name, "token_ids": c.prompt_ids + c.token_ids, "text": self._text(c)}
+        meta = {"model": self.engine.loaded.name, "weights": self.engine.loaded.weights}
+        meta |= {"token_ids": c.prompt_ids + c.token_ids, "text": self._text(c)}
         return encoding.to_safetensors_base64(acts, self.spec.dtype, meta)
 
     def _text(self, c: Completion) -> str:
@@ -288,6 +289,7 @@ class _Reply:
         texts = [self._text(c) for c in completions]
         meta = {
             "model": self.engine.loaded.name,
+            "weights": self.engine.loaded.weights,
             "token_ids": ids if batch else ids[0],
             "text": json.dumps(texts) if batch else texts[0],
             "result": json.dumps(self.body(completions)),
