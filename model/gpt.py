@@ -23,6 +23,7 @@ from .kv_cache import KVCache, PackedBatch
 PerHeadInputs = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 Rows = slice | torch.Tensor  # the positions whose logits are wanted (`GPT.unembed`)
 LAST = slice(-1, None)  # the last position's
+Index = tuple[slice | int, ...]  # a part of a tensor, as t[index] takes it
 
 
 class Conv1D(nn.Module):
@@ -39,6 +40,10 @@ class Conv1D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight)  # [rows, out]
         return y.view(*x.shape[:-1], -1)
+
+    def einsum(self, equation: str, x: torch.Tensor, shape: tuple[int, ...], index: Index = ()) -> torch.Tensor:
+        """`torch.einsum(equation, x, W.view(shape)[index])`, no bias: products with W by head."""
+        return torch.einsum(equation, x, self.weight.view(shape)[index])
 
 
 class LayerNorm(nn.LayerNorm):
@@ -102,8 +107,11 @@ class CausalSelfAttention(nn.Module):
         H, D = self.n_head, self.d_head
         q, k, v = (t.view(B, T, H, D) for t in self.c_attn(x).split(C, dim=2))
         if dx is not None:  # the projection is linear: q[h] = (x + dx_q[h]) W_Q[:, h] + b_Q[h], and so on
-            w = self.c_attn.weight.view(C, 3, H, D)
-            dq, dk, dv = (None if d is None else torch.einsum("bthc,chd->bthd", d, w[:, i]) for i, d in enumerate(dx))
+            heads = (C, 3, H, D)  # W viewed as W_Q, W_K and W_V by head; [:, i]: one of them, [C, H, D]
+            dq, dk, dv = (
+                None if d is None else self.c_attn.einsum("bthc,chd->bthd", d, heads, (slice(None), i))
+                for i, d in enumerate(dx)
+            )
             q, k, v = (t if d is None else t + d for t, d in ((q, dq), (k, dk), (v, dv)))  # [B, T, H, D]
         q = self.hook_q(q, hooks)  # [B, T, H, D]
         k = self.hook_k(k, hooks)
@@ -118,7 +126,7 @@ class CausalSelfAttention(nn.Module):
             z = self._attend(q, k, v, cache, hooks)
         z = self.hook_z(z, hooks)  # [B, T, H, D]
         if hooks is not None and hooks.active(self.hook_result.name):  # each head's write into the stream
-            result = torch.einsum("bthd,hdc->bthc", z, self.c_proj.weight.view(H, D, C))  # [B, T, H, C]
+            result = self.c_proj.einsum("bthd,hdc->bthc", z, (H, D, C))  # [B, T, H, C]
             return self.hook_result(result, hooks).sum(dim=2) + self.c_proj.bias
         return self.c_proj(z.reshape(B, T, C))
 

@@ -651,17 +651,26 @@ def test_graph_bytes_bounds_what_the_graph_saves(ours64: GPT, names: list[str], 
     assert 0 < sum(saved.values()) <= estimate, (sum(saved.values()), estimate)
 
 
+@pytest.mark.parametrize(
+    "names",
+    [
+        ["hook_embed", "blocks.1.hook_resid_mid"],
+        ["blocks.0.hook_attn_in", "blocks.1.hook_q_input"],  # the per-head inputs' products with W_Q, W_K, W_V
+        ["hook_embed", "blocks.0.attn.hook_result", "blocks.1.attn.hook_result"],  # each head's product with W_O
+    ],
+)
 def test_an_int8_graph_keeps_no_float32_copy_of_the_weights(
-    tiny: Checkpoint, tokenizer_dir: Any, monkeypatch: pytest.MonkeyPatch
+    tiny: Checkpoint, tokenizer_dir: Any, monkeypatch: pytest.MonkeyPatch, names: list[str]
 ) -> None:
     """An int8 projection under autograd dequantizes its weight for the product and again for the gradient:
     autograd kept each float32 copy for the backward pass (the whole model's, 475 MB on gpt2-small, for as long
-    as the graph lived, outside `graph_bytes`). What the graph saves fits the estimate, as in float32, and the
-    gradients are those of the dequantized weights kept."""
+    as the graph lived, outside `graph_bytes`; the per-head products' copies of W_QKV and W_O too, until they
+    took `_DequantizedEinsum`). What the graph saves fits the estimate, as in float32, and the gradients are
+    those of the dequantized weights kept."""
     import model.quantize
     from model.loading import load
 
-    ids, names = list(range(100, 116)), ["hook_embed", "blocks.1.hook_resid_mid"]
+    ids = list(range(100, 116))
 
     def saved_bytes(ours: GPT) -> tuple[int, Any]:
         """Bytes of what the graph saves that is not the model's own (counted once a storage), the gradients."""
@@ -685,7 +694,11 @@ def test_an_int8_graph_keeps_no_float32_copy_of_the_weights(
     def kept(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # autograd keeps the copy
         return x @ model.quantize.dequantize_rows(q, scale, x.dtype).T
 
+    def kept_einsum(equation: str, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, shape: Any, index: Any):
+        return torch.einsum(equation, x, model.quantize.dequantize_rows(q, scale, x.dtype).t().reshape(shape)[index])
+
     monkeypatch.setattr(model.quantize._DequantizedProduct, "apply", kept)
+    monkeypatch.setattr(model.quantize._DequantizedEinsum, "apply", kept_einsum)
     want = gradients(int8, ids, Loss(), names)
     assert got.metric == pytest.approx(want.metric, abs=1e-6)
     for name in names:
