@@ -6,6 +6,7 @@ encodes without unknown tokens and decodes back to itself. `<|endoftext|>` (id 5
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from itertools import groupby
@@ -78,6 +79,16 @@ class Tokenizer:
             raise
         except Exception as e:  # the library raises plain Exceptions with Rust messages
             raise TokenizerError(f"cannot read the tokenizer in {directory}: {e}") from None
+
+    @functools.cached_property
+    def most_bytes_a_token(self) -> int | None:
+        """At least as many bytes of text as any one token stands for (its vocabulary string's UTF-8 length,
+        which a byte-level piece, a character for each byte, can only exceed): a text of more than n times as
+        many bytes is more than n tokens. None where a normalizer could shrink the text before it is split."""
+        if self._tok.normalizer is not None:
+            return None
+        pieces = (self._tok.id_to_token(i) for i in range(self.vocab_size))
+        return max(len(piece.encode("utf-8")) for piece in pieces if piece is not None)
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         """The token ids of `text` (`special`: "<|endoftext|>" in it is the special token, else its characters)."""

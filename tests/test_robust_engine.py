@@ -186,6 +186,58 @@ def test_more_sequences_than_the_server_takes_at_once_are_a_400(loaded: LoadedMo
         assert_still_serving(c)
 
 
+def test_too_many_prompts_are_refused_before_any_is_read(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The count comes first, before any prompt is encoded or checked: 650,000 one-word prompts took seconds of
+    CPU and half a gigabyte to be refused, 800,000 one-id prompts seconds of the event loop (every stream
+    stalled). So prompts that are each invalid get the count's 400, and the tokenizer is never called."""
+
+    def no_encoding(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the prompts were encoded")
+
+    with serve(loaded, max_queue=8, max_batch_size=4) as c:
+        monkeypatch.setattr(loaded.tokenizer, "encode_batch", no_encoding)
+        for url, body, param in [
+            (GEN, {"prompt": ["Hi"] * 5000, "max_new_tokens": 1}, "prompt"),
+            (GEN, {"input_ids": [[-1]] * 5000, "max_new_tokens": 1}, "input_ids"),  # each outside the vocabulary
+            ("/v1/activations", {"input_ids": [[]] * 13}, "input_ids"),  # each empty
+            (CMPL, {"prompt": ["Hi"] * 13, "max_tokens": 1}, "prompt"),
+            (CMPL, {"prompt": [[50257]] * 13, "max_tokens": 1}, "prompt"),
+        ]:
+            error = assert_error(c.post(url, json=body), 400, param)
+            assert "takes at once (12: its --max-batch-size 4" in error["message"], (url, error)
+        monkeypatch.undo()
+        assert_still_serving(c)
+
+
+def test_a_text_too_long_for_the_context_is_refused_before_it_is_encoded(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A text of more bytes than the context's tokens could spell (each token at most as many bytes as the
+    longest in the vocabulary) is a 400 context_length_exceeded at once: a 4 MB text took 3 s of CPU and
+    600 MB to be encoded and then refused. /tokenize, which has no context to fit, still encodes it."""
+    n_ctx, most = loaded.model.config.n_positions, loaded.tokenizer.most_bytes_a_token
+    assert most is not None and 128 <= most <= 256  # GPT-2's longest token: 128 bytes, 256 as its string spells them
+    text = "a" * (n_ctx * most + 1)
+    with serve(loaded) as c:
+        monkeypatch.setattr(loaded.tokenizer, "encode_batch", lambda *a, **k: pytest.fail("the text was encoded"))
+        for url, body, param in [
+            (GEN, {"prompt": text, "max_new_tokens": 1}, "prompt"),
+            (GEN, {"prompt": ["Hi", text], "max_new_tokens": 1}, "prompt"),
+            (CMPL, {"prompt": text, "max_tokens": 1}, "prompt"),
+            ("/v1/next-token", {"prompt": text}, "prompt"),
+        ]:
+            r = c.post(url, json=body)
+            error = assert_error(r, 400, param)
+            assert f"{n_ctx * most + 1} bytes of text" in error["message"], (url, error)
+            assert f"longer than the context of {n_ctx} tokens" in error["message"], (url, error)
+            if url == CMPL:  # OpenAI's code for it
+                assert error["code"] == "context_length_exceeded", error
+        monkeypatch.undo()
+        r = c.post("/tokenize", json={"prompt": text})
+        assert r.status_code == 200 and len(r.json()["tokens"]) > n_ctx, r.text[:200]
+        assert_still_serving(c)
+
+
 def test_more_sequences_than_the_server_takes_build_none(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     """The count is checked before any sequence (and its random generator) is made: a huge request costs
     nothing."""

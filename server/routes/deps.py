@@ -20,7 +20,7 @@ from fastapi import Depends, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from model.generate import Completion, GenerationError, TokenEvent, validate_prompt
+from model.generate import Completion, ContextLengthError, GenerationError, TokenEvent, validate_prompt
 from model.gpt import GPT
 from model.huge_pages import trim_heap
 from model.interventions import EditSpec
@@ -253,7 +253,9 @@ def prompt_field(input_ids: object) -> str:
 async def token_ids(
     engine: Engine, prompt: str | Sequence[Any] | None, input_ids: Sequence[Any] | None
 ) -> list[list[int]]:
-    """Token ids of each prompt, from `prompt` (text, or texts) or `input_ids` (ids, or lists of ids)."""
+    """Token ids of each prompt, from `prompt` (text, or texts) or `input_ids` (ids, or lists of ids). More
+    prompts than the server takes at once (`Engine.check_count`) are a 400 before any is read through: a
+    body of 800,000 one-token prompts took seconds of the event loop and gigabytes to be refused."""
     if (prompt is None) == (input_ids is None):
         raise GenerationError("give exactly one of prompt and input_ids", "prompt")
     if input_ids is not None:
@@ -261,6 +263,7 @@ async def token_ids(
         if not ids:
             raise GenerationError("input_ids is empty", "input_ids")
         prompts = [list(x) for x in ids] if isinstance(ids[0], list) else [ids]
+        engine.check_count(len(prompts), "input_ids")
         check_prompts(engine, prompts, 0, "input_ids")  # empty or out-of-vocabulary ids: named as they came
         return prompts
     return await openai_prompt_ids(engine, prompt)
@@ -288,12 +291,15 @@ def check_prompts(engine: Engine, prompts: list[list[int]], max_new_tokens: int,
 
 
 async def openai_prompt_ids(engine: Engine, prompt: str | Sequence[Any] | None) -> list[list[int]]:
-    """OpenAI's `prompt`: a string, a list of strings, a list of token ids or a list of lists of ids."""
+    """OpenAI's `prompt`: a string, a list of strings, a list of token ids or a list of lists of ids (no more
+    prompts than the server takes at once: counted before they are encoded)."""
     if isinstance(prompt, str):
         return await encode(engine, [prompt], "prompt")
     items = list(prompt or [])
     if not items:
         raise GenerationError("the prompt list is empty", "prompt")
+    if not isinstance(items[0], int):  # several prompts
+        engine.check_count(len(items), "prompt")
     if isinstance(items[0], str):
         return await encode(engine, items, "prompt")
     if isinstance(items[0], int):
@@ -301,10 +307,24 @@ async def openai_prompt_ids(engine: Engine, prompt: str | Sequence[Any] | None) 
     return [list(x) for x in items]
 
 
-async def encode(engine: Engine, texts: list[str], param: str, special: bool = True) -> list[list[int]]:
+async def encode(
+    engine: Engine, texts: list[str], param: str, special: bool = True, prompts: bool = True
+) -> list[list[int]]:
     """Token ids of `texts`, encoded on a worker thread (`encode_batch` lets go of the GIL meanwhile, so
     the event loop keeps serving); text that is not valid Unicode is a 400 naming `param`. `special`:
-    `<|endoftext|>` in the text is id 50256, else the tokens of its characters."""
+    `<|endoftext|>` in the text is id 50256, else the tokens of its characters. `prompts`: a text too long to
+    be a prompt in the model's context is a 400 `context_length_exceeded` before it is encoded (a 4 MB text
+    took seconds and 600 MB to encode before it was refused)."""
+    most, n_ctx = engine.tokenizer.most_bytes_a_token, engine.model.config.n_positions
+    for i, text in enumerate(texts if prompts else []):
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if most is not None and size > n_ctx * most:
+            where = "" if len(texts) == 1 else f"{param}[{i}]: "
+            raise ContextLengthError(
+                f"{where}the prompt ({size} bytes of text: at least {-(-size // most)} tokens of at most {most} "
+                f"bytes each) is longer than the context of {n_ctx} tokens",
+                param,
+            )
     try:
         return await run_in_threadpool(engine.tokenizer.encode_batch, texts, special)
     except InvalidTextError as e:

@@ -271,7 +271,7 @@ class _Reply:
         acts = {name: t for name, t in c.activations.items() if self.hooks is None or name in self.hooks}
         if self.spec.format == "json":
             return encoding.to_json(acts, self.spec.dtype)
-        meta = {"model": self.engine.loaded.name, "weights": self.engine.loaded.weights}
+        meta: dict[str, Any] = {"model": self.engine.loaded.name, "weights": self.engine.loaded.weights}
         meta |= {"token_ids": c.prompt_ids + c.token_ids, "text": self._text(c)}
         return encoding.to_safetensors_base64(acts, self.spec.dtype, meta)
 

@@ -23,7 +23,7 @@ router = APIRouter(tags=["tokenizer"], route_class=JSONBodyRoute)
 async def tokenize(req: TokenizeRequest, engine: EngineDep, settings: SettingsDep) -> dict[str, Any]:
     check_model(req.model, engine, settings)
     # GPT-2 adds no special tokens, whatever add_special_tokens says
-    (ids,) = await encode(engine, [req.prompt], "prompt", special=not req.split_special_tokens)
+    (ids,) = await encode(engine, [req.prompt], "prompt", special=not req.split_special_tokens, prompts=False)
     strs = [engine.tokenizer.piece(i) for i in ids] if req.return_token_strs else None
     return {"tokens": ids, "count": len(ids), "max_model_len": engine.model.config.n_positions, "token_strs": strs}
 
