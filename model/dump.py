@@ -170,6 +170,7 @@ _MAX_HEADER = 100_000_000  # safetensors refuses to read a longer header
 
 def load_dump(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors and the metadata of a dump (read by our own reader, which takes any path the OS does:
-    safetensors' refuses one that is not UTF-8). A file that is not a dump is a `SafetensorsError`."""
+    safetensors' refuses one that is not UTF-8). A file that is missing, unreadable or not a dump is a
+    `SafetensorsError` (a `ValueError`) that says which and why."""
     st = SafetensorsFile(path)
     return {name: st.read(name) for name in st.entries}, dict(st.metadata)

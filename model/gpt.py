@@ -23,7 +23,7 @@ from .kv_cache import KVCache, PackedBatch
 PerHeadInputs = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 Rows = slice | torch.Tensor  # the positions whose logits are wanted (`GPT.unembed`)
 LAST = slice(-1, None)  # the last position's
-Index = tuple[slice | int, ...]  # a part of a tensor, as t[index] takes it
+ALL = slice(None)  # every output of a layer (`Conv1D.einsum`)
 
 
 class Conv1D(nn.Module):
@@ -41,9 +41,9 @@ class Conv1D(nn.Module):
         y = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight)  # [rows, out]
         return y.view(*x.shape[:-1], -1)
 
-    def einsum(self, equation: str, x: torch.Tensor, shape: tuple[int, ...], index: Index = ()) -> torch.Tensor:
-        """`torch.einsum(equation, x, W.view(shape)[index])`, no bias: products with W by head."""
-        return torch.einsum(equation, x, self.weight.view(shape)[index])
+    def einsum(self, equation: str, x: torch.Tensor, shape: tuple[int, ...], outputs: slice = ALL) -> torch.Tensor:
+        """`torch.einsum(equation, x, W[:, outputs].view(shape))`, no bias: products with W by head."""
+        return torch.einsum(equation, x, self.weight[:, outputs].view(shape))
 
 
 class LayerNorm(nn.LayerNorm):
@@ -107,9 +107,8 @@ class CausalSelfAttention(nn.Module):
         H, D = self.n_head, self.d_head
         q, k, v = (t.view(B, T, H, D) for t in self.c_attn(x).split(C, dim=2))
         if dx is not None:  # the projection is linear: q[h] = (x + dx_q[h]) W_Q[:, h] + b_Q[h], and so on
-            heads = (C, 3, H, D)  # W viewed as W_Q, W_K and W_V by head; [:, i]: one of them, [C, H, D]
-            dq, dk, dv = (
-                None if d is None else self.c_attn.einsum("bthc,chd->bthd", d, heads, (slice(None), i))
+            dq, dk, dv = (  # W_Q, W_K or W_V by head: [C, H, D]
+                None if d is None else self.c_attn.einsum("bthc,chd->bthd", d, (C, H, D), slice(i * C, (i + 1) * C))
                 for i, d in enumerate(dx)
             )
             q, k, v = (t if d is None else t + d for t, d in ((q, dq), (k, dk), (v, dv)))  # [B, T, H, D]

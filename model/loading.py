@@ -474,7 +474,7 @@ def build_model(config: GPTConfig, state: dict[str, torch.Tensor]) -> GPT:
 @dataclass
 class LoadedModel:
     """What `load` gives: the model (on its device), its tokenizer, the name and revision it came
-    from, its activations' dtype and device, and "int8" where its weights are quantized."""
+    from, its activations' dtype and device; `quantization` and `weights` say what its weights are."""
 
     model: GPT
     tokenizer: Tokenizer
@@ -485,8 +485,8 @@ class LoadedModel:
 
     @property
     def quantization(self) -> str | None:
-        """ "int8" where the model's weights are (by `load(dtype="int8")`, or `quantize_` since): weight-only
-        int8 (model/quantize.py), float32 activations; None for float weights."""
+        """How the weights are quantized: "int8" (by `load(dtype="int8")`, or by `quantize_` since), weight-only
+        int8 (model/quantize.py) with float32 activations; None for float weights."""
         return INT8 if any(isinstance(m, Int8Conv1D) for m in self.model.modules()) else None
 
     @property

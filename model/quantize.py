@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from . import huge_pages, kernels
-from .gpt import GPT, Conv1D, Index, TiedLMHead
+from .gpt import ALL, GPT, Conv1D, TiedLMHead
 from .kernels.layers import KernelConv1D, KernelLMHead, replace_modules
 
 QMAX = 127  # symmetric: -127..127 (-128 unused, so that -q is always representable)
@@ -71,32 +71,26 @@ class _DequantizedProduct(torch.autograd.Function):
 
 class _DequantizedEinsum(torch.autograd.Function):
     """`Conv1D.einsum` for W = (q * scale).T and an x that needs a gradient (the per-head products: TransformerLens'
-    per-head inputs, `hook_result`), as `_DequantizedProduct`: the weight dequantized for the product and
-    again for the gradient, never kept. The gradient of "A,B->C" is einsum("C,B->A", grad, B),
-    which holds where each index of A is in B or C (as in every product here)."""
+    per-head inputs, `hook_result`), as `_DequantizedProduct`: the outputs' rows dequantized for the product and
+    again for the gradient, never kept. The gradient of "A,B->C" is einsum("C,B->A", grad, B), which holds
+    where each index of A is in B or C (as in every product here)."""
 
     @staticmethod
     def forward(
-        ctx: Any,
-        equation: str,
-        x: torch.Tensor,
-        q: torch.Tensor,
-        scale: torch.Tensor,
-        shape: tuple[int, ...],
-        index: Index,
+        ctx: Any, equation: str, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, shape: tuple[int, ...]
     ) -> torch.Tensor:
         inputs, out = equation.replace(" ", "").split("->")
         a, b = inputs.split(",")
         assert set(a) <= set(b) | set(out), equation
-        ctx.save_for_backward(q, scale)  # the model's own buffers: nothing new is held
-        ctx.backward_equation, ctx.shape, ctx.index = f"{out},{b}->{a}", shape, index
-        return torch.einsum(equation, x, dequantize_rows(q, scale, x.dtype).t().reshape(shape)[index])
+        ctx.save_for_backward(q, scale)  # views of the model's own buffers: nothing new is held
+        ctx.backward_equation, ctx.shape = f"{out},{b}->{a}", shape
+        return torch.einsum(equation, x, dequantize_rows(q, scale, x.dtype).t().reshape(shape))
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None, None, None]:
         q, scale = ctx.saved_tensors
-        w = dequantize_rows(q, scale, grad.dtype).t().reshape(ctx.shape)[ctx.index]
-        return None, torch.einsum(ctx.backward_equation, grad, w), None, None, None, None
+        w = dequantize_rows(q, scale, grad.dtype).t().reshape(ctx.shape)
+        return None, torch.einsum(ctx.backward_equation, grad, w), None, None, None
 
 
 class Int8Conv1D(nn.Module):
@@ -120,11 +114,13 @@ class Int8Conv1D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _int8_matmul(x, self.q, self.scale, self.bias)
 
-    def einsum(self, equation: str, x: torch.Tensor, shape: tuple[int, ...], index: Index = ()) -> torch.Tensor:
-        """`Conv1D.einsum`: a gradient's graph keeps no dequantized copy of W (`_DequantizedEinsum`)."""
+    def einsum(self, equation: str, x: torch.Tensor, shape: tuple[int, ...], outputs: slice = ALL) -> torch.Tensor:
+        """`Conv1D.einsum`, dequantizing only the outputs' rows; a gradient's graph keeps no copy of them
+        (`_DequantizedEinsum`)."""
+        q, scale = self.q[outputs], self.scale[outputs]  # [out', in], [out']
         if torch.is_grad_enabled() and x.requires_grad:
-            return _DequantizedEinsum.apply(equation, x, self.q, self.scale, shape, index)
-        return torch.einsum(equation, x, self.weight.reshape(shape)[index])
+            return _DequantizedEinsum.apply(equation, x, q, scale, shape)
+        return torch.einsum(equation, x, dequantize_rows(q, scale, x.dtype).t().reshape(shape))
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         destination[prefix + "weight"] = self.weight.contiguous()  # as Conv1D's: [in, out]

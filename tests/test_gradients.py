@@ -694,8 +694,8 @@ def test_an_int8_graph_keeps_no_float32_copy_of_the_weights(
     def kept(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # autograd keeps the copy
         return x @ model.quantize.dequantize_rows(q, scale, x.dtype).T
 
-    def kept_einsum(equation: str, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, shape: Any, index: Any):
-        return torch.einsum(equation, x, model.quantize.dequantize_rows(q, scale, x.dtype).t().reshape(shape)[index])
+    def kept_einsum(equation: str, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, shape: Any) -> torch.Tensor:
+        return torch.einsum(equation, x, model.quantize.dequantize_rows(q, scale, x.dtype).t().reshape(shape))
 
     monkeypatch.setattr(model.quantize._DequantizedProduct, "apply", kept)
     monkeypatch.setattr(model.quantize._DequantizedEinsum, "apply", kept_einsum)

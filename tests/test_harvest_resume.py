@@ -314,16 +314,18 @@ def test_a_job_resumes_with_its_paths_spelled_otherwise(
         harvest(str(tiny.path), moved, out, HOOKS, **options(tokenizer_dir))
 
 
+@pytest.mark.parametrize(("fmt", "suffix"), [("safetensors", "safetensors"), ("saelens", "arrow")])
 def test_a_job_in_a_folder_whose_name_is_not_utf8_resumes(
-    tiny, tokenizer_dir: Path, source: Path, tmp_path: Path
+    tiny, tokenizer_dir: Path, source: Path, tmp_path: Path, fmt: str, suffix: str
 ) -> None:
     """Linux names a folder with any bytes: a job there is written, and resumed over its listed shards (their
-    token ids read back, as the dumps and SAEs are, by our own safetensors reader, which takes any path)."""
+    token ids read back: safetensors shards by our own reader, as dumps and SAEs are, Arrow ones through a
+    path given to Arrow as bytes; a str path that is not UTF-8 was an error)."""
     out = tmp_path / os.fsdecode(b"acts-\xe9")
-    harvest(str(tiny.path), source, out, HOOKS, **options(tokenizer_dir))
+    harvest(str(tiny.path), source, out, HOOKS, **options(tokenizer_dir), format=fmt)
     shards = {k: v for k, v in tree_shas(out).items() if k.startswith("acts-")}
-    (out / "acts-00001.safetensors").unlink()  # a shard the resume computes again, beside those it reads
-    manifest = harvest(str(tiny.path), source, out, HOOKS, **options(tokenizer_dir))
+    (out / f"acts-00001.{suffix}").unlink()  # a shard the resume computes again, beside those it reads
+    manifest = harvest(str(tiny.path), source, out, HOOKS, **options(tokenizer_dir), format=fmt)
     assert manifest.complete and {k: v for k, v in tree_shas(out).items() if k.startswith("acts-")} == shards
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -82,7 +83,7 @@ def shard_token_ids(path: Path) -> np.ndarray:
     """The token ids [rows, context] of one shard's Arrow file."""
     import pyarrow as pa
 
-    with pa.memory_map(str(path)) as source:
+    with pa.memory_map(os.fsencode(path)) as source:  # as bytes: a str path must be UTF-8 to Arrow
         table = pa.ipc.open_stream(source).read_all()
     column = table.column("token_ids").combine_chunks()  # fixed-size lists of int32
     return np.asarray(column.flatten()).reshape(len(table), -1)

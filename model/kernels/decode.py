@@ -114,9 +114,7 @@ def unsupported(model: GPT, cache: KVCache) -> str | None:
             isinstance(module, Int8Conv1D) or (type(module) is KernelConv1D and module.weight.t().is_contiguous())
         ):
             return f"{name} is not laid out for our kernels"
-        if isinstance(module, TiedLMHead) and not (
-            isinstance(module, Int8LMHead) or (type(module) is KernelLMHead and w.is_contiguous())
-        ):
+        if isinstance(module, TiedLMHead) and not (isinstance(module, Int8LMHead) or type(module) is KernelLMHead):
             return "the LM head is not laid out for our kernels"
     return None
 

@@ -402,7 +402,7 @@ def _from_dir(path: Path, where: str, repo: str = "", folder: str = "") -> SAE:
         st = SafetensorsFile(weights_path)
         weights = {name: st.read(name) for name in st.entries}
     except (SafetensorsError, OSError) as e:
-        raise SAEError(f"{where}: {WEIGHTS_FILE} is not a readable safetensors file: {e}") from None
+        raise SAEError(f"{where}: {e}") from None  # the reader's message names the file
     sae = SAE(SAEConfig.from_dict(cfg, where, HUB_MODEL_KWARGS.get(repo)), weights, where)
     input_scale = HUB_INPUT_SCALING.get(repo, {}).get(folder)
     if sae.cfg.normalize_activations == "expected_average_only_in":

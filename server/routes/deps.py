@@ -255,26 +255,18 @@ async def token_ids(
 ) -> list[list[int]]:
     """Token ids of each prompt, from `prompt` (text, or texts) or `input_ids` (ids, or lists of ids). More
     prompts than the server takes at once (`Engine.check_count`) are a 400 before any is read through: a
-    body of 800,000 one-token prompts took seconds of the event loop and gigabytes to be refused."""
+    body of 800,000 one-id prompts took seconds of the event loop to be refused (every stream stalled)."""
     if (prompt is None) == (input_ids is None):
         raise GenerationError("give exactly one of prompt and input_ids", "prompt")
     if input_ids is not None:
-        ids = list(input_ids)
-        if not ids:
+        if not input_ids:
             raise GenerationError("input_ids is empty", "input_ids")
-        prompts = [list(x) for x in ids] if isinstance(ids[0], list) else [ids]
-        engine.check_count(len(prompts), "input_ids")
+        several = isinstance(input_ids[0], list)
+        engine.check_count(len(input_ids) if several else 1, "input_ids")
+        prompts = [list(x) for x in input_ids] if several else [list(input_ids)]
         check_prompts(engine, prompts, 0, "input_ids")  # empty or out-of-vocabulary ids: named as they came
         return prompts
     return await openai_prompt_ids(engine, prompt)
-
-
-def check_sequences(engine: Engine, prompts: list[list[int]], max_new_tokens: int, param: str) -> None:
-    """A generation's prompts checked before anything is sized on them: their count against what the server
-    takes at once (`Engine.check_count`, a 400 whatever else is wrong, before any prompt is read through),
-    then each prompt (`check_prompts`)."""
-    engine.check_count(len(prompts), param)
-    check_prompts(engine, prompts, max_new_tokens, param)
 
 
 def check_prompts(engine: Engine, prompts: list[list[int]], max_new_tokens: int, param: str) -> None:
@@ -315,21 +307,30 @@ async def encode(
     `<|endoftext|>` in the text is id 50256, else the tokens of its characters. `prompts`: a text too long to
     be a prompt in the model's context is a 400 `context_length_exceeded` before it is encoded (a 4 MB text
     took seconds and 600 MB to encode before it was refused)."""
+    if prompts:
+        check_text_sizes(engine, texts, param)
+    try:
+        return await run_in_threadpool(engine.tokenizer.encode_batch, texts, special)
+    except InvalidTextError as e:
+        where = param if len(texts) == 1 else f"{param}[{e.item}]"
+        raise GenerationError(f"{where} is {e}", param) from None
+
+
+def check_text_sizes(engine: Engine, texts: list[str], param: str) -> None:
+    """A text prompt of more bytes than the context's tokens could spell is a 400 `context_length_exceeded`
+    before it is encoded (`Tokenizer.most_bytes_a_token`; no bound for a tokenizer that is not GPT-2's kind)."""
     most, n_ctx = engine.tokenizer.most_bytes_a_token, engine.model.config.n_positions
-    for i, text in enumerate(texts if prompts else []):
+    if most is None:
+        return
+    for i, text in enumerate(texts):
         size = len(text.encode("utf-8", "surrogatepass"))
-        if most is not None and size > n_ctx * most:
+        if size > n_ctx * most:
             where = "" if len(texts) == 1 else f"{param}[{i}]: "
             raise ContextLengthError(
                 f"{where}the prompt ({size} bytes of text: at least {-(-size // most)} tokens of at most {most} "
                 f"bytes each) is longer than the context of {n_ctx} tokens",
                 param,
             )
-    try:
-        return await run_in_threadpool(engine.tokenizer.encode_batch, texts, special)
-    except InvalidTextError as e:
-        where = param if len(texts) == 1 else f"{param}[{e.item}]"
-        raise GenerationError(f"{where} is {e}", param) from None
 
 
 async def resolved_edits(req: Edits, engine: Engine, directions: Directions) -> EditSpec | None:

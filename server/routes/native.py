@@ -34,7 +34,7 @@ from .deps import (
     EngineDep,
     FileResponse,
     SettingsDep,
-    check_sequences,
+    check_prompts,
     json_response,
     merged,
     prompt_field,
@@ -93,7 +93,7 @@ async def generate(
 ) -> Response:
     prompts = await token_ids(engine, req.prompt, req.input_ids)
     params = req.sampling_params(settings.max_new_tokens, engine.model.config.n_positions)
-    check_sequences(engine, prompts, params.max_new_tokens, prompt_field(req.input_ids))  # whatever the dump's size
+    check_prompts(engine, prompts, params.max_new_tokens, prompt_field(req.input_ids))  # whatever the dump's size
     hooks, dump_bytes = await _checked_hooks(engine, settings, req.activations, prompts, params.max_new_tokens)
     reader = feature_reader(directions, req.features, "features.")  # SAE features: a capture of its hook
     what, feature_bytes = DUMP, 0
@@ -127,7 +127,7 @@ async def activations(
         raise GenerationError("/v1/activations answers with one file: stream is not supported", "stream")
     prompts = await token_ids(engine, req.prompt, req.input_ids)
     params = req.sampling_params(settings.max_new_tokens, engine.model.config.n_positions)
-    check_sequences(engine, prompts, params.max_new_tokens, prompt_field(req.input_ids))
+    check_prompts(engine, prompts, params.max_new_tokens, prompt_field(req.input_ids))
     if len(prompts) > 1:
         _check_stackable(prompts, params.max_new_tokens, prompt_field(req.input_ids))
     spec = req.activations

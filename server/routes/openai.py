@@ -23,7 +23,7 @@ from ..json_body import JSONBodyRoute
 from ..schemas import CompletionRequest, StreamOptions, check_cap, valid_text
 from ..settings import Settings
 from ..threads import run_in_threadpool
-from .deps import EngineDep, SettingsDep, check_sequences, json_response, merged, openai_prompt_ids, results, sse
+from .deps import EngineDep, SettingsDep, check_prompts, json_response, merged, openai_prompt_ids, results, sse
 
 router = APIRouter(tags=["openai"], route_class=JSONBodyRoute)
 
@@ -91,8 +91,8 @@ async def completions(req: CompletionRequest, request: Request, engine: EngineDe
     with _openai_names():
         if req.max_tokens is not None:  # the server's cap first, as /v1/generate checks it
             check_cap(req.max_tokens, settings.max_new_tokens, "max_tokens", n_ctx)
-        # before the n samples are laid out (too many prompts: then no n could help); max_tokens null fits each
-        check_sequences(engine, prompts, req.max_tokens or 0, "prompt")
+        # each prompt before the n samples are laid out (counted already); max_tokens null fits each
+        check_prompts(engine, prompts, req.max_tokens or 0, "prompt")
         sequences = req.sequences(prompts, n_ctx, settings.max_new_tokens)
         streams = engine.submit(*sequences, count_param="n" if req.n > 1 else "prompt")
     reply = _Reply(engine, req, req.model or served_names(engine, settings)[0])
