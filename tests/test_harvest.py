@@ -393,6 +393,11 @@ def test_job_errors(tiny, tokenizer_dir: Path, corpus, tmp_path: Path) -> None:
         harvest(tiny.path, source, tmp_path / "a", ["blocks.0.hook_resid_pre"], batch_size=0, **tok)
     with pytest.raises(HarvestError, match="unknown format 'hdf5'"):
         harvest(tiny.path, source, tmp_path / "a", ["blocks.0.hook_resid_pre"], format="hdf5", **tok)
+    for not_bool in ("no", None, 0):  # "no" was read as true, and each recorded as given
+        with pytest.raises(HarvestError, match=f"prepend-bos must be True or False, got {not_bool!r}"):
+            harvest(tiny.path, source, tmp_path / "a", ["blocks.0.hook_resid_pre"], prepend_bos=not_bool, **tok)
+    with pytest.raises(HarvestError, match="out_dir must be a folder's path"):  # a TypeError deep in the job
+        harvest(tiny.path, source, None, ["blocks.0.hook_resid_pre"], **tok)  # type: ignore[arg-type]
     with pytest.raises(HarvestError, match="SAELens' cached format holds one \\[context, d_in\\] array per hook"):
         harvest(tiny.path, source, tmp_path / "a", ["blocks.0.attn.hook_pattern"], format="saelens", **tok)
     busy = tmp_path / "busy"

@@ -128,6 +128,9 @@ def test_a_driver_without_a_gpu_plans_a_job_for_actors_with_one(tiny, tokenizer_
     for cpus, gpus in ((nan, 1), (1, nan), (inf, 1), (1, inf), (0, 1), (1, -1)):  # NaN passed both checks once
         with pytest.raises(HarvestError, match="CPUs per actor must be > 0 and GPUs >= 0"):
             run_on_ray(spec, tmp_path / "other", cpus_per_actor=cpus, gpus_per_actor=gpus)
+    for cpus, gpus, what in ((1e-9, 1, "CPUs"), (1, 5e-5, "GPUs")):  # below Ray's step: its traceback, once
+        with pytest.raises(HarvestError, match=f"{what} per actor must be 0 or at least 0.0001"):
+            run_on_ray(spec, tmp_path / "other", cpus_per_actor=cpus, gpus_per_actor=gpus)
     assert not (tmp_path / "other").exists()
 
 

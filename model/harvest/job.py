@@ -73,6 +73,8 @@ class HarvestSpec:
                 raise HarvestError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
             if value > sys.maxsize:
                 raise HarvestError(f"{name.replace('_', '-')} must be at most {sys.maxsize}, got {value}")
+        if not isinstance(self.prepend_bos, bool):  # "no" read as true, and recorded as given
+            raise HarvestError(f"prepend-bos must be True or False, got {self.prepend_bos!r}")
         if self.format not in FORMATS:
             raise HarvestError(f"unknown format {self.format!r}; valid: {', '.join(FORMATS)}")
         if not self.hooks:
@@ -580,6 +582,8 @@ def harvest(
         )
     if isinstance(hooks, str):  # one name or glob, not its characters
         hooks = (hooks,)
+    if not isinstance(out_dir, (str, Path)):
+        raise HarvestError(f"harvest: out_dir must be a folder's path (a str or a Path), got {out_dir!r}")
     try:
         spec = HarvestSpec(model=str(model), source=str(source), hooks=tuple(hooks), **options)
     except TypeError as e:

@@ -43,6 +43,7 @@ from .job import (
 from .shards import Manifest, ShardRecord
 
 log = logging.getLogger(__name__)
+RAY_PRECISION = 0.0001  # the smallest fraction of a CPU or GPU Ray takes
 
 
 def _ray() -> Any:
@@ -104,6 +105,9 @@ def run_on_ray(
         raise HarvestError(f"actors must be a positive integer, got {actors}")
     if not (0 < cpus_per_actor < math.inf and 0 <= gpus_per_actor < math.inf):  # NaN too
         raise HarvestError(f"CPUs per actor must be > 0 and GPUs >= 0, got {cpus_per_actor} and {gpus_per_actor}")
+    for what, amount in (("CPUs", cpus_per_actor), ("GPUs", gpus_per_actor)):
+        if 0 < amount < RAY_PRECISION:  # Ray refuses it with a traceback of its own
+            raise HarvestError(f"{what} per actor must be 0 or at least {RAY_PRECISION} (Ray's step), got {amount}")
     if spec.device.startswith("cuda") and gpus_per_actor == 0:
         raise HarvestError(
             f"device {spec.device!r} needs GPUs per actor above 0: Ray hides the GPUs from an actor that asks for none"
@@ -178,16 +182,23 @@ def _run(
                 num_cpus=cpus_per_actor,
                 num_gpus=gpus_per_actor,
             )
-            for row in shards.iter_rows():
-                if row["error"]:
-                    raise HarvestError(row["error"])
-                record = ShardRecord(
-                    **{k: v.item() if isinstance(v, np.generic) else v for k, v in row.items() if k != "error"}
-                )
-                record_shard(manifest, plan, record)
-                log.info("shard %d written on Ray (%d contexts)", record.index, record.rows)
-                if progress is not None:
-                    progress.advance(record.rows * T)
+            rows_written = iter(shards.iter_rows())
+            try:
+                for row in rows_written:
+                    if row["error"]:
+                        raise HarvestError(row["error"])
+                    record = ShardRecord(
+                        **{k: v.item() if isinstance(v, np.generic) else v for k, v in row.items() if k != "error"}
+                    )
+                    record_shard(manifest, plan, record)
+                    log.info("shard %d written on Ray (%d contexts)", record.index, record.rows)
+                    if progress is not None:
+                        progress.advance(record.rows * T)
+            finally:  # Ray Data's streaming stopped before Ray is (an error's traceback keeps the rows alive): the
+                # shutdown below could end this process otherwise, the error unsaid, its folder and lock left behind
+                close = getattr(rows_written, "close", None)
+                if close is not None:
+                    close()
         finally:
             if not connected:
                 ray.shutdown()
