@@ -303,9 +303,8 @@ class FeatureCapture(Strict):
             seen: set[int] = set()
             for f in self.features:
                 if not 0 <= f < d_sae:
-                    raise GenerationError(
-                        f"{where}features: {f} is out of range 0..{d_sae - 1} (SAE {self.sae!r})", f"{where}features"
-                    )
+                    message = f"{where}features: {clip(f)} is out of range 0..{d_sae - 1} (SAE {self.sae!r})"
+                    raise GenerationError(message, f"{where}features")
                 if f in seen:  # each id is read once: a repeat would only repeat its value in every token's list
                     raise GenerationError(f"{where}features: {f} is named twice", f"{where}features")
                 seen.add(f)

@@ -460,6 +460,20 @@ def test_bad_input_is_a_400_naming_the_field(client: TestClient, case: tuple[str
     assert len(ok["features"]) == 3
 
 
+def test_a_feature_id_of_4000_digits_is_clipped_in_the_message(client: TestClient) -> None:
+    """An out-of-range id is named, not echoed whole (4,000 digits were)."""
+    huge = 10**4000
+    steer = {"hook": RES, "op": "steer", "scale": 1.0, "direction": {"sae": "res1", "feature": huge}}
+    for path, body, param in [
+        ("/v1/generate", {"input_ids": IDS[:4], "interventions": [steer]}, "interventions"),
+        ("/v1/generate", {"input_ids": IDS[:4], "features": {"sae": "res1", "features": [huge]}}, "features.features"),
+    ]:
+        r = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == param and "out of range 0..255" in error["message"], error
+        assert "1000000000" in error["message"] and len(error["message"]) < 300, error
+
+
 def test_clamps_within_the_bound_apply_as_on_the_model(client: TestClient, tiny_model: GPT, sae_dirs) -> None:
     """Eight clamps of a topk SAE (each a whole encode of every position) and a hundred of a standard one (each
     a dot product and a decoder row a position): served, and what the model gives with the same edits."""

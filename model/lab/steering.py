@@ -200,7 +200,8 @@ class Directions:
     def feature(self, sae_id: str, feature: object, param: str) -> tuple[SAE, int]:
         sae = self.sae(sae_id, param)
         if not isinstance(feature, int) or isinstance(feature, bool) or not 0 <= feature < sae.cfg.d_sae:
-            raise DirectionError(f"feature {feature!r} of SAE {sae_id!r} is out of range 0..{sae.cfg.d_sae - 1}", param)
+            last = sae.cfg.d_sae - 1
+            raise DirectionError(f"feature {clip(feature)} of SAE {sae_id!r} is out of range 0..{last}", param)
         return sae, feature
 
     def vector(self, name: object, param: str) -> SteeringVector:
