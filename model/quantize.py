@@ -116,11 +116,8 @@ class Int8Conv1D(nn.Module):
 
     def einsum(self, equation: str, x: torch.Tensor, shape: tuple[int, ...], outputs: slice = ALL) -> torch.Tensor:
         """`Conv1D.einsum`, dequantizing only the outputs' rows; a gradient's graph keeps no copy of them
-        (`_DequantizedEinsum`)."""
-        q, scale = self.q[outputs], self.scale[outputs]  # [out', in], [out']
-        if torch.is_grad_enabled() and x.requires_grad:
-            return _DequantizedEinsum.apply(equation, x, q, scale, shape)
-        return torch.einsum(equation, x, dequantize_rows(q, scale, x.dtype).t().reshape(shape))
+        (`_DequantizedEinsum`, which without a gradient is the plain product)."""
+        return _DequantizedEinsum.apply(equation, x, self.q[outputs], self.scale[outputs], shape)
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         destination[prefix + "weight"] = self.weight.contiguous()  # as Conv1D's: [in, out]

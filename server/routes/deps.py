@@ -261,9 +261,11 @@ async def token_ids(
     if input_ids is not None:
         if not input_ids:
             raise GenerationError("input_ids is empty", "input_ids")
-        several = isinstance(input_ids[0], list)
-        engine.check_count(len(input_ids) if several else 1, "input_ids")
-        prompts = [list(x) for x in input_ids] if several else [list(input_ids)]
+        if isinstance(input_ids[0], list):  # several prompts: counted before they are copied and checked
+            engine.check_count(len(input_ids), "input_ids")
+            prompts = [list(x) for x in input_ids]
+        else:
+            prompts = [list(input_ids)]
         check_prompts(engine, prompts, 0, "input_ids")  # empty or out-of-vocabulary ids: named as they came
         return prompts
     return await openai_prompt_ids(engine, prompt)
