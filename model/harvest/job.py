@@ -300,20 +300,20 @@ def write_shard_file(out_dir: Path, plan: Plan, index: int, first: int, rows: in
 
 
 def record_shard(manifest: Manifest, plan: Plan, record: ShardRecord) -> None:
-    """Add a written shard to the manifest (and, in SAELens' format, to the dataset's own `state.json`)."""
-    if plan.spec.format == "saelens":
-        write_dataset_files(manifest, plan, record)
-    manifest.add(record)
+    """Add a written shard to the manifest (in SAELens' format, to the dataset's own `state.json` too, each
+    time the manifest is rewritten whole: rewriting them after every shard would cost O(shards) a shard)."""
+    if manifest.add(record) and plan.spec.format == "saelens":
+        write_dataset_files(manifest, plan)
 
 
-def write_dataset_files(manifest: Manifest, plan: Plan, new: ShardRecord | None = None) -> None:
-    """SAELens' `state.json` and `dataset_info.json` for the shards listed (and `new`), in the order of their
-    contexts (by index: the names' own order puts acts-100000 before acts-99999), which
-    `datasets.load_from_disk` reads: after each shard, and again when a finished job runs once more (a folder
-    whose copies were lost or damaged loads again; one whose are whole is only read)."""
-    shards = {i: r.file for i, r in manifest.shards.items()} | ({new.index: new.file} if new is not None else {})
+def write_dataset_files(manifest: Manifest, plan: Plan) -> None:
+    """SAELens' `state.json` and `dataset_info.json` for the shards listed, in the order of their contexts (by
+    index: the names' own order puts acts-100000 before acts-99999), which `datasets.load_from_disk` reads:
+    as the manifest is rewritten, when the job finishes, and again when a finished job runs once more (a
+    folder whose copies were lost or damaged loads again; one whose are whole is only read)."""
+    shards = manifest.shards
     feats = saelens.features(plan.shapes, plan.spec.context_size, plan.dtype)
-    saelens.write_dataset_files(manifest.out_dir, [shards[i] for i in sorted(shards)], feats)
+    saelens.write_dataset_files(manifest.out_dir, [shards[i].file for i in sorted(shards)], feats)
 
 
 def already_written(
@@ -359,6 +359,8 @@ def finish_job(
     if past:
         log.warning("%d listed shards lie past the text's end now: unlisted", len(past))
         unlist(manifest, plan, past, progress)
+    if plan.spec.format == "saelens":
+        write_dataset_files(manifest, plan)  # before the manifest says complete: a finished job's are whole
     manifest.finish(n_contexts)
 
 

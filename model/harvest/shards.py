@@ -3,12 +3,17 @@
 A job's output folder holds numbered shards (`acts-00000.safetensors`, or `.arrow` in SAELens' format)
 and `manifest.json`, which says what the shards hold (model, hooks, shapes, dtype, how the text was
 packed) and lists each finished shard with its row count and sha256. Every file is written to a temporary
-name, fsynced and renamed, and the manifest is rewritten the same way after each shard, so a job killed at
-any instant leaves finished shards, a manifest that lists only finished shards, and at most a stray
-temporary file. Started again with the same arguments, the job checks them against the manifest, checks
-each listed shard against its sha256, and computes only the shards that are missing: packing is
-deterministic, so they get exactly the contexts an uninterrupted run gives them. An open manifest holds
-the folder's lock (`lock.py`) until `close`, so that a second job cannot write there meanwhile.
+name, fsynced and renamed. Each finished shard is recorded at once: appended, as one line, to
+`manifest-journal.jsonl` (fsynced), and the manifest is rewritten whole (the same atomic way, taking in the
+journal, which is then removed) each time the journal would grow past an eighth of the shards listed, so
+that recording costs O(1) a shard however long the job (rewriting it after every shard cost O(shards)
+each: at 6,605 shards, 260 s in all). So a job killed at any instant leaves finished shards, a manifest and
+a journal that list only finished shards, and at most a stray temporary file or a journal's torn last line.
+A finished job's manifest lists every shard, and no journal is left. Started again with the same
+arguments, the job takes in the journal, checks the arguments against the manifest, checks each listed
+shard against its sha256, and computes only the shards that are missing: packing is deterministic, so they
+get exactly the contexts an uninterrupted run gives them. An open manifest holds the folder's lock
+(`lock.py`) until `close`, so that a second job cannot write there meanwhile.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import json
 import logging
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -29,6 +35,8 @@ from .lock import LOCK, FolderLock
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+JOURNAL = "manifest-journal.jsonl"  # the shards added (or dropped) since the manifest was last written
+_JOURNAL_SHARE = 8  # the manifest is rewritten before the journal outgrows 1/8 of the shards it lists
 # 2: the job names the text's and the weights' sha256 and the device kind resolved; 3: the tokenizer files' too
 MANIFEST_VERSION = 3
 _TOKENIZER = "tokenizer_files"  # the job's key that version 3 added: version 2's jobs resume, and get it recorded
@@ -208,6 +216,8 @@ class Manifest:
         self.new = False  # this run wrote the manifest into a new or empty folder
         self.made: Path | None = None  # the outermost folder this run made (out_dir or one above it)
         self.lock: FolderLock | None = None  # held from `open` to `close`
+        self._journal: Any = None  # the journal's file, open for appending, from its first line to the next save
+        self._journaled = 0  # its lines
 
     def __enter__(self) -> Manifest:
         return self
@@ -216,7 +226,10 @@ class Manifest:
         self.close()
 
     def close(self) -> None:
-        """Let go of the folder's lock, for the next job (the manifest stays readable)."""
+        """Let go of the folder's lock, for the next job (the manifest and any journal stay readable)."""
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None
         if self.lock is not None:
             self.lock.release()
 
@@ -263,9 +276,17 @@ class Manifest:
             saved_job = saved["job"]
             if not isinstance(saved_job, dict):
                 raise TypeError(f"its job is {clip(saved_job)}, not an object")
-            records = [ShardRecord.read(r) for r in saved["shards"]]
+            records = {r.index: r for r in map(ShardRecord.read, saved["shards"])}
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise HarvestError(f"{path} is not a harvest manifest this version can read ({e})") from None
+        journal = self.out_dir / JOURNAL
+        journaled = journal.is_file()
+        if journaled:
+            for change in _journal_changes(journal):
+                if isinstance(change, ShardRecord):
+                    records[change.index] = change
+                else:
+                    records.pop(change, None)  # a drop the manifest took in already, killed before the journal went
         # version 2 recorded everything but the tokenizer's identity: its job resumes with the tokenizer
         # named now, whose identity is recorded from now on (what tokenized the shards before, it cannot say)
         upgrade = saved.get("version") == 2 and isinstance(saved_job, dict) and _TOKENIZER not in saved_job
@@ -286,7 +307,7 @@ class Manifest:
                 f"{self.out_dir} holds a harvest with other arguments ({'; '.join(diffs)}): "
                 "start it again with the same arguments to resume it, or give another output folder"
             )
-        for r in records:
+        for r in records.values():
             file = self.out_dir / r.file
             if file.is_file() and file.stat().st_size == r.bytes and sha256_file(file) == r.sha256:
                 self.shards[r.index] = r
@@ -303,6 +324,8 @@ class Manifest:
                 self.out_dir,
             )
             self.save()  # the tokenizer's identity, from now on
+        elif journaled:
+            self.save()  # the journal taken in: the manifest lists every finished shard again, and it is gone
 
     def discard_if_empty(self) -> None:
         """Undo `open` for a job that failed before writing anything: remove the manifest it wrote into a new
@@ -311,7 +334,7 @@ class Manifest:
             return
         try:
             names = [p.name for p in self.out_dir.iterdir() if not _leftover(p) and p.name != LOCK]
-            if names not in ([MANIFEST], []):  # a shard written but not yet recorded: keep the manifest naming its job
+            if set(names) - {JOURNAL} not in ({MANIFEST}, set()):  # a shard written: keep the manifest naming its job
                 return
             for p in self.out_dir.iterdir():
                 p.unlink()
@@ -323,14 +346,33 @@ class Manifest:
         except OSError as e:
             log.warning("could not remove the empty harvest in %s: %s", self.out_dir, e)
 
-    def add(self, record: ShardRecord) -> None:
+    def add(self, record: ShardRecord) -> bool:
+        """List a finished shard (durably, before returning). Whether the manifest was rewritten (else the
+        shard went to the journal)."""
         self.shards[record.index] = record
-        self.save()
+        return self._record({"add": asdict(record)})
 
-    def drop(self, index: int) -> None:
-        """Unlist a shard that is to be computed again."""
+    def drop(self, index: int) -> bool:
+        """Unlist a shard that is to be computed again (as `add`)."""
         del self.shards[index]
-        self.save()
+        return self._record({"drop": index})
+
+    def _record(self, change: dict[str, Any]) -> bool:
+        """Make one change to the shards listed durable: a line appended to the journal, or the manifest
+        rewritten whole (which takes in the journal) where the journal would outgrow its share of the shards
+        listed: so each rewrite follows at least len(shards) / 8 appends, and a job's rewrites cost O(1) a
+        shard in all (a job of fewer than 8 shards rewrites it after every one)."""
+        if (self._journaled + 1) * _JOURNAL_SHARE > len(self.shards):
+            self.save()
+            return True
+        if self._journal is None:
+            self._journal = open(self.out_dir / JOURNAL, "ab")  # noqa: SIM115 (open until the next save)
+            _fsync_dir(self.out_dir)  # its name, before any line counts on it
+        self._journal.write(json.dumps(change).encode() + b"\n")
+        self._journal.flush()
+        os.fsync(self._journal.fileno())
+        self._journaled += 1
+        return False
 
     def finish(self, n_contexts: int) -> None:
         self.complete, self.n_contexts = True, n_contexts
@@ -349,5 +391,44 @@ class Manifest:
         }
 
     def save(self) -> None:
+        """Rewrite the manifest whole, then remove the journal it took in (killed between the two, the
+        journal is taken in again on resuming: its changes are each the last word on their shard, so taking
+        them in twice changes nothing)."""
         text = json.dumps(self.to_dict(), indent=2) + "\n"
         write_atomic(self.out_dir / MANIFEST, text.encode("utf-8"))
+        journal = self.out_dir / JOURNAL
+        if self._journal is not None or journal.is_file():
+            if self._journal is not None:
+                self._journal.close()
+                self._journal = None
+            journal.unlink(missing_ok=True)
+            _fsync_dir(self.out_dir)
+        self._journaled = 0
+
+
+def _journal_changes(path: Path) -> Iterator[ShardRecord | int]:
+    """The changes a journal holds, in order: a shard added (its record) or dropped (its index). Its last
+    line may be torn (a job killed while appending it, before the shard counted as recorded): it is left
+    out. Any other line that cannot be read is a `HarvestError`."""
+    try:
+        lines = path.read_bytes().split(b"\n")
+    except OSError as e:
+        raise HarvestError(f"cannot read {path}: {e}") from None
+    if lines[-1] == b"":
+        lines.pop()  # the newline that ends the last whole line
+    for number, line in enumerate(lines, 1):
+        try:
+            change = json.loads(line)
+            if not isinstance(change, dict) or len(change) != 1:
+                raise TypeError(f"line {number} is {clip(change)}, not one change")
+            if "add" in change:
+                yield ShardRecord.read(change["add"])
+            elif isinstance(change.get("drop"), int) and not isinstance(change["drop"], bool):
+                yield change["drop"]
+            else:
+                raise TypeError(f"line {number} is {clip(change)}, neither an add nor a drop")
+        except (ValueError, KeyError, TypeError) as e:
+            if number == len(lines):
+                log.warning("%s: its last line is torn (a job killed while writing it): left out", path)
+                return
+            raise HarvestError(f"{path} is not a harvest journal this version can read ({e})") from None
