@@ -670,8 +670,10 @@ def test_a_journal_taken_in_twice_changes_nothing(tmp_path: Path) -> None:
         (b'{"add": 1, "drop": 2}', "not one change"),
     ],
 )
-def test_a_damaged_journal_line_is_refused_in_words(tmp_path: Path, line: bytes, message: str) -> None:
-    """A line that cannot be read, other than a torn last one: the resume is refused, naming the journal."""
+@pytest.mark.parametrize("last", [False, True])
+def test_a_damaged_journal_line_is_refused_in_words(tmp_path: Path, line: bytes, message: str, last: bool) -> None:
+    """A line that cannot be read, first or last (a whole last line, ending in its newline, is not torn):
+    the resume is refused, naming the journal, and the journal is left as it was."""
     from model.harvest.shards import JOURNAL, Manifest
 
     out = tmp_path / "acts"
@@ -679,8 +681,110 @@ def test_a_damaged_journal_line_is_refused_in_words(tmp_path: Path, line: bytes,
         for r in _records(out, 10):
             manifest.add(r)
     whole = (out / JOURNAL).read_bytes()
-    (out / JOURNAL).write_bytes(line + b"\n" + whole)
+    damaged = whole + line + b"\n" if last else line + b"\n" + whole
+    (out / JOURNAL).write_bytes(damaged)
     with pytest.raises(HarvestError, match=re.escape(message)) as e:
         Manifest.open(out, JOB, {})
     assert JOURNAL in str(e.value)
-    assert (out / JOURNAL).read_bytes() == line + b"\n" + whole  # left as it was
+    assert (out / JOURNAL).read_bytes() == damaged
+
+
+def test_killed_after_any_rewrite_the_journal_taken_in_again_gives_that_rewrite(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed after the manifest was rewritten and before the journal it took in was removed, at every rewrite
+    of 400 random adds, drops and adds again: the resumed manifest lists exactly the shards listed then. (When
+    the change that set off the rewrite was not in the journal, a shard dropped and then added again, or
+    added and then dropped, came back as its older line said.)"""
+    from model.harvest.shards import JOURNAL, Manifest
+
+    out = tmp_path / "acts"
+    snapshots: list[tuple[Path, dict[int, Any]]] = []
+    save = Manifest.save
+
+    def save_and_snapshot(self: Manifest) -> None:
+        journal = (out / JOURNAL).read_bytes() if (out / JOURNAL).is_file() else None
+        save(self)
+        if journal is not None and self.out_dir == out:  # the kill: the rewrite done, the journal still there
+            copy = tmp_path / f"killed-{len(snapshots)}"
+            shutil.copytree(out, copy, ignore=shutil.ignore_patterns(LOCK))
+            (copy / JOURNAL).write_bytes(journal)
+            snapshots.append((copy, dict(self.shards)))
+
+    monkeypatch.setattr(Manifest, "save", save_and_snapshot)
+    rnd = random.Random(0)
+    with Manifest.open(out, JOB, {}) as manifest:
+        records = _records(out, 60)
+        for _ in range(400):
+            listed = sorted(manifest.shards)
+            if listed and rnd.random() < 0.4:
+                manifest.drop(rnd.choice(listed))
+            else:
+                manifest.add(rnd.choice(records))
+    assert len(snapshots) >= 10
+    for copy, shards in snapshots:
+        with Manifest.open(copy, JOB, {}) as resumed:
+            assert resumed.shards == shards, copy.name
+
+
+def test_a_finished_job_s_leftover_journal_is_only_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A finished job killed between its last rewrite and the journal's removal: started again, nothing is
+    written (its folder may be on a read-only disk); the journal, which adds nothing, is removed where it can
+    be."""
+    from model.harvest import shards as shards_module
+    from model.harvest.shards import JOURNAL, Manifest
+
+    out = tmp_path / "acts"
+    with Manifest.open(out, JOB, {}) as manifest:
+        for r in _records(out, 40):
+            manifest.add(r)
+        journal = (out / JOURNAL).read_bytes()
+        manifest.finish(40)
+    manifest_bytes = (out / MANIFEST).read_bytes()
+
+    def read_only(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(shards_module, "write_atomic", read_only)
+    for removable in (True, False):
+        (out / JOURNAL).write_bytes(journal)
+        if not removable:
+            monkeypatch.setattr(Path, "unlink", read_only)
+        with Manifest.open(out, JOB, {}) as resumed:
+            assert resumed.complete and sorted(resumed.shards) == list(range(40))
+        monkeypatch.undo() if not removable else None
+        assert (out / JOURNAL).exists() != removable
+        assert (out / MANIFEST).read_bytes() == manifest_bytes
+
+
+def test_a_failed_append_leaves_whole_lines_and_lets_go_of_the_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk in the middle of a journal line: the error is the job's, the journal is cut back to its
+    whole lines (so no torn line is followed by another), and the folder's lock is let go, so that the same
+    process (a server, a notebook) can start the job there again."""
+    from model.harvest import shards as shards_module
+    from model.harvest.shards import JOURNAL, Manifest
+
+    out = tmp_path / "acts"
+    manifest = Manifest.open(out, JOB, {})
+    records = _records(out, 40)
+    for r in records[:30]:
+        manifest.add(r)
+    before = (out / JOURNAL).read_bytes()
+    assert before
+    write = os.write
+
+    def half_then_full(fd: int, data: Any) -> int:
+        if len(data) > 8:
+            return write(fd, bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shards_module.os, "write", half_then_full)
+    with pytest.raises(OSError, match="No space left"):
+        manifest.add(records[30])
+    monkeypatch.undo()
+    assert (out / JOURNAL).read_bytes() == before
+    manifest.close()
+    with Manifest.open(out, JOB, {}) as resumed:  # the lock let go; the line that failed is not listed
+        assert sorted(resumed.shards) == list(range(30))

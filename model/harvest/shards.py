@@ -9,15 +9,17 @@ journal, which is then removed) each time the journal would grow past an eighth 
 that recording costs O(1) a shard however long the job (rewriting it after every shard cost O(shards)
 each: at 6,605 shards, 260 s in all). So a job killed at any instant leaves finished shards, a manifest and
 a journal that list only finished shards, and at most a stray temporary file or a journal's torn last line.
-A finished job's manifest lists every shard, and no journal is left. Started again with the same
-arguments, the job takes in the journal, checks the arguments against the manifest, checks each listed
-shard against its sha256, and computes only the shards that are missing: packing is deterministic, so they
-get exactly the contexts an uninterrupted run gives them. An open manifest holds the folder's lock
-(`lock.py`) until `close`, so that a second job cannot write there meanwhile.
+A finished job's manifest lists every shard, and its journal is gone (or, killed just before removing it,
+adds nothing). Started again with the same arguments, the job takes in the journal, checks the arguments
+against the manifest, checks each listed shard against its sha256, and computes only the shards that are
+missing: packing is deterministic, so they get exactly the contexts an uninterrupted run gives them. An
+open manifest holds the folder's lock (`lock.py`) until `close`, so that a second job cannot write there
+meanwhile.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -216,7 +218,7 @@ class Manifest:
         self.new = False  # this run wrote the manifest into a new or empty folder
         self.made: Path | None = None  # the outermost folder this run made (out_dir or one above it)
         self.lock: FolderLock | None = None  # held from `open` to `close`
-        self._journal: Any = None  # the journal's file, open for appending, from its first line to the next save
+        self._journal: int | None = None  # the journal's descriptor, appending, from its first line to the next save
         self._journaled = 0  # its lines
 
     def __enter__(self) -> Manifest:
@@ -227,11 +229,16 @@ class Manifest:
 
     def close(self) -> None:
         """Let go of the folder's lock, for the next job (the manifest and any journal stay readable)."""
+        try:
+            self._close_journal()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+
+    def _close_journal(self) -> None:
         if self._journal is not None:
-            self._journal.close()
-            self._journal = None
-        if self.lock is not None:
-            self.lock.release()
+            fd, self._journal = self._journal, None
+            os.close(fd)
 
     @classmethod
     def open(cls, out_dir: str | Path, job: dict[str, Any], header: dict[str, Any]) -> Manifest:
@@ -280,7 +287,7 @@ class Manifest:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise HarvestError(f"{path} is not a harvest manifest this version can read ({e})") from None
         journal = self.out_dir / JOURNAL
-        journaled = journal.is_file()
+        journaled, listed = journal.is_file(), dict(records)
         if journaled:
             for change in _journal_changes(journal):
                 if isinstance(change, ShardRecord):
@@ -324,8 +331,11 @@ class Manifest:
                 self.out_dir,
             )
             self.save()  # the tokenizer's identity, from now on
-        elif journaled:
+        elif journaled and (records != listed or not self.complete):
             self.save()  # the journal taken in: the manifest lists every finished shard again, and it is gone
+        elif journaled:  # a finished job killed before its last save removed the journal, which adds nothing
+            with contextlib.suppress(OSError):  # a finished folder on a read-only disk is only read
+                journal.unlink()
 
     def discard_if_empty(self) -> None:
         """Undo `open` for a job that failed before writing anything: remove the manifest it wrote into a new
@@ -358,21 +368,38 @@ class Manifest:
         return self._record({"drop": index})
 
     def _record(self, change: dict[str, Any]) -> bool:
-        """Make one change to the shards listed durable: a line appended to the journal, or the manifest
-        rewritten whole (which takes in the journal) where the journal would outgrow its share of the shards
-        listed: so each rewrite follows at least len(shards) / 8 appends, and a job's rewrites cost O(1) a
-        shard in all (a job of fewer than 8 shards rewrites it after every one)."""
-        if (self._journaled + 1) * _JOURNAL_SHARE > len(self.shards):
+        """Make one change to the shards listed durable: a line appended to the journal, and the manifest
+        rewritten whole (which takes in the journal) where the journal outgrows its share of the shards listed:
+        so each rewrite follows at least len(shards) / 8 appends, and a job's rewrites cost O(1) a shard in
+        all (a job of fewer than 8 shards rewrites it after every one, with no journal). The change goes to a
+        journal that has lines even when the manifest is rewritten next: killed before that journal is removed,
+        the resumed job takes it in again over the new manifest, which then gets every change of it again,
+        each the last word on its shard (without the change, an older line of its shard would be)."""
+        rewrite = (self._journaled + 1) * _JOURNAL_SHARE > len(self.shards)
+        if not rewrite or self._journaled:
+            self._append(json.dumps(change).encode() + b"\n")
+        if rewrite:
             self.save()
-            return True
+        return rewrite
+
+    def _append(self, line: bytes) -> None:
+        """Append one whole line to the journal, durably; where that fails (a full disk), the journal is cut
+        back to its lines before, so that no partial line is followed by another."""
         if self._journal is None:
-            self._journal = open(self.out_dir / JOURNAL, "ab")  # noqa: SIM115 (open until the next save)
+            self._journal = os.open(self.out_dir / JOURNAL, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             _fsync_dir(self.out_dir)  # its name, before any line counts on it
-        self._journal.write(json.dumps(change).encode() + b"\n")
-        self._journal.flush()
-        os.fsync(self._journal.fileno())
+        size = os.fstat(self._journal).st_size
+        try:
+            view = memoryview(line)
+            while view:
+                view = view[os.write(self._journal, view) :]
+            os.fsync(self._journal)
+        except BaseException:
+            with contextlib.suppress(OSError):  # else a torn last line, which a resume leaves out
+                os.ftruncate(self._journal, size)
+            self._close_journal()
+            raise
         self._journaled += 1
-        return False
 
     def finish(self, n_contexts: int) -> None:
         self.complete, self.n_contexts = True, n_contexts
@@ -398,25 +425,23 @@ class Manifest:
         write_atomic(self.out_dir / MANIFEST, text.encode("utf-8"))
         journal = self.out_dir / JOURNAL
         if self._journal is not None or journal.is_file():
-            if self._journal is not None:
-                self._journal.close()
-                self._journal = None
+            self._close_journal()
             journal.unlink(missing_ok=True)
             _fsync_dir(self.out_dir)
         self._journaled = 0
 
 
 def _journal_changes(path: Path) -> Iterator[ShardRecord | int]:
-    """The changes a journal holds, in order: a shard added (its record) or dropped (its index). Its last
-    line may be torn (a job killed while appending it, before the shard counted as recorded): it is left
-    out. Any other line that cannot be read is a `HarvestError`."""
+    """The changes a journal holds, in order: a shard added (its record) or dropped (its index). A last line
+    with no newline may be torn (a job killed while appending it, before the shard counted as recorded): it
+    is left out. Any other line that cannot be read is a `HarvestError`."""
     try:
-        lines = path.read_bytes().split(b"\n")
+        data = path.read_bytes()
     except OSError as e:
         raise HarvestError(f"cannot read {path}: {e}") from None
-    if lines[-1] == b"":
-        lines.pop()  # the newline that ends the last whole line
-    for number, line in enumerate(lines, 1):
+    lines = data.split(b"\n")
+    torn = lines.pop()  # b"" after a whole last line
+    for number, line in enumerate([*lines, torn] if torn else lines, 1):
         try:
             change = json.loads(line)
             if not isinstance(change, dict) or len(change) != 1:
@@ -428,7 +453,7 @@ def _journal_changes(path: Path) -> Iterator[ShardRecord | int]:
             else:
                 raise TypeError(f"line {number} is {clip(change)}, neither an add nor a drop")
         except (ValueError, KeyError, TypeError) as e:
-            if number == len(lines):
+            if torn and number == len(lines) + 1:
                 log.warning("%s: its last line is torn (a job killed while writing it): left out", path)
                 return
             raise HarvestError(f"{path} is not a harvest journal this version can read ({e})") from None
