@@ -498,8 +498,9 @@ def test_listed_shards_past_the_text_s_end_are_unlisted(
     tiny, tokenizer_dir: Path, source: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Shards listed past the contexts the text gives now (made from a longer text: a file that grew while a
-    job read it and was put back) are unlisted before the job is marked complete: the manifest ends as an
-    uninterrupted run's. Before, they stayed listed in a finished job."""
+    job read it and was put back) are unlisted before the job is marked complete, and their files removed:
+    the folder ends as an uninterrupted run's. Before, they stayed listed in a finished job, and then their
+    files stayed."""
     ref = tmp_path / "ref"
     opts = options(tokenizer_dir) | {"max_tokens": None}
     harvest(tiny.path, source, ref, HOOKS, **opts)
@@ -519,6 +520,44 @@ def test_listed_shards_past_the_text_s_end_are_unlisted(
     assert "lie past the text's end now" in caplog.text
     assert counted.done == manifest.n_contexts * 16  # the shards unlisted are not counted
     assert json.loads((out / MANIFEST).read_text()) == json.loads((ref / MANIFEST).read_text())
+    assert tree_shas(out) == tree_shas(ref)
+
+
+def test_a_record_that_is_not_its_contexts_is_computed_again(
+    tiny, tokenizer_dir: Path, source: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A listed shard whose record names other rows, another first context or another shard's file (edited
+    by hand; its sha256 still right) is computed again, and the folder ends as an uninterrupted run's."""
+    ref = tmp_path / "ref"
+    harvest(tiny.path, source, ref, HOOKS, **options(tokenizer_dir))
+    for field, value in (("rows", 7), ("first_context", 999), ("file", "acts-00000.safetensors")):
+        out = tmp_path / f"edited-{field}"
+        shutil.copytree(ref, out)
+        saved = json.loads((out / MANIFEST).read_text())
+        saved["shards"][1][field] = value
+        if field == "file":
+            saved["shards"][1] |= {k: saved["shards"][0][k] for k in ("sha256", "bytes")}
+        (out / MANIFEST).write_text(json.dumps(saved | {"complete": False, "n_contexts": None, "n_tokens": None}))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="model.harvest.job"):
+            harvest(tiny.path, source, out, HOOKS, **options(tokenizer_dir))
+        assert "shard 1's record" in caplog.text and "computing it again" in caplog.text
+        assert tree_shas(out) == tree_shas(ref), field
+
+
+@pytest.mark.parametrize("damaged", ["manifest", "journal"])
+def test_json_nested_past_python_s_depth_is_refused_in_words(tmp_path: Path, damaged: str) -> None:
+    """200,000 nested brackets (json.loads recurses): an error naming the file, not a RecursionError."""
+    from model.harvest.shards import JOURNAL, Manifest
+
+    out = tmp_path / "acts"
+    with Manifest.open(out, JOB, {}) as manifest:
+        for r in _records(out, 10):
+            manifest.add(r)
+    name = MANIFEST if damaged == "manifest" else JOURNAL
+    (out / name).write_bytes(b"[" * 200_000 + b"\n")
+    with pytest.raises(HarvestError, match=f"{re.escape(name)} is not a harvest {damaged} this version can read"):
+        Manifest.open(out, JOB, {})
 
 
 def test_a_refused_folder_keeps_its_files(tmp_path: Path) -> None:
@@ -685,7 +724,8 @@ def test_a_damaged_journal_line_is_refused_in_words(tmp_path: Path, line: bytes,
     (out / JOURNAL).write_bytes(damaged)
     with pytest.raises(HarvestError, match=re.escape(message)) as e:
         Manifest.open(out, JOB, {})
-    assert JOURNAL in str(e.value)
+    number = len(whole.splitlines()) + 1 if last else 1
+    assert JOURNAL in str(e.value) and f"(line {number}: " in str(e.value)
     assert (out / JOURNAL).read_bytes() == damaged
 
 

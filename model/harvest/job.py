@@ -317,16 +317,21 @@ def write_dataset_files(manifest: Manifest, plan: Plan) -> None:
 
 
 def already_written(
-    manifest: Manifest, plan: Plan, index: int, tokens: np.ndarray, progress: Progress | None = None
+    manifest: Manifest, plan: Plan, index: int, first: int, tokens: np.ndarray, progress: Progress | None = None
 ) -> bool:
-    """Whether shard `index` is listed and holds these contexts' token ids [rows, context]: one made from
-    other text (a file that changed while a job read it and was put back; a datasets folder whose files
-    were replaced under the same fingerprint) is unlisted, to be computed again from the text there now
+    """Whether shard `index` is listed, as the shard of these contexts (its name, first context and rows),
+    and holds their token ids [rows, context]: one made from other text (a file that changed while a job
+    read it and was put back; a datasets folder whose files were replaced under the same fingerprint), or
+    listed otherwise (a record edited by hand), is unlisted, to be computed again from the text there now
     (and taken back from `progress`, which counted it as done)."""
     record = manifest.shards.get(index)
     if record is None:
         return False
     path = manifest.out_dir / record.file
+    if (record.file, record.first_context, record.rows) != (shard_name(index, plan.suffix), first, len(tokens)):
+        log.warning("shard %d's record (%s) is not that of its contexts: computing it again", index, record)
+        unlist(manifest, plan, [index], progress)
+        return False
     if plan.spec.format == "saelens":
         written = saelens.shard_token_ids(path)
     else:
@@ -499,7 +504,7 @@ def _run_here(
         on_batch = progress.advance if progress is not None else None
         for index, first, tokens in _prefetched(shard_tokens(plan, tokenizer)):
             n_shards, n_contexts = index + 1, first + len(tokens)
-            if already_written(manifest, plan, index, tokens, progress):
+            if already_written(manifest, plan, index, first, tokens, progress):
                 continue
             acts = compute_shard(lm.model, tokens, plan.names, spec.batch_size, on_batch)
             data = encode_shard(plan, acts, tokens)

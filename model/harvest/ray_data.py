@@ -152,7 +152,7 @@ def _run(
     n_shards = n_contexts = 0
     for index, first, tokens in shard_tokens(plan, tokenizer):
         n_shards, n_contexts = index + 1, first + len(tokens)
-        if not already_written(manifest, plan, index, tokens, progress):
+        if not already_written(manifest, plan, index, first, tokens, progress):
             rows.append({"index": index, "first": first, "rows": len(tokens), "tokens": tokens.tobytes()})
     T = plan.spec.context_size
     if n_contexts == 0:

@@ -284,7 +284,7 @@ class Manifest:
             if not isinstance(saved_job, dict):
                 raise TypeError(f"its job is {clip(saved_job)}, not an object")
             records = {r.index: r for r in map(ShardRecord.read, saved["shards"])}
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:  # RecursionError: nested too deep
             raise HarvestError(f"{path} is not a harvest manifest this version can read ({e})") from None
         journal = self.out_dir / JOURNAL
         journaled, listed = journal.is_file(), dict(records)
@@ -402,6 +402,12 @@ class Manifest:
         self._journaled += 1
 
     def finish(self, n_contexts: int) -> None:
+        """Mark the job complete, having removed the shard files it does not list (unlisted past the text's
+        end, or written and never recorded): the folder ends with an uninterrupted run's files."""
+        for path in self.out_dir.iterdir():
+            if _SHARD.fullmatch(path.name) and path.name not in {r.file for r in self.shards.values()}:
+                log.warning("removing %s, a shard the finished job does not list", path.name)
+                path.unlink()
         self.complete, self.n_contexts = True, n_contexts
         self.save()
 
@@ -445,15 +451,15 @@ def _journal_changes(path: Path) -> Iterator[ShardRecord | int]:
         try:
             change = json.loads(line)
             if not isinstance(change, dict) or len(change) != 1:
-                raise TypeError(f"line {number} is {clip(change)}, not one change")
+                raise TypeError(f"it is {clip(change)}, not one change")
             if "add" in change:
                 yield ShardRecord.read(change["add"])
             elif isinstance(change.get("drop"), int) and not isinstance(change["drop"], bool):
                 yield change["drop"]
             else:
-                raise TypeError(f"line {number} is {clip(change)}, neither an add nor a drop")
-        except (ValueError, KeyError, TypeError) as e:
+                raise TypeError(f"it is {clip(change)}, neither an add nor a drop")
+        except (ValueError, KeyError, TypeError, RecursionError) as e:  # RecursionError: JSON nested too deep
             if torn and number == len(lines) + 1:
                 log.warning("%s: its last line is torn (a job killed while writing it): left out", path)
                 return
-            raise HarvestError(f"{path} is not a harvest journal this version can read ({e})") from None
+            raise HarvestError(f"{path} is not a harvest journal this version can read (line {number}: {e})") from None
