@@ -825,6 +825,74 @@ def test_a_failed_append_leaves_whole_lines_and_lets_go_of_the_folder(
         manifest.add(records[30])
     monkeypatch.undo()
     assert (out / JOURNAL).read_bytes() == before
+    assert 30 not in manifest.shards  # not recorded, so not listed: no later save could list it
     manifest.close()
     with Manifest.open(out, JOB, {}) as resumed:  # the lock let go; the line that failed is not listed
         assert sorted(resumed.shards) == list(range(30))
+
+
+def test_a_change_whose_rewrite_fails_is_not_listed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk as the manifest is rewritten with no journal to take the change: the shard is not listed
+    in memory either (a drop is undone likewise), and the manifest on disk is the one before."""
+    from model.harvest import shards as shards_module
+    from model.harvest.shards import Manifest
+
+    def full(*args: Any, **kwargs: Any) -> str:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    out = tmp_path / "acts"
+    with Manifest.open(out, JOB, {}) as manifest:
+        records = _records(out, 3)
+        manifest.add(records[0])
+        manifest.add(records[1])
+        before = (out / MANIFEST).read_bytes()
+        monkeypatch.setattr(shards_module, "write_atomic", full)
+        with pytest.raises(OSError, match="No space left"):
+            manifest.add(records[2])
+        with pytest.raises(OSError, match="No space left"):
+            manifest.drop(1)
+        assert sorted(manifest.shards) == [0, 1] and (out / MANIFEST).read_bytes() == before
+
+
+def test_finishing_removes_only_this_job_s_unlisted_shards(tmp_path: Path) -> None:
+    """At the finish, a shard file of this job's names that the manifest does not list goes; the other
+    format's shards, names this job would not write (more zeros), a folder of a shard's name and the user's
+    own files stay, and the job finishes."""
+    from model.harvest.shards import Manifest, write_atomic
+
+    out = tmp_path / "acts"
+    with Manifest.open(out, JOB, {"file_suffix": ".safetensors"}) as manifest:
+        for r in _records(out, 3):
+            manifest.add(r)
+        for name in ("acts-00012.safetensors", "acts-00013.arrow", "acts-0000014.safetensors", "notes.txt"):
+            write_atomic(out / name, b"x")
+        (out / "acts-00015.safetensors").mkdir()
+        manifest.finish(3)
+    names = sorted(p.name for p in out.iterdir() if p.name != LOCK)
+    assert names == sorted(
+        [
+            "acts-00000.safetensors",
+            "acts-00001.safetensors",
+            "acts-00002.safetensors",
+            "acts-0000014.safetensors",
+            "acts-00013.arrow",
+            "acts-00015.safetensors",
+            MANIFEST,
+            "notes.txt",
+        ]
+    )
+    assert json.loads((out / MANIFEST).read_text())["complete"]
+
+
+def test_a_manifest_that_lists_a_shard_twice_is_refused(tmp_path: Path) -> None:
+    from model.harvest.shards import Manifest
+
+    out = tmp_path / "acts"
+    with Manifest.open(out, JOB, {}) as manifest:
+        for r in _records(out, 3):
+            manifest.add(r)
+    saved = json.loads((out / MANIFEST).read_text())
+    saved["shards"].append(saved["shards"][1])
+    (out / MANIFEST).write_text(json.dumps(saved))
+    with pytest.raises(HarvestError, match=r"is not a harvest manifest this version can read \(it lists a shard twice"):
+        Manifest.open(out, JOB, {})

@@ -284,6 +284,8 @@ class Manifest:
             if not isinstance(saved_job, dict):
                 raise TypeError(f"its job is {clip(saved_job)}, not an object")
             records = {r.index: r for r in map(ShardRecord.read, saved["shards"])}
+            if len(records) != len(saved["shards"]):
+                raise TypeError("it lists a shard twice")
         except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:  # RecursionError: nested too deep
             raise HarvestError(f"{path} is not a harvest manifest this version can read ({e})") from None
         journal = self.out_dir / JOURNAL
@@ -359,15 +361,16 @@ class Manifest:
     def add(self, record: ShardRecord) -> bool:
         """List a finished shard (durably, before returning). Whether the manifest was rewritten (else the
         shard went to the journal)."""
+        before = self.shards.get(record.index)
         self.shards[record.index] = record
-        return self._record({"add": asdict(record)})
+        return self._record({"add": asdict(record)}, record.index, before)
 
     def drop(self, index: int) -> bool:
         """Unlist a shard that is to be computed again (as `add`)."""
-        del self.shards[index]
-        return self._record({"drop": index})
+        before = self.shards.pop(index)
+        return self._record({"drop": index}, index, before)
 
-    def _record(self, change: dict[str, Any]) -> bool:
+    def _record(self, change: dict[str, Any], index: int, before: ShardRecord | None) -> bool:
         """Make one change to the shards listed durable: a line appended to the journal, and the manifest
         rewritten whole (which takes in the journal) where the journal outgrows its share of the shards listed:
         so each rewrite follows at least len(shards) / 8 appends, and a job's rewrites cost O(1) a shard in
@@ -376,10 +379,20 @@ class Manifest:
         the resumed job takes it in again over the new manifest, which then gets every change of it again,
         each the last word on its shard (without the change, an older line of its shard would be)."""
         rewrite = (self._journaled + 1) * _JOURNAL_SHARE > len(self.shards)
-        if not rewrite or self._journaled:
-            self._append(json.dumps(change).encode() + b"\n")
-        if rewrite:
-            self.save()
+        appended = False
+        try:
+            if not rewrite or self._journaled:
+                self._append(json.dumps(change).encode() + b"\n")
+                appended = True
+            if rewrite:
+                self.save()
+        except BaseException:
+            if not appended:  # not recorded (a full disk): nor listed here, so that no later save lists it
+                if before is None:
+                    self.shards.pop(index, None)
+                else:
+                    self.shards[index] = before
+            raise
         return rewrite
 
     def _append(self, line: bytes) -> None:
@@ -402,12 +415,20 @@ class Manifest:
         self._journaled += 1
 
     def finish(self, n_contexts: int) -> None:
-        """Mark the job complete, having removed the shard files it does not list (unlisted past the text's
-        end, or written and never recorded): the folder ends with an uninterrupted run's files."""
+        """Mark the job complete, having removed the files of shards it does not list (unlisted past the
+        text's end, or written and never recorded): the folder ends with an uninterrupted run's files. Only
+        files named as this job names its shards (`shard_name`, its format's suffix) are touched."""
+        suffix, keep = self.header.get("file_suffix"), {r.file for r in self.shards.values()}
         for path in self.out_dir.iterdir():
-            if _SHARD.fullmatch(path.name) and path.name not in {r.file for r in self.shards.values()}:
+            name = path.name
+            if suffix is None or not _SHARD.fullmatch(name) or not name.endswith(suffix) or name in keep:
+                continue
+            if name == shard_name(int(name[len("acts-") : -len(suffix)]), suffix) and path.is_file():
                 log.warning("removing %s, a shard the finished job does not list", path.name)
-                path.unlink()
+                try:
+                    path.unlink()
+                except OSError as e:
+                    raise HarvestError(f"cannot remove {path}, a shard the finished job does not list: {e}") from None
         self.complete, self.n_contexts = True, n_contexts
         self.save()
 
