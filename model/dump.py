@@ -173,4 +173,4 @@ def load_dump(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]
     safetensors' refuses one that is not UTF-8). A file that is missing, unreadable or not a dump is a
     `SafetensorsError` (a `ValueError`) that says which and why."""
     st = SafetensorsFile(path)
-    return {name: st.read(name) for name in st.entries}, dict(st.metadata)
+    return st.read_all(), dict(st.metadata)

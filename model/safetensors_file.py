@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from io import BufferedReader
 from pathlib import Path
 
 import torch
@@ -154,12 +155,20 @@ class SafetensorsFile:
 
     def read(self, name: str) -> torch.Tensor:
         """Read one tensor into fresh CPU memory."""
+        with self.path.open("rb") as f:
+            return self._read(f, name)
+
+    def read_all(self) -> dict[str, torch.Tensor]:
+        """Read every tensor into fresh CPU memory (the file opened once), by name in the header's order."""
+        with self.path.open("rb") as f:
+            return {name: self._read(f, name) for name in self.entries}
+
+    def _read(self, f: BufferedReader, name: str) -> torch.Tensor:
         entry = self.entries[name]
         buf = bytearray(entry.nbytes)
-        with self.path.open("rb") as f:
-            f.seek(entry.begin)
-            if f.readinto(buf) != entry.nbytes:
-                raise SafetensorsError(f"{self.path} is truncated: could not read tensor {clip(name)}")
+        f.seek(entry.begin)
+        if f.readinto(buf) != entry.nbytes:
+            raise SafetensorsError(f"{self.path} is truncated: could not read tensor {clip(name)}")
         if entry.nbytes == 0:
             return torch.empty(entry.shape, dtype=entry.dtype)
         return torch.frombuffer(buf, dtype=entry.dtype).view(entry.shape)

@@ -399,8 +399,7 @@ def _from_dir(path: Path, where: str, repo: str = "", folder: str = "") -> SAE:
     if not isinstance(cfg, dict):
         raise SAEError(f"{where}: {CFG_FILE} must hold a JSON object")
     try:  # our reader: safetensors' own refuses a path that is not UTF-8
-        st = SafetensorsFile(weights_path)
-        weights = {name: st.read(name) for name in st.entries}
+        weights = SafetensorsFile(weights_path).read_all()
     except (SafetensorsError, OSError) as e:
         raise SAEError(f"{where}: {e}") from None  # the reader's message names the file
     sae = SAE(SAEConfig.from_dict(cfg, where, HUB_MODEL_KWARGS.get(repo)), weights, where)
