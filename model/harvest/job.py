@@ -327,11 +327,11 @@ def already_written(
     record = manifest.shards.get(index)
     if record is None:
         return False
-    path = manifest.out_dir / record.file
     if (record.file, record.first_context, record.rows) != (shard_name(index, plan.suffix), first, len(tokens)):
         log.warning("shard %d's record (%s) is not that of its contexts: computing it again", index, record)
         unlist(manifest, plan, [index], progress)
         return False
+    path = manifest.out_dir / record.file
     if plan.spec.format == "saelens":
         written = saelens.shard_token_ids(path)
     else:
