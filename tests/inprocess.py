@@ -95,10 +95,13 @@ def nth_job_held(client: TestClient, monkeypatch: Any, n: int) -> Iterator[tuple
         release.set()
 
 
-def log_engine(client: TestClient, monkeypatch: Any) -> list[str]:
+def log_engine(client: TestClient, monkeypatch: Any, decode_waits_for_a_job: bool = False) -> list[str]:
     """A log of the engine's decode steps ("step", while sequences decode) and of its jobs, each logged as
     what it runs: "<class>.step#<the pass's number>" for a pass's piece (passes numbered as they first run),
-    else the function's name."""
+    else the function's name. With `decode_waits_for_a_job`, the decoding sequences take one step, then wait
+    (up to 20 s) for the first job to be queued: a test that interleaves jobs with a generation's steps then
+    does not depend on how fast the generation runs against the requests that queue the jobs (on a loaded
+    host, a short generation could end before the first job came)."""
     engine = client.app.state.engine  # type: ignore[attr-defined]
     log: list[str] = []
     passes: list[object] = []
@@ -106,6 +109,10 @@ def log_engine(client: TestClient, monkeypatch: Any) -> list[str]:
 
     def step() -> None:
         if len(engine._batch):
+            if decode_waits_for_a_job and log == ["step"]:
+                deadline = time.monotonic() + 20
+                while not engine._jobs and time.monotonic() < deadline:  # not under the engine's lock: a peek
+                    time.sleep(0.002)
             log.append("step")
         real_step()
 
