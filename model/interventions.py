@@ -261,13 +261,14 @@ class EditPlan:
         if e.factor is not None and not abs(e.factor) <= FLOAT32_MAX:  # also false for NaN
             field = {"steer": "scale", "projection_cap": "value", "clamp": "value"}.get(e.op, "factor")  # as given
             raise InterventionError(f"{where}: {field} {e.factor!r} is not a finite float32 number")
-        if e.value is not None and not bool(e.value.to(torch.float32).isfinite().all()):
+        # flattened: torch reduces tensors of at most 64 dimensions, and a wrongly shaped one is told so, later
+        if e.value is not None and not bool(e.value.reshape(-1).to(torch.float32).isfinite().all()):
             raise InterventionError(f"{where}: value holds numbers that are not finite in float32 (inf, NaN, > 3.4e38)")
-        d = e.direction
+        d = e.direction.reshape(-1).to(torch.float32) if e.direction is not None else None
         if e.op in STEERING_OPS and e.op != "clamp" and d is not None and d.numel():  # empty: a shape error, later
-            if not bool(d.to(torch.float32).isfinite().all()):
+            if not bool(d.isfinite().all()):
                 raise InterventionError(f"{where}: direction holds numbers that are not finite in float32")
-            if e.op != "steer" and not float(d.to(torch.float32).abs().max()) > 0:
+            if e.op != "steer" and not float(d.abs().max()) > 0:
                 raise InterventionError(f"{where}: {e.op} needs a direction that is not zero")
 
     def _resolved(self, t: _Target, where: str) -> _Target:

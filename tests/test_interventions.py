@@ -344,6 +344,10 @@ def test_interventions_see_the_ablated_stream(tiny_model: GPT) -> None:
         (Edit("blocks.0.attn.hook_pattern", "set", value=torch.ones(1)), "not supported on attention scores"),
         (Edit("blocks.0.attn.hook_pattern", "mean"), "mean is not supported on attention scores or patterns"),
         (Edit("blocks.0.hook_resid_pre", "divide"), "unknown op 'divide'"),
+        # more dimensions than torch's reductions take (64): a RuntimeError once, in the finiteness check
+        (Edit("blocks.0.hook_resid_pre", "add", value=torch.ones([1] * 70)), "value of shape [1, 1,"),
+        (Edit("blocks.0.hook_resid_pre", "steer", 1.0, direction=torch.ones([1] * 69 + [64])), "give [64]"),
+        (Edit("blocks.0.hook_resid_pre", "orthogonal", direction=torch.ones([1] * 70)), "give [64]"),
     ],
 )
 def test_bad_edits_are_refused_with_the_reason(tiny_model: GPT, edit: Edit, says: str) -> None:

@@ -245,6 +245,17 @@ def test_a_dump_tensor_is_chosen_by_name(client: TestClient) -> None:
 NOT_SAFETENSORS = base64.b64encode(b"hello, not a safetensors file").decode()
 INT_DUMP = base64.b64encode(save_safetensors({"hook_embed": torch.ones(3, 64, dtype=torch.int64)})).decode()
 BOOL_DUMP = base64.b64encode(save_safetensors({"hook_embed": torch.ones(3, 64, dtype=torch.bool)})).decode()
+# more dimensions than torch reduces (64): a 500 once, where the value's finiteness was checked
+DEEP_DUMP = base64.b64encode(save_safetensors({"hook_embed": torch.ones([1] * 99 + [2], dtype=torch.float16)})).decode()
+
+
+def nested(depth: int, inner: Any = 1.0) -> Any:
+    """`inner` inside `depth` lists."""
+    for _ in range(depth):
+        inner = [inner]
+    return inner
+
+
 BAD_EDITS: dict[str, tuple[dict[str, Any], str]] = {
     "unknown hook": (
         {"interventions": [{"hook": "blocks.0.hook_nope", "op": "zero"}]},
@@ -254,6 +265,22 @@ BAD_EDITS: dict[str, tuple[dict[str, Any], str]] = {
     "wrong shape": (
         {"interventions": [{"hook": "blocks.0.hook_resid_post", "op": "add", "value": [1.0, 2.0, 3.0]}]},
         "value of shape [3] does not fit blocks.0.hook_resid_post: give [64]",
+    ),
+    "a value 65 lists deep": (
+        {"interventions": [{"hook": "blocks.0.hook_resid_post", "op": "add", "value": nested(65)}]},
+        "value of shape [1, 1, 1,",
+    ),
+    "a value 128 lists deep, one number beyond float32": (
+        {"interventions": [{"hook": "blocks.0.hook_resid_post", "op": "add", "value": nested(128, 1e39)}]},
+        "value holds numbers that are not finite in float32",
+    ),
+    "a value 129 lists deep": (
+        {"interventions": [{"hook": "blocks.0.hook_resid_post", "op": "add", "value": nested(129)}]},
+        "not a rectangular array of numbers",
+    ),
+    "a dump of 100 dimensions": (
+        {"interventions": [{"hook": "hook_embed", "op": "set", "value": {"safetensors_base64": DEEP_DUMP}}]},
+        "value of shape [1, 1, 1,",
     ),
     "ragged value": (
         {"interventions": [{"hook": "blocks.0.hook_resid_post", "op": "set", "value": [[1.0, 2.0], [3.0]]}]},
