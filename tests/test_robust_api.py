@@ -360,6 +360,20 @@ def test_prompts_are_tokenized_off_the_event_loop(
     assert not any(encode + encode_batch), "a prompt was tokenized on the event loop"
 
 
+def test_tokenize_builds_its_answer_off_the_event_loop(
+    client: TestClient, loaded: LoadedModel, calls_on_loop: Callable[..., list[bool]]
+) -> None:
+    """/tokenize takes up to a body's worth of text (about 2 million tokens in 4 MiB): each token's string
+    and the answer's JSON took up to 2 s on the event loop once, every stream held meanwhile."""
+    import server.encoding
+
+    piece, to_json = calls_on_loop(loaded.tokenizer, "piece"), calls_on_loop(server.encoding, "json_bytes")
+    body = post_ok(client, TOKENIZE, {"prompt": "Hello world", "return_token_strs": True})
+    assert body == {"tokens": [15496, 995], "count": 2, "max_model_len": 128, "token_strs": ["Hello", "Ġworld"]}
+    assert post_ok(client, TOKENIZE, {"prompt": "Hi"})["token_strs"] is None
+    assert piece == [False, False] and to_json == [False, False]
+
+
 def test_echoed_prompts_and_detokenized_ids_are_decoded_off_the_event_loop(
     client: TestClient, loaded: LoadedModel, calls_on_loop: Callable[..., list[bool]]
 ) -> None:
