@@ -95,24 +95,26 @@ def nth_job_held(client: TestClient, monkeypatch: Any, n: int) -> Iterator[tuple
         release.set()
 
 
-def log_engine(client: TestClient, monkeypatch: Any, decode_waits_for_a_job: bool = False) -> list[str]:
+def log_engine(client: TestClient, monkeypatch: Any, jobs: int = 0) -> list[str]:
     """A log of the engine's decode steps ("step", while sequences decode) and of its jobs, each logged as
     what it runs: "<class>.step#<the pass's number>" for a pass's piece (passes numbered as they first run),
-    else the function's name. With `decode_waits_for_a_job`, the decoding sequences take one step, then wait
-    (up to 20 s) for the first job to be queued: a test that interleaves jobs with a generation's steps then
-    does not depend on how fast the generation runs against the requests that queue the jobs (on a loaded
-    host, a short generation could end before the first job came)."""
+    else the function's name. With `jobs`, the decoding sequences wait before each step after their first
+    (up to 20 s, then no more) until a job is queued, until `jobs` have run: a test that interleaves that many
+    jobs with a generation's steps then does not depend on how fast the generation runs against the requests
+    that queue them (on a loaded host, a short generation could end before the jobs came, or between two)."""
     engine = client.app.state.engine  # type: ignore[attr-defined]
     log: list[str] = []
     passes: list[object] = []
     real_step, real_job = engine._step, engine._run_job
+    waits = [jobs > 0]
 
     def step() -> None:
         if len(engine._batch):
-            if decode_waits_for_a_job and log == ["step"]:
+            if waits[0] and "step" in log and sum(e != "step" for e in log) < jobs:
                 deadline = time.monotonic() + 20
                 while not engine._jobs and time.monotonic() < deadline:  # not under the engine's lock: a peek
                     time.sleep(0.002)
+                waits[0] = bool(engine._jobs)  # ran out: the test's own checks say what went wrong
             log.append("step")
         real_step()
 
@@ -131,12 +133,14 @@ def log_engine(client: TestClient, monkeypatch: Any, decode_waits_for_a_job: boo
 
 
 def assert_interleaved(log: list[str], calls: list[int]) -> None:
-    """While the generation still decodes, a decode step between every two of `calls` (indices into `log`)."""
+    """While the generation still decodes, a decode step between every two of `calls` (indices into `log`),
+    and at least one such pair."""
     last_step = max(i for i, e in enumerate(log) if e == "step")
     assert calls[0] < last_step, "the jobs came after the generation ended: nothing was interleaved"
-    for a, b in itertools.pairwise(calls):
-        if b < last_step:
-            assert "step" in log[a:b], log
+    pairs = [(a, b) for a, b in itertools.pairwise(calls) if b < last_step]
+    assert pairs or len(calls) == 1, f"the generation ended after the first job: nothing was interleaved {log}"
+    for a, b in pairs:
+        assert "step" in log[a:b], log
 
 
 def wrap_forward_passes(monkeypatch: Any, model: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:

@@ -268,7 +268,7 @@ def test_a_gradient_runs_a_piece_a_job_and_decode_steps_go_on_between(
     burst of six gradient requests takes turns: one pass's jobs all run before the next's first (one graph
     alive at a time), and each answer is the one the model gives alone."""
     L = loaded.model.config.n_layer
-    log = log_engine(client, monkeypatch, decode_waits_for_a_job=True)
+    log = log_engine(client, monkeypatch, jobs=6 * (L + 1 + L))
     names = ["hook_embed", "blocks.*.hook_resid_post"]
     with ThreadPoolExecutor(7) as pool:
         generation = pool.submit(_post, client, "/v1/generate", GENERATION)
@@ -299,7 +299,7 @@ def test_attribution_runs_its_passes_and_each_verified_site_a_piece_a_job(
     then each of its `verify` patched runs, a piece a job too, with decode steps between them: a long
     attribution does not stall the running streams."""
     L = loaded.model.config.n_layer
-    log = log_engine(client, monkeypatch, decode_waits_for_a_job=True)
+    log = log_engine(client, monkeypatch, jobs=(L + 1 + L + 1 + L) + 4 * (L + 1))
     with ThreadPoolExecutor(2) as pool:
         generation = pool.submit(_post, client, "/v1/generate", GENERATION)
         wait_until(lambda: "step" in log)

@@ -67,7 +67,7 @@ def test_next_token_runs_a_block_a_job_with_decode_steps_between(
     embeddings) and one for the LM head, a decode step between every two; its answer is `GPT.forward`'s to
     the bit (an edit in the head: every position goes through it, as there)."""
     L = tiny_model.config.n_layer
-    log = log_engine(client, monkeypatch, decode_waits_for_a_job=True)
+    log = log_engine(client, monkeypatch, jobs=L + 1)
     generation = {"input_ids": CLEAN, "max_new_tokens": 64, "temperature": 0, "ignore_eos": True}
     with ThreadPoolExecutor(1) as pool:
         streamed = pool.submit(client.post, "/v1/generate", json=generation)
