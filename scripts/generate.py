@@ -28,8 +28,8 @@ from model.generate import Generation, GenerationError, SamplingParams
 from model.hooks import UnknownHookError, check_hook_name, is_glob
 from model.interventions import InterventionError
 from model.lab.sae import SAEError
-from model.loading import LoadError, add_checkpoint_arguments, load_from
-from model.tokenizer import InvalidTextError, Tokenizer
+from model.loading import LoadError, add_checkpoint_arguments, hub_repo, load_from
+from model.tokenizer import InvalidTextError, Tokenizer, tokenizer_files
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -92,17 +92,42 @@ def read_prompt(arg: str | None) -> str:
     return utf8_checked(text)
 
 
-def _replaces_the_checkpoint(dump: str, model: str) -> str | None:
-    """Why a dump must not go to `dump`: a file there already, of the local checkpoint `model` (its directory,
-    or the file itself), which the dump would replace (the weights read, then written over)."""
-    target, checkpoint = Path(dump).absolute(), Path(model).expanduser().absolute()
-    if not (target.exists() and checkpoint.exists()):
+def _replaces_the_checkpoint(dump: str, model: str, tokenizer: str | None) -> str | None:
+    """Why a dump must not go to `dump`: a file there already that loading reads, which the dump would replace
+    (read, then written over): of the local checkpoint `model` (any file of its directory; or the weights file
+    itself, with the config.json and tokenizer files beside it that a bare file's loading reads too), of the
+    hub's cache where `model` is a hub name, or of the `--tokenizer` directory."""
+    target = Path(dump).absolute()
+    if not target.exists():
         return None
-    # as given and through symlinks: a hub cache's snapshot holds links to its blobs
-    for t, c in ((target, checkpoint), (target.resolve(), checkpoint.resolve())):
-        if t == c or (c.is_dir() and c in t.parents):
-            return f"--dump-activations {dump}: it would replace a file of the checkpoint being loaded ({model})"
+    checkpoint = Path(model).expanduser().absolute()
+    if checkpoint.is_file():
+        near = checkpoint.parent
+        read = [checkpoint, near / "config.json", *(near / f for f in tokenizer_files(near) or [])]
+    elif checkpoint.is_dir():
+        read = [checkpoint]
+    elif hub_repo(model) is not None:
+        from huggingface_hub import constants
+
+        read = [Path(constants.HF_HUB_CACHE).expanduser().absolute()]
+    else:
+        read = []
+    if _one_of(target, read):
+        return f"--dump-activations {dump}: it would replace a file of the checkpoint being loaded ({model})"
+    tok = Path(tokenizer).expanduser().absolute() if tokenizer else None
+    if tok is not None and tok.is_dir() and _one_of(target, [tok / f for f in tokenizer_files(tok) or []]):
+        return f"--dump-activations {dump}: it would replace a file of the tokenizer being loaded ({tokenizer})"
     return None
+
+
+def _one_of(target: Path, paths: list[Path]) -> bool:
+    """Whether `target` is one of `paths` (that exist) or lies in one that is a directory, as given or through
+    symlinks (a hub cache's snapshot holds links to its blobs)."""
+    for path in (p for p in paths if p.exists()):
+        for t, p in ((target, path), (target.resolve(), path.resolve())):
+            if t == p or (p.is_dir() and p in t.parents):
+                return True
+    return False
 
 
 def utf8_checked(text: str, what: str = "the prompt") -> str:
@@ -127,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:  # Ctrl-C leaves nothing half-wr
         return fail("--dump-activations -: a dump is a file (the text goes to standard output); name one")
     if args.dump_activations and (problem := dump_path_problem(args.dump_activations)):  # before the long part
         return fail(problem)
-    if args.dump_activations and (problem := _replaces_the_checkpoint(args.dump_activations, args.model)):
+    dump = args.dump_activations
+    if dump and (problem := _replaces_the_checkpoint(dump, args.model, args.tokenizer)):
         return fail(problem)
     try:  # an exact name no GPT-2 has, before the model loads (a glob, or a layer past it, is checked after)
         for name in args.hooks or []:

@@ -215,6 +215,53 @@ def test_dump_problems_found_before_loading(tmp_path: Path, capsys: pytest.Captu
     assert (ckpt / "model.safetensors").read_bytes() == b"weights" and not list(blobs.glob(".*"))
 
 
+def test_a_dump_never_replaces_what_loading_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Beside a bare weights file, loading reads the config.json and tokenizer files of its folder; with
+    `--tokenizer DIR`, that folder's tokenizer files; with a hub name, files of the hub's cache (through its
+    snapshot's links): a dump onto any of them is refused before the model loads (it once replaced them,
+    and the same command failed from then on). A new file beside them, or another file of the tokenizer's
+    folder, is a dump like any other."""
+    from huggingface_hub import constants
+
+    folder, tok, cache = tmp_path / "f", tmp_path / "tok", tmp_path / "hub"
+    for d in (folder, tok, cache / "blobs", cache / "snapshots"):
+        d.mkdir(parents=True)
+    for name in ("model.safetensors", "config.json", "vocab.json", "merges.txt", "notes.txt"):
+        (folder / name).write_text(name)
+    for name in ("tokenizer.json", "old-dump.safetensors"):
+        (tok / name).write_text(name)
+    (cache / "blobs" / "abc").write_text("weights")
+    (cache / "snapshots" / "model.safetensors").symlink_to(cache / "blobs" / "abc")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    weights = str(folder / "model.safetensors")
+    refused = [
+        ([weights], folder / "config.json", "checkpoint"),
+        ([weights], folder / "merges.txt", "checkpoint"),
+        ([weights, "--tokenizer", str(tok)], tok / "tokenizer.json", "tokenizer"),
+        (["gpt2"], cache / "snapshots" / "model.safetensors", "checkpoint"),
+    ]
+    for model, target, what in refused:
+        assert main(["hi", "--model", *model, "--dump-activations", str(target)]) == 1
+        out, err = capsys.readouterr()
+        loaded = model[-1] if what == "tokenizer" else model[0]
+        says = f"gpt2-generate: error: --dump-activations {target}: it would replace a file of the {what} being "
+        assert out == "" and err == says + f"loaded ({loaded})\n", err
+    for name in ("model.safetensors", "config.json", "vocab.json", "merges.txt"):
+        assert (folder / name).read_text() == name
+    assert (tok / "tokenizer.json").read_text() == "tokenizer.json" and (
+        cache / "blobs" / "abc"
+    ).read_text() == "weights"
+    for model, target in (
+        ([weights], folder / "notes.txt"),
+        ([weights, "--tokenizer", str(tok)], tok / "old-dump.safetensors"),
+    ):
+        assert main(["hi", "--model", *model, "--dump-activations", str(target)]) == 1  # the file is no checkpoint
+        err = capsys.readouterr().err
+        assert "it would replace" not in err and err.startswith("gpt2-generate: error: "), err
+
+
 def test_bad_dtype(ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["hi", "--model", str(ckpt_with_tokenizer), "--dtype", "int4"]) == 1
     err = capsys.readouterr().err
