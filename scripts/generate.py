@@ -124,8 +124,8 @@ def _one_of(target: Path, paths: list[Path]) -> bool:
     """Whether `target` is one of `paths` (that exist) or lies in one that is a directory, as given or through
     symlinks (a hub cache's snapshot holds links to its blobs)."""
     for path in (p for p in paths if p.exists()):
-        for t, p in ((target, path), (target.resolve(), path.resolve())):
-            if t == p or (p.is_dir() and p in t.parents):
+        for t, q in ((target, path), (target.resolve(), path.resolve())):
+            if t == q or (q.is_dir() and q in t.parents):
                 return True
     return False
 
