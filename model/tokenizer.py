@@ -228,11 +228,14 @@ def _byte_level_bpe(vocab_path: Path, merges_path: Path) -> _HFTokenizer:
     """Build the GPT-2 tokenizer from OpenAI's `encoder.json` / `vocab.bpe` (as `vocab.json` / `merges.txt`)."""
     vocab = json.loads(vocab_path.read_text(encoding="utf-8"))
     merges = []
-    for line in merges_path.read_text(encoding="utf-8").splitlines():
+    for number, line in enumerate(merges_path.read_text(encoding="utf-8").splitlines(), 1):
         if line.startswith("#version") or not line.strip():
             continue
-        a, b = line.split(" ")
-        merges.append((a, b))
+        pair = line.split(" ")
+        if len(pair) != 2 or not all(pair):  # a file cut short, say, mid-line
+            shown = line if len(line) <= 80 else line[:80] + "..."
+            raise TokenizerError(f"{merges_path}, line {number}: a merge is two symbols and one space, got {shown!r}")
+        merges.append((pair[0], pair[1]))
     tok = _HFTokenizer(models.BPE(vocab, merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
     tok.post_processor = processors.ByteLevel(trim_offsets=False)

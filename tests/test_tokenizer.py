@@ -119,6 +119,19 @@ def test_missing_or_broken_files(tmp_path: Path) -> None:
         Tokenizer.from_dir(tmp_path)
 
 
+@pytest.mark.parametrize(
+    "bad", ["Ġ", "Ġ t h", "Ġ ", "Ġ  t"], ids=["cut mid-line", "three", "one and a space", "two spaces"]
+)
+def test_a_merges_line_that_is_not_a_pair_is_named(tokenizer_dir: Path, tmp_path: Path, bad: str) -> None:
+    """A merges.txt cut short (mid-line, say) names the file, the line and what it holds, not Python's unpacking."""
+    (tmp_path / "vocab.json").write_bytes((tokenizer_dir / "vocab.json").read_bytes())
+    (tmp_path / "merges.txt").write_text(f"#version: 0.2\nĠ t\n{bad}\n", encoding="utf-8")
+    want = f"{tmp_path / 'merges.txt'}, line 3: a merge is two symbols and one space, got {bad!r}"
+    with pytest.raises(TokenizerError) as e:
+        Tokenizer.from_dir(tmp_path)
+    assert str(e.value) == want
+
+
 @settings(max_examples=300, deadline=None, database=None)
 @given(text=st.text())
 @example(text="a<|endoftext|>b")
