@@ -15,6 +15,8 @@ from typing import Any
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors
 
+from .json_file import clip
+
 EOT = "<|endoftext|>"
 EOT_ID = 50256
 # Where GPT-2's text can be cut (`Tokenizer.cut`): before the last character of a run of white space (the
@@ -233,8 +235,8 @@ def _byte_level_bpe(vocab_path: Path, merges_path: Path) -> _HFTokenizer:
             continue
         pair = line.split(" ")
         if len(pair) != 2 or not all(pair):  # a file cut short, say, mid-line
-            shown = line if len(line) <= 80 else line[:80] + "..."
-            raise TokenizerError(f"{merges_path}, line {number}: a merge is two symbols and one space, got {shown!r}")
+            got = clip(line)
+            raise TokenizerError(f"{merges_path}, line {number}: a merge is two symbols and one space, got {got}")
         merges.append((pair[0], pair[1]))
     tok = _HFTokenizer(models.BPE(vocab, merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)

@@ -106,15 +106,16 @@ def log_engine(client: TestClient, monkeypatch: Any, jobs: int = 0) -> list[str]
     log: list[str] = []
     passes: list[object] = []
     real_step, real_job = engine._step, engine._run_job
-    waits = [jobs > 0]
+    waits = jobs > 0
 
     def step() -> None:
+        nonlocal waits
         if len(engine._batch):
-            if waits[0] and "step" in log and sum(e != "step" for e in log) < jobs:
+            if waits and "step" in log and sum(e != "step" for e in log) < jobs:
                 deadline = time.monotonic() + 20
                 while not engine._jobs and time.monotonic() < deadline:  # not under the engine's lock: a peek
                     time.sleep(0.002)
-                waits[0] = bool(engine._jobs)  # ran out: the test's own checks say what went wrong
+                waits = bool(engine._jobs)  # ran out: the test's own checks say what went wrong
             log.append("step")
         real_step()
 
