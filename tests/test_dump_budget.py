@@ -3,7 +3,7 @@ its dump's estimated size before any model work and holds it until its answer is
 waits its turn (at most `--max-queue` wait, then 429), a dump larger than the whole budget is a 413 at once,
 and the bytes come back however a request ends (answered, failed, its client gone, the engine stopped),
 after which the server serves as before. The heap is trimmed once no dump is in flight. SAE feature
-readings, gradients at hook points and analyses hold bytes of the same budget."""
+readings, gradients at hook points, analyses and steering vectors' measures hold bytes of the same budget."""
 
 from __future__ import annotations
 
@@ -331,4 +331,30 @@ def test_the_413_advice_fits_the_request(loaded: LoadedModel) -> None:
         assert error["message"].endswith(
             "ask for fewer hooks, fewer tokens or format safetensors_base64 (about a quarter of JSON's size)"
         )
+        assert_still_serving(c)
+
+
+def test_a_steering_vector_holds_its_prompts_values_against_the_budget(loaded: LoadedModel) -> None:
+    """/v1/steering-vectors holds a prompt's values at its hook from its pass to their reduction, other
+    requests' jobs running between: it reserves the longest prompt's (float32 [T, width]) before its passes, a
+    second waits its turn, and over --max-activation-bytes it is a 413 naming the hook where the hook is wide
+    (logits: the vocabulary's width, 200 MB at 1,000 tokens of gpt2), else the side of the longest prompt."""
+    config = loaded.model.config
+    body = {"positive": [IDS], "negative": [IDS[:4]], "hook": "logits"}
+    size = len(IDS) * config.vocab_size * 4
+    with serve(loaded, max_dump_bytes_in_flight=size) as c:
+        answers = two_in_turn(c, "/v1/steering-vectors", body, "_jobs", size)
+        assert answers[0].json()["vector"] == answers[1].json()["vector"]
+    narrow = {"positive": [IDS[:3]], "negative": [IDS], "hook": "blocks.0.hook_resid_post"}
+    with serve(loaded, max_activation_bytes=size - 1) as c:
+        error = assert_error(c.post("/v1/steering-vectors", json=body), 413, "hook")
+        assert error["message"] == (
+            f"the values at logits over the longest prompt would take {size} bytes while they are measured, over "
+            f"the server's limit of {size - 1}: ask for shorter prompts or a hook of d_model values a position"
+        )
+        assert c.post("/v1/steering-vectors", json=narrow).status_code == 200
+        assert gauge(c, IN_FLIGHT) == 0
+    with serve(loaded, max_activation_bytes=len(IDS) * config.n_embd * 4 - 1) as c:
+        error = assert_error(c.post("/v1/steering-vectors", json=narrow), 413, "negative")
+        assert error["message"].endswith("ask for shorter prompts")
         assert_still_serving(c)

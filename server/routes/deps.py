@@ -70,7 +70,8 @@ GRADIENTS = Held("the gradients", "hooks", "fewer hooks or fewer tokens")
 class DumpBudget:
     """The bytes of activation dumps in flight at once, server-wide, at most `limit`: the answers that hold
     activations (dumps, SAE feature readings with their hook's capture, gradients at hook points) and what an
-    analysis holds between its jobs (`Held` says which a request holds).
+    analysis holds between its jobs, or a steering vector's measure from a prompt's pass to its reduction (`Held`
+    says which a request holds).
 
     A dump takes several times its size at its peak, captured, converted and encoded (about 5x), and its answer
     is held until sent; `--max-activation-bytes` bounds each, this bounds them all together. A request reserves
@@ -269,6 +270,14 @@ async def token_ids(
         check_prompts(engine, prompts, 0, "input_ids")  # empty or out-of-vocabulary ids: named as they came
         return prompts
     return await openai_prompt_ids(engine, prompt)
+
+
+def places(param: str, prompts: Sequence[object], n: int = 1) -> list[str] | None:
+    """Each sequence's prompt by its place (`input_ids[1]`), for the engine's errors about one of several
+    prompts (`Engine.submit`'s labels): each prompt's `n` samples one after another; None for one prompt."""
+    if len(prompts) == 1:
+        return None
+    return [f"{param}[{i}]" for i in range(len(prompts)) for _ in range(n)]
 
 
 def check_prompts(engine: Engine, prompts: list[list[int]], max_new_tokens: int, param: str) -> None:

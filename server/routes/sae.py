@@ -8,6 +8,7 @@ store its replicas share, `server.ray_app.VectorStore`), never on disk."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -17,6 +18,7 @@ from fastapi.responses import Response
 
 from model.generate import GenerationError
 from model.hooks import hook_names, reads_as_one_vector
+from model.interventions import site_shape
 from model.lab.sae import SAE, FeatureReading, TokenFeatures, load_saes, read_features
 from model.lab.steering import (
     DirectionError,
@@ -247,7 +249,12 @@ def _file(rows: list[TokenFeatures], meta: dict[str, Any]) -> bytes:
 
 @router.post("/v1/steering-vectors")
 async def steering_vectors(
-    req: SteeringVectorRequest, request: Request, engine: EngineDep, directions: DirectionsDep
+    req: SteeringVectorRequest,
+    request: Request,
+    engine: EngineDep,
+    settings: SettingsDep,
+    directions: DirectionsDep,
+    hold: DumpHoldDep,
 ) -> dict[str, Any]:
     req.check()
     config = engine.model.config
@@ -265,6 +272,22 @@ async def steering_vectors(
             directions.check_room(req.name)
     except DirectionError as e:
         raise GenerationError(str(e), e.param) from None
+    # a prompt's values at the hook are held from its pass to their reduction, while other requests' jobs run
+    # between: against the dump budget, as a dump's, or concurrent requests would hold theirs all at once
+    longest, param = max((len(ids), side) for side, ids in _each_prompt(sides))
+    size = _capture_bytes(engine, req.hook, longest)
+    if math.prod(site_shape(req.hook, config)) > config.n_embd:  # logits: vocab_size values a position
+        what = Held(f"the values at {req.hook}", "hook", "shorter prompts or a hook of d_model values a position")
+    else:
+        what = Held(f"the values at {req.hook}", param, "shorter prompts")
+    if size > settings.max_activation_bytes:
+        raise APIError(
+            413,
+            f"{what.name} over the longest prompt would take {size} bytes while they are measured, over the "
+            f"server's limit of {settings.max_activation_bytes}: ask for {what.smaller}",
+            what.param,
+        )
+    await hold.reserve(size, request, what)  # held until the answer is sent
 
     values: list[list[torch.Tensor]] = [[], []]
     for side, prompts in zip(values, sides, strict=True):
@@ -289,6 +312,19 @@ async def steering_vectors(
         "vector": vector.vector.tolist(),
         "stored": directions.names(),
     }
+
+
+def _each_prompt(sides: list[list[list[int]]]) -> list[tuple[str, list[int]]]:
+    """A contrast's prompts, each with its side's field."""
+    return [(param, ids) for param, prompts in zip(("positive", "negative"), sides, strict=True) for ids in prompts]
+
+
+def _capture_bytes(engine: EngineDep, hook: str, n_tokens: int) -> int:
+    """The bytes of one prompt's values at `hook` over `n_tokens` positions, as captured in the model's dtype
+    and, where that is narrower, their float32 copy while they are reduced."""
+    size = engine.model.wte.weight.dtype.itemsize
+    width = math.prod(site_shape(hook, engine.model.config))
+    return n_tokens * width * (size + (4 if size < 4 else 0))
 
 
 async def _prompts(engine: EngineDep, prompts: list[str] | list[list[int]], param: str) -> list[list[int]]:
