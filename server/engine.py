@@ -47,7 +47,7 @@ from model.generate import (
 )
 from model.gpt import GPT
 from model.hooks import needs_whole_prompt, select_hooks
-from model.interventions import EditSpec
+from model.interventions import EditSpec, InterventionError
 from model.loading import LoadedModel
 
 from .metrics import Metrics
@@ -90,6 +90,19 @@ class _Request:
     submitted: float = field(default_factory=time.perf_counter)
     last_token: float | None = None
     cancelled: bool = False
+    label: str | None = None  # the sequence's prompt among several (`input_ids[1]`), its errors prefixed with it
+
+
+E = TypeVar("E", bound=BaseException)
+
+
+def labelled(error: E, label: str | None) -> E:
+    """`error` with `label` (a prompt's place among several, `input_ids[1]`) before its message, of its own kind
+    (a ContextLengthError stays one): for the errors a request's client reads, a `GenerationError` or an
+    `InterventionError`; any other, and any without a label, as it is."""
+    if label is None or not isinstance(error, (GenerationError, InterventionError)):
+        return error
+    return type(error)(f"{label}: {error}", error.param)  # type: ignore[return-value]
 
 
 @dataclass(eq=False)
@@ -245,23 +258,31 @@ class Engine:
         edits: EditSpec | None = None,
         count_param: str = "prompt",
         capture_dtype: torch.dtype | None = None,
+        labels: Sequence[str] | None = None,
     ) -> list[RequestStream]:
         """Queue one sequence per prompt, all or none (`capture_dtype`: the captured activations are kept in
         it, as a dump sends them, not in the model's dtype first). Raises `GenerationError`/`UnknownHookError` for an
         invalid request or one that could never fit (both 400s: a retry would not help; `count_param`, the
         field that set how many there are, is named when they are too many), then `QueueFull` (429) when
-        valid sequences do not fit now; nothing is queued then."""
+        valid sequences do not fit now; nothing is queued then. `labels`: each sequence's prompt among several
+        (`input_ids[1]`), which its errors, here or as it runs, begin with (an edit's position out of range of
+        one prompt only, its logits overflowing alone)."""
         self.check_count(len(prompts), count_param)  # before building anything: the count is the client's
         names = select_hooks(hooks, self.model.config.n_layer) if hooks else None
-        seqs = [
-            new_sequence(self.model, i, prompt, p, self.tokenizer, names, edits, capture_dtype)
-            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
-        ]
+        seqs = []
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            try:
+                seqs.append(new_sequence(self.model, i, prompt, p, self.tokenizer, names, edits, capture_dtype))
+            except (GenerationError, InterventionError) as e:
+                raise labelled(e, labels[i] if labels is not None else None) from None
         group = next(self._groups)  # its sequences share prompt prefixes with each other, not with another request's
         for seq in seqs:
             seq.group = group
         loop = asyncio.get_running_loop()
-        requests = [_Request(seq, loop, asyncio.Queue()) for seq in seqs]
+        requests = [
+            _Request(seq, loop, asyncio.Queue(), label=labels[i] if labels is not None else None)
+            for i, seq in enumerate(seqs)
+        ]
         with self._cv:
             if self._stopping:
                 raise EngineStopped("the server is shutting down")
@@ -503,7 +524,7 @@ class Engine:
         else:
             log.exception("sequence failed", exc_info=error)
         del self._requests[id(request.seq)]
-        self._post(request, error)
+        self._post(request, labelled(error, request.label))
 
     def _drop_cancelled(self) -> None:
         for request in [r for r in self._requests.values() if r.cancelled]:

@@ -22,6 +22,7 @@ from model.generate import GenerationError, SequenceState
 from model.gpt import GPT
 from model.loading import LoadedModel
 from server.engine import QueueFull
+from server.routes.deps import places
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -91,6 +92,34 @@ def test_edits_that_blow_up_a_stream_end_it_with_a_client_error(loaded: LoadedMo
         assert error["type"] == "invalid_request_error" and "logits became non-finite" in error["message"]
         assert error["param"] == "interventions"
         assert_still_serving(c)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_error_of_one_prompt_of_several_names_it(loaded: LoadedModel, stream: bool) -> None:
+    """Of several prompts, the one whose edit fails is named by its place: an edit's position past the second
+    prompt's end only (its range, not the first's, in the message), logits that overflow in the first only
+    (the second alone is served); streamed, the error event names it too."""
+    past = {"hook": "blocks.0.hook_resid_pre", "op": "zero", "positions": [5]}
+    with serve(loaded) as c:
+        body = {"input_ids": [[1, 2, 3, 4, 5], [7]], "max_new_tokens": 3, **GREEDY, "interventions": [past]}
+        error = assert_error(c.post(GEN, json=body | {"stream": stream}), 400, "interventions")
+        assert error["message"].startswith("input_ids[1]: ") and "position 5 is out of range 0..3" in error["message"]
+        blow_up = {"hook": "blocks.0.hook_resid_pre", "op": "scale", "factor": 1e38, "positions": [4]}
+        body = {"input_ids": [[1, 2, 3, 4, 5], [7, 8]], "max_new_tokens": 3, **GREEDY, "interventions": [blow_up]}
+        assert post_ok(c, GEN, body | {"input_ids": [[7, 8]]})["choices"][0]["finish_reason"] == "length"
+        r = c.post(GEN, json=body | {"stream": stream})
+        if stream:
+            assert r.status_code == 200
+            error = sse_events(r.text)[-1]["error"]
+            assert error["param"] == "interventions"
+        else:
+            error = assert_error(r, 400, "interventions")
+        assert error["message"].startswith("input_ids[0]: the logits became non-finite"), error
+        one = c.post(GEN, json=body | {"input_ids": [1, 2, 3, 4, 5]})  # one prompt: no place to name
+        assert assert_error(one, 400, "interventions")["message"].startswith("the logits became non-finite")
+        assert_still_serving(c)
+    assert places("prompt", [[1], [2]], 2) == ["prompt[0]", "prompt[0]", "prompt[1]", "prompt[1]"]  # OpenAI's n
+    assert places("prompt", [[1]], 3) is None
 
 
 @pytest.mark.parametrize("legit", [False, True])

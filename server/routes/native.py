@@ -37,6 +37,7 @@ from .deps import (
     check_prompts,
     json_response,
     merged,
+    places,
     prompt_field,
     resolved_edits,
     results,
@@ -106,7 +107,8 @@ async def generate(
     captured = hooks if reader is None else [*(hooks or []), reader.hook]
     # kept as the dump sends them, unless the SAE reads one of them (in the model's dtype)
     dtype = encoding.DTYPES[req.activations.dtype] if req.activations is not None and reader is None else None
-    streams = engine.submit(prompts, [params] * len(prompts), captured, edits, prompt_field(req.input_ids), dtype)
+    param = prompt_field(req.input_ids)
+    streams = engine.submit(prompts, [params] * len(prompts), captured, edits, param, dtype, places(param, prompts))
     reply = _Reply(engine, req.activations, reader, hooks)
     if req.stream:
         return sse(reply.stream(merged(streams)))
@@ -136,7 +138,13 @@ async def activations(
     await hold.reserve(dump_bytes, request)  # held until the file is sent
     completions = await results(
         engine.submit(
-            prompts, [params] * len(prompts), hooks, edits, prompt_field(req.input_ids), encoding.DTYPES[spec.dtype]
+            prompts,
+            [params] * len(prompts),
+            hooks,
+            edits,
+            prompt_field(req.input_ids),
+            encoding.DTYPES[spec.dtype],
+            places(prompt_field(req.input_ids), prompts),
         ),
         request,
     )

@@ -23,7 +23,17 @@ from ..json_body import JSONBodyRoute
 from ..schemas import CompletionRequest, StreamOptions, check_cap, valid_text
 from ..settings import Settings
 from ..threads import run_in_threadpool
-from .deps import EngineDep, SettingsDep, check_prompts, json_response, merged, openai_prompt_ids, results, sse
+from .deps import (
+    EngineDep,
+    SettingsDep,
+    check_prompts,
+    json_response,
+    merged,
+    openai_prompt_ids,
+    places,
+    results,
+    sse,
+)
 
 router = APIRouter(tags=["openai"], route_class=JSONBodyRoute)
 
@@ -94,7 +104,8 @@ async def completions(req: CompletionRequest, request: Request, engine: EngineDe
         # each prompt before the n samples are laid out (counted already); max_tokens null fits each
         check_prompts(engine, prompts, req.max_tokens or 0, "prompt")
         sequences = req.sequences(prompts, n_ctx, settings.max_new_tokens)
-        streams = engine.submit(*sequences, count_param="n" if req.n > 1 else "prompt")
+        labels = places("prompt", prompts, req.n)
+        streams = engine.submit(*sequences, count_param="n" if req.n > 1 else "prompt", labels=labels)
     reply = _Reply(engine, req, req.model or served_names(engine, settings)[0])
     if req.stream:
         return sse(reply.stream(streams))
