@@ -29,7 +29,7 @@ from model.hooks import UnknownHookError, check_hook_name, is_glob
 from model.interventions import InterventionError
 from model.lab.sae import SAEError
 from model.loading import LoadError, add_checkpoint_arguments, hub_repo, load_from
-from model.tokenizer import InvalidTextError, Tokenizer, tokenizer_files
+from model.tokenizer import InvalidTextError, Tokenizer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -92,32 +92,46 @@ def read_prompt(arg: str | None) -> str:
     return utf8_checked(text)
 
 
-def _replaces_the_checkpoint(dump: str, model: str, tokenizer: str | None) -> str | None:
-    """Why a dump must not go to `dump`: a file there already that loading reads, which the dump would replace
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt")  # GPT-2's, whichever a loader reads
+
+
+def _replaces_an_input(dump: str, model: str, tokenizer: str | None, saes: list[str]) -> str | None:
+    """Why a dump must not go to `dump`: a file there already that this run reads, which the dump would replace
     (read, then written over): of the local checkpoint `model` (any file of its directory; or the weights file
     itself, with the config.json and tokenizer files beside it that a bare file's loading reads too), of the
-    hub's cache where `model` is a hub name, or of the `--tokenizer` directory."""
+    hub's cache where `model` or an SAE is a hub name, of the `--tokenizer` directory (its tokenizer files,
+    each of them, not only the one loading prefers: another loader reads the others), or of an `--sae`
+    directory (`ID=PATH`)."""
     target = Path(dump).absolute()
     if not target.exists():
         return None
     checkpoint = Path(model).expanduser().absolute()
     if checkpoint.is_file():
         near = checkpoint.parent
-        read = [checkpoint, near / "config.json", *(near / f for f in tokenizer_files(near) or [])]
+        read = [checkpoint, near / "config.json", *(near / f for f in TOKENIZER_FILES)]
     elif checkpoint.is_dir():
         read = [checkpoint]
     elif hub_repo(model) is not None:
-        from huggingface_hub import constants
-
-        read = [Path(constants.HF_HUB_CACHE).expanduser().absolute()]
+        read = [_hub_cache()]
     else:
         read = []
     if _one_of(target, read):
         return f"--dump-activations {dump}: it would replace a file of the checkpoint being loaded ({model})"
     tok = Path(tokenizer).expanduser().absolute() if tokenizer else None
-    if tok is not None and tok.is_dir() and _one_of(target, [tok / f for f in tokenizer_files(tok) or []]):
+    if tok is not None and tok.is_dir() and _one_of(target, [tok / f for f in TOKENIZER_FILES]):
         return f"--dump-activations {dump}: it would replace a file of the tokenizer being loaded ({tokenizer})"
+    for spec in saes:
+        source = spec.partition("=")[2]
+        path = Path(source).expanduser().absolute()
+        if _one_of(target, [path] if path.exists() else [_hub_cache()] if source else []):
+            return f"--dump-activations {dump}: it would replace a file of the SAE being loaded ({spec})"
     return None
+
+
+def _hub_cache() -> Path:
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE).expanduser().absolute()
 
 
 def _one_of(target: Path, paths: list[Path]) -> bool:
@@ -153,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:  # Ctrl-C leaves nothing half-wr
     if args.dump_activations and (problem := dump_path_problem(args.dump_activations)):  # before the long part
         return fail(problem)
     dump = args.dump_activations
-    if dump and (problem := _replaces_the_checkpoint(dump, args.model, args.tokenizer)):
+    if dump and (problem := _replaces_an_input(dump, args.model, args.tokenizer, args.sae)):
         return fail(problem)
     try:  # an exact name no GPT-2 has, before the model loads (a glob, or a layer past it, is checked after)
         for name in args.hooks or []:

@@ -219,19 +219,22 @@ def test_a_dump_never_replaces_what_loading_reads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Beside a bare weights file, loading reads the config.json and tokenizer files of its folder; with
-    `--tokenizer DIR`, that folder's tokenizer files; with a hub name, files of the hub's cache (through its
-    snapshot's links): a dump onto any of them is refused before the model loads (it once replaced them,
-    and the same command failed from then on). A new file beside them, or another file of the tokenizer's
-    folder, is a dump like any other."""
+    `--tokenizer DIR`, that folder's tokenizer files (each of GPT-2's three, not only the one our loader
+    prefers: another reads the others); with a hub name, files of the hub's cache (through its snapshot's
+    links); with `--sae ID=DIR`, that SAE's folder, and with a hub SAE the hub's cache: a dump onto any of
+    them is refused before the model loads (it once replaced them, and the same command failed from then on).
+    A new file beside them, or another file of the tokenizer's folder, is a dump like any other."""
     from huggingface_hub import constants
 
-    folder, tok, cache = tmp_path / "f", tmp_path / "tok", tmp_path / "hub"
-    for d in (folder, tok, cache / "blobs", cache / "snapshots"):
+    folder, tok, cache, sae = tmp_path / "f", tmp_path / "tok", tmp_path / "hub", tmp_path / "sae"
+    for d in (folder, tok, cache / "blobs", cache / "snapshots", sae):
         d.mkdir(parents=True)
-    for name in ("model.safetensors", "config.json", "vocab.json", "merges.txt", "notes.txt"):
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "vocab.json", "merges.txt", "notes.txt"):
         (folder / name).write_text(name)
-    for name in ("tokenizer.json", "old-dump.safetensors"):
+    for name in ("tokenizer.json", "vocab.json", "merges.txt", "old-dump.safetensors"):
         (tok / name).write_text(name)
+    for name in ("cfg.json", "sae_weights.safetensors"):
+        (sae / name).write_text(name)
     (cache / "blobs" / "abc").write_text("weights")
     (cache / "snapshots" / "model.safetensors").symlink_to(cache / "blobs" / "abc")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
@@ -239,20 +242,31 @@ def test_a_dump_never_replaces_what_loading_reads(
     refused = [
         ([weights], folder / "config.json", "checkpoint"),
         ([weights], folder / "merges.txt", "checkpoint"),
+        ([weights], folder / "vocab.json", "checkpoint"),  # beside the tokenizer.json loading prefers
         ([weights, "--tokenizer", str(tok)], tok / "tokenizer.json", "tokenizer"),
+        ([weights, "--tokenizer", str(tok)], tok / "merges.txt", "tokenizer"),
         (["gpt2"], cache / "snapshots" / "model.safetensors", "checkpoint"),
+        ([weights, "--sae", f"r={sae}"], sae / "sae_weights.safetensors", "SAE"),
+        ([weights, "--sae", f"r={sae}"], sae / "cfg.json", "SAE"),
+        (
+            [weights, "--sae", "r=jbloom/GPT2-Small-SAEs-Reformatted/x"],
+            cache / "snapshots" / "model.safetensors",
+            "SAE",
+        ),
     ]
     for model, target, what in refused:
         assert main(["hi", "--model", *model, "--dump-activations", str(target)]) == 1
         out, err = capsys.readouterr()
-        loaded = model[-1] if what == "tokenizer" else model[0]
+        loaded = model[0] if what == "checkpoint" else model[-1]
         says = f"gpt2-generate: error: --dump-activations {target}: it would replace a file of the {what} being "
         assert out == "" and err == says + f"loaded ({loaded})\n", err
-    for name in ("model.safetensors", "config.json", "vocab.json", "merges.txt"):
-        assert (folder / name).read_text() == name
-    assert (tok / "tokenizer.json").read_text() == "tokenizer.json" and (
-        cache / "blobs" / "abc"
-    ).read_text() == "weights"
+    for d, names in (
+        (folder, ("model.safetensors", "config.json", "tokenizer.json", "vocab.json", "merges.txt")),
+        (tok, ("tokenizer.json", "vocab.json", "merges.txt")),
+        (sae, ("cfg.json", "sae_weights.safetensors")),
+    ):
+        assert all((d / name).read_text() == name for name in names)
+    assert (cache / "blobs" / "abc").read_text() == "weights"
     for model, target in (
         ([weights], folder / "notes.txt"),
         ([weights, "--tokenizer", str(tok)], tok / "old-dump.safetensors"),
