@@ -30,6 +30,7 @@ if __name__ == "__main__":  # `python scripts/analyze.py`: started as `gpt2-anal
     analyze()
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -128,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             return fail(
                 f"--plot {args.plot}: the name must end in a format matplotlib writes ({', '.join(sorted(formats))})"
             )
+        if plot_format(args.plot) == "pgf" and shutil.which(tex := plt.rcParams["pgf.texsystem"]) is None:
+            return fail(f"--plot {args.plot}: matplotlib writes pgf with {tex}, which is not installed (LaTeX)")
         if problem := dump_path_problem(args.plot):  # before the long part: a dump's rules (`replace_whole`)
             return fail(problem)
     if args.attribution:

@@ -157,6 +157,26 @@ def test_plot_into_a_missing_directory_is_refused_before_the_work(
     assert err == f"gpt2-analyze: error: cannot write {target}: no directory {target.parent}\n"
 
 
+def test_a_plot_format_whose_tool_is_missing_is_refused_before_the_work(
+    model_args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pgf, a format matplotlib lists, needs LaTeX to write: without it, refused before the analysis runs (it
+    failed after the work, the tables printed)."""
+    import shutil
+
+    from gpt2_scripts.analyze import main
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    target = tmp_path / "out.pgf"
+    assert main([PROMPT, *model_args, "--plot", str(target)]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and not target.exists()
+    assert (
+        err
+        == f"gpt2-analyze: error: --plot {target}: matplotlib writes pgf with xelatex, which is not installed (LaTeX)\n"
+    )
+
+
 def test_a_torch_device_this_project_does_not_run_on(model_args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     from gpt2_scripts.analyze import main
 
