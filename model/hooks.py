@@ -537,9 +537,10 @@ def check_ids(idx: torch.Tensor | list[int], vocab_size: int) -> None:
     """Token ids [B, T] (or one sequence's list) of at least one position, each in the vocabulary: else a
     `ValueError` that says which (not an indexing error from deep in the pass)."""
     if isinstance(idx, torch.Tensor):
-        if idx.dim() != 2 or idx.numel() == 0 or idx.is_floating_point() or idx.is_complex():
+        if idx.dim() != 2 or idx.numel() == 0 or idx.dtype not in (torch.int64, torch.int32):  # the embedding's
             raise ValueError(
-                f"token ids must be integers shaped [batch, pos], not empty; got {idx.dtype} {list(idx.shape)}"
+                "token ids must be integers (int64 or int32: convert others with .long()) shaped [batch, pos], not "
+                f"empty; got {idx.dtype} {list(idx.shape)}"
             )
         low, high = int(idx.min()), int(idx.max())
     else:

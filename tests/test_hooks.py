@@ -480,6 +480,9 @@ def test_selection_errors_say_why(tiny_model: GPT) -> None:
         (torch.tensor([1, 2, 3]), "shaped \\[batch, pos\\]"),
         (torch.zeros(1, 0, dtype=torch.long), "not empty"),
         (torch.ones(1, 3), "integers"),
+        (torch.ones(1, 3, dtype=torch.bool), "int64 or int32: convert others with .long\\(\\)"),  # not torch's error
+        (torch.ones(1, 3, dtype=torch.uint8), "got torch.uint8 \\[1, 3\\]"),
+        (torch.ones(1, 3, dtype=torch.int16), "got torch.int16"),
         ([], "non-empty list of ints"),
         ([1, vocab], f"token id {vocab} is outside the vocabulary"),
         (torch.tensor([[0, -1]]), "token id -1 is outside the vocabulary"),
