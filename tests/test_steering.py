@@ -316,6 +316,25 @@ def test_a_norm_matched_steer_to_zero_is_zero() -> None:
     torch.testing.assert_close(got[1].norm(), x[1].norm())
 
 
+def test_a_clamp_of_a_rescaling_sae_at_a_zero_vector_leaves_it(tmp_path: Path) -> None:
+    """A `constant_norm_rescale` SAE scales each vector to norm √d_in (reads a zero one as NaN) and its
+    reconstruction back: a clamp at a zero vector leaves it 0, the limit as the vector shrinks (its change
+    scales with the norm), not NaN (which failed the request as "the activations overflowed"); the other
+    positions are clamped as ever."""
+    d = 16
+    sae = load_sae(
+        write_sae(tmp_path, hook=HOOK, d_in=d, d_sae=64, seed=5, normalize_activations="constant_norm_rescale")
+    )
+    x = torch.randn(3, d, generator=torch.Generator().manual_seed(2))
+    x[1] = 0
+    got = steering.clamp(x, sae, 7, 3.0)
+    assert torch.equal(got[1], torch.zeros(d))
+    assert torch.equal(got[[0, 2]], steering.clamp(x[[0, 2]], sae, 7, 3.0))
+    assert not torch.equal(got[0], x[0])
+    small = steering.clamp(x[0] * 1e-6, sae, 7, 3.0) - x[0] * 1e-6  # the change, at a shrinking vector
+    torch.testing.assert_close(small, (got[0] - x[0]) * 1e-6, rtol=1e-4, atol=1e-12)
+
+
 def test_directions_sharing_a_store_see_each_other_s_vectors_and_its_limit() -> None:
     """Two servers' `Directions` on one `StoredVectors` (as a Ray deployment's replicas on its `VectorStore`
     actor): what one publishes, the other has after `refresh`, in the order stored; the store's limit holds

@@ -80,7 +80,9 @@ def clamp(x: torch.Tensor, sae: SAE, feature: int, value: float) -> torch.Tensor
     (x - x̂), which is x + decode(f') - decode(f). decode is linear in f (its bias and the un-normalisation's
     shift cancel), so that is x + (value - f_i) times the feature's decoder row, un-normalised: only the
     feature's own activation is needed (exactly x when it is `value` already). x: the values at the SAE's
-    hook, [..., *site] (at `attn.hook_z`, [..., head, d_head], which the SAE reads as one vector)."""
+    hook, [..., *site] (at `attn.hook_z`, [..., head, d_head], which the SAE reads as one vector). Where the
+    un-normalisation scales by 0 (a `constant_norm_rescale` SAE at a vector of norm 0, whose reading is NaN),
+    x as it is: the edit's limit as the vector shrinks (its change scales with the norm), not NaN."""
     x_in = sae.read(x)  # [..., d_in] float32
     norm = sae.norm_stats(x_in)
     change = value - sae.feature(x_in, feature)  # [...]
@@ -88,8 +90,8 @@ def clamp(x: torch.Tensor, sae: SAE, feature: int, value: float) -> torch.Tensor
     if sae.cfg.rescale_acts_by_decoder_norm:  # decode divides f by each row's norm
         row = row / row.norm()
     delta = change[..., None] * row  # [..., d_in]
-    if norm is not None:
-        delta = delta * norm.scale_out
+    if norm is not None:  # a 0 scale leaves x (the feature read NaN there: 0 x NaN is NaN, so chosen)
+        delta = torch.where(norm.scale_out == 0, torch.zeros_like(delta), delta * norm.scale_out)
     return x + delta.reshape(x.shape).to(device=x.device, dtype=x.dtype)
 
 
