@@ -100,9 +100,11 @@ def labelled(error: E, label: str | None) -> E:
     """`error` with `label` (a prompt's place among several, `input_ids[1]`) before its message, of its own kind
     (a ContextLengthError stays one): for the errors a request's client reads, a `GenerationError` or an
     `InterventionError`; any other, and any without a label, as it is."""
-    if label is None or not isinstance(error, (GenerationError, InterventionError)):
-        return error
-    return type(error)(f"{label}: {error}", error.param)  # type: ignore[return-value]
+    if label is not None and isinstance(error, GenerationError):
+        return type(error)(f"{label}: {error}", error.param)
+    if label is not None and isinstance(error, InterventionError):
+        return type(error)(f"{label}: {error}", error.param)
+    return error
 
 
 @dataclass(eq=False)
