@@ -16,6 +16,7 @@ if __name__ == "__main__":  # `python scripts/generate.py`: started as `gpt2-gen
     generate()
 
 import argparse
+import os
 import re
 import sys
 from pathlib import Path
@@ -135,11 +136,16 @@ def _hub_cache() -> Path:
 
 
 def _one_of(target: Path, paths: list[Path]) -> bool:
-    """Whether `target` is one of `paths` (that exist) or lies in one that is a directory, as given or through
-    symlinks (a hub cache's snapshot holds links to its blobs)."""
+    """Whether `target` is one of `paths` (that exist) or lies in one that is a directory, as given, through
+    symlinks (a hub cache's snapshot holds links to its blobs) or as a hard link to one of them or to a file
+    directly in one that is a directory (a checkpoint's, an SAE's)."""
     for path in (p for p in paths if p.exists()):
         for t, q in ((target, path), (target.resolve(), path.resolve())):
             if t == q or (q.is_dir() and q in t.parents):
+                return True
+        if target.is_file():
+            files = [path] if path.is_file() else [f for f in path.iterdir() if f.is_file()]
+            if any(os.path.samefile(target, f) for f in files):
                 return True
     return False
 

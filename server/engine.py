@@ -267,16 +267,17 @@ class Engine:
         invalid request or one that could never fit (both 400s: a retry would not help; `count_param`, the
         field that set how many there are, is named when they are too many), then `QueueFull` (429) when
         valid sequences do not fit now; nothing is queued then. `labels`: each sequence's prompt among several
-        (`input_ids[1]`), which its errors, here or as it runs, begin with (an edit's position out of range of
-        one prompt only, its logits overflowing alone)."""
+        (`input_ids[1]`), which the errors of its own begin with, here or as it runs (an edit's position out of
+        range of one prompt only, its logits overflowing alone; not a stop list's, the whole request's, nor a
+        failed pass's, which several sequences share)."""
         self.check_count(len(prompts), count_param)  # before building anything: the count is the client's
         names = select_hooks(hooks, self.model.config.n_layer) if hooks else None
         seqs = []
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             try:
                 seqs.append(new_sequence(self.model, i, prompt, p, self.tokenizer, names, edits, capture_dtype))
-            except (GenerationError, InterventionError) as e:
-                raise labelled(e, labels[i] if labels is not None else None) from None
+            except InterventionError as e:  # an edit's position past this prompt's end, say (the rest, its
+                raise labelled(e, labels[i] if labels is not None else None) from None  # stop lists, are the request's)
         group = next(self._groups)  # its sequences share prompt prefixes with each other, not with another request's
         for seq in seqs:
             seq.group = group

@@ -235,6 +235,8 @@ def test_a_dump_never_replaces_what_loading_reads(
         (tok / name).write_text(name)
     for name in ("cfg.json", "sae_weights.safetensors"):
         (sae / name).write_text(name)
+    linked = tmp_path / "elsewhere.safetensors"
+    os.link(sae / "sae_weights.safetensors", linked)
     (cache / "blobs" / "abc").write_text("weights")
     (cache / "snapshots" / "model.safetensors").symlink_to(cache / "blobs" / "abc")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
@@ -248,6 +250,7 @@ def test_a_dump_never_replaces_what_loading_reads(
         (["gpt2"], cache / "snapshots" / "model.safetensors", "checkpoint"),
         ([weights, "--sae", f"r={sae}"], sae / "sae_weights.safetensors", "SAE"),
         ([weights, "--sae", f"r={sae}"], sae / "cfg.json", "SAE"),
+        ([weights, "--sae", f"r={sae}"], linked, "SAE"),  # a hard link elsewhere to one of its files
         (
             [weights, "--sae", "r=jbloom/GPT2-Small-SAEs-Reformatted/x"],
             cache / "snapshots" / "model.safetensors",

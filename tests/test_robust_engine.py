@@ -117,6 +117,9 @@ def test_an_error_of_one_prompt_of_several_names_it(loaded: LoadedModel, stream:
         assert error["message"].startswith("input_ids[0]: the logits became non-finite"), error
         one = c.post(GEN, json=body | {"input_ids": [1, 2, 3, 4, 5]})  # one prompt: no place to name
         assert assert_error(one, 400, "interventions")["message"].startswith("the logits became non-finite")
+        vocab = loaded.model.config.vocab_size  # the whole request's fault: no prompt named
+        error = assert_error(c.post(GEN, json=body | {"stop_token_ids": [vocab]}), 400, "stop_token_ids")
+        assert error["message"].startswith("stop token id"), error
         assert_still_serving(c)
     assert places("prompt", [[1], [2]], 2) == ["prompt[0]", "prompt[0]", "prompt[1]", "prompt[1]"]  # OpenAI's n
     assert places("prompt", [[1]], 3) is None

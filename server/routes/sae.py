@@ -276,7 +276,7 @@ async def steering_vectors(
     # between: against the dump budget, as a dump's, or concurrent requests would hold theirs all at once
     longest, param = max((len(ids), side) for side, ids in _each_prompt(sides))
     size = _capture_bytes(engine, req.hook, longest)
-    if math.prod(site_shape(req.hook, config)) > config.n_embd:  # logits: vocab_size values a position
+    if math.prod(site_shape(req.hook, config)) > config.n_embd:  # logits, the MLP's hook_pre and hook_post
         what = Held(f"the values at {req.hook}", "hook", "shorter prompts or a hook of d_model values a position")
     else:
         what = Held(f"the values at {req.hook}", param, "shorter prompts")
