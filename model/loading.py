@@ -131,10 +131,13 @@ def hub_repo(name: str) -> str | None:
     return name if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not name.startswith((".", "/")) else None
 
 
-def locate(source: str | Path, *, revision: str | None = None, preset_name: str | None = None) -> CheckpointFiles:
+def locate(
+    source: str | Path, *, revision: str | None = None, preset_name: str | None = None, tokenizer: bool = True
+) -> CheckpointFiles:
     """Find config, weights and tokenizer for a hub name or repo id, a directory, or a .safetensors file.
     A `revision` names a commit of a hub repository: with a local source it is a LoadError (ignoring it
-    would hand back other weights than the ones asked for), and so is an empty one."""
+    would hand back other weights than the ones asked for), and so is an empty one. `tokenizer` False: a hub
+    repository's tokenizer is not downloaded (one is given from elsewhere, or none is needed)."""
     if revision == "":  # names nothing: the hub would be asked for a file at an empty ref
         raise LoadError("the revision is empty: name a branch, tag or commit of the hub repository, or leave it out")
     if str(source) == "":  # Path("") is the current directory
@@ -165,7 +168,7 @@ def locate(source: str | Path, *, revision: str | None = None, preset_name: str 
         return CheckpointFiles(str(source), [path], config, tok_dir, config_file=config_file)
     text = str(source)
     if (repo := hub_repo(text)) is not None:
-        return _download(text, repo, revision)
+        return _download(text, repo, revision, preset_name, tokenizer)
     raise LoadError(
         f"no checkpoint at {text!r}: it is neither an existing file or directory nor a hub name "
         f"({', '.join(HUB_REPOS)}, or a repo id such as openai-community/gpt2)"
@@ -234,12 +237,28 @@ def _index_shards(index: Path) -> list[str]:
     return sorted(set(weight_map.values()))
 
 
-def _download(name: str, repo_id: str, revision: str | None) -> CheckpointFiles:
-    """Fetch config, weights and tokenizer from the hub (cached; honours HF_HOME and HF_HUB_OFFLINE)."""
-    from huggingface_hub.errors import EntryNotFoundError
+def _download(
+    name: str, repo_id: str, revision: str | None, preset_name: str | None, tokenizer: bool
+) -> CheckpointFiles:
+    """Fetch config, weights (`model.safetensors`, or the shards a `model.safetensors.index.json` names) and,
+    if `tokenizer`, the tokenizer (a repository may ship none: then None) from the hub (cached; honours
+    HF_HOME and HF_HUB_OFFLINE). A preset given must agree with the repository's config.json."""
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     def fetch(filename: str) -> Path:
         return download(repo_id, filename, revision)
+
+    def fetch_if_there(filename: str, uncached: bool = True) -> Path | None:
+        """The file, or None where the repository lacks it, or (`uncached`) where there is no hub to ask
+        and the cache lacks it: the next file asked for says which it is."""
+        try:
+            return fetch(filename)
+        except LocalEntryNotFoundError:  # (it subclasses the next)
+            if uncached:
+                return None
+            raise
+        except EntryNotFoundError:
+            return None
 
     with hub_errors(
         LoadError,
@@ -249,14 +268,19 @@ def _download(name: str, repo_id: str, revision: str | None) -> CheckpointFiles:
         offline="pass a local checkpoint directory instead (for example --model ./gpt2)",
     ):
         config_file = fetch("config.json")
-        config = GPTConfig.from_json_file(config_file)
-        weights = fetch("model.safetensors")
-        try:
-            tok_dir: Path | None = fetch("tokenizer.json").parent
-        except EntryNotFoundError:
-            fetch("vocab.json")
-            tok_dir = fetch("merges.txt").parent
-    return CheckpointFiles(name, [weights], config, tok_dir, revision, config_file)
+        config = _config_and_preset(config_file, preset_name)
+        single = fetch_if_there("model.safetensors")
+        if single is not None:
+            weights = [single]
+        else:  # sharded, as save_pretrained writes a large model; else the error names model.safetensors
+            index = fetch_if_there("model.safetensors.index.json") or fetch("model.safetensors")
+            weights = [fetch(shard) for shard in _index_shards(index)]
+        tok_dir: Path | None = None
+        if tokenizer and (tok := fetch_if_there("tokenizer.json")) is not None:
+            tok_dir = tok.parent
+        elif tokenizer and fetch_if_there("vocab.json", uncached=False) is not None:  # the last try: offline, says so
+            tok_dir = fetch("merges.txt").parent  # vocab.json without merges.txt: the error names it
+    return CheckpointFiles(name, weights, config, tok_dir, revision, config_file)
 
 
 # --- reading the weights -----------------------------------------------------------------------
@@ -505,7 +529,7 @@ def load_weights(
     decode_kernels: bool = True,
 ) -> GPT:
     """Just the network: see `load`."""
-    return _load(source, revision, dtype, device, preset_name, decode_kernels)[0]
+    return _load(source, revision, dtype, device, preset_name, decode_kernels, tokenizer=False)[0]
 
 
 def load(
@@ -535,7 +559,7 @@ def load(
     """
     if tokenizer_dir == "":  # Path("") is the current directory
         raise LoadError("the tokenizer directory is empty: give a directory, or leave it out")
-    model, files, dev, dt = _load(source, revision, dtype, device, preset_name, decode_kernels)
+    model, files, dev, dt = _load(source, revision, dtype, device, preset_name, decode_kernels, tokenizer_dir is None)
     tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else files.tokenizer_dir
     if tok_dir is None:
         raise LoadError(
@@ -603,12 +627,13 @@ def _load(
     device: str | torch.device,
     preset_name: str | None,
     decode_kernels: bool = True,
+    tokenizer: bool = True,
 ) -> tuple[GPT, CheckpointFiles, torch.device, torch.dtype]:
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     warn_if_slow(dt, dev)
     try:
-        files = locate(source, revision=revision, preset_name=preset_name)
+        files = locate(source, revision=revision, preset_name=preset_name, tokenizer=tokenizer)
     except ConfigError as e:
         raise LoadError(str(e)) from None
     as_what = "int8 weights, float32 activations" if dtype == INT8 else dt

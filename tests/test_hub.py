@@ -18,6 +18,7 @@ import termios
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from conftest import Checkpoint, load_ours, write_byte_tokenizer
 from hub_server import serve_hub
@@ -31,7 +32,7 @@ MLP_TM, MLP_TM_1 = "tommmcgrath/gpt2-small-mlp-out-saes", "sae_group_gpt2_blocks
 HOOK = "blocks.1.hook_resid_pre"
 
 SCRIPT = r"""
-import json, sys, torch
+import json, os, sys, torch
 from model.lab.sae import SAEError, load_sae
 from model.loading import LoadError, load
 
@@ -57,6 +58,15 @@ try:
     load("someone/tiny-gpt2", revision="v9", device="cpu")
 except LoadError as e:
     out["model_revision"] = str(e)
+tok = os.environ["TOK_DIR"]  # a repo that ships no tokenizer, one sharded as save_pretrained shards
+for repo in ("someone/no-tokenizer", "someone/sharded"):
+    lm = load(repo, device="cpu", dtype="float32", tokenizer_dir=tok)
+    out[repo] = lm.model(torch.tensor([[1, 2, 3]]))[0, -1, :8].tolist()
+for name, kwargs in [("no_tokenizer", {}), ("preset", {"preset_name": "gpt2"})]:
+    try:
+        load("someone/sharded" if name == "no_tokenizer" else "someone/no-tokenizer", device="cpu", **kwargs)
+    except LoadError as e:
+        out[name] = str(e)
 print("RESULT " + json.dumps(out))
 """
 
@@ -69,6 +79,20 @@ def hub_root(tmp_path_factory: pytest.TempPathFactory, tiny: Checkpoint) -> Path
     for name in ("config.json", "model.safetensors"):
         shutil.copy(tiny.path / name, repo / name)
     write_byte_tokenizer(repo)  # vocab.json and merges.txt: the loader's fallback when there is no tokenizer.json
+    bare = root / "someone" / "no-tokenizer"  # config and weights only: the tokenizer comes from elsewhere
+    bare.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny.path / name, bare / name)
+    sharded = root / "someone" / "sharded"  # model.safetensors.index.json and two shards, as save_pretrained writes
+    sharded.mkdir(parents=True)
+    shutil.copy(tiny.path / "config.json", sharded / "config.json")
+    tensors = safetensors.torch.load_file(tiny.path / "model.safetensors")
+    names, weight_map = sorted(tensors), {}
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2 :])):
+        shard = f"model-0000{i + 1}-of-00002.safetensors"
+        safetensors.torch.save_file({n: tensors[n] for n in part}, sharded / shard, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(part, shard)
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     write_sae(root / SAE_REPO / HOOK, hook=HOOK, d_in=64, d_sae=96, seed=7)
     write_sae(root / RES_JB / "blocks.0.hook_resid_pre", hook="blocks.0.hook_resid_pre", d_in=64, d_sae=32, legacy=True)
     hook = "blocks.1.hook_mlp_out"
@@ -106,6 +130,7 @@ def run(env: dict[str, str], tty: bool) -> tuple[dict, str]:
 def test_saes_and_checkpoints_through_the_hub(hub_root: Path, tmp_path: Path, tiny: Checkpoint) -> None:
     with serve_hub(hub_root, revisions=("main", "v1")) as hub:
         env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1"}
+        env["TOK_DIR"] = str(hub_root / MODEL_REPO)
         out, shown = run(env, tty=True)
         commit = hub.commit(SAE_REPO)
         assert ("HEAD", f"/{SAE_REPO}/resolve/v1/{HOOK}/cfg.json") in hub.requests
@@ -149,5 +174,13 @@ def test_saes_and_checkpoints_through_the_hub(hub_root: Path, tmp_path: Path, ti
     assert "no repository 'nobody/none'" in out["repo"]
     assert "has no blocks.7.hook_resid_pre/cfg.json" in out["file"]
     assert "has no revision 'v9'" in out["model_revision"]
+    # a repository that ships no tokenizer loads with one given (none fetched), sharded weights through the index
+    assert out["someone/no-tokenizer"] == pytest.approx(want_logits, abs=1e-5)
+    assert out["someone/sharded"] == pytest.approx(want_logits, abs=1e-5)
+    assert ("GET", "/someone/sharded/resolve/main/model-00002-of-00002.safetensors") in hub.requests
+    asked = [path for _, path in hub.requests if path.startswith("/someone/no-tokenizer/")]
+    assert not [path for path in asked if path.endswith(("/tokenizer.json", "/vocab.json"))], asked  # none fetched
+    assert "someone/sharded ships no tokenizer" in out["no_tokenizer"]
+    assert "the preset 'gpt2' disagrees with" in out["preset"]
     # on a terminal, huggingface-hub's progress bar
     assert "sae_weights.safetensors" in shown and "100%" in shown, shown[-2000:]
