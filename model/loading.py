@@ -385,6 +385,8 @@ def load_state(
             if MASK_BUFFER.fullmatch(name):
                 continue
             if name == LM_HEAD:
+                if lm_head is not None:  # two heads, perhaps different: neither is the one
+                    raise LoadError(f"tensor {key!r} appears twice (in {lm_head[0].path.name} and {path.name})")
                 lm_head = (st, key)
             elif _official_shape(name, config) is None:
                 raise LoadError(f"unexpected tensor {clip(key)} in {path.name}: not part of a GPT-2 checkpoint")
@@ -428,8 +430,10 @@ def load_state(
         st, key = lm_head
         if st.entries[key].shape != _outer_shapes(config)["wte.weight"]:
             raise LoadError(f"tensor {key!r} has shape {list(st.entries[key].shape)}, expected the shape of wte")
-        head = _read(st, key).to(device=device, dtype=dtype)
-        if not torch.equal(head, state["wte.weight"]):
+        head, (wte_file, wte_key) = _read(st, key), sources["wte.weight"]
+        wte = _read(wte_file, wte_key)
+        both = torch.promote_types(head.dtype, wte.dtype)  # as the files hold them: a cast could hide a difference
+        if not torch.equal(head.to(both), wte.to(both)):
             raise LoadError(f"tensor {key!r} differs from wte.weight: untied LM heads are not supported")
     return state
 

@@ -303,6 +303,32 @@ def test_untied_lm_head_is_refused(tiny: Checkpoint, tmp_path: Path) -> None:
         load_weights(ckpt, **CPU)
 
 
+def test_a_head_tied_only_after_a_cast_or_given_twice_is_refused(tiny: Checkpoint, tmp_path: Path) -> None:
+    """A head that equals wte only once both are cast to the dtype asked for (a float16 copy of float32
+    wte, loaded as float16) is untied in the file: refused in every dtype; and a head in two shards (which
+    may differ: the last read won) is refused as any tensor given twice is."""
+    ckpt = copy_checkpoint(tiny, tmp_path)
+    edit_weights(ckpt, lambda s: s.update({"lm_head.weight": s["transformer.wte.weight"].half()}))
+    for dtype in ("float16", "float32"):
+        with pytest.raises(LoadError, match=r"'lm_head\.weight' differs from wte\.weight: untied LM heads"):
+            load_weights(ckpt, device="cpu", dtype=dtype)
+    state = load_file(ckpt / "model.safetensors")
+    wte = state["transformer.wte.weight"]
+    save_file(
+        {k: t for k, t in state.items() if k != "lm_head.weight"} | {"lm_head.weight": wte + 0.5},
+        ckpt / "model-00001-of-00002.safetensors",
+        metadata={"format": "pt"},
+    )
+    save_file({"lm_head.weight": wte.clone()}, ckpt / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
+    (ckpt / "model.safetensors").unlink()
+    weight_map = dict.fromkeys(state, "model-00001-of-00002.safetensors") | {
+        "lm_head.weight": "model-00002-of-00002.safetensors"
+    }
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    with pytest.raises(LoadError, match=r"tensor 'lm_head\.weight' appears twice \(in model-00001-of-00002"):
+        load_weights(ckpt, **CPU)
+
+
 def test_tied_lm_head_is_accepted(tiny: Checkpoint, tmp_path: Path) -> None:
     ckpt = copy_checkpoint(tiny, tmp_path)
     edit_weights(ckpt, lambda s: s.update({"lm_head.weight": s["transformer.wte.weight"].clone()}))
