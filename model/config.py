@@ -65,6 +65,7 @@ class GPTConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> GPTConfig:
         """Build from the dict of a Hugging Face GPT-2 `config.json`, refusing what we do not implement."""
+        d = _without_aliases(d)
         _refuse_unsupported(d)
         try:
             return cls(
@@ -126,6 +127,31 @@ _SUPPORTED: dict[str, tuple[Any, ...]] = {
     "add_cross_attention": (False,),
     "tie_word_embeddings": (True,),
 }
+
+
+# transformers' other names for GPT-2's fields (GPT2Config.attribute_map), which a config.json may carry
+_ALIASES = {
+    "num_hidden_layers": "n_layer",
+    "num_attention_heads": "n_head",
+    "hidden_size": "n_embd",
+    "max_position_embeddings": "n_positions",
+}
+
+
+def _without_aliases(d: dict[str, Any]) -> dict[str, Any]:
+    """`d` with each of transformers' aliases read as the field it stands for: where both are given they must
+    agree (transformers builds the alias's model, so one of the two would be silently wrong)."""
+    d = dict(d)
+    for alias, name in _ALIASES.items():
+        if alias not in d:
+            continue
+        if name in d and d[name] != d[alias]:
+            raise ConfigError(
+                f"{name}={clip(d[name])} and its alias {alias}={clip(d[alias])} disagree (transformers reads "
+                f"{alias}): give one, or the same value in both"
+            )
+        d[name] = d.pop(alias)
+    return d
 
 
 def _refuse_unsupported(d: dict[str, Any]) -> None:

@@ -79,6 +79,23 @@ def test_transformers_reads_our_config_and_we_read_its() -> None:
     assert GPTConfig.from_hf_dict(theirs.to_dict()) == cfg  # n_inner None, dropout and task fields ignored
 
 
+def test_transformers_aliases_read_as_transformers_reads_them() -> None:
+    """A config.json may name GPT-2's fields by transformers' aliases (num_hidden_layers, hidden_size, ...):
+    they are read as transformers reads them, alone or agreeing with the n_* field; disagreeing, refused
+    (transformers builds the alias's model: the n_* one was built, logits apart, before)."""
+    from transformers import GPT2Config
+
+    aliases = {"num_hidden_layers": 3, "num_attention_heads": 2, "hidden_size": 32, "max_position_embeddings": 64}
+    theirs = GPT2Config.from_dict(aliases)
+    want = GPTConfig(n_layer=3, n_head=2, n_embd=32, n_positions=64)
+    assert (theirs.n_layer, theirs.n_head, theirs.n_embd, theirs.n_positions) == (3, 2, 32, 64)
+    assert GPTConfig.from_hf_dict(aliases) == want
+    assert GPTConfig.from_hf_dict(aliases | {"n_layer": 3, "n_embd": 32}) == want
+    assert GPT2Config.from_dict(aliases | {"n_layer": 2}).n_layer == 3  # the alias wins in transformers
+    with pytest.raises(ConfigError, match=r"^n_layer=2 and its alias num_hidden_layers=3 disagree"):
+        GPTConfig.from_hf_dict(aliases | {"n_layer": 2})
+
+
 def test_defaults_of_optional_fields() -> None:
     base = {"n_layer": 2, "n_head": 2, "n_embd": 8}
     assert GPTConfig.from_hf_dict(base) == GPTConfig(n_layer=2, n_head=2, n_embd=8, n_positions=1024, vocab_size=50257)
