@@ -17,6 +17,7 @@ import operator
 import secrets
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -884,8 +885,9 @@ class Generation:
         edits: EditSpec | None = None,
         capture_dtype: torch.dtype | None = None,
     ) -> None:
-        if isinstance(prompts, torch.Tensor):  # [batch, pos] ids
-            prompts = prompts.tolist() if prompts.dim() == 2 else [prompts.tolist()]
+        if isinstance(prompts, torch.Tensor) or type(prompts).__name__ == "ndarray":  # [batch, pos] ids (numpy's too)
+            array: Any = prompts
+            prompts = array.tolist() if array.ndim == 2 else [array.tolist()]
         first = prompts[0] if len(prompts) else None  # an id where a prompt should be: one prompt's flat ids
         if isinstance(first, numbers.Integral) or (isinstance(first, torch.Tensor) and first.dim() == 0):
             raise GenerationError("prompts is a list of prompts, each a list of token ids (one: [ids])", "prompt")

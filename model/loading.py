@@ -671,7 +671,9 @@ def official_state(model: GPT) -> dict[str, torch.Tensor]:
 def save_checkpoint(model: GPT, directory: str | Path, tokenizer: Tokenizer | None = None) -> Path:
     """Write `config.json` and `model.safetensors` (plus `tokenizer.json` if given) in the official format,
     so that `load` and transformers' `GPT2LMHeadModel.from_pretrained` both read it back. An int8 model is
-    written dequantized, as float32 weights (the format has no int8 GPT-2)."""
+    written dequantized, as float32 weights (the format has no int8 GPT-2): loaded back as int8, the same
+    model; as float32, its LM head is the float32 wte the file ties to the embedding, not the int8 head's
+    rounding of it (logits a few hundredths apart on a random gpt2-small-shaped model)."""
     from safetensors.torch import save_file
 
     directory = Path(directory)

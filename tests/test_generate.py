@@ -395,6 +395,8 @@ def test_prompts_as_tensors_and_numpy_ids_and_a_single_stop(tiny_model: GPT) -> 
     want = generate(tiny_model, [PROMPT], params)[0].token_ids
     assert generate(tiny_model, [torch.tensor(PROMPT)], params)[0].token_ids == want
     assert generate(tiny_model, [np.array(PROMPT)], params)[0].token_ids == want
+    assert generate(tiny_model, np.array([PROMPT]), params)[0].token_ids == want  # a batch as one array
+    assert generate(tiny_model, torch.tensor([PROMPT]), params)[0].token_ids == want
     assert SamplingParams(stop="Ars").stop == ("Ars",)
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
     assert SamplingParams(stop_token_ids=7).stop_token_ids == (7,)
