@@ -90,6 +90,9 @@ class SamplingParams:
             if not ok:
                 raise GenerationError(f"{param} {message}, got {clip(getattr(self, param))}", param)
 
+        for name in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "logprobs", "prompt_logprobs"):
+            object.__setattr__(self, name, _python_number(getattr(self, name)))  # numpy's numbers as Python's
+
         check(is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens", "must be an integer >= 0")
         check(
             _is_num(self.temperature) and 0 <= self.temperature < math.inf,
@@ -128,12 +131,20 @@ class SamplingParams:
                 f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}",
                 "stop_token_ids",
             )
+        object.__setattr__(self, "stop_token_ids", tuple(map(_python_number, self.stop_token_ids)))
         check(all(is_int(t) for t in self.stop_token_ids), "stop_token_ids", "must be integers")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             check(
                 value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS), name, f"must be in 0..{MAX_LOGPROBS}"
             )
+
+
+def _python_number(x: Any) -> Any:
+    """A numpy (or other) integer or real as Python's int or float; anything else as it is, to be checked."""
+    if isinstance(x, (bool, int, float)) or not isinstance(x, numbers.Real) or type(x).__name__ == "bool_":
+        return x
+    return int(x) if isinstance(x, numbers.Integral) else float(x)
 
 
 def _is_num(x: object) -> bool:

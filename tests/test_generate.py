@@ -400,6 +400,20 @@ def test_prompts_as_tensors_and_numpy_ids_and_a_single_stop(tiny_model: GPT) -> 
     assert SamplingParams(stop="Ars").stop == ("Ars",)
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
     assert SamplingParams(stop_token_ids=7).stop_token_ids == (7,)
+    numpy_params = SamplingParams(
+        max_new_tokens=np.int64(3),
+        temperature=np.float32(0.5),
+        seed=np.int64(5),
+        top_k=np.int32(4),
+        stop_token_ids=[np.int64(7)],
+        logprobs=np.int8(2),
+    )
+    assert numpy_params == SamplingParams(
+        max_new_tokens=3, temperature=0.5, seed=5, top_k=4, stop_token_ids=(7,), logprobs=2
+    )  # numpy's numbers taken as Python's
+    assert type(numpy_params.seed) is int and type(numpy_params.temperature) is float
+    with pytest.raises(GenerationError, match="max_new_tokens must be an integer >= 0"):
+        SamplingParams(max_new_tokens=np.bool_(True))
     with pytest.raises(GenerationError, match="stop must be a list or tuple, got set"):
         SamplingParams(stop={"a"})
     (done,) = generate(tiny_model, [PROMPT], params, hooks="blocks.0.hook_resid_pre")
