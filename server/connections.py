@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .errors import error_body
-from .middleware import CLOSE, DRAINING, REFUSAL, app_path
+from .middleware import CLOSE, DRAINING, REFUSAL, app_path, origin_form
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,10 @@ def uvicorn_config(app: ASGIApp, settings: Settings) -> uvicorn.Config:
         log_level=settings.log_level,
         access_log=False,
         http=bounded_protocol(settings.header_timeout, settings.max_connections, settings.write_timeout),
+        # no WebSocket protocol (the API has no WebSocket route): an `Upgrade: websocket` request is served as
+        # the HTTP request it also is, on this protocol, which counts its connection out when it closes (handed
+        # to uvicorn's WebSocket protocol, the connection stayed counted in, forever, one more each attempt)
+        ws="none",
         loop="asyncio",
         timeout_keep_alive=settings.keep_alive_timeout,  # type: ignore[arg-type]  # typed int; a float works
         # on SIGTERM, the requests in flight get this long, then are cancelled: a bound an orchestrator's grace
@@ -294,6 +298,7 @@ class _BoundedH11Protocol(H11Protocol):
         older ones have closed. The request guard answers it: a 503 with a request id, logged and counted like
         every other answer. `UNCAPPED` paths are served whatever the count, and their connection then closes."""
         older = 0 if len(self.connections) <= self.max_connections else bisect.bisect_left(self._opened(), self._order)
+        origin_form(scope)  # `GET http://host/health` is /health (the guard would take it so, after this check)
         if older >= self.max_connections and app_path(scope) in UNCAPPED:
             scope[CLOSE] = True
         elif older >= self.max_connections:

@@ -224,6 +224,35 @@ def test_the_connection_cap_refuses_the_newest_connections_not_one_opened_within
         assert_good_request(r)
 
 
+UPGRADE = (
+    b"GET /v1/models HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+    b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+)
+
+
+def test_a_websocket_upgrade_leaves_no_connection_counted(loaded: LoadedModel) -> None:
+    """An `Upgrade: websocket` request (the API has no WebSocket route) is served as the HTTP request it also
+    is, and its connection is counted out when it closes: handed to uvicorn's WebSocket protocol, each stayed
+    counted forever, older than any opened after it, so the cap then refused the oldest connections first.
+    And /health sent in absolute form is answered past the cap, as /health is."""
+    with running(loaded, max_connections=2, header_timeout=120.0) as r:
+        for _ in range(3):
+            with r.connect() as sock:
+                assert http_exchange(sock, UPGRADE)[0] == 200
+        wait_until(lambda: r.open_connections() == 0, timeout=GUARD)
+        first, second, third = (r.connect() for _ in range(3))
+        try:
+            wait_until(lambda: r.open_connections() == 3, timeout=GUARD)
+            assert [http_exchange(s, MODELS)[0] for s in (first, second, third)] == [200, 200, 503]
+            with r.connect() as sock:  # past the cap: /health, however its target is spelled
+                status, headers, _ = http_exchange(sock, b"GET http://x/health HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert status == 200 and headers["connection"] == "close"
+        finally:
+            for sock in (first, second, third):
+                sock.close()
+        assert_good_request(r)
+
+
 @pytest.mark.parametrize("answer", ["401", "413"])
 def test_the_rest_of_a_refused_body_has_a_deadline(loaded: LoadedModel, answer: str) -> None:
     """A request refused before its body is read (no API key, or a Content-Length over the cap): the answer comes
