@@ -179,7 +179,9 @@ class RequestGuard:
                 self.refusals.warning(f"{refusal}: answering 503 (request {request_id})")
                 rejection = error_response(503, refusal, headers={"Retry-After": "1", "Connection": "close"})
             else:
-                rejection = _framing(headers) or self._check_key(app_path(scope), headers) or _coding(scope, headers)
+                rejection = (
+                    _framing(headers) or self._check_key(app_path(scope), scope["headers"]) or _coding(scope, headers)
+                )
             if rejection is None:
                 try:
                     receive, rejection = await self._bounded_body(headers, receive)
@@ -241,18 +243,23 @@ class RequestGuard:
             route = next((r for match in (Match.FULL, Match.PARTIAL) for m, r in matches if m == match), None)
         return getattr(route, "path", "unmatched")
 
-    def _check_key(self, path: str, headers: dict[str, str]) -> Any:
-        """`Authorization: Bearer KEY` (the scheme in any case, RFC 7235) or `X-API-Key: KEY`; either may hold
-        the key where a client sends both (an OpenAI client sends a Bearer token of its own beside a header
-        added for this server). The key is compared as UTF-8 bytes, so a non-ASCII key matches when the
-        client sends it UTF-8 encoded."""
+    def _check_key(self, path: str, raw_headers: list[tuple[bytes, bytes]]) -> Any:
+        """`Authorization: Bearer KEY` (the scheme in any case, RFC 7235) or `X-API-Key: KEY`; any of them may
+        hold the key where a client sends several (an OpenAI client sends a Bearer token of its own beside a
+        header added for this server; a proxy may add a copy of a header after the client's). The key is
+        compared as UTF-8 bytes, so a non-ASCII key matches when the client sends it UTF-8 encoded."""
         if self.api_key is None or path in OPEN_PATHS or path.startswith("/static/"):
             return None
-        # HTTP's whitespace, space and tab: str.strip() would also take 0x85 and 0xA0, bytes of UTF-8 characters
-        scheme, _, token = headers.get("authorization", "").strip(" \t").partition(" ")
-        given = [
-            k for k in (token.strip(" \t") if scheme.lower() == "bearer" else "", headers.get("x-api-key", "")) if k
-        ]
+        given, scheme = [], ""
+        for name, value in raw_headers:
+            name = name.lower()
+            if name == b"authorization":
+                # HTTP's whitespace, space and tab: str.strip() would also take 0x85 and 0xA0, bytes of UTF-8
+                scheme, _, token = value.decode("latin-1").strip(" \t").partition(" ")
+                given.append(token.strip(" \t") if scheme.lower() == "bearer" else "")
+            elif name == b"x-api-key":
+                given.append(value.decode("latin-1"))
+        given = [k for k in given if k]
         # Headers were decoded as latin-1, byte for byte: encoding back gives the bytes that were sent.
         key = self.api_key.encode("utf-8")
         if any(hmac.compare_digest(k.encode("latin-1"), key) for k in given):

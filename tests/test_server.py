@@ -1091,6 +1091,10 @@ def test_api_key(loaded: LoadedModel) -> None:
         for both in ({"Authorization": "Bearer unused", "X-API-Key": "s3cret"}, auth | {"X-API-Key": "unused"}):
             assert c.get("/v1/models", headers=both).status_code == 200
         assert_error(c.get("/v1/models", headers={"Authorization": "Bearer a", "X-API-Key": "b"}), 401, None)
+        for twice in (["Bearer s3cret", "Bearer x"], ["Bearer x", "Bearer s3cret"]):  # a proxy's copy added: any
+            assert c.get("/v1/models", headers=[("Authorization", v) for v in twice]).status_code == 200
+        assert c.get("/v1/models", headers=[("X-API-Key", "x"), ("X-API-Key", "s3cret")]).status_code == 200
+        assert_error(c.get("/v1/models", headers=[("X-API-Key", "x"), ("X-API-Key", "y")]), 401, None)
         r = c.post(GEN, json={"prompt": "Hi", "max_new_tokens": 1}, headers=auth)
         assert r.status_code == 200, r.text
 
