@@ -25,6 +25,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HF_HOME=/data/hf \
+    GPT2_HOST=0.0.0.0 \
     GPT2_PORT=8000
 
 # torch first, alone, from TORCH_INDEX_URL (its own layer: it changes least and weighs most).
@@ -67,4 +68,4 @@ EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=5m --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('GPT2_PORT', '8000') + '/health', timeout=4)"]
 
-ENTRYPOINT ["gpt2-serve", "--host", "0.0.0.0"]
+ENTRYPOINT ["gpt2-serve"]

@@ -99,11 +99,16 @@ def test_the_kernels_are_compiled_only_on_x86_64() -> None:
 
 
 def test_entrypoint_binds_all_interfaces_and_takes_flags() -> None:
+    """The image binds every interface through GPT2_HOST, not a --host flag, which would override the variable
+    (`docker run -e GPT2_HOST=127.0.0.1` did nothing); `docker run IMAGE --model gpt2-medium` appends to the
+    exec-form ENTRYPOINT."""
     entrypoint = json.loads(only("ENTRYPOINT"))
-    assert entrypoint == ["gpt2-serve", "--host", "0.0.0.0"]
-    # `docker run IMAGE --model gpt2-medium` appends to the exec-form ENTRYPOINT
-    settings = parse_settings([*entrypoint[1:], "--model", "gpt2-medium"], environ={"GPT2_PORT": "8000"})
+    assert entrypoint == ["gpt2-serve"]
+    env = " ".join(a for kw, a in instructions() if kw == "ENV")
+    image = dict(w.split("=", 1) for w in env.split() if w.startswith("GPT2_"))
+    settings = parse_settings([*entrypoint[1:], "--model", "gpt2-medium"], environ=image)
     assert (settings.host, settings.model, settings.port) == ("0.0.0.0", "gpt2-medium", 8000)
+    assert parse_settings(entrypoint[1:], environ=image | {"GPT2_HOST": "127.0.0.1"}).host == "127.0.0.1"
     assert "8000" in only("EXPOSE").split()
 
 
