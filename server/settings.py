@@ -141,6 +141,14 @@ class Settings:
                 "api_key must not begin or end with a space or tab, nor hold a control character (a line break): "
                 "an HTTP header cannot carry it"
             )
+        if self.host.startswith("[") and self.host.endswith("]"):  # an IPv6 address as a URL spells it: [::1]
+            object.__setattr__(self, "host", self.host[1:-1])
+        for origin in self.cors_origins:  # a browser's Origin is scheme://host[:port]: nothing else ever matches
+            if origin != "*" and not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s]+", origin):
+                raise ValueError(
+                    f"cors_origins: {origin!r} is not an origin (scheme://host[:port], without a path or a trailing "
+                    "/): a browser's Origin header would never match it"
+                )
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
 

@@ -50,6 +50,9 @@ def test_served_model_names() -> None:
         (["--api-key", "sec\x01ret"], {}, "--api-key must not begin or end with a space or tab, nor hold a control"),
         ([], {"GPT2_REVISION": ""}, "GPT2_REVISION must not be empty"),
         (["--tokenizer", ""], {}, "--tokenizer must not be empty"),
+        # an origin no browser sends: it would silently allow nothing
+        (["--cors-origins", "http://a.example/"], {}, "--cors-origins: 'http://a.example/' is not an origin"),
+        ([], {"GPT2_CORS_ORIGINS": "a.example"}, "GPT2_CORS_ORIGINS: 'a.example' is not an origin (scheme://"),
     ],
 )
 def test_a_bad_value_is_a_usage_error_naming_it(
@@ -66,6 +69,14 @@ def test_a_key_a_header_can_carry_is_taken() -> None:
     HTTP does not strip (Python's str.strip() would)."""
     for key in ("two words", "tab\there", "s3cret-ключ", "ends-in-nbsp\u00a0"):
         assert parse_settings(["--api-key", key], environ={}).api_key == key
+
+
+def test_an_ipv6_host_in_brackets_and_origins_as_browsers_send_them() -> None:
+    """`[::1]`, as a URL spells an IPv6 address, binds ::1 (the brackets failed as a host name); origins with a
+    port, or `*`, are taken as given."""
+    assert parse_settings(["--host", "[::1]"], environ={}).host == "::1"
+    origins = ("http://a.example:8080", "https://b.example", "*")
+    assert parse_settings(["--cors-origins", ",".join(origins)], environ={}).cors_origins == origins
 
 
 def test_a_valid_flag_overrides_a_bad_variable() -> None:
