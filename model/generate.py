@@ -110,6 +110,9 @@ class SamplingParams:
         )
         for name in ("stop", "stop_token_ids"):  # one string or id: one stop (a string is not its characters)
             value = getattr(self, name)
+            if type(value).__name__ == "ndarray":  # numpy's ids, as a list
+                value = value.tolist()
+            value = _python_number(value)  # one numpy id: Python's
             if isinstance(value, (str, int)):
                 object.__setattr__(self, name, (value,))
             elif isinstance(value, list):
@@ -142,8 +145,8 @@ class SamplingParams:
 
 def _python_number(x: Any) -> Any:
     """A numpy (or other) integer or real as Python's int or float; anything else as it is, to be checked."""
-    if isinstance(x, (bool, int, float)) or not isinstance(x, numbers.Real) or type(x).__name__ == "bool_":
-        return x
+    if isinstance(x, (bool, int)) or type(x) is float or not isinstance(x, numbers.Real):
+        return x  # (numpy's bool is no number: refused as it is)
     return int(x) if isinstance(x, numbers.Integral) else float(x)
 
 

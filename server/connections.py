@@ -117,6 +117,11 @@ class _BoundedH11Protocol(H11Protocol):
     max_connections: int = 1024
     write_timeout: float = 30.0
 
+    def _unsupported_upgrade_warning(self) -> None:
+        """An `Upgrade` request is served as plain HTTP (`ws="none"`): said at debug level, not as uvicorn's two
+        warnings a request (one of them advising a WebSocket library), which any client could flood the log with."""
+        log.debug("an Upgrade request from %s, served as plain HTTP (the server speaks no WebSocket)", self.client)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None

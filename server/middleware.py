@@ -250,13 +250,14 @@ class RequestGuard:
         compared as UTF-8 bytes, so a non-ASCII key matches when the client sends it UTF-8 encoded."""
         if self.api_key is None or path in OPEN_PATHS or path.startswith("/static/"):
             return None
-        given, scheme = [], ""
+        given, other_scheme = [], False
         for name, value in raw_headers:
             name = name.lower()
             if name == b"authorization":
                 # HTTP's whitespace, space and tab: str.strip() would also take 0x85 and 0xA0, bytes of UTF-8
                 scheme, _, token = value.decode("latin-1").strip(" \t").partition(" ")
                 given.append(token.strip(" \t") if scheme.lower() == "bearer" else "")
+                other_scheme = other_scheme or (scheme != "" and scheme.lower() != "bearer")
             elif name == b"x-api-key":
                 given.append(value.decode("latin-1"))
         given = [k for k in given if k]
@@ -266,7 +267,7 @@ class RequestGuard:
             return None
         if given:
             message = "invalid API key"
-        elif scheme:  # a credential of another scheme (Basic ...), or a bare key with no scheme
+        elif other_scheme:  # a credential of another scheme (Basic ...), or a bare key with no scheme
             message = (
                 "missing API key: the Authorization header holds no Bearer token; send Authorization: Bearer <key>"
             )

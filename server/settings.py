@@ -129,6 +129,8 @@ class Settings:
             raise ValueError(f"preset: unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
         if problem := dtype_problem(self.dtype):
             raise ValueError(f"dtype: {problem}")
+        if self.host.startswith("[") and self.host.endswith("]"):  # an IPv6 address as a URL spells it: [::1]
+            object.__setattr__(self, "host", self.host[1:-1])
         # an empty host would bind every interface, an empty key lock every request out, an empty tokenizer
         # mean the current directory, an empty revision name nothing
         for name in ("model", "host", "api_key", "tokenizer", "revision"):
@@ -141,13 +143,11 @@ class Settings:
                 "api_key must not begin or end with a space or tab, nor hold a control character (a line break): "
                 "an HTTP header cannot carry it"
             )
-        if self.host.startswith("[") and self.host.endswith("]"):  # an IPv6 address as a URL spells it: [::1]
-            object.__setattr__(self, "host", self.host[1:-1])
-        for origin in self.cors_origins:  # a browser's Origin is scheme://host[:port]: nothing else ever matches
-            if origin != "*" and not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s]+", origin):
+        for origin in self.cors_origins:  # a browser's Origin is scheme://host[:port] in lower case, or null
+            if origin not in ("*", "null") and not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/?#\sA-Z]+", origin):
                 raise ValueError(
-                    f"cors_origins: {origin!r} is not an origin (scheme://host[:port], without a path or a trailing "
-                    "/): a browser's Origin header would never match it"
+                    f"cors_origins: {origin!r} is not an origin (scheme://host[:port] in lower case, without a path "
+                    "or a trailing /): a browser's Origin header would never match it"
                 )
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")

@@ -412,6 +412,9 @@ def test_prompts_as_tensors_and_numpy_ids_and_a_single_stop(tiny_model: GPT) -> 
         max_new_tokens=3, temperature=0.5, seed=5, top_k=4, stop_token_ids=(7,), logprobs=2
     )  # numpy's numbers taken as Python's
     assert type(numpy_params.seed) is int and type(numpy_params.temperature) is float
+    assert SamplingParams(stop_token_ids=np.int64(7)).stop_token_ids == (7,)
+    assert SamplingParams(stop_token_ids=np.array([7, 8])).stop_token_ids == (7, 8)
+    assert type(SamplingParams(top_p=np.float64(0.5)).top_p) is float
     with pytest.raises(GenerationError, match="max_new_tokens must be an integer >= 0"):
         SamplingParams(max_new_tokens=np.bool_(True))
     with pytest.raises(GenerationError, match="stop must be a list or tuple, got set"):

@@ -53,6 +53,8 @@ def test_served_model_names() -> None:
         # an origin no browser sends: it would silently allow nothing
         (["--cors-origins", "http://a.example/"], {}, "--cors-origins: 'http://a.example/' is not an origin"),
         ([], {"GPT2_CORS_ORIGINS": "a.example"}, "GPT2_CORS_ORIGINS: 'a.example' is not an origin (scheme://"),
+        (["--cors-origins", "HTTP://A.example"], {}, "--cors-origins: 'HTTP://A.example' is not an origin"),
+        (["--host", "[]"], {}, "--host must not be empty"),  # not every interface
     ],
 )
 def test_a_bad_value_is_a_usage_error_naming_it(
@@ -75,7 +77,7 @@ def test_an_ipv6_host_in_brackets_and_origins_as_browsers_send_them() -> None:
     """`[::1]`, as a URL spells an IPv6 address, binds ::1 (the brackets failed as a host name); origins with a
     port, or `*`, are taken as given."""
     assert parse_settings(["--host", "[::1]"], environ={}).host == "::1"
-    origins = ("http://a.example:8080", "https://b.example", "*")
+    origins = ("http://a.example:8080", "https://b.example", "http://[::1]:8080", "null", "*")  # null: file://
     assert parse_settings(["--cors-origins", ",".join(origins)], environ={}).cors_origins == origins
 
 

@@ -402,7 +402,7 @@ def locate_model(spec: HarvestSpec, device: torch.device) -> Located:
     if spec.tokenizer == "":  # Path("") is the current directory
         raise HarvestError("the tokenizer directory is empty: give a directory, or leave it out")
     try:
-        files = locate(spec.model, revision=spec.revision, preset_name=spec.preset)
+        files = locate(spec.model, revision=spec.revision, preset_name=spec.preset, tokenizer=spec.tokenizer is None)
         tok_dir = files.tokenizer_dir if spec.tokenizer is None else spec.tokenizer
         if tok_dir is None:
             raise HarvestError(f"{files.name} ships no tokenizer: give a tokenizer directory (--tokenizer DIR)")
