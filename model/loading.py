@@ -422,20 +422,23 @@ def load_state(
         if not entry.dtype.is_floating_point:
             raise LoadError(f"tensor {key!r} has dtype {entry.dtype}, expected a floating-point type")
         read = _read(st, key)
+        if name == "wte.weight" and lm_head is not None:  # as the files hold them: a cast could hide a difference
+            _check_tied(*lm_head, read, config)
         t = _finite(key, read, read.to(device=device, dtype=dtype))
         del read
         state[name] = _stored(name, t, decode_kernels)
         del t
-    if lm_head is not None:
-        st, key = lm_head
-        if st.entries[key].shape != _outer_shapes(config)["wte.weight"]:
-            raise LoadError(f"tensor {key!r} has shape {list(st.entries[key].shape)}, expected the shape of wte")
-        head, (wte_file, wte_key) = _read(st, key), sources["wte.weight"]
-        wte = _read(wte_file, wte_key)
-        both = torch.promote_types(head.dtype, wte.dtype)  # as the files hold them: a cast could hide a difference
-        if not torch.equal(head.to(both), wte.to(both)):
-            raise LoadError(f"tensor {key!r} differs from wte.weight: untied LM heads are not supported")
     return state
+
+
+def _check_tied(st: SafetensorsFile, key: str, wte: torch.Tensor, config: GPTConfig) -> None:
+    """The LM head `key` of `st` equals `wte` as its file holds it (tied, as GPT-2's is), or a LoadError."""
+    if st.entries[key].shape != _outer_shapes(config)["wte.weight"]:
+        raise LoadError(f"tensor {key!r} has shape {list(st.entries[key].shape)}, expected the shape of wte")
+    head = _read(st, key)
+    both = torch.promote_types(head.dtype, wte.dtype)
+    if not torch.equal(head.to(both), wte.to(both)):
+        raise LoadError(f"tensor {key!r} differs from wte.weight: untied LM heads are not supported")
 
 
 def _stored(name: str, t: torch.Tensor, decode_kernels: bool = True) -> torch.Tensor:

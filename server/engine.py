@@ -272,20 +272,18 @@ class Engine:
         failed pass's, which several sequences share)."""
         self.check_count(len(prompts), count_param)  # before building anything: the count is the client's
         names = select_hooks(hooks, self.model.config.n_layer) if hooks else None
+        each: list[str | None] = list(labels) if labels is not None else [None] * len(prompts)
         seqs = []
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             try:
                 seqs.append(new_sequence(self.model, i, prompt, p, self.tokenizer, names, edits, capture_dtype))
             except InterventionError as e:  # an edit's position past this prompt's end, say (the rest, its
-                raise labelled(e, labels[i] if labels is not None else None) from None  # stop lists, are the request's)
+                raise labelled(e, each[i]) from None  # stop lists, are the whole request's)
         group = next(self._groups)  # its sequences share prompt prefixes with each other, not with another request's
         for seq in seqs:
             seq.group = group
         loop = asyncio.get_running_loop()
-        requests = [
-            _Request(seq, loop, asyncio.Queue(), label=labels[i] if labels is not None else None)
-            for i, seq in enumerate(seqs)
-        ]
+        requests = [_Request(seq, loop, asyncio.Queue(), label=label) for seq, label in zip(seqs, each, strict=True)]
         with self._cv:
             if self._stopping:
                 raise EngineStopped("the server is shutting down")

@@ -129,22 +129,17 @@ async def activations(
         raise GenerationError("/v1/activations answers with one file: stream is not supported", "stream")
     prompts = await token_ids(engine, req.prompt, req.input_ids)
     params = req.sampling_params(settings.max_new_tokens, engine.model.config.n_positions)
-    check_prompts(engine, prompts, params.max_new_tokens, prompt_field(req.input_ids))
+    param = prompt_field(req.input_ids)
+    check_prompts(engine, prompts, params.max_new_tokens, param)
     if len(prompts) > 1:
-        _check_stackable(prompts, params.max_new_tokens, prompt_field(req.input_ids))
+        _check_stackable(prompts, params.max_new_tokens, param)
     spec = req.activations
     hooks, dump_bytes = await _checked_hooks(engine, settings, spec, prompts, params.max_new_tokens, file=True)
     edits = await resolved_edits(req, engine, directions)
     await hold.reserve(dump_bytes, request)  # held until the file is sent
     completions = await results(
         engine.submit(
-            prompts,
-            [params] * len(prompts),
-            hooks,
-            edits,
-            prompt_field(req.input_ids),
-            encoding.DTYPES[spec.dtype],
-            places(prompt_field(req.input_ids), prompts),
+            prompts, [params] * len(prompts), hooks, edits, param, encoding.DTYPES[spec.dtype], places(param, prompts)
         ),
         request,
     )

@@ -275,8 +275,9 @@ async def steering_vectors(
     # a prompt's values at the hook are held from its pass to their reduction, while other requests' jobs run
     # between: against the dump budget, as a dump's, or concurrent requests would hold theirs all at once
     longest, param = max((len(ids), side) for side, ids in _each_prompt(sides))
-    size = _capture_bytes(engine, req.hook, longest)
-    if math.prod(site_shape(req.hook, config)) > config.n_embd:  # logits, the MLP's hook_pre and hook_post
+    width, itemsize = math.prod(site_shape(req.hook, config)), engine.model.wte.weight.dtype.itemsize
+    size = longest * width * (itemsize + (4 if itemsize < 4 else 0))  # and a float32 copy, narrower, as reduced
+    if width > config.n_embd:  # logits, the MLP's hook_pre and hook_post
         what = Held(f"the values at {req.hook}", "hook", "shorter prompts or a hook of d_model values a position")
     else:
         what = Held(f"the values at {req.hook}", param, "shorter prompts")
@@ -317,14 +318,6 @@ async def steering_vectors(
 def _each_prompt(sides: list[list[list[int]]]) -> list[tuple[str, list[int]]]:
     """A contrast's prompts, each with its side's field."""
     return [(param, ids) for param, prompts in zip(("positive", "negative"), sides, strict=True) for ids in prompts]
-
-
-def _capture_bytes(engine: EngineDep, hook: str, n_tokens: int) -> int:
-    """The bytes of one prompt's values at `hook` over `n_tokens` positions, as captured in the model's dtype
-    and, where that is narrower, their float32 copy while they are reduced."""
-    size = engine.model.wte.weight.dtype.itemsize
-    width = math.prod(site_shape(hook, engine.model.config))
-    return n_tokens * width * (size + (4 if size < 4 else 0))
 
 
 async def _prompts(engine: EngineDep, prompts: list[str] | list[list[int]], param: str) -> list[list[int]]:
