@@ -988,7 +988,10 @@ def test_a_request_the_guard_refuses_is_counted_under_its_route(loaded: LoadedMo
         assert_error(c.post(CMPL, content=b"{}", headers={**key, "content-encoding": "gzip"}), 415)
         assert_error(c.post("/v1/made-up", json={}, headers=key), 404)
         assert_error(c.post("/v1/also-made-up", json={}), 401)
-        assert c.get("/static/index.html").status_code == 200 and c.get("/static/nope.js").status_code == 404
+        assert c.get("/static/app.js").status_code == 200 and c.get("/static/nope.js").status_code == 404
+        # the page itself lives at /, where its relative addresses resolve: its copy under /static/ sends there
+        moved = c.get("/static/index.html", follow_redirects=False)
+        assert (moved.status_code, moved.headers["location"]) == (308, "../")
         metrics = c.get("/metrics", headers=key).text
     counts = {
         (s.labels["route"], s.labels["status"]): s.value

@@ -182,6 +182,45 @@ def test_viewer_renders_a_run(page: Any) -> None:
     page.locator("#attn-view canvas.heatmap").nth(2).click()
     assert page.input_value("#attn-head") == "2"
     assert page.locator("#attn-view canvas.heatmap").count() == 1
+    # by keyboard: Enter on a tile opens it, and the focus moves to the heatmap that replaced the grid
+    page.check('input[name="attn-view"][value="grid"]')
+    page.locator("#attn-view canvas.heatmap").nth(1).focus()
+    page.keyboard.press("Enter")
+    page.wait_for_function("document.activeElement.matches('#attn-view canvas.heatmap')")
+    assert page.input_value("#attn-head") == "1" and page.locator("#attn-view canvas.heatmap").count() == 1
+
+
+def test_an_int8_model_is_shown_as_one(page: Any) -> None:
+    """/v1/model's dtype is the activations' (float32 for an int8 model): the page names the weights too."""
+
+    def as_int8(route: Any) -> None:
+        answer = route.fetch(headers={**route.request.headers, "authorization": f"Bearer {API_KEY}"})
+        body = answer.json() | {"weights": "int8", "quantization": "weight-only int8: ..."}
+        route.fulfill(response=answer, json=body)
+
+    page.route("**/v1/model", as_int8)
+    page.reload()
+    page.wait_for_function("document.querySelector('#model-info').textContent.includes('layers')")
+    assert "int8 weights, float32 activations on cpu" in page.inner_text("#model-info")
+    assert page.get_attribute("#model-info", "title") == "weight-only int8: ..."
+
+
+def test_the_analysis_over_the_dump_cap_says_what_the_page_asked_for(page: Any) -> None:
+    def too_big(route: Any) -> None:
+        body = {"error": {"type": "invalid_request_error", "message": "over --max-activation-bytes: ask for less"}}
+        route.fulfill(status=413, content_type="application/json", body=json.dumps(body))
+
+    page.route("**/v1/analyze", too_big)
+    assert run_prompt(page, "Hello", max_new_tokens=2) == "error"
+    assert "ask for less (this page asks for the lens's top 5 tokens" in page.inner_text("#errors")
+
+
+def test_the_pages_copy_under_static_sends_to_the_page(browser: Any, base_url: str) -> None:
+    with viewer_page(browser, base_url) as page:
+        page.goto(base_url + "/static/index.html")
+        assert page.url == base_url + "/"
+        page.wait_for_selector("#errors:not([hidden])")  # the page's own first call ran (its 401: no key yet)
+        assert "missing API key" in page.inner_text("#errors")
 
 
 def test_viewer_shows_api_errors(page: Any) -> None:
@@ -335,7 +374,18 @@ def test_a_seed_beyond_exact_numbers_is_refused_in_the_page(page: Any) -> None:
         errors = page.inner_text("#errors")
         assert f"the seed {seed} is too large" in errors, errors
         assert page.get_attribute("#grad-status", "data-state") == "error"  # the highway not measured either
+        # the attention panel says why it stays empty (it once waited "for the generation" for ever)
+        assert "the run was refused" in page.inner_text("#attn-view")
+    page.evaluate("() => { document.querySelector('#seed').type = 'text'; }")  # takes what a number field refuses
+    for seed in ["1.5", "1.0000000000000001", "1e-3", "x", "."]:
+        page.fill("#seed", seed)
+        assert run_prompt(page, "Hello", max_new_tokens=2) == "error"
+        assert f"the seed must be a whole number, not “{seed}”" in page.inner_text("#errors")
     assert sent == []
+    # what the number field takes as a whole number is one: 1e3 is 1000, 7.0 is 7
+    seeds = page.evaluate("() => ['1e3', '7.0', '-20e-1', '0.042e5', '+5', '1e400'].map((s) => {"
+                          " try { return parseSeed(s); } catch (e) { return e.message; } })")  # fmt: skip
+    assert seeds[:5] == [1000, 7, -2, 4200, 5] and "too large" in seeds[5], seeds
     page.fill("#seed", "9007199254740991")  # 2^53 - 1: sent exactly
     assert run_prompt(page, "Hello", max_new_tokens=2) == "done", page.inner_text("#errors")
     assert len([u for u in sent if u.endswith("/v1/generate")]) == 1

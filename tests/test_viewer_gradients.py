@@ -5,6 +5,7 @@ Needs Debian's chromium and playwright; skips without them."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -76,11 +77,45 @@ def test_attribution_heatmaps_and_the_patched_sites(page: Any, base_url: str) ->
         assert rows.nth(i).locator("td").first.inner_text().startswith(v["site"]["hook"])
     SCREENSHOT.parent.mkdir(exist_ok=True)
     page.locator("#grad-panel").screenshot(path=str(SCREENSHOT))
-    # a refused request says why in the panel
+    # a refused request says why in the panel, and leaves nothing of the earlier prompts' attribution
     page.fill("#attr-corrupted", "The dog")
     page.click("#attr-run")
     assert finished(page, "#attr-status") == "error"
     assert "same length" in page.inner_text("#attr-status")
+    assert all(m["ink"] == 0 for m in page.evaluate(CANVAS_INK, "#grad-panel canvas.attr-map"))
+    assert page.locator("#attr-verified tr").count() == 0
+    page.set_viewport_size({"width": 1000, "height": 800})  # a resize draws nothing back
+    page.wait_for_timeout(300)
+    assert all(m["ink"] == 0 for m in page.evaluate(CANVAS_INK, "#grad-panel canvas.attr-map"))
+
+
+def test_the_gradient_panels_wait_for_a_loading_model(page: Any) -> None:
+    """A run pressed while the server still loads its model: the highway and attribution wait as the page's
+    run does, then draw (they once reported the 503 while the page said "Done")."""
+    loading: dict[str, int] = {}
+
+    def still_loading(route: Any) -> None:
+        path = route.request.url.rsplit("/", 1)[-1]
+        if loading.get(path, 0) < 2:
+            loading[path] = loading.get(path, 0) + 1
+            body = {"error": {"type": "service_unavailable", "message": "the model is still loading; retry shortly"}}
+            route.fulfill(status=503, content_type="application/json", body=json.dumps(body))
+        else:
+            route.continue_()
+
+    page.route("**/v1/analyze", still_loading)
+    page.route("**/v1/attribution", still_loading)
+    page.fill("#prompt", CLEAN)
+    page.fill("#max-new-tokens", "2")
+    page.click("#run")
+    page.wait_for_function("document.querySelector('#grad-status').textContent.includes('Waiting for the model')")
+    assert finished(page, "#grad-status") == "done", page.inner_text("#grad-status")
+    assert all(c["ink"] > 0.02 for c in page.evaluate(CANVAS_INK, "#grad-panel .grad-charts canvas"))
+    page.fill("#attr-clean", CLEAN)
+    page.fill("#attr-corrupted", CORRUPTED)
+    page.click("#attr-run")
+    assert finished(page, "#attr-status") == "done", page.inner_text("#attr-status")
+    assert loading == {"analyze": 2, "attribution": 2}
 
 
 def test_a_failed_highway_leaves_no_old_charts_even_after_a_resize(page: Any) -> None:

@@ -5,6 +5,7 @@ checkpoint with a random SAE: the per-token feature table equals /v1/features, a
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -91,3 +92,46 @@ def test_choosing_an_sae_points_the_steer_at_its_hook(page: Any) -> None:
     assert page.input_value("#steer-hook") == OTHER_HOOK
     page.select_option("#sae-select", "s")
     assert page.input_value("#steer-hook") == HOOK
+
+
+def test_a_slow_feature_answer_never_replaces_a_newer_one(page: Any) -> None:
+    """The first prompt's features, held back until the second prompt's are shown, are dropped (and the
+    request aborted); a run of the page clears the table and its status line."""
+    held: list[Any] = []
+
+    def hold_the_first(route: Any) -> None:
+        if not held:
+            held.append(route)
+        else:
+            route.continue_()
+
+    page.route("**/v1/features", hold_the_first)
+    page.wait_for_selector("#sae-panel:not([hidden])")
+    page.fill("#prompt", PROMPT)
+    page.click("#sae-run")
+    while not held:
+        page.wait_for_timeout(50)
+    page.fill("#prompt", "Second")
+    page.click("#sae-run")
+    page.wait_for_function("document.querySelector('#sae-status').textContent.startsWith('1 tokens')")
+    with contextlib.suppress(sync_api.Error):  # aborted already
+        held[0].continue_()
+    page.wait_for_timeout(500)
+    assert page.locator("#sae-table tbody tr").count() == 1
+    assert page.inner_text("#sae-status").startswith("1 tokens")
+    page.fill("#max-new-tokens", "2")
+    page.click("#run")
+    page.wait_for_function("document.querySelector('#status').dataset.state === 'done'", timeout=60_000)
+    assert page.locator("#sae-table tbody tr").count() == 0 and page.inner_text("#sae-status") == ""
+
+
+def test_a_failed_steer_leaves_no_earlier_comparison(page: Any) -> None:
+    page.wait_for_selector("#sae-panel:not([hidden])")
+    page.fill("#prompt", PROMPT)
+    page.fill("#max-new-tokens", "2")
+    page.click("#steer-run")
+    page.wait_for_function("document.querySelector('#steer-plain').textContent.startsWith('The cat')")
+    page.fill("#steer-hook", "blocks.9.hook_resid_pre")  # the tiny model has 2 layers
+    page.click("#steer-run")
+    page.wait_for_function("document.querySelector('#steer-steered').textContent.includes('failed (400')")
+    assert page.inner_text("#steer-plain") == ""

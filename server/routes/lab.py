@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, RedirectResponse
 
 from model.analysis import AnalysisPass, LayerStats
 from model.config import GPTConfig
@@ -44,6 +44,13 @@ STATIC = Path(__file__).resolve().parents[1] / "static"
 @router.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
 async def viewer() -> FileResponse:
     return FileResponse(STATIC / "index.html")
+
+
+@router.api_route("/static/index.html", methods=["GET", "HEAD"], include_in_schema=False)
+async def viewer_elsewhere() -> RedirectResponse:
+    """The page where it works: its addresses are relative to `/` (to the prefix it is served under), so at
+    /static/ every one of them would miss. The Location is relative too, for the same reason."""
+    return RedirectResponse("../", status_code=308)
 
 
 @router.post("/v1/analyze", response_model=None)

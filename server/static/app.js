@@ -146,9 +146,12 @@ function layerName(layer) {
 async function loadModel() {
   const m = await api("GET", "v1/model");
   state.model = m;
+  // an int8 model's activations are float32: both said, so that it never reads as a float32 model
+  const numbers = m.weights === m.dtype ? m.dtype : `${m.weights} weights, ${m.dtype} activations`;
   $("model-info").textContent =
     `Model: ${m.name} · ${m.n_layer} layers · ${m.n_head} heads · d_model ${m.d_model} · ` +
-    `context ${m.n_ctx} · ${m.dtype} on ${m.device}`;
+    `context ${m.n_ctx} · ${numbers} on ${m.device}`;
+  $("model-info").title = m.quantization || "";
   return m;
 }
 
@@ -171,7 +174,8 @@ async function whileLoading(load, waiting = () => {}) {
 
 // Runs of one kind (the page's, the gradient highway's), where a new run supersedes the one in flight: its
 // requests are aborted (the server stops their work) and anything it still draws is dropped. `start` gives the
-// new run's abort signal and `current()`, whether it is still the latest.
+// new run's abort signal and `current()`, whether it is still the latest; `stop` supersedes the one in flight
+// with none.
 class Runs {
   constructor() {
     this.latest = 0;
@@ -179,21 +183,40 @@ class Runs {
   }
 
   start() {
-    const id = ++this.latest;
-    if (this.controller) this.controller.abort();
+    this.stop();
+    const id = this.latest;
     this.controller = new AbortController();
     return { signal: this.controller.signal, current: () => id === this.latest };
+  }
+
+  stop() {
+    this.latest++;
+    if (this.controller) this.controller.abort();
+    this.controller = null;
   }
 }
 
 const runs = new Runs();
 
 // A seed the page can send exactly: an integer of at most 2^53 - 1 in magnitude (JSON numbers in the
-// browser are doubles). Throws a message for any other; null for none.
+// browser are doubles), written as the number field takes it ("42", "1e3", "7.0"). Its digits are read
+// exactly: "1.0000000000000001" is not a whole number, though a double rounds it to 1. Throws a message for
+// any other; null for none.
 function parseSeed(text) {
   if (text === "") return null;
-  if (!/^[+-]?\d+$/.test(text)) throw new Error(`the seed must be a whole number, not “${text}”`);
-  const seed = Number(text);
+  const notWhole = new Error(`the seed must be a whole number, not “${text}”`);
+  const m = /^([+-]?)(\d*)(?:\.(\d*))?(?:e([+-]?\d+))?$/i.exec(text);
+  if (!m || !(m[2] + (m[3] || ""))) throw notWhole;
+  let digits = (m[2] + (m[3] || "")).replace(/^0+(?=\d)/, "");
+  const shift = Number(m[4] || 0) - (m[3] || "").length; // the value is digits × 10^shift
+  if (shift < 0) {
+    const whole = Math.max(digits.length + shift, 0);
+    if (/[1-9]/.test(digits.slice(whole))) throw notWhole;
+    digits = digits.slice(0, whole) || "0";
+  } else if (/[1-9]/.test(digits)) {
+    digits += "0".repeat(Math.min(shift, 20)); // beyond 20 digits it is too large all the same
+  }
+  const seed = Number(`${m[1]}${digits}`);
   if (!Number.isSafeInteger(seed)) {
     throw new Error(
       `the seed ${text} is too large: the page sends seeds exactly only up to ±${Number.MAX_SAFE_INTEGER} (2^53 − 1)`,
@@ -256,6 +279,7 @@ async function run(event) {
   } catch (e) {
     if (!current()) return;
     errors.push(e.message);
+    attentionMessage("No attention patterns: the run was refused (see the errors above).", true);
   }
   if (!errors.length) {
     const genBody = {
@@ -279,7 +303,13 @@ async function run(event) {
       }
     };
     if (analysis.status === "fulfilled") draw("analysis", () => renderAnalysis(analysis.value));
-    else errors.push(analysis.reason.message);
+    else if (analysis.reason.status === 413) {
+      // the server's advice names fields this page does not offer: what the page asks for, and what fits
+      errors.push(
+        `${analysis.reason.message} (this page asks for the lens's top 5 tokens with and without the residual ` +
+          "connections: a shorter prompt fits)",
+      );
+    } else errors.push(analysis.reason.message);
     if (gen.status === "fulfilled") {
       const promptTokens = analysis.status === "fulfilled" ? analysis.value.tokens : null;
       draw("generation", () => renderGeneration(prompt, promptTokens, gen.value));
@@ -436,10 +466,16 @@ function drawAttention(pattern, layer) {
     const canvas = heatmapCanvas(`Attention, layer ${layer}, head ${h}; click to enlarge`);
     canvas.tabIndex = 0;
     canvas.classList.add("clickable");
-    const open = () => {
+    const open = async () => {
       $("attn-head").value = String(h);
       document.querySelector('input[name="attn-view"][value="head"]').checked = true;
-      showAttention();
+      await showAttention();
+      // the grid the focus was on is gone: it moves to the heatmap that took its place (reached by no Tab)
+      const enlarged = $("attn-view").querySelector("canvas.heatmap");
+      if (enlarged && !$("attn-view").classList.contains("grid")) {
+        enlarged.tabIndex = -1;
+        enlarged.focus();
+      }
     };
     canvas.addEventListener("click", open);
     canvas.addEventListener("keydown", (e) => {

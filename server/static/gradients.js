@@ -25,11 +25,12 @@ async function runHighway() {
   status.textContent = "Measuring the gradient…";
   status.dataset.state = "running";
   try {
-    const highway = await api(
-      "POST",
-      "v1/analyze",
-      { prompt: $("prompt").value, compare_ablated: true, gradients: true, top_k: 1 },
-      { signal },
+    const request = { prompt: $("prompt").value, compare_ablated: true, gradients: true, top_k: 1 };
+    const highway = await whileLoading(
+      () => api("POST", "v1/analyze", request, { signal }),
+      () => {
+        status.textContent = "Waiting for the model to load…";
+      },
     );
     if (!current()) return;
     gradState.highway = highway;
@@ -108,15 +109,28 @@ async function runAttribution() {
   const status = $("attr-status");
   const button = $("attr-run");
   button.disabled = true;
+  // the previous prompts' attribution is gone before this one's is asked for: a failure leaves the panel empty
+  gradState.attribution = null;
+  for (const id of ["attr-resid", "attr-heads", "attr-sublayers"]) {
+    blankCanvas($(id));
+    delete $(id).dataset.cells;
+  }
+  $("attr-verified").replaceChildren();
   status.textContent = "Attributing…";
   status.dataset.state = "running";
   try {
-    const r = await api("POST", "v1/attribution", {
+    const request = {
       clean: $("attr-clean").value,
       corrupted: $("attr-corrupted").value,
       metric: attributionMetric(),
       verify: Number($("attr-verify").value),
-    });
+    };
+    const r = await whileLoading(
+      () => api("POST", "v1/attribution", request),
+      () => {
+        status.textContent = "Waiting for the model to load…";
+      },
+    );
     gradState.attribution = r;
     drawAttribution();
     status.textContent =

@@ -7,8 +7,8 @@
 const sae = {
   saes: [], // /v1/model's saes
   vectors: [], // /v1/model's steering_vectors
-  generation: 0, // the latest steering run; older answers are dropped
-  loadFailed: false, // the page's first GET /v1/model failed (its message is in the status line)
+  features: new Runs(), // the feature table's requests: a newer one, or a run of the page, supersedes them
+  steering: new Runs(), // the steering comparison's: a newer strength supersedes the one on its way
 };
 
 function saeById(id) {
@@ -38,23 +38,21 @@ async function loadSaePanel() {
   fillOptions($("steer-vector"), sae.vectors);
   if (!$("steer-hook").value && sae.saes.length) $("steer-hook").value = sae.saes[0].hook_name;
   if (!sae.saes.length) document.querySelector('input[name="steer-source"][value="vector"]').checked = true;
-  if (sae.loadFailed) $("sae-status").textContent = ""; // the page's first load failed (a key needed): it is in now
-  sae.loadFailed = false;
 }
 
 async function showFeatures() {
+  const { signal, current } = sae.features.start();
   const id = $("sae-select").value;
+  $("sae-table").replaceChildren(); // a failure leaves no other prompt's features
   $("sae-status").textContent = "Reading features…";
   try {
-    const body = await api("POST", "v1/features", {
-      prompt: $("prompt").value,
-      sae: id,
-      top_k: Number($("sae-top-k").value),
-    });
+    const request = { prompt: $("prompt").value, sae: id, top_k: Number($("sae-top-k").value) };
+    const body = await whileLoading(() => api("POST", "v1/features", request, { signal }));
+    if (!current()) return;
     renderFeatures(body);
     $("sae-status").textContent = `${body.tokens.length} tokens · SAE ${id} at ${body.hook_name}`;
   } catch (e) {
-    $("sae-status").textContent = e.message;
+    if (current()) $("sae-status").textContent = e.message; // else superseded: the newer request reports
   }
 }
 
@@ -113,34 +111,40 @@ function steeringEdit() {
 }
 
 async function steer() {
-  const run = ++sae.generation;
+  const { signal, current } = sae.steering.start();
   const body = {
     prompt: $("prompt").value,
     max_new_tokens: Number($("max-new-tokens").value),
     temperature: 0,
   };
+  $("steer-plain").textContent = "…";
   $("steer-steered").textContent = "…";
   try {
     const [plain, steered] = await Promise.all([
-      api("POST", "v1/generate", body),
-      api("POST", "v1/generate", { ...body, interventions: [steeringEdit()] }),
+      whileLoading(() => api("POST", "v1/generate", body, { signal })),
+      whileLoading(() => api("POST", "v1/generate", { ...body, interventions: [steeringEdit()] }, { signal })),
     ]);
-    if (run !== sae.generation) return; // a newer strength is on its way
+    if (!current()) return; // a newer strength is on its way
     $("steer-plain").textContent = body.prompt + plain.choices[0].text;
     $("steer-steered").textContent = body.prompt + steered.choices[0].text;
   } catch (e) {
-    if (run === sae.generation) $("steer-steered").textContent = e.message;
+    if (!current()) return;
+    $("steer-plain").textContent = ""; // no comparison: neither side of an earlier one stays
+    $("steer-steered").textContent = e.message;
   }
 }
 
 window.addEventListener("DOMContentLoaded", () => {
   whileLoading(loadSaePanel).catch((e) => {
-    sae.loadFailed = true;
     $("sae-status").textContent = e.message;
   });
   $("run-form").addEventListener("submit", () => {
-    $("sae-table").replaceChildren(); // the features shown are the last prompt's: read again for this one
-    loadSaePanel().catch(() => {}); // with the API key, if one is needed
+    // the features shown, or on their way, are the last prompt's: read again for this one
+    sae.features.stop();
+    $("sae-table").replaceChildren();
+    $("sae-status").textContent = "";
+    // with the API key, if one is needed, once the model is loaded (the run reports any other failure)
+    whileLoading(loadSaePanel).catch(() => {});
   });
   // a steer names the SAE chosen at that SAE's own hook
   $("sae-select").addEventListener("change", () => {
