@@ -8,6 +8,7 @@ Jacobian's norm against a dense Jacobian; and the highway on the random gpt2-sma
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import re
 from typing import Any
@@ -339,7 +340,7 @@ def test_highway_jacobian_equals_the_estimator_on_the_dense_jacobian(ours64: GPT
     with torch.inference_mode():
         ours64(torch.tensor([ids]), hooks=spec.hooks(ours64.config, len(ids), then=capture) if spec else capture)
     x0 = capture.values["blocks.0.hook_resid_pre"]
-    u = rademacher(64, tuple(x0.shape), torch.float64, x0.device).reshape(64, -1)  # what highway used
+    u = torch.stack(list(rademacher(64, tuple(x0.shape), torch.float64, x0.device))).reshape(64, -1)  # highway's
     n = x0.numel()
     for i, block in enumerate(ours64.h):
         J = _dense_jacobian(block, capture.values[f"blocks.{i}.hook_resid_pre"], ablated)
@@ -628,13 +629,25 @@ def test_the_highway_on_the_gpt2_small_shape(small: Checkpoint) -> None:
     assert without < 0.1 * with_skips
 
 
+SPLIT_INPUTS = [  # per-head copies of the stream: n_head d_model-wide values a position each
+    ["blocks.0.hook_attn_in", "blocks.1.hook_attn_in"],
+    ["blocks.0.hook_q_input", "blocks.1.hook_k_input", "blocks.1.hook_v_input"],
+    ["blocks.0.hook_v_input", "blocks.0.attn.hook_result"],
+]
+
+
 @pytest.mark.parametrize(
-    "names", [["hook_embed"], [f"blocks.{i}.attn.hook_pattern" for i in range(2)] + ["hook_embed"]]
+    "names", [["hook_embed"], [f"blocks.{i}.attn.hook_pattern" for i in range(2)] + ["hook_embed"], *SPLIT_INPUTS]
 )
 @pytest.mark.parametrize("n_tokens", [8, 64])
-def test_graph_bytes_bounds_what_the_graph_saves(ours64: GPT, names: list[str], n_tokens: int) -> None:
+@pytest.mark.parametrize("n_head", [4, 16])
+def test_graph_bytes_bounds_what_the_graph_saves(ours64: GPT, names: list[str], n_tokens: int, n_head: int) -> None:
     """Every tensor autograd saves for the backward pass (counted once per storage, the weights left out:
-    they exist anyway) fits in the estimate, with the fused attention and with the explicit one."""
+    they exist anyway) fits in the estimate, with the fused attention and with the explicit one, and with
+    the per-head inputs, whose copies grow with the heads (16 heads of 4 dimensions: the copies of
+    `hook_attn_in` saved twice the estimate without them)."""
+    if n_head != ours64.config.n_head:
+        ours64 = GPT(dataclasses.replace(ours64.config, n_head=n_head)).double().eval()
     weights = {p.untyped_storage().data_ptr() for p in ours64.parameters()}
     saved: dict[int, int] = {}
 
@@ -647,8 +660,10 @@ def test_graph_bytes_bounds_what_the_graph_saves(ours64: GPT, names: list[str], 
     ids = torch.randint(0, 50257, (n_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         gradients(ours64, ids, Loss(), names)
-    estimate = graph_bytes(ours64.config, n_tokens, torch.float64)
+    estimate = graph_bytes(ours64.config, n_tokens, torch.float64, names)
     assert 0 < sum(saved.values()) <= estimate, (sum(saved.values()), estimate)
+    if names in SPLIT_INPUTS:  # the copies counted
+        assert estimate > graph_bytes(ours64.config, n_tokens, torch.float64)
 
 
 @pytest.mark.parametrize(

@@ -254,6 +254,28 @@ def test_bad_input_names_the_field(small_limits: TestClient, path: str, body: An
     assert_still_serving(small_limits)
 
 
+def test_the_graph_limit_counts_the_per_head_inputs_asked_for_or_edited(loaded: LoadedModel) -> None:
+    """A block's per-head copies of the stream (`hook_attn_in`, `hook_q_input`, ...) save n_head d_model-wide
+    values a position each, beyond the graph a request of the same length builds otherwise: a limit that
+    fits the plain graph refuses them, captured or edited, and the server serves on."""
+    from model.lab.gradients import graph_bytes
+
+    c, n = loaded.model.config, 40
+    with serve(loaded, max_gradient_bytes=graph_bytes(c, n, torch.float32)) as client:
+        ok = client.post("/v1/gradients", json=grad(input_ids=[464] * n, hooks=["hook_embed"]))
+        assert ok.status_code == 200, ok.text
+        split = grad(input_ids=[464] * n, hooks=["blocks.*.hook_attn_in"])
+        refused = client.post("/v1/gradients", json=split)
+        assert_error(refused, 413, "input_ids")
+        assert "or capture or edit fewer per-head inputs" in refused.json()["error"]["message"]
+        edit = {"hook": "blocks.0.hook_q_input", "op": "scale", "factor": 2}
+        edited = grad(input_ids=[464] * n, hooks=["hook_embed"], interventions=[edit])
+        assert_error(client.post("/v1/gradients", json=edited), 413, "input_ids")
+        highway = {"input_ids": [464] * n, "gradients": True, "interventions": [edit]}
+        assert_error(client.post("/v1/analyze", json=highway), 413, "gradients")
+        assert_still_serving(client)
+
+
 # --- the engine: a pass's pieces as jobs, decode steps between them, one graph at a time -----------------
 
 

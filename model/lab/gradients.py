@@ -15,7 +15,8 @@ both the loss's gradient at every layer's stream and each block's Jacobian again
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+import re
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -550,10 +551,14 @@ class FrobeniusEstimate:
         return math.sqrt(self._jacobian / self.probes / n), math.sqrt(self._minus_identity / self.probes / n)
 
 
-def rademacher(k: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int = 0) -> torch.Tensor:
-    """k random sign tensors of `shape` (seeded: the same probes every run)."""
+def rademacher(
+    k: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> Iterator[torch.Tensor]:
+    """k random sign tensors of `shape`, one at a time (seeded: the same probes every run; a probe's memory
+    at a time, however many are asked for)."""
     g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, 2, (k, *shape), generator=g) * 2 - 1).to(dtype=dtype, device=device)
+    for _ in range(k):
+        yield (torch.randint(0, 2, shape, generator=g) * 2 - 1).to(dtype=dtype, device=device)
 
 
 HIGHWAY = Refusal("gradients", ": no gradient to measure", "the loss", "no gradient to measure")
@@ -580,7 +585,7 @@ class HighwayPass:
         wrt = [n for pair in zip(self._pre, self._post, strict=True) for n in pair]
         self._loss = MetricPass(config, ids, Loss(), wrt, HIGHWAY, edits, retain_graph=True, watch_every_position=True)
         self._probes, self._seed = probes, seed
-        self._u: torch.Tensor | None = None  # [probes, 1, T, C]
+        self._u: Iterator[torch.Tensor] | None = None  # the block's probes [1, T, C], the same for every block
         self._blocks = [FrobeniusEstimate() for _ in range(L)]
         self._block = 0  # the block whose probes run next
 
@@ -597,9 +602,10 @@ class HighwayPass:
         estimate = self._blocks[self._block]
         last = estimate.probes == self._probes - 1
         with torch.inference_mode(False), torch.enable_grad():
-            if self._u is None:
+            if estimate.probes == 0:
                 self._u = rademacher(self._probes, tuple(pre.shape), pre.dtype, pre.device, self._seed)
-            estimate.add(post, pre, self._u[estimate.probes], retain_graph=not last)
+            assert self._u is not None
+            estimate.add(post, pre, next(self._u), retain_graph=not last)
         if not estimate.finite():
             edited = self._loss.edited
             reason = (
@@ -646,15 +652,34 @@ def highway(
 # --- memory ------------------------------------------------------------------------------------
 
 
-def graph_bytes(config: GPTConfig, n_tokens: int, dtype: torch.dtype) -> int:
+def graph_bytes(config: GPTConfig, n_tokens: int, dtype: torch.dtype, hooks: Iterable[str] = ()) -> int:
     """An upper estimate of the memory a forward pass with a graph and its backward pass take, from the
     shapes: per block and position about 17 d_model-wide values saved for the backward pass (inputs of the
     four projections, q, k, v, the layer norms' inputs, GELU's input and output at 4 d_model) and two
     attention rows per head (scores and pattern), then the final layer norm and two vocabulary-wide rows
-    (the logits and their log-softmax); a quarter more for the backward pass's own buffers."""
+    (the logits and their log-softmax); a quarter more for the backward pass's own buffers. `hooks`, the
+    hook points the run captures or edits: each per-head input they turn on (a block's queries', keys' or
+    values' copy of the stream, TransformerLens' split inputs: `hook_attn_in` turns on all three) saves
+    about n_head d_model-wide values a position more (its copy and the copy's LayerNorm), 1.5 counted."""
     C, H, T = config.n_embd, config.n_head, n_tokens
-    per_position = config.n_layer * (17 * C + 2 * H * T) + 3 * C + 2 * config.vocab_size
+    per_position = (
+        config.n_layer * (17 * C + 2 * H * T) + 3 * C + 2 * config.vocab_size + 1.5 * H * C * _per_head_inputs(hooks)
+    )
     return int(1.25 * T * per_position * torch.empty((), dtype=dtype).element_size())
+
+
+_SPLIT_INPUT = re.compile(r"blocks\.(\d+)\.hook_(attn_in|q_input|k_input|v_input)")
+
+
+def _per_head_inputs(hooks: Iterable[str]) -> int:
+    """How many per-head input copies (a block's queries', keys' or values') hook points `hooks` turn on,
+    over all the blocks."""
+    paths: set[tuple[str, str]] = set()
+    for name in hooks:
+        if m := _SPLIT_INPUT.fullmatch(name):
+            layer, site = m.groups()
+            paths.update((layer, p) for p in ("q", "k", "v") if site in ("attn_in", f"{p}_input"))
+    return len(paths)
 
 
 def grad_name(name: str) -> str:

@@ -19,6 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from model.generate import validate_prompt
+from model.interventions import EditSpec
 from model.lab.attribution import ScoringPass, Site, patched_pass
 from model.lab.gradients import Gradients, Metric, check_metric, grad_name, gradient_pass, graph_bytes
 
@@ -48,14 +49,26 @@ from .sae import DirectionsDep
 router = APIRouter(tags=["lab"], route_class=JSONBodyRoute)
 
 
-def check_graph(engine: Engine, settings: Settings, n_tokens: int, param: str) -> None:
-    """Refuse (413, naming `param`) a request whose autograd graph, estimated from its shape, would not fit."""
-    size = graph_bytes(engine.model.config, n_tokens, engine.loaded.dtype)
+def check_graph(
+    engine: Engine, settings: Settings, n_tokens: int, param: str, hooks: list[str], edits: EditSpec | None
+) -> None:
+    """Refuse (413, naming `param`) a request whose autograd graph, estimated from its shape, the hook points
+    it captures (`hooks`) and those its `edits` change, would not fit."""
+    config = engine.model.config
+    edited = edits.plan(config).targets if edits is not None else ()  # planned already: no glob matched again
+    size = graph_bytes(config, n_tokens, engine.loaded.dtype, [*hooks, *edited])
     if size > settings.max_gradient_bytes:
+        split = size > graph_bytes(config, n_tokens, engine.loaded.dtype)
         raise APIError(
             413,
             f"a graph for {n_tokens} tokens would take about {size} bytes, over the server's limit of "
-            f"{settings.max_gradient_bytes} (--max-gradient-bytes): send a shorter prompt",
+            f"{settings.max_gradient_bytes} (--max-gradient-bytes): send a shorter prompt"
+            + (
+                ", or capture or edit fewer per-head inputs (hook_attn_in, hook_q_input, hook_k_input, "
+                "hook_v_input: n_head copies of the stream each)"
+                if split
+                else ""
+            ),
             param,
         )
 
@@ -89,7 +102,7 @@ async def gradients_at_hooks(
             + (", or format safetensors" if wire == "json" else ""),
             "hooks",
         )
-    check_graph(engine, settings, len(ids), param)
+    check_graph(engine, settings, len(ids), param, names, edits)
     await hold.reserve(size, request, GRADIENTS)  # held until the answer is sent
     run = await run_in_threadpool(gradient_pass, config, ids, metric, names, edits)
     async with turn.held(request):
@@ -139,7 +152,7 @@ async def attribution_patching(
     ]
     metric = req.metric.metric(engine.tokenizer)
     scoring = ScoringPass(engine.model.config, clean, corrupted, metric, req.verify)  # checks the prompts
-    check_graph(engine, settings, len(corrupted), "corrupted")
+    check_graph(engine, settings, len(corrupted), "corrupted", [], None)  # its sites split no input
     async with turn.held(request):
         await stepped(request, engine, scoring)
     scores = scoring.result()

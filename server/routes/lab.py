@@ -106,7 +106,7 @@ async def analyze_prompt(
     if req.gradients:
         if len(ids) < 2:
             raise GenerationError("gradients need a prompt of at least 2 tokens (the loss predicts one)", "gradients")
-        check_graph(engine, settings, len(ids), "gradients")
+        check_graph(engine, settings, len(ids), "gradients", [], edits)
     Run = tuple[list[LayerStats], list[LayerGradient] | None]
     # what the analysis holds between its jobs counts against the dump budget: concurrent analyses would
     # otherwise all hold theirs at once, the engine's jobs running first come first served
