@@ -577,9 +577,14 @@ def load(
         tokenizer = Tokenizer.from_dir(tok_dir)
     except TokenizerError as e:
         raise LoadError(str(e)) from None
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise LoadError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {model.config.vocab_size}")
+    check_tokenizer_fits(tokenizer, model.config)
     return LoadedModel(model, tokenizer, files.name, files.revision, dt, dev)
+
+
+def check_tokenizer_fits(tokenizer: Tokenizer, config: GPTConfig) -> None:
+    """Refuse a tokenizer with more tokens than the model has rows of wte (its ids would index past them)."""
+    if tokenizer.vocab_size > config.vocab_size:
+        raise LoadError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {config.vocab_size}")
 
 
 class Checkpoint(Protocol):

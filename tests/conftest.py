@@ -52,10 +52,11 @@ def make_checkpoint(
     n_positions: int = 1024,
     layout: str = "save_pretrained",
     seed: int = 0,
+    vocab_size: int = 50257,
 ) -> Checkpoint:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_positions=n_positions)
+    config = GPT2Config(n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_positions=n_positions, vocab_size=vocab_size)
     hf = GPT2LMHeadModel(config)
     randomize_(hf, seed)
     hf.save_pretrained(directory)

@@ -124,6 +124,13 @@ def test_sources_read_in_order(tmp_path: Path) -> None:
         ("x.jsonl", '{"text": 3}\n', "text", r"line 1: 'text' is a int, expected text"),
         ("x.jsonl", "[1, 2]\n", "text", r"line 1: a JSON list"),
         ("x.jsonl", '{"text": "a\\ud800b"}\n', "text", r"x\.jsonl line 1: 'text' is not valid Unicode"),
+        (
+            "x.jsonl",
+            '{"text": "a", "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n",
+            "text",
+            "line 1: .*nested too deeply",
+        ),
+        ("x.jsonl", '{"text": "a", "n": ' + "1" * 5000 + "}\n", "text", r"line 1: not a JSON object \(Exceeds"),
         ("x.parquet", "PAR? no", "text", r"x\.parquet: not a parquet file"),
         ("x.txt", b"\xff\xfe bad", "text", r"x\.txt: not UTF-8 text"),
         ("x.csv", "a,b", "text", r"cannot read \.csv; valid: \.txt, \.jsonl, \.parquet"),
@@ -264,11 +271,60 @@ def test_parquet_missing_column(tmp_path: Path) -> None:
         texts(open_source(tmp_path / "x.parquet"))
 
 
+def test_a_damaged_parquet_page_names_the_file_and_row(tmp_path: Path) -> None:
+    """A page damaged inside the file (its footer whole: the file opens) is found only as its rows are read: named
+    as the file's damage, not as the output folder's (pyarrow's OSError once reached the CLI without a name)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "x.parquet"
+    pq.write_table(pa.table({"text": [f"document {i} " * 20 for i in range(300)]}), path, row_group_size=100)
+    raw = bytearray(path.read_bytes())
+    first = raw.index(b"document 100")  # the second row group's first page of text
+    raw[first - 40 : first + 400] = bytes(440)
+    path.write_bytes(bytes(raw))
+    with pytest.raises(HarvestError, match=r"x\.parquet: a damaged parquet file, its rows from \d+ on unreadable") as e:
+        texts(open_source(path))
+    assert "\n" not in str(e.value)
+
+
+def test_a_datasets_folder_with_a_bad_state_file(tmp_path: Path) -> None:
+    (tmp_path / "dataset_info.json").write_text("{}")
+    for content, says in [("garbage", "is not valid JSON"), ("[1]", "state.json holds a JSON list")]:
+        (tmp_path / "state.json").write_text(content)
+        with pytest.raises(HarvestError, match=f"not a readable Hugging Face datasets directory .*{says}"):
+            open_source(tmp_path).describe()
+
+
 def test_missing_and_empty_sources(tmp_path: Path) -> None:
     with pytest.raises(HarvestError, match="no text source at"):
         open_source(tmp_path / "nothing.jsonl")
     with pytest.raises(HarvestError, match=r"holds no \.txt, \.jsonl, \.parquet files"):
         open_source(tmp_path)
+    with pytest.raises(HarvestError, match="the text source is empty"):  # not the current directory, all of it
+        open_source("")
+
+
+def test_an_output_folder_inside_the_source_folder(tiny, tokenizer_dir: Path, corpus, tmp_path: Path) -> None:
+    """The job's own folder is never read as text (its journal is a .jsonl): a job killed with shards in its
+    journal resumes there, as the uninterrupted one runs."""
+    source, _ = corpus
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "docs.jsonl").write_bytes(source.read_bytes())
+    out = folder / "acts"
+    opts = {"tokenizer": str(tokenizer_dir), "device": "cpu", "max_tokens": 512, "shard_size": 1}
+    whole = harvest(tiny.path, folder, out, ["blocks.0.hook_resid_pre"], **opts)
+    assert whole.complete and [f["name"] for f in whole.job["source"]["files"]] == ["docs.jsonl"]
+    manifest = json.loads((out / MANIFEST).read_text())  # as if killed with its last shards in the journal
+    journal = [json.dumps({"add": shard}) for shard in manifest["shards"][2:]]
+    manifest |= {"complete": False, "n_contexts": None, "shards": manifest["shards"][:2]}
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    (out / "manifest-journal.jsonl").write_text("".join(line + "\n" for line in journal))
+    resumed = harvest(tiny.path, folder, out, ["blocks.0.hook_resid_pre"], **opts)
+    assert resumed.complete and resumed.n_contexts == whole.n_contexts
+    with pytest.raises(HarvestError, match="out_dir is empty"):
+        harvest(tiny.path, folder, "", ["blocks.0.hook_resid_pre"], **opts)
 
 
 # --- the job -----------------------------------------------------------------------------------
@@ -482,6 +538,11 @@ def test_a_job_failing_before_its_first_shard_leaves_no_folder(
     assert ready.is_dir() and not list(ready.iterdir())
     fixed = harvest(tiny.path, source, ready, ["blocks.0.hook_resid_pre"], **tok)
     assert fixed.complete and fixed.n_contexts == 2
+    # a finished manifest edited by hand: its count refused in words (the CLI's last line once crashed on it)
+    manifest = json.loads((ready / MANIFEST).read_text())
+    (ready / MANIFEST).write_text(json.dumps(manifest | {"n_contexts": "2"}))
+    with pytest.raises(HarvestError, match="its n_contexts is '2', not a count of contexts"):
+        harvest(tiny.path, source, ready, ["blocks.0.hook_resid_pre"], **tok)
 
 
 def test_a_full_disk_at_the_first_write_leaves_no_folder(
@@ -767,6 +828,38 @@ def test_kill_9_and_resume(tiny, tokenizer_dir: Path, tmp_path: Path) -> None:
     shas = tree_shas(out)
     assert shas == tree_shas(reference)
     assert len(shas) - 1 > interrupted_at  # shards were computed after the restart
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_a_job_stopped_before_its_first_shard_blocks_no_other(
+    tiny, tokenizer_dir: Path, tmp_path: Path, how: signal.Signals
+) -> None:
+    """Stopped while its first shard is computed: by SIGTERM (kill, timeout, docker stop) it stops as Ctrl-C
+    does, leaving no folder, exit status 143; by SIGKILL its manifest of no shard stays, and protects nothing:
+    a corrected job, with other arguments, starts in its place (both were refused as "other arguments")."""
+    source = tmp_path / "docs.jsonl"
+    write_jsonl(source, 3000, seed=3, max_words=120)  # one shard of all its contexts at the default shard size
+    model = ["--model", str(tiny.path), "--tokenizer", str(tokenizer_dir), "--device", "cpu", "--threads", "1"]
+    job = ["--hooks", "blocks.1.hook_resid_post", "--context-size", "32", "--batch-size", "1"]
+    out = tmp_path / "stopped"
+    proc = subprocess.Popen(cli(str(source), "--out", str(out), *model, *job), stderr=subprocess.PIPE, cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while not (out / MANIFEST).is_file():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no manifest after 120 s"
+        time.sleep(0.005)
+    proc.send_signal(how)
+    _, err = proc.communicate(timeout=60)
+    assert recorded_shards(out) == 0, "a shard was written before the signal: nothing to test"
+    if how == signal.SIGTERM:
+        assert proc.returncode == 143 and not out.exists(), err
+        return
+    assert json.loads((out / MANIFEST).read_text())["shards"] == []
+    fixed = harvest(
+        tiny.path, source, out, ["blocks.0.hook_resid_pre"], context_size=16, max_tokens=64,
+        tokenizer=str(tokenizer_dir), device="cpu",
+    )  # fmt: skip
+    assert fixed.complete and fixed.n_contexts == 4 and fixed.job["hooks"] == ["blocks.0.hook_resid_pre"]
 
 
 @pytest.mark.parametrize(

@@ -151,6 +151,48 @@ def test_an_actors_error_is_the_drivers_one_line(tiny_past_float16: Path, tokeni
     assert not (tmp_path / "out").exists()
 
 
+def test_a_model_an_actor_cannot_load_is_the_drivers_one_line(tiny, tokenizer_dir: Path, tmp_path: Path) -> None:
+    """Weights the driver identifies (it reads no tensor) but no actor can load: each actor reports why, the
+    driver raises it in one line, and no folder is left (Ray retried the actor for ever, then printed a
+    270-line traceback of its own)."""
+    from model.harvest.ray_data import run_on_ray
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny.path, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # cut short: its tensors run past the end
+    source = tmp_path / "docs.txt"
+    source.write_text("the cat sat on the mat . " * 40)
+    spec = HarvestSpec(
+        model=str(broken), source=str(source), hooks=("blocks.0.hook_resid_pre",), context_size=16,
+        tokenizer=str(tokenizer_dir), device="cpu",
+    )  # fmt: skip
+    with pytest.raises(HarvestError, match=r"^a Ray worker could not load the model: .*model\.safetensors") as e:
+        run_on_ray(spec, tmp_path / "out", actors=1)
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_past_the_models_vocabulary_is_refused_before_ray(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """Found by the driver as it plans the job, as the in-process job finds it as it loads the model."""
+    from conftest import make_checkpoint
+
+    from model.harvest.ray_data import run_on_ray
+
+    small = make_checkpoint(tmp_path / "small", n_layer=1, n_head=2, n_embd=32, n_positions=64, vocab_size=1000)
+    source = tmp_path / "docs.txt"
+    source.write_text("the cat sat on the mat . " * 40)
+    spec = HarvestSpec(
+        model=str(small.path), source=str(source), hooks=("blocks.0.hook_resid_pre",), context_size=16,
+        tokenizer=str(tokenizer_dir), device="cpu",
+    )  # fmt: skip
+    says = "^the tokenizer has 50257 tokens but the model only 1000$"
+    with pytest.raises(HarvestError, match=says):
+        run_on_ray(spec, tmp_path / "out", actors=1)
+    with pytest.raises(HarvestError, match=says):
+        harvest(small.path, source, tmp_path / "out", ["blocks.0.hook_resid_pre"], tokenizer=str(tokenizer_dir))
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_bad_ray_address_is_one_error_and_leaves_no_folder(tiny, tokenizer_dir: Path, tmp_path: Path) -> None:
     """An address Ray refuses is a HarvestError in one line (it was Ray's traceback), and the job's new folder
     is removed as for any job failing before its first shard."""

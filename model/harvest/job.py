@@ -28,7 +28,17 @@ import torch
 from ..config import ConfigError, GPTConfig
 from ..gpt import GPT
 from ..hooks import UnknownHookError, is_attention_square, run_with_cache, select_hooks, site_shape
-from ..loading import DTYPE_NAMES, INT8, LoadedModel, LoadError, load_from, locate, resolve_device, resolve_dtype
+from ..loading import (
+    DTYPE_NAMES,
+    INT8,
+    LoadedModel,
+    LoadError,
+    check_tokenizer_fits,
+    load_from,
+    locate,
+    resolve_device,
+    resolve_dtype,
+)
 from ..overflow import dtype_range
 from ..safetensors_file import SafetensorsFile
 from ..tokenizer import EOT, Tokenizer, TokenizerError, tokenizer_files
@@ -174,11 +184,12 @@ def make_plan(
     weights: list[dict[str, Any]] | None = None,
     device: str = "cpu",
     tokenizer_files: list[dict[str, Any]] | None = None,
+    out_dir: str | Path | None = None,
 ) -> Plan:
     """Resolve `spec` against the model's shape: hooks, shapes, shard size; bad values are `HarvestError`s.
     `weights` and `tokenizer_files` identify the weight files and the tokenizer's (`files_identity`), so
     that a resume refuses others at the same paths; `device` is the kind of device that computes the shards
-    (cpu, cuda, mps)."""
+    (cpu, cuda, mps); `out_dir`, the job's output folder, is never read as text."""
     if spec.context_size > config.n_positions:
         raise HarvestError(f"context size {spec.context_size} is more than the model's {config.n_positions} positions")
     try:
@@ -205,7 +216,7 @@ def make_plan(
         batches = max(1, SHARD_TARGET_BYTES // (bytes_per_context * spec.batch_size))
         shard_size = batches * spec.batch_size
     max_contexts = None if spec.max_tokens is None else spec.max_tokens // T
-    source = open_source(spec.source, spec.text_field)
+    source = open_source(spec.source, spec.text_field, out_dir)
     eot = tokenizer.eot_id
     return Plan(
         spec,
@@ -223,11 +234,11 @@ def make_plan(
     )
 
 
-def shard_tokens(plan: Plan, tokenizer: Tokenizer) -> Iterator[tuple[int, int, np.ndarray]]:
-    """(shard index, first context's number, token ids [rows, context] int32) for every shard of the job,
-    in order; every shard but the last has `plan.shard_size` rows."""
+def shard_tokens(plan: Plan, tokenizer: Tokenizer, out_dir: Path) -> Iterator[tuple[int, int, np.ndarray]]:
+    """(shard index, first context's number, token ids [rows, context] int32) for every shard of the job
+    writing into `out_dir`, in order; every shard but the last has `plan.shard_size` rows."""
     spec = plan.spec
-    source = open_source(spec.source, spec.text_field)
+    source = open_source(spec.source, spec.text_field, out_dir)
     documents = source.documents(plan.source)  # checked against the files the job began with
     contexts = pack(tokenize(documents, tokenizer), spec.context_size, plan.bos_id, plan.separator_id)
     if plan.max_contexts is not None:
@@ -407,6 +418,7 @@ def locate_model(spec: HarvestSpec, device: torch.device) -> Located:
         if tok_dir is None:
             raise HarvestError(f"{files.name} ships no tokenizer: give a tokenizer directory (--tokenizer DIR)")
         tokenizer = Tokenizer.from_dir(tok_dir)
+        check_tokenizer_fits(tokenizer, files.config)  # here, before any worker loads the model
         dtype = resolve_dtype(spec.dtype, device)
     except (LoadError, ConfigError, TokenizerError) as e:
         raise HarvestError(str(e)) from None
@@ -469,7 +481,7 @@ def open_job(
         config, tokenizer, dtype = located.config, located.tokenizer, located.dtype
         weights, tok_files = located.weights, located.tokenizer_files
         name, revision = spec.model, spec.revision
-    plan = make_plan(spec, config, tokenizer, dtype, weights, device or here.type, tok_files)
+    plan = make_plan(spec, config, tokenizer, dtype, weights, device or here.type, tok_files, out_dir)
     manifest = Manifest.open(out_dir, plan.job(), plan.header(name, revision))
     return plan, manifest, tokenizer
 
@@ -502,7 +514,7 @@ def _run_here(
     try:
         lm = loaded if loaded is not None else load_model(spec)
         on_batch = progress.advance if progress is not None else None
-        for index, first, tokens in _prefetched(shard_tokens(plan, tokenizer)):
+        for index, first, tokens in _prefetched(shard_tokens(plan, tokenizer, manifest.out_dir)):
             n_shards, n_contexts = index + 1, first + len(tokens)
             if already_written(manifest, plan, index, first, tokens, progress):
                 continue
@@ -591,6 +603,8 @@ def harvest(
         hooks = (hooks,)
     if not isinstance(out_dir, (str, Path)):
         raise HarvestError(f"harvest: out_dir must be a folder's path (a str or a Path), got {out_dir!r}")
+    if str(out_dir) == "":  # Path("") is the current directory
+        raise HarvestError("harvest: out_dir is empty: give a new or empty folder, or one a harvest wrote")
     try:
         spec = HarvestSpec(model=str(model), source=str(source), hooks=tuple(hooks), **options)
     except TypeError as e:

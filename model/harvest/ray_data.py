@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..loading import device_problem
+from ..loading import LoadedModel, device_problem
 from .errors import HarvestError
 from .job import (
     HarvestSpec,
@@ -65,7 +65,11 @@ class ShardActor:
         spec = plan.spec
         if spec.dtype == "auto":
             spec = replace(spec, dtype=str(plan.dtype).removeprefix("torch."))
-        self.lm = load_model(spec)
+        self.failed: str | None = None  # why the model did not load here, for the driver to raise
+        try:  # raised here, Ray would retry the actor for ever, then print its own traceback
+            self.lm: LoadedModel | None = load_model(spec)
+        except HarvestError as e:  # (a path this worker cannot see, say)
+            self.lm, self.failed = None, str(e)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
         plan, T = self.plan, self.plan.spec.context_size
@@ -74,8 +78,10 @@ class ShardActor:
         for index, first, rows, raw in zip(batch["index"], batch["first"], batch["rows"], batch["tokens"], strict=True):
             tokens = np.frombuffer(raw, dtype=np.int32).reshape(int(rows), T).copy()  # writable, as torch wants
             try:
+                if self.lm is None:
+                    raise HarvestError(f"a Ray worker could not load the model: {self.failed}")
                 acts = compute_shard(self.lm.model, tokens, plan.names, plan.spec.batch_size)
-            except HarvestError as e:  # activations past their dtype's range
+            except HarvestError as e:  # that, or activations past their dtype's range
                 records.append(ShardRecord(int(index), "", 0, int(first), "", 0))
                 errors.append(str(e))
                 continue
@@ -150,7 +156,7 @@ def _run(
     ray = _ray()
     rows: list[dict[str, Any]] = []
     n_shards = n_contexts = 0
-    for index, first, tokens in shard_tokens(plan, tokenizer):
+    for index, first, tokens in shard_tokens(plan, tokenizer, manifest.out_dir):
         n_shards, n_contexts = index + 1, first + len(tokens)
         if not already_written(manifest, plan, index, first, tokens, progress):
             rows.append({"index": index, "first": first, "rows": len(tokens), "tokens": tokens.tobytes()})

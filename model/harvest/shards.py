@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from ..json_file import clip
+from ..json_file import clip, is_int
 from .errors import HarvestError
 from .lock import LOCK, FolderLock
 
@@ -296,6 +296,14 @@ class Manifest:
                     records[change.index] = change
                 else:
                     records.pop(change, None)  # a drop the manifest took in already, killed before the journal went
+        if not records and not saved.get("complete"):
+            # a job killed before its first shard (by SIGKILL: nothing cleaned up after it) protects nothing:
+            # this job starts in its place, whatever its arguments, as in the empty folder it left
+            log.warning("%s holds a harvest stopped before its first shard: this job starts in its place", path)
+            journal.unlink(missing_ok=True)
+            self.new = True
+            self.save()
+            return
         # version 2 recorded everything but the tokenizer's identity: its job resumes with the tokenizer
         # named now, whose identity is recorded from now on (what tokenized the shards before, it cannot say)
         upgrade = saved.get("version") == 2 and isinstance(saved_job, dict) and _TOKENIZER not in saved_job
@@ -324,6 +332,9 @@ class Manifest:
                 log.warning("shard %s is missing or does not match its sha256: computing it again", r.file)
         self.complete = bool(saved.get("complete")) and len(self.shards) == len(records)
         self.n_contexts = saved.get("n_contexts") if self.complete else None
+        if self.complete and not (is_int(self.n_contexts) and self.n_contexts > 0):
+            raise HarvestError(f"{path} is not a harvest manifest this version can read (its n_contexts is "
+                               f"{clip(self.n_contexts)}, not a count of contexts)")  # fmt: skip
         log.info("resuming %s: %d shards already there", self.out_dir, len(self.shards))
         if upgrade and not self.complete:
             log.warning(

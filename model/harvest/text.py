@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..json_file import read_json
 from ..tokenizer import InvalidTextError, Tokenizer, check_unicode
 from .errors import HarvestError
 from .shards import sha256_file
@@ -53,7 +54,7 @@ class Source:
             state = self.dataset_dir / "state.json"
             if not state.is_file():  # a DatasetDict's: its split that is read (`_dataset_documents`)
                 state = self.dataset_dir / TRAIN / "state.json"
-            fingerprint = json.loads(state.read_text()).get("_fingerprint") if state.is_file() else None
+            fingerprint = _fingerprint(state) if state.is_file() else None
             return {
                 "path": str(self.path),
                 "kind": "datasets",
@@ -87,8 +88,21 @@ class Source:
             yield from _file_documents(f, self.text_field, sha256.get(self._name(f)))
 
 
-def open_source(path: str | Path, text_field: str = "text") -> Source:
-    """The source at `path`, checked to exist and hold something readable (see the module docstring)."""
+def _fingerprint(state: Path) -> object:
+    """The `_fingerprint` a datasets directory's `state.json` records (what `save_to_disk` saved)."""
+    what = "a readable Hugging Face datasets directory"
+    content = read_json(state, lambda message: HarvestError(f"{state.parent}: not {what} ({message})"), what)
+    if not isinstance(content, dict):
+        raise HarvestError(f"{state.parent}: not {what} ({state.name} holds a JSON {type(content).__name__})")
+    return content.get("_fingerprint")
+
+
+def open_source(path: str | Path, text_field: str = "text", leave_out: str | Path | None = None) -> Source:
+    """The source at `path`, checked to exist and hold something readable (see the module docstring).
+    `leave_out`: a folder whose files are never read (the job's own output folder, when it lies inside a
+    source folder: its journal is a .jsonl)."""
+    if str(path) == "":  # Path("") is the current directory: all of it would be read
+        raise HarvestError("the text source is empty: give a .txt, .jsonl or .parquet file, or a folder")
     path = Path(path)
     if not path.exists():
         raise HarvestError(f"no text source at {path}: expected a .txt, .jsonl or .parquet file, or a folder")
@@ -100,6 +114,7 @@ def open_source(path: str | Path, text_field: str = "text") -> Source:
         return Source(path, text_field, files=(path,))
     if _is_datasets_dir(path):
         return Source(path, text_field, dataset_dir=path)
+    skipped = Path(leave_out).resolve() if leave_out is not None else None
     files = tuple(
         sorted(
             (
@@ -108,6 +123,7 @@ def open_source(path: str | Path, text_field: str = "text") -> Source:
                 if f.is_file()
                 and f.suffix in FILE_KINDS
                 and not any(p.startswith(".") for p in f.relative_to(path).parts)
+                and (skipped is None or not f.resolve().is_relative_to(skipped))
             ),
             key=lambda f: f.relative_to(path).parts,
         )
@@ -193,8 +209,10 @@ def _jsonl_documents(path: Path, field: str, sha256: str | None) -> Iterator[str
                 continue
             try:
                 row = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            except ValueError as e:  # not JSON, not UTF-8, or a number of more than 4300 digits
                 raise HarvestError(f"{path} line {number}: not a JSON object ({e})") from None
+            except RecursionError:
+                raise HarvestError(f"{path} line {number}: not a JSON object (nested too deeply)") from None
             if not isinstance(row, dict):
                 raise HarvestError(
                     f"{path} line {number}: a JSON {type(row).__name__}, expected an object with {field!r}"
@@ -226,7 +244,17 @@ def _parquet_documents(path: Path, field: str) -> Iterator[str]:
     if field not in names:
         raise HarvestError(f"{path}: no text column {field!r}; its columns are {names} (choose one with --text-field)")
     row = 0
-    for batch in pf.iter_batches(columns=[field], batch_size=1024):
+    batches = pf.iter_batches(columns=[field], batch_size=1024)
+    while True:
+        try:  # a damaged page shows only as its rows are read
+            batch = next(batches, None)
+        except Exception as e:  # pyarrow's OSError, ArrowInvalid, ...
+            reason = " ".join(str(e).split())  # pyarrow's reasons run over lines
+            raise HarvestError(
+                f"{path}: a damaged parquet file, its rows from {row} on unreadable ({reason})"
+            ) from None
+        if batch is None:
+            return
         for value in batch.column(0).to_pylist():
             yield _text(value, f"{path} row {row}", field)
             row += 1
