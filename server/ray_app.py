@@ -25,7 +25,7 @@ import logging
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import ray
@@ -67,11 +67,13 @@ RAY_ARGS = (
 
 @dataclass(frozen=True)
 class Plan:
-    """What `build` deploys: each replica's settings and torch threads, and Serve's deployment options."""
+    """What `build` deploys: each replica's settings and torch threads, and Serve's deployment options;
+    `cwd`, the builder's working directory, which relative paths in the settings are read against."""
 
     settings: Settings
     threads: int
     options: dict[str, Any]
+    cwd: str = field(default_factory=os.getcwd)
 
 
 def plan(args: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Plan:
@@ -199,6 +201,10 @@ def application(p: Plan) -> Application:
         """Runs on each replica as it starts, before Serve routes requests to it."""
         logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         torch.set_num_threads(replica_threads(threads))
+        # a replica's process starts where `ray start` ran: relative paths (model, tokenizer, SAEs) are read
+        # where `serve run` read them, on a node that has that directory
+        if os.path.isdir(p.cwd):
+            os.chdir(p.cwd)
         loaded = load_from(settings)
         release_openmp_pool()  # this thread's, from loading: the engine's thread should keep the only one
         # a replica serves this model for its whole life; its sends to the proxy are queued, never waited on

@@ -102,9 +102,17 @@ def args(checkpoint: Path, tokenizer_dir: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def ray_app(ray_url: str, args: dict[str, Any]) -> Iterator[str]:
-    """The deployment, two replicas: `serve run server.ray_app:build` with these args."""
-    serve.run(application(plan(args, environ={})), name=APP, route_prefix="/")
+def ray_app(ray_url: str, args: dict[str, Any], checkpoint: Path) -> Iterator[str]:
+    """The deployment, two replicas: `serve run server.ray_app:build` with these args, run in the checkpoint's
+    parent directory and naming it relative to there, as `serve run ... model=./gpt2` does (the replicas'
+    processes started elsewhere: they read it where the builder did)."""
+    here = os.getcwd()
+    os.chdir(checkpoint.parent)
+    try:
+        planned = plan({**args, "model": f"./{checkpoint.name}"}, environ={})
+    finally:
+        os.chdir(here)
+    serve.run(application(planned), name=APP, route_prefix="/")
     try:
         yield ray_url
     finally:
@@ -113,8 +121,15 @@ def ray_app(ray_url: str, args: dict[str, Any]) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def single(checkpoint: Path, tokenizer_dir: Path) -> Iterator[TestClient]:
-    """The same model behind one server in this process: what each answer must equal."""
-    loaded: LoadedModel = load(checkpoint, tokenizer_dir=tokenizer_dir, device="cpu", dtype="float32")
+    """The same model behind one server in this process, named as the deployment names it: what each answer
+    must equal."""
+    here = os.getcwd()
+    os.chdir(checkpoint.parent)
+    try:
+        relative = f"./{checkpoint.name}"
+        loaded: LoadedModel = load(relative, tokenizer_dir=tokenizer_dir, device="cpu", dtype="float32")
+    finally:
+        os.chdir(here)
     app = create_app(Settings(model="tiny", max_batch_size=8, max_queue=64), loaded=loaded)
     with TestClient(app, raise_server_exceptions=False) as client:
         yield client
@@ -408,7 +423,7 @@ def test_a_replica_takes_as_many_torch_threads_as_ray_gave_it(monkeypatch: pytes
 
 
 def test_ray_a_vector_stored_by_name_is_known_to_every_replica(
-    ray_app: str, single: TestClient, args: dict[str, Any]
+    ray_app: str, single: TestClient, checkpoint: Path
 ) -> None:
     """A steering vector stored by name through one replica is found whichever replica serves a later request
     (they share one store, `VectorStore`), and /v1/model lists it on each. Last of the tests on `ray_app`:
@@ -437,13 +452,13 @@ def test_ray_a_vector_stored_by_name_is_known_to_every_replica(
         assert listed == [["joy"]] * 10
         assert len({s["pid"] for s in stats()}) == 2
         # the store's actor killed: the replicas make it again (empty) and go on; a 400, never a 500
-        ray.kill(ray.get_actor(vector_store_name(APP, args["model"]), namespace="serve"))
+        ray.kill(ray.get_actor(vector_store_name(APP, f"./{checkpoint.name}"), namespace="serve"))
         gone = [httpx.post(ray_app + GEN, json=steer, timeout=GUARD) for _ in range(6)]
         assert {(g.status_code, "no stored steering vector 'joy'" in g.text) for g in gone} == {(400, True)}
         again = httpx.post(ray_app + "/v1/steering-vectors", json=body, timeout=GUARD)
         assert again.status_code == 200 and again.json()["stored"] == ["joy"], again.text
     finally:
-        ray.kill(ray.get_actor(vector_store_name(APP, args["model"]), namespace="serve"))
+        ray.kill(ray.get_actor(vector_store_name(APP, f"./{checkpoint.name}"), namespace="serve"))
 
 
 def test_a_store_the_shared_store_is_slow_to_take_says_it_may_still_land(monkeypatch: pytest.MonkeyPatch) -> None:
