@@ -199,7 +199,10 @@ def _no_match(pattern: str, n_layer: int) -> str:
 
 
 _PER_HEAD_D_HEAD = ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z")
-_PER_HEAD_D_MODEL = ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input", "attn.hook_result")
+# a block's per-head copies of the stream for its queries, keys and values (TransformerLens' split inputs;
+# `hook_attn_in` is all three at once)
+SPLIT_INPUTS = ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input")
+_PER_HEAD_D_MODEL = (*SPLIT_INPUTS, "attn.hook_result")
 _PER_HEAD = _PER_HEAD_D_HEAD + _PER_HEAD_D_MODEL
 
 

@@ -18,6 +18,7 @@ import torch
 
 from .config import GPTConfig
 from .hooks import (
+    SPLIT_INPUTS,
     Hooks,
     as_vectors,
     describe_hook_names,
@@ -130,7 +131,6 @@ def site_shape(name: str, config: GPTConfig) -> tuple[int, ...]:
     return _site_shape(name, config.n_head, config.d_head, config.d_mlp, config.vocab_size)
 
 
-_SPLIT_INPUTS = ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input")
 _LN1 = ("ln1.hook_scale", "ln1.hook_normalized")
 
 
@@ -141,7 +141,7 @@ def split_input_clashes(name: str) -> list[str]:
     if not name.startswith("blocks."):
         return []
     layer, _, site = name.removeprefix("blocks.").partition(".")  # "L", site
-    others = _LN1 if site in _SPLIT_INPUTS else _SPLIT_INPUTS if site in _LN1 else ()
+    others = _LN1 if site in SPLIT_INPUTS else SPLIT_INPUTS if site in _LN1 else ()
     return [f"blocks.{layer}.{other}" for other in others]
 
 
@@ -244,7 +244,7 @@ class EditPlan:
         """An edited per-head input (`hook_q_input`, ...) is normalised by ln_1 on its own path, so an edit
         of ln_1's own hooks in the same layer would have no single stream to act on: refused."""
         for name in self.targets:
-            if name.endswith(_SPLIT_INPUTS):
+            if name.endswith(SPLIT_INPUTS):
                 clash = [n for n in split_input_clashes(name) if n in self.targets]
                 if clash:
                     raise InterventionError(

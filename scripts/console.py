@@ -4,7 +4,9 @@ on the tool sees it killed by the signal and stops too (bash carries on with a l
 merely exits 130). A reader of the output that goes away (`| head -1`) ends it silently by SIGPIPE, as it
 ends `cat` (Python ignores the signal and raises `BrokenPipeError` instead).
 
-A second Ctrl-C, during the first one's clean-up, ends the process at once (`_interrupt_once`).
+A second Ctrl-C, during the first one's clean-up, ends the process at once (`_interrupt_once`). SIGTERM
+(`kill`, `timeout`, `docker stop`) is taken as Ctrl-C is (`Terminated`): the same clean-up and line, then
+the process ends by SIGTERM (a shell sees 143).
 
 The installed commands start here (`generate`, `analyze`, `harvest`), importing their module inside
 `run_console`, with a Ctrl-C held until the import is over (`held_interrupt`: one inside torch's C++
@@ -26,13 +28,16 @@ def run_console(main: Callable[[], int], interrupted: str) -> NoReturn:
     sys.stderr = _Stderr(sys.stderr)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where it is ignored (nohup)
         signal.signal(signal.SIGINT, _interrupt_once)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminate_once)
     try:
         status = main()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        stop = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
         print(f"\n{interrupted}", file=sys.stderr, flush=True)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-        status = 130  # not reached where SIGINT ends the process, as it does on POSIX
+        signal.signal(stop, signal.SIG_DFL)
+        os.kill(os.getpid(), stop)
+        status = 128 + stop  # not reached where the signal ends the process, as it does on POSIX
     except BrokenPipeError:
         # what is left in stdout's buffer goes nowhere (flushed at exit, it would raise again)
         if sys.stdout is not None:
@@ -73,6 +78,16 @@ class _Stderr:
         return getattr(self._stream, name)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised as Ctrl-C's KeyboardInterrupt is (every clean-up that takes Ctrl-C takes it too)."""
+
+
+def _terminate_once(signum: int, frame: object) -> None:
+    """SIGTERM as `Terminated`, once: a second one, during the first one's clean-up, ends the process at once."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise Terminated
+
+
 def _interrupt_once(signum: int, frame: object) -> None:
     """Python's Ctrl-C, a KeyboardInterrupt, once: a second one, while the first one's clean-up runs (a
     generator closed as its frame goes, a harvest letting go of its files), ends the process by SIGINT at
@@ -95,18 +110,20 @@ HARVEST_INTERRUPTED = "interrupted; run it again with the same arguments to resu
 
 @contextmanager
 def held_interrupt() -> Iterator[None]:
-    """Hold a Ctrl-C (SIGINT) that comes during the block, and raise it as KeyboardInterrupt once the block is
-    over: an import of torch or numpy interrupted midway can abort the process (a C++ terminate) or leave a
-    module that cannot be imported again."""
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started so (nohup, `&` in a script): nothing comes
-        yield
-        return
+    """Hold a Ctrl-C (SIGINT) or a SIGTERM that comes during the block, and raise it (KeyboardInterrupt,
+    `Terminated`) once the block is over: an import of torch or numpy interrupted midway can abort the process
+    (a C++ terminate) or leave a module that cannot be imported again. A signal ignored (nohup, `&` in a
+    script) stays so."""
     came: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
+    held = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not signal.SIG_IGN]
+    previous = {s: signal.signal(s, lambda signum, frame: came.append(signum)) for s in held}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if signal.SIGTERM in came:
+        raise Terminated
     if came:
         raise KeyboardInterrupt
 

@@ -19,7 +19,6 @@ import argparse
 import contextlib
 import logging
 import os
-import signal
 import sys
 import time
 from typing import Any
@@ -180,7 +179,6 @@ def main(argv: list[str] | None = None) -> int:
             return fail(f"--threads must be in 1..{most} ({THREADS_PER_CPU} per CPU here), got {args.threads}")
         torch.set_num_threads(args.threads)
     progress = BarProgress() if sys.stderr is not None and sys.stderr.isatty() else LineProgress()
-    signal.signal(signal.SIGTERM, _terminated)  # kill, timeout, docker stop: the same clean stop as Ctrl-C
     try:
         spec = HarvestSpec(
             model=args.model,
@@ -221,12 +219,6 @@ def main(argv: list[str] | None = None) -> int:
         f"({n * spec.context_size:,} tokens) to {args.out}"
     )
     return 0
-
-
-def _terminated(signum: int, frame: Any) -> None:
-    """SIGTERM, as Ctrl-C: the job stops where it is, its finished shards recorded, its lock let go, and a job
-    stopped before its first shard leaves the folder as it found it. Exits 143 (128 + SIGTERM), as the signal."""
-    raise SystemExit(128 + signum)
 
 
 THREADS_PER_CPU = 4

@@ -416,11 +416,15 @@ def test_dump_through_a_symlink_with_the_umasks_mode(
     assert real.stat().st_mode & 0o777 == 0o644  # not the temporary file's 0600
 
 
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 @pytest.mark.parametrize("tool", ["generate", "analyze", "harvest"])
-def test_ctrl_c_ends_the_tool_by_sigint_without_a_traceback(tool: str, ckpt_with_tokenizer: Path, tmp_path) -> None:
+def test_ctrl_c_ends_the_tool_by_sigint_without_a_traceback(
+    tool: str, stop: signal.Signals, ckpt_with_tokenizer: Path, tmp_path
+) -> None:
     """One line on stderr, then the process dies of SIGINT, as Python's own handling ends it (so that a shell
     loop running the tool stops: bash carries on after a child that exits 130). When the signal comes,
-    generate and analyze wait on standard input for the prompt, harvest in its job (made to wait here)."""
+    generate and analyze wait on standard input for the prompt, harvest in its job (made to wait here).
+    SIGTERM (kill, timeout, docker stop) the same, the process then dying of SIGTERM."""
     model = ["--model", str(ckpt_with_tokenizer)]
     args, wait = model, ""
     if tool == "harvest":
@@ -437,11 +441,11 @@ def test_ctrl_c_ends_the_tool_by_sigint_without_a_traceback(tool: str, ckpt_with
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
         time.sleep(1.0)  # into main(), waiting on standard input
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert proc.returncode == -signal.SIGINT, err
+    assert proc.returncode == -stop, err
     assert f"gpt2-{tool}: interrupted" in err and "Traceback" not in err, err
 
 

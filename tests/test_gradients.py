@@ -644,10 +644,11 @@ SPLIT_INPUTS = [  # per-head copies of the stream: n_head d_model-wide values a 
 def test_graph_bytes_bounds_what_the_graph_saves(ours64: GPT, names: list[str], n_tokens: int, n_head: int) -> None:
     """Every tensor autograd saves for the backward pass (counted once per storage, the weights left out:
     they exist anyway) fits in the estimate, with the fused attention and with the explicit one, and with
-    the per-head inputs, whose copies grow with the heads (16 heads of 4 dimensions: the copies of
-    `hook_attn_in` saved twice the estimate without them)."""
-    if n_head != ours64.config.n_head:
-        ours64 = GPT(dataclasses.replace(ours64.config, n_head=n_head)).double().eval()
+    the per-head inputs, whose copies grow with the heads. They are measured on a small vocabulary, whose rows
+    leave them most of a short prompt's graph: there 16 heads' copies of `hook_attn_in` saved more than the estimate
+    without them."""
+    if names in SPLIT_INPUTS:
+        ours64 = GPT(dataclasses.replace(ours64.config, n_head=n_head, vocab_size=512)).double().eval()
     weights = {p.untyped_storage().data_ptr() for p in ours64.parameters()}
     saved: dict[int, int] = {}
 
@@ -657,13 +658,14 @@ def test_graph_bytes_bounds_what_the_graph_saves(ours64: GPT, names: list[str], 
             saved[storage.data_ptr()] = storage.nbytes()
         return t
 
-    ids = torch.randint(0, 50257, (n_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    vocab = ours64.config.vocab_size
+    ids = torch.randint(0, vocab, (n_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         gradients(ours64, ids, Loss(), names)
     estimate = graph_bytes(ours64.config, n_tokens, torch.float64, names)
     assert 0 < sum(saved.values()) <= estimate, (sum(saved.values()), estimate)
-    if names in SPLIT_INPUTS:  # the copies counted
-        assert estimate > graph_bytes(ours64.config, n_tokens, torch.float64)
+    if names == SPLIT_INPUTS[0] and n_head == 16 and n_tokens == 8:  # left out, the copies would not fit
+        assert sum(saved.values()) > graph_bytes(ours64.config, n_tokens, torch.float64)
 
 
 @pytest.mark.parametrize(

@@ -323,7 +323,9 @@ def test_an_output_folder_inside_the_source_folder(tiny, tokenizer_dir: Path, co
     (out / "manifest-journal.jsonl").write_text("".join(line + "\n" for line in journal))
     resumed = harvest(tiny.path, folder, out, ["blocks.0.hook_resid_pre"], **opts)
     assert resumed.complete and resumed.n_contexts == whole.n_contexts
-    with pytest.raises(HarvestError, match="out_dir is empty"):
+    with pytest.raises(HarvestError, match=r"is not empty and holds no manifest\.json"):  # the source itself
+        harvest(tiny.path, folder, folder, ["blocks.0.hook_resid_pre"], **opts)
+    with pytest.raises(HarvestError, match="the output folder is empty"):
         harvest(tiny.path, folder, "", ["blocks.0.hook_resid_pre"], **opts)
 
 
@@ -835,8 +837,9 @@ def test_a_job_stopped_before_its_first_shard_blocks_no_other(
     tiny, tokenizer_dir: Path, tmp_path: Path, how: signal.Signals
 ) -> None:
     """Stopped while its first shard is computed: by SIGTERM (kill, timeout, docker stop) it stops as Ctrl-C
-    does, leaving no folder, exit status 143; by SIGKILL its manifest of no shard stays, and protects nothing:
-    a corrected job, with other arguments, starts in its place (both were refused as "other arguments")."""
+    does, its one line said, leaving no folder, then ends by SIGTERM (a shell's 143); by SIGKILL its manifest of
+    no shard stays, and protects nothing: a corrected job, with other arguments, starts in its place (both were
+    refused as "other arguments")."""
     source = tmp_path / "docs.jsonl"
     write_jsonl(source, 3000, seed=3, max_words=120)  # one shard of all its contexts at the default shard size
     model = ["--model", str(tiny.path), "--tokenizer", str(tokenizer_dir), "--device", "cpu", "--threads", "1"]
@@ -850,10 +853,12 @@ def test_a_job_stopped_before_its_first_shard_blocks_no_other(
         time.sleep(0.005)
     proc.send_signal(how)
     _, err = proc.communicate(timeout=60)
-    assert recorded_shards(out) == 0, "a shard was written before the signal: nothing to test"
     if how == signal.SIGTERM:
-        assert proc.returncode == 143 and not out.exists(), err
+        assert proc.returncode == -signal.SIGTERM and not out.exists(), err
+        said = "gpt2-harvest: interrupted; run it again with the same arguments to resume"
+        assert err.decode().strip().endswith(said), err
         return
+    assert recorded_shards(out) == 0, "a shard was written before the signal: nothing to test"
     assert json.loads((out / MANIFEST).read_text())["shards"] == []
     fixed = harvest(
         tiny.path, source, out, ["blocks.0.hook_resid_pre"], context_size=16, max_tokens=64,

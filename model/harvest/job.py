@@ -467,6 +467,8 @@ def open_job(
     on, where it is not this process's (None: `loaded`'s, or `spec.device` resolved here), which also sets
     what `auto` dtype means. The manifest
     holds the folder's lock: `close` it (or use it as a context manager) when the job ends."""
+    if out_dir == "":  # a str: read as a path, the current directory (Path("") is ".", and stays allowed)
+        raise HarvestError("the output folder is empty: give a new or empty folder, or one a harvest wrote")
     tok_files: list[dict[str, Any]] | None = None  # a tokenizer given loaded has no files to identify
     if loaded is not None:
         config, tokenizer, dtype = loaded.model.config, loaded.tokenizer, loaded.dtype
@@ -492,7 +494,11 @@ def run_harvest(
     """Run (or resume) the job `spec` in this process, writing its shards to `out_dir`."""
     plan, manifest, tokenizer = open_job(spec, out_dir, loaded)
     with manifest:  # the folder stays locked against other jobs until this one ends
-        _run_here(plan, manifest, tokenizer, loaded, progress)
+        try:
+            _run_here(plan, manifest, tokenizer, loaded, progress)
+        except BaseException:  # Ctrl-C or SIGTERM too
+            manifest.discard_if_empty()  # failed before its first shard: leave no folder to refuse a fix
+            raise
     return manifest
 
 
@@ -525,9 +531,6 @@ def _run_here(
         if n_contexts == 0:
             raise HarvestError(f"{spec.source} holds fewer than {T} tokens: not one whole context of {T}")
         finish_job(manifest, plan, n_shards, n_contexts, progress)  # before the bar closes: it may take shards back
-    except BaseException:
-        manifest.discard_if_empty()  # a job that failed before its first shard leaves no folder to refuse a fix
-        raise
     finally:
         if progress is not None:
             progress.close()
@@ -603,8 +606,6 @@ def harvest(
         hooks = (hooks,)
     if not isinstance(out_dir, (str, Path)):
         raise HarvestError(f"harvest: out_dir must be a folder's path (a str or a Path), got {out_dir!r}")
-    if str(out_dir) == "":  # Path("") is the current directory
-        raise HarvestError("harvest: out_dir is empty: give a new or empty folder, or one a harvest wrote")
     try:
         spec = HarvestSpec(model=str(model), source=str(source), hooks=tuple(hooks), **options)
     except TypeError as e:

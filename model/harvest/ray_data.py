@@ -13,9 +13,13 @@ for every worker (or be hub names).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+import signal
+import threading
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -171,7 +175,8 @@ def _run(
         if not connected:
             try:
                 # None: RAY_ADDRESS, as Ray reads it; "local": a new instance of our own, not one `ray start` left
-                ray.init(address=address or (None if target else "local"))
+                with _own_sigterm():
+                    ray.init(address=address or (None if target else "local"))
             except Exception as e:  # Ray's own types differ by cause (ConnectionError, ValueError, ...)
                 if ray.is_initialized():  # started in part: leave nothing running
                     ray.shutdown()
@@ -209,6 +214,18 @@ def _run(
             if not connected:
                 ray.shutdown()
     finish_job(manifest, plan, n_shards, n_contexts, progress)
+
+
+@contextlib.contextmanager
+def _own_sigterm() -> Iterator[None]:
+    """Keep this process's SIGTERM handler (the command line's, which stops the job as Ctrl-C does) over the
+    one `ray.init` installs, which exits with status 15 without a word."""
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, handler)
 
 
 def _check_room(total: dict[str, float], cpus: float, gpus: float, local: bool) -> None:

@@ -271,7 +271,7 @@ class Manifest:
                 if _leftover(stray):
                     stray.unlink()
         except BaseException:
-            if manifest.new and not (out / MANIFEST).is_file():  # its first write failed (a full disk, say)
+            if manifest.new:  # its first write failed (a full disk, say), or a signal came just after it
                 manifest.discard_if_empty()
             manifest.close()
             raise
@@ -296,14 +296,6 @@ class Manifest:
                     records[change.index] = change
                 else:
                     records.pop(change, None)  # a drop the manifest took in already, killed before the journal went
-        if not records and not saved.get("complete"):
-            # a job killed before its first shard (by SIGKILL: nothing cleaned up after it) protects nothing:
-            # this job starts in its place, whatever its arguments, as in the empty folder it left
-            log.warning("%s holds a harvest stopped before its first shard: this job starts in its place", path)
-            journal.unlink(missing_ok=True)
-            self.new = True
-            self.save()
-            return
         # version 2 recorded everything but the tokenizer's identity: its job resumes with the tokenizer
         # named now, whose identity is recorded from now on (what tokenized the shards before, it cannot say)
         upgrade = saved.get("version") == 2 and isinstance(saved_job, dict) and _TOKENIZER not in saved_job
@@ -313,6 +305,15 @@ class Manifest:
                 f"this one writes {MANIFEST_VERSION}), which recorded its job otherwise: it cannot be resumed "
                 "here; give another output folder (its finished shards stay readable)"
             )
+        if not records and not saved.get("complete") and self.lock is not None:
+            # a job killed before its first shard (by SIGKILL: nothing cleaned up after it) protects nothing:
+            # this job starts in its place, whatever its arguments, as in the empty folder it left (the lock
+            # held: no job is starting there)
+            log.info("%s holds a harvest stopped before its first shard: this job starts in its place", path)
+            journal.unlink(missing_ok=True)
+            self.new = True
+            self.save()
+            return
         if upgrade:
             saved_job = saved_job | {_TOKENIZER: self.job.get(_TOKENIZER)}
         saved_job = _identities_added(saved_job, self.job, self.out_dir)

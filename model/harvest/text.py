@@ -114,7 +114,10 @@ def open_source(path: str | Path, text_field: str = "text", leave_out: str | Pat
         return Source(path, text_field, files=(path,))
     if _is_datasets_dir(path):
         return Source(path, text_field, dataset_dir=path)
-    skipped = Path(leave_out).resolve() if leave_out is not None else None
+    root, skipped = path.resolve(), Path(leave_out).resolve() if leave_out is not None else None
+    if skipped is not None and (skipped == root or not skipped.is_relative_to(root)):
+        skipped = None  # only a folder strictly inside the source is left out (a source that is the output
+        # folder, or inside it, is read, and the output folder refused as one that holds other files)
     files = tuple(
         sorted(
             (

@@ -15,7 +15,6 @@ both the loss's gradient at every layer's stream and each block's Jacobian again
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -23,7 +22,17 @@ import torch
 
 from ..config import GPTConfig
 from ..gpt import GPT
-from ..hooks import LOGIT_HOOKS, Hooks, check_ids, needs_whole_prompt, select_hooks, uses_the_head, uses_the_logits
+from ..hooks import (
+    LOGIT_HOOKS,
+    SPLIT_INPUTS,
+    Hooks,
+    check_ids,
+    layer_of,
+    needs_whole_prompt,
+    select_hooks,
+    uses_the_head,
+    uses_the_logits,
+)
 from ..interventions import EditSpec, HookChain, InterventionError, split_input_clashes, takes_whole_prompt
 from ..json_file import clip, is_int
 from ..overflow import dtype_range, layer_norm_inputs, layer_norm_overflow, variance_overflows
@@ -668,17 +677,14 @@ def graph_bytes(config: GPTConfig, n_tokens: int, dtype: torch.dtype, hooks: Ite
     return int(1.25 * T * per_position * torch.empty((), dtype=dtype).element_size())
 
 
-_SPLIT_INPUT = re.compile(r"blocks\.(\d+)\.hook_(attn_in|q_input|k_input|v_input)")
-
-
 def _per_head_inputs(hooks: Iterable[str]) -> int:
-    """How many per-head input copies (a block's queries', keys' or values') hook points `hooks` turn on,
-    over all the blocks."""
-    paths: set[tuple[str, str]] = set()
+    """How many per-head input copies (a block's queries', keys' or values') the hook points `hooks` (exact
+    names, not globs) turn on, over all the blocks."""
+    paths: set[tuple[int | None, str]] = set()
     for name in hooks:
-        if m := _SPLIT_INPUT.fullmatch(name):
-            layer, site = m.groups()
-            paths.update((layer, p) for p in ("q", "k", "v") if site in ("attn_in", f"{p}_input"))
+        site = name.rsplit(".", 1)[-1]
+        if site in SPLIT_INPUTS:
+            paths.update((layer_of(name), p) for p in "qkv" if site in ("hook_attn_in", f"hook_{p}_input"))
     return len(paths)
 
 

@@ -129,6 +129,7 @@ async function steer() {
     $("steer-steered").textContent = body.prompt + steered.choices[0].text;
   } catch (e) {
     if (!current()) return;
+    sae.steering.stop(); // the other side's request, still running or waiting for the model: no one reads it
     $("steer-plain").textContent = ""; // no comparison: neither side of an earlier one stays
     $("steer-steered").textContent = e.message;
   }
