@@ -203,8 +203,11 @@ def application(p: Plan) -> Application:
         torch.set_num_threads(replica_threads(threads))
         # a replica's process starts where `ray start` ran: relative paths (model, tokenizer, SAEs) are read
         # where `serve run` read them, on a node that has that directory
+        here = os.getcwd()
         if os.path.isdir(p.cwd):
             os.chdir(p.cwd)
+        else:
+            log.warning("the builder's directory %s is not on this node: relative paths are read in %s", p.cwd, here)
         loaded = load_from(settings)
         release_openmp_pool()  # this thread's, from loading: the engine's thread should keep the only one
         # a replica serves this model for its whole life; its sends to the proxy are queued, never waited on
