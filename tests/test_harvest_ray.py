@@ -24,6 +24,18 @@ ray = pytest.importorskip("ray", reason="Ray is not installed (the [ray] extra)"
 pytest.importorskip("ray.data", reason="Ray Data is not installed (ray[data])")
 
 
+def small_job(
+    tmp_path: Path, model: str, tokenizer_dir: Path, hook: str, context_size: int, **options: Any
+) -> HarvestSpec:
+    """A job of a few contexts at `hook`, on a short text written into `tmp_path` (docs.txt)."""
+    source = tmp_path / "docs.txt"
+    source.write_text("the cat sat on the mat . " * 40)
+    return HarvestSpec(
+        model=model, source=str(source), hooks=(hook,), context_size=context_size, tokenizer=str(tokenizer_dir),
+        device="cpu", **options,
+    )  # fmt: skip
+
+
 class SecondJob:
     """A progress that, as the Ray job's first shard is recorded, tries a second job into its folder."""
 
@@ -139,12 +151,7 @@ def test_an_actors_error_is_the_drivers_one_line(tiny_past_float16: Path, tokeni
     (Ray's own exception carried it only as the text of a traceback)."""
     from model.harvest.ray_data import run_on_ray
 
-    source = tmp_path / "docs.txt"
-    source.write_text("the cat sat on the mat . " * 40)
-    spec = HarvestSpec(
-        model=str(tiny_past_float16), source=str(source), hooks=("blocks.0.hook_mlp_out",), context_size=16,
-        tokenizer=str(tokenizer_dir), device="cpu", dtype="float16",
-    )  # fmt: skip
+    spec = small_job(tmp_path, str(tiny_past_float16), tokenizer_dir, "blocks.0.hook_mlp_out", 16, dtype="float16")
     says = r"^the activations at blocks\.0\.hook_mlp_out became non-finite \(inf or NaN\): .* float16's range"
     with pytest.raises(HarvestError, match=says):
         run_on_ray(spec, tmp_path / "out", actors=1)
@@ -161,12 +168,7 @@ def test_a_model_an_actor_cannot_load_is_the_drivers_one_line(tiny, tokenizer_di
     shutil.copytree(tiny.path, broken)
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # cut short: its tensors run past the end
-    source = tmp_path / "docs.txt"
-    source.write_text("the cat sat on the mat . " * 40)
-    spec = HarvestSpec(
-        model=str(broken), source=str(source), hooks=("blocks.0.hook_resid_pre",), context_size=16,
-        tokenizer=str(tokenizer_dir), device="cpu",
-    )  # fmt: skip
+    spec = small_job(tmp_path, str(broken), tokenizer_dir, "blocks.0.hook_resid_pre", 16)
     with pytest.raises(HarvestError, match=r"^a Ray worker could not load the model: .*model\.safetensors") as e:
         run_on_ray(spec, tmp_path / "out", actors=1)
     assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
@@ -179,17 +181,12 @@ def test_a_tokenizer_past_the_models_vocabulary_is_refused_before_ray(tokenizer_
     from model.harvest.ray_data import run_on_ray
 
     small = make_checkpoint(tmp_path / "small", n_layer=1, n_head=2, n_embd=32, n_positions=64, vocab_size=1000)
-    source = tmp_path / "docs.txt"
-    source.write_text("the cat sat on the mat . " * 40)
-    spec = HarvestSpec(
-        model=str(small.path), source=str(source), hooks=("blocks.0.hook_resid_pre",), context_size=16,
-        tokenizer=str(tokenizer_dir), device="cpu",
-    )  # fmt: skip
+    spec = small_job(tmp_path, str(small.path), tokenizer_dir, "blocks.0.hook_resid_pre", 16)
     says = "^the tokenizer has 50257 tokens but the model only 1000$"
     with pytest.raises(HarvestError, match=says):
         run_on_ray(spec, tmp_path / "out", actors=1)
     with pytest.raises(HarvestError, match=says):
-        harvest(small.path, source, tmp_path / "out", ["blocks.0.hook_resid_pre"], tokenizer=str(tokenizer_dir))
+        harvest(small.path, spec.source, tmp_path / "out", ["blocks.0.hook_resid_pre"], tokenizer=str(tokenizer_dir))
     assert not (tmp_path / "out").exists()
 
 
@@ -201,12 +198,7 @@ def test_a_bad_ray_address_is_one_error_and_leaves_no_folder(tiny, tokenizer_dir
 
     if ray.is_initialized():  # a job then runs on that instance, whatever the address
         pytest.skip("this process is connected to Ray already (another test's instance)")
-    source = tmp_path / "docs.txt"
-    source.write_text("the cat sat on the mat . " * 40)
-    spec = HarvestSpec(
-        model=str(tiny.path), source=str(source), hooks=("blocks.0.hook_resid_pre",), context_size=32,
-        tokenizer=str(tokenizer_dir), device="cpu",
-    )  # fmt: skip
+    spec = small_job(tmp_path, str(tiny.path), tokenizer_dir, "blocks.0.hook_resid_pre", 32)
     out = tmp_path / "out"
     refused = r"^could not start or reach Ray at 'http://nope:1': Invalid Ray address"
     with pytest.raises(HarvestError, match=refused) as e:
