@@ -47,11 +47,13 @@ def hub_errors(
     missing: Callable[[Exception], str],
     offline: str,
     where: str = "",
+    what: str | None = None,
 ) -> Iterator[None]:
     """Raise `error(message)` for a failed `hf_hub_download` inside the block: the hub unreachable with
-    nothing cached (`offline`: what to give instead), no such repository or revision, a file missing
-    (`missing(e)` says which), a repo id or file name the hub client refuses to ask for (`nodir/..`,
-    `a/b/../x`), or any other refusal. `where` prefixes each message (say, the SAE's spec)."""
+    nothing cached (`offline`: what to give instead; `what` was to be downloaded, the repository by default),
+    no such repository or revision, a file missing (`missing(e)` says which), a repo id or file name the hub
+    client refuses to ask for (`nodir/..`, `a/b/../x`), or any other refusal. `where` prefixes each message
+    (say, the SAE's spec)."""
     from huggingface_hub.errors import (
         EntryNotFoundError,
         HfHubHTTPError,
@@ -65,8 +67,8 @@ def hub_errors(
         yield
     except LocalEntryNotFoundError:  # before EntryNotFoundError, which it subclasses
         raise error(
-            f"{where}cannot reach the Hugging Face hub to download {repo!r}, and it is not in the local cache; "
-            f"{offline}"
+            f"{where}cannot reach the Hugging Face hub to download {what or repr(repo)}, and it is not in the local "
+            f"cache; {offline}"
         ) from None
     except RepositoryNotFoundError:
         raise error(f"{where}no repository {repo!r} on the Hugging Face hub (or it is private)") from None

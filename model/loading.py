@@ -275,7 +275,20 @@ def _download(
         else:  # sharded, as save_pretrained writes a large model; else the error names model.safetensors
             index = fetch_if_there("model.safetensors.index.json") or fetch("model.safetensors")
             weights = [fetch(shard) for shard in _index_shards(index)]
-        tok_dir: Path | None = None
+    tok_dir: Path | None = None
+    # offline, the weights cached but no tokenizer: whether the repository ships one cannot be known
+    no_tokenizer = (
+        "the repository may ship none (its weights are cached): give a tokenizer directory (--tokenizer DIR), "
+        "or load it once with the hub reachable"
+    )
+    with hub_errors(
+        LoadError,
+        repo_id,
+        revision,
+        missing=lambda e: f"repository {repo_id!r}: {e}",
+        offline=no_tokenizer,
+        what=f"the tokenizer of {repo_id!r}",
+    ):
         if tokenizer and (tok := fetch_if_there("tokenizer.json")) is not None:
             tok_dir = tok.parent
         elif tokenizer and fetch_if_there("vocab.json", uncached=False) is not None:  # the last try: offline, says so

@@ -140,6 +140,11 @@ def test_saes_and_checkpoints_through_the_hub(hub_root: Path, tmp_path: Path, ti
         # the same files again, offline: from the cache, not one request
         again, _ = run(env | {"HF_HUB_OFFLINE": "1"}, tty=False)
         assert len(hub.requests) == served
+    # offline, a repository whose weights are cached and that shipped no tokenizer: said so, with what to give
+    assert again["no_tokenizer"].startswith(
+        "cannot reach the Hugging Face hub to download the tokenizer of 'someone/sharded', and it is not in the local "
+        "cache; the repository may ship none (its weights are cached): give a tokenizer directory (--tokenizer DIR)"
+    ), again["no_tokenizer"]
     # and with a hub whose host has no address (no network, HF_HUB_OFFLINE unset): from the cache at once, where
     # the client would retry for about 25 s, a warning each try
     cut_off, said = run(env | {"HF_ENDPOINT": "http://hub.invalid", "no_proxy": "*"}, tty=False)  # no proxy either
