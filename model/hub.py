@@ -77,7 +77,7 @@ def hub_errors(
     except EntryNotFoundError as e:
         raise error(f"{where}{missing(e)}") from None
     except HfHubHTTPError as e:
-        raise error(f"{where}the Hugging Face hub refused the download of {repo!r}: {e}") from None
+        raise error(f"{where}the Hugging Face hub refused the download of {what or repr(repo)}: {e}") from None
     except HFValidationError as e:
         raise error(f"{where}not a local path, and not a valid hub repo id: {repo!r} ({_reason(e)})") from None
     except ValueError as e:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from itertools import islice
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -260,13 +260,14 @@ def _download(
         except EntryNotFoundError:
             return None
 
-    with hub_errors(
-        LoadError,
-        repo_id,
-        revision,
-        missing=lambda e: f"repository {repo_id!r} lacks a file this loader needs: {e}",
-        offline="pass a local checkpoint directory instead (for example --model ./gpt2)",
-    ):
+    asking: dict[str, Any] = {
+        "error": LoadError,
+        "repo": repo_id,
+        "revision": revision,
+        "missing": lambda e: f"repository {repo_id!r} lacks a file this loader needs: {e}",
+    }
+    local = "pass a local checkpoint directory instead (for example --model ./gpt2)"
+    with hub_errors(**asking, offline=local):
         config_file = fetch("config.json")
         config = _config_and_preset(config_file, preset_name)
         single = fetch_if_there("model.safetensors")
@@ -275,25 +276,18 @@ def _download(
         else:  # sharded, as save_pretrained writes a large model; else the error names model.safetensors
             index = fetch_if_there("model.safetensors.index.json") or fetch("model.safetensors")
             weights = [fetch(shard) for shard in _index_shards(index)]
-    tok_dir: Path | None = None
-    # offline, the weights cached but no tokenizer: whether the repository ships one cannot be known
-    no_tokenizer = (
-        "the repository may ship none (its weights are cached): give a tokenizer directory (--tokenizer DIR), "
-        "or load it once with the hub reachable"
-    )
-    with hub_errors(
-        LoadError,
-        repo_id,
-        revision,
-        missing=lambda e: f"repository {repo_id!r}: {e}",
-        offline=no_tokenizer,
-        what=f"the tokenizer of {repo_id!r}",
-    ):
-        if tokenizer and (tok := fetch_if_there("tokenizer.json")) is not None:
-            tok_dir = tok.parent
-        elif tokenizer and fetch_if_there("vocab.json", uncached=False) is not None:  # the last try: offline, says so
-            tok_dir = fetch("merges.txt").parent  # vocab.json without merges.txt: the error names it
-    return CheckpointFiles(name, weights, config, tok_dir, revision, config_file)
+    tok: Path | None = None
+    if tokenizer:  # offline, its weights cached but no tokenizer: whether the repository ships one cannot be known
+        none_cached = (
+            "the repository may ship none (its weights are cached): give a tokenizer directory (--tokenizer DIR), "
+            "or load it once with the hub reachable"
+        )
+        with hub_errors(**asking, offline=none_cached, what=f"the tokenizer of {repo_id!r}"):
+            tok = fetch_if_there("tokenizer.json") or fetch_if_there("vocab.json", uncached=False)  # the last: offline
+        if tok is not None and tok.name == "vocab.json":  # without merges.txt: the error names it
+            with hub_errors(**asking, offline=local, what=f"the tokenizer of {repo_id!r}"):
+                tok = fetch("merges.txt")
+    return CheckpointFiles(name, weights, config, None if tok is None else tok.parent, revision, config_file)
 
 
 # --- reading the weights -----------------------------------------------------------------------

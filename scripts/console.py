@@ -32,10 +32,13 @@ def run_console(main: Callable[[], int], interrupted: str) -> NoReturn:
         signal.signal(signal.SIGTERM, _terminate_once)
     try:
         status = main()
-    except KeyboardInterrupt as e:
-        stop = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the work is over: a SIGTERM now ends it at once
+    except KeyboardInterrupt:
+        # which signal, as `_terminate_once` noted it (a library may raise a KeyboardInterrupt of its own for it)
+        stop = signal.SIGTERM if _signals.terminated else signal.SIGINT
+        for s in (signal.SIGINT, signal.SIGTERM):  # another one now, while this one is said, ends it at once
+            signal.signal(s, signal.SIG_DFL)
         print(f"\n{interrupted}", file=sys.stderr, flush=True)
-        signal.signal(stop, signal.SIG_DFL)
         os.kill(os.getpid(), stop)
         status = 128 + stop  # not reached where the signal ends the process, as it does on POSIX
     except BrokenPipeError:
@@ -82,9 +85,17 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised as Ctrl-C's KeyboardInterrupt is (every clean-up that takes Ctrl-C takes it too)."""
 
 
+class _Signals:
+    terminated = False  # a SIGTERM came: the process ends by it, whatever became of its `Terminated`
+
+
+_signals = _Signals()
+
+
 def _terminate_once(signum: int, frame: object) -> None:
     """SIGTERM as `Terminated`, once: a second one, during the first one's clean-up, ends the process at once."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _signals.terminated = True
     raise Terminated
 
 
@@ -113,7 +124,7 @@ def held_interrupt() -> Iterator[None]:
     """Hold a Ctrl-C (SIGINT) or a SIGTERM that comes during the block, and raise it (KeyboardInterrupt,
     `Terminated`) once the block is over: an import of torch or numpy interrupted midway can abort the process
     (a C++ terminate) or leave a module that cannot be imported again. A signal ignored (nohup, `&` in a
-    script) stays so."""
+    script) stays so; a second one during the block is held too."""
     came: list[int] = []
     held = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not signal.SIG_IGN]
     previous = {s: signal.signal(s, lambda signum, frame: came.append(signum)) for s in held}
@@ -123,6 +134,7 @@ def held_interrupt() -> Iterator[None]:
         for s, handler in previous.items():
             signal.signal(s, handler)
     if signal.SIGTERM in came:
+        _signals.terminated = True
         raise Terminated
     if came:
         raise KeyboardInterrupt

@@ -418,7 +418,7 @@ def test_dump_through_a_symlink_with_the_umasks_mode(
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 @pytest.mark.parametrize("tool", ["generate", "analyze", "harvest"])
-def test_ctrl_c_ends_the_tool_by_sigint_without_a_traceback(
+def test_ctrl_c_or_sigterm_ends_the_tool_by_its_signal_without_a_traceback(
     tool: str, stop: signal.Signals, ckpt_with_tokenizer: Path, tmp_path
 ) -> None:
     """One line on stderr, then the process dies of SIGINT, as Python's own handling ends it (so that a shell

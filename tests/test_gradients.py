@@ -647,8 +647,9 @@ def test_graph_bytes_bounds_what_the_graph_saves(ours64: GPT, names: list[str], 
     the per-head inputs, whose copies grow with the heads. They are measured on a small vocabulary, whose rows
     leave them most of a short prompt's graph: there 16 heads' copies of `hook_attn_in` saved more than the estimate
     without them."""
-    if names in SPLIT_INPUTS:
-        ours64 = GPT(dataclasses.replace(ours64.config, n_head=n_head, vocab_size=512)).double().eval()
+    if names in SPLIT_INPUTS or n_head != ours64.config.n_head:
+        vocab = 512 if names in SPLIT_INPUTS else ours64.config.vocab_size
+        ours64 = GPT(dataclasses.replace(ours64.config, n_head=n_head, vocab_size=vocab)).double().eval()
     weights = {p.untyped_storage().data_ptr() for p in ours64.parameters()}
     saved: dict[int, int] = {}
 

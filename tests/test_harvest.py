@@ -854,6 +854,7 @@ def test_a_job_stopped_before_its_first_shard_blocks_no_other(
     proc.send_signal(how)
     _, err = proc.communicate(timeout=60)
     if how == signal.SIGTERM:
+        assert not recorded_shards(out), "a shard was written before the signal: nothing to test"
         assert proc.returncode == -signal.SIGTERM and not out.exists(), err
         said = "gpt2-harvest: interrupted; run it again with the same arguments to resume"
         assert err.decode().strip().endswith(said), err
@@ -865,6 +866,34 @@ def test_a_job_stopped_before_its_first_shard_blocks_no_other(
         tokenizer=str(tokenizer_dir), device="cpu",
     )  # fmt: skip
     assert fixed.complete and fixed.n_contexts == 4 and fixed.job["hooks"] == ["blocks.0.hook_resid_pre"]
+
+
+def test_a_sigterm_while_ray_starts_is_this_process_s() -> None:
+    """`ray.init` installs a SIGTERM handler of its own first thing (sys.exit(15), without a word): the process's
+    own is put back, and a SIGTERM that comes while Ray starts goes to it (the command line's: one line, then
+    death by SIGTERM)."""
+    from model.harvest.ray_data import _own_sigterm
+
+    class Mine(Exception):
+        pass
+
+    def mine(signum: int, frame: Any) -> None:
+        raise Mine
+
+    def rays(signum: int, frame: Any) -> None:
+        sys.exit(signum)
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        with _own_sigterm():
+            signal.signal(signal.SIGTERM, rays)  # as ray.init does
+        assert signal.getsignal(signal.SIGTERM) is mine
+        with pytest.raises(Mine), _own_sigterm():
+            signal.signal(signal.SIGTERM, rays)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)  # the handler runs at the next bytecode
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @pytest.mark.parametrize(

@@ -218,13 +218,25 @@ def _run(
 
 @contextlib.contextmanager
 def _own_sigterm() -> Iterator[None]:
-    """Keep this process's SIGTERM handler (the command line's, which stops the job as Ctrl-C does) over the
-    one `ray.init` installs, which exits with status 15 without a word."""
+    """Keep this process's own SIGTERM handler (the command line's, which stops the job as Ctrl-C does) over
+    the one `ray.init` installs first thing, which exits with status 15 without a word, also for a SIGTERM that
+    comes while Ray starts; where the process has none of its own, Ray's stays."""
     handler = signal.getsignal(signal.SIGTERM)
+    if not callable(handler) or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    restore = True
     try:
         yield
+    except SystemExit as e:  # Ray's handler: the signal came as Ray started
+        if e.code != signal.SIGTERM:
+            raise
+        restore = False  # what this process's handler does decides what is installed next
+        signal.signal(signal.SIGTERM, handler)
+        handler(signal.SIGTERM, None)  # the command line's raises `Terminated`
+        raise
     finally:
-        if handler is not None and threading.current_thread() is threading.main_thread():
+        if restore:
             signal.signal(signal.SIGTERM, handler)
 
 
