@@ -32,12 +32,12 @@ def run_console(main: Callable[[], int], interrupted: str) -> NoReturn:
         signal.signal(signal.SIGTERM, _terminate_once)
     try:
         status = main()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the work is over: a SIGTERM now ends it at once
+        _default_sigterm()  # the work is over: a SIGTERM now ends the tool at once
     except KeyboardInterrupt:
         # which signal, as `_terminate_once` noted it (a library may raise a KeyboardInterrupt of its own for it)
         stop = signal.SIGTERM if _signals.terminated else signal.SIGINT
-        for s in (signal.SIGINT, signal.SIGTERM):  # another one now, while this one is said, ends it at once
-            signal.signal(s, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # another signal, while this one is said, ends it at once
+        _default_sigterm()
         print(f"\n{interrupted}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), stop)
         status = 128 + stop  # not reached where the signal ends the process, as it does on POSIX
@@ -90,6 +90,12 @@ class _Signals:
 
 
 _signals = _Signals()
+
+
+def _default_sigterm() -> None:
+    """SIGTERM's default action back, where `run_console` took it (not where it is ignored)."""
+    if signal.getsignal(signal.SIGTERM) is _terminate_once:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _terminate_once(signum: int, frame: object) -> None:

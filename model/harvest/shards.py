@@ -334,8 +334,10 @@ class Manifest:
         self.complete = bool(saved.get("complete")) and len(self.shards) == len(records)
         self.n_contexts = saved.get("n_contexts") if self.complete else None
         if self.complete and not (is_int(self.n_contexts) and self.n_contexts > 0):
-            raise HarvestError(f"{path} is not a harvest manifest this version can read (its n_contexts is "
-                               f"{clip(self.n_contexts)}, not a count of contexts)")  # fmt: skip
+            raise HarvestError(
+                f"{path} is not a harvest manifest this version can read (its n_contexts is "
+                f"{clip(self.n_contexts)}, not a count of contexts)"
+            )
         log.info("resuming %s: %d shards already there", self.out_dir, len(self.shards))
         if upgrade and not self.complete:
             log.warning(
