@@ -7,6 +7,7 @@ file), the tensor names and shapes, the buffers to skip and the tied LM head.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import re
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from itertools import islice
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -260,14 +261,15 @@ def _download(
         except EntryNotFoundError:
             return None
 
-    asking: dict[str, Any] = {
-        "error": LoadError,
-        "repo": repo_id,
-        "revision": revision,
-        "missing": lambda e: f"repository {repo_id!r} lacks a file this loader needs: {e}",
-    }
+    errors = functools.partial(
+        hub_errors,
+        LoadError,
+        repo_id,
+        revision,
+        missing=lambda e: f"repository {repo_id!r} lacks a file this loader needs: {e}",
+    )
     local = "pass a local checkpoint directory instead (for example --model ./gpt2)"
-    with hub_errors(**asking, offline=local):
+    with errors(offline=local):
         config_file = fetch("config.json")
         config = _config_and_preset(config_file, preset_name)
         single = fetch_if_there("model.safetensors")
@@ -282,10 +284,10 @@ def _download(
             "the repository may ship none (its weights are cached): give a tokenizer directory (--tokenizer DIR), "
             "or load it once with the hub reachable"
         )
-        with hub_errors(**asking, offline=none_cached, what=f"the tokenizer of {repo_id!r}"):
+        with errors(offline=none_cached, what=f"the tokenizer of {repo_id!r}"):
             tok = fetch_if_there("tokenizer.json") or fetch_if_there("vocab.json", uncached=False)  # the last: offline
         if tok is not None and tok.name == "vocab.json":  # without merges.txt: the error names it
-            with hub_errors(**asking, offline=local, what=f"the tokenizer of {repo_id!r}"):
+            with errors(offline=local, what=f"the tokenizer of {repo_id!r}"):
                 tok = fetch("merges.txt")
     return CheckpointFiles(name, weights, config, None if tok is None else tok.parent, revision, config_file)
 

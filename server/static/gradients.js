@@ -6,6 +6,11 @@
 const gradState = { highway: null, attribution: null };
 const highwayRuns = new Runs(); // as app.js's runs: a new run supersedes the one in flight
 
+// `whileLoading`'s note in a panel's status line while the server still loads its model.
+const waitingIn = (status) => () => {
+  status.textContent = "Waiting for the model to load…";
+};
+
 // ---------------------------------------------------------------- the gradient highway
 
 async function runHighway() {
@@ -26,12 +31,7 @@ async function runHighway() {
   status.dataset.state = "running";
   try {
     const request = { prompt: $("prompt").value, compare_ablated: true, gradients: true, top_k: 1 };
-    const highway = await whileLoading(
-      () => api("POST", "v1/analyze", request, { signal }),
-      () => {
-        status.textContent = "Waiting for the model to load…";
-      },
-    );
+    const highway = await whileLoading(() => api("POST", "v1/analyze", request, { signal }), waitingIn(status));
     if (!current()) return;
     gradState.highway = highway;
     drawHighway();
@@ -125,12 +125,7 @@ async function runAttribution() {
       metric: attributionMetric(),
       verify: Number($("attr-verify").value),
     };
-    const r = await whileLoading(
-      () => api("POST", "v1/attribution", request),
-      () => {
-        status.textContent = "Waiting for the model to load…";
-      },
-    );
+    const r = await whileLoading(() => api("POST", "v1/attribution", request), waitingIn(status));
     gradState.attribution = r;
     drawAttribution();
     status.textContent =
