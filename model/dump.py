@@ -168,9 +168,9 @@ def dump_pieces(tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> l
 _MAX_HEADER = 100_000_000  # safetensors refuses to read a longer header
 
 
-def load_dump(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The tensors and the metadata of a dump (read by our own reader, which takes any path the OS does:
-    safetensors' refuses one that is not UTF-8). A file that is missing, unreadable or not a dump is a
-    `SafetensorsError` (a `ValueError`) that says which and why."""
-    st = SafetensorsFile(path)
+def load_dump(path: str | bytes | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and the metadata of a dump (read by our own reader, which takes any path the OS does, as
+    text or bytes: safetensors' refuses one that is not UTF-8). A file that is missing, unreadable or not a
+    dump is a `SafetensorsError` (a `ValueError`) that says which and why."""
+    st = SafetensorsFile(os.fsdecode(path))
     return st.read_all(), dict(st.metadata)

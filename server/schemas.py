@@ -360,7 +360,9 @@ class ActivationsRequest(GenerateRequest):
     @classmethod
     def _file_spec(cls, value: Any) -> Any:
         """The answer is a safetensors file: no `format` to choose; `hooks` default to every default hook
-        point here too when the object is given for its `dtype`."""
+        point here too when the object is given for its `dtype`, or as null."""
+        if value is None:
+            return {"hooks": ["*"]}
         if isinstance(value, dict):
             if "format" in value:
                 raise ValueError("format is not taken here: /v1/activations answers with a safetensors file")
@@ -373,6 +375,10 @@ class ActivationsRequest(GenerateRequest):
         if value is not None:
             raise ValueError("not taken here: /v1/generate (a capture) or /v1/features give an SAE's features")
         return None
+
+    def batch(self) -> bool:
+        """Whether the prompts came as a list (texts, or lists of ids): a batch, of one prompt too."""
+        return isinstance(self.prompt, list) or (bool(self.input_ids) and isinstance(self.input_ids[0], list))
 
 
 class NextTokenRequest(Edits):

@@ -57,9 +57,10 @@ def test_a_path_that_is_not_utf8(activations: tuple[dict[str, torch.Tensor], lis
     folder = tmp_path / os.fsdecode(b"caf\xe9")
     folder.mkdir()
     save_dump(folder / "dump.safetensors", tensors, {"model": "tiny"})
-    loaded, metadata = load_dump(folder / "dump.safetensors")
-    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], tensors[k]) for k in tensors)
-    assert metadata == {"model": "tiny"}
+    for path in (folder / "dump.safetensors", os.fsencode(folder / "dump.safetensors")):  # as text, and as bytes
+        loaded, metadata = load_dump(path)
+        assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+        assert metadata == {"model": "tiny"}
 
 
 def test_bytes_are_the_file(activations: tuple[dict[str, torch.Tensor], list[int]], tmp_path: Path) -> None:

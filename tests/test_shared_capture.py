@@ -10,17 +10,19 @@ tokens (tests/test_engine.py)."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import safetensors.torch
 import torch
 from conftest import Checkpoint, load_ours
+from contract import assert_error, safetensors_metadata
 from inprocess import assert_still_serving, serve
 from test_engine import held, run, running
 
 from model.generate import DecodeBatch, SamplingParams, generate, new_sequence, prefill_prompts
 from model.gpt import GPT
-from model.hooks import Capture, select_hooks
+from model.hooks import Capture, hook_names, select_hooks
 from model.interventions import Edit, EditSpec, HookChain
 from model.loading import LoadedModel
 
@@ -179,6 +181,29 @@ def test_batched_activations_request_is_one_file_with_a_batch_dimension(loaded: 
             r = client.post("/v1/activations", json={**body, "activations": {"hooks": names}})
             assert r.status_code == 400, r.text
             assert r.json()["error"]["param"] == param
+        assert_still_serving(client)
+
+
+def test_a_list_of_one_prompt_is_a_batch_of_one(loaded: LoadedModel) -> None:
+    """A prompt sent in a list, text or ids, is a batch of one: the metadata's `token_ids` and `text` are lists,
+    as for several, so a client reads the file by the shape of its own request; and nothing is generated."""
+    names = ["blocks.0.hook_resid_pre"]
+    with serve(loaded) as client:
+        for body in ({"input_ids": [PROMPTS[1]]}, {"prompt": ["Hello world"]}):
+            r = client.post("/v1/activations", json={**body, "activations": {"hooks": names}})
+            assert r.status_code == 200, r.text
+            meta = safetensors_metadata(r.content)
+            ids = json.loads(meta["token_ids"])
+            assert len(ids) == 1 and isinstance(ids[0], list), ids
+            assert json.loads(meta["text"]) == [loaded.tokenizer.decode(ids[0])]
+            assert safetensors.torch.load(r.content)[names[0]].shape == (1, len(ids[0]), 64)
+            generating = {**body, "max_new_tokens": 2, "activations": {"hooks": names}}
+            error = assert_error(client.post("/v1/activations", json=generating), 400, "max_new_tokens")
+            assert "a batch of 1 prompts gives their forward passes only" in error["message"]
+        r = client.post("/v1/activations", json={"input_ids": PROMPTS[1], "activations": None})  # null: the default
+        assert r.status_code == 200, r.text
+        assert sorted(safetensors.torch.load(r.content)) == sorted(hook_names(2, optional=False))
+        assert json.loads(safetensors_metadata(r.content)["token_ids"]) == PROMPTS[1]  # one prompt: not a list
         assert_still_serving(client)
 
 

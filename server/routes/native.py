@@ -131,7 +131,7 @@ async def activations(
     params = req.sampling_params(settings.max_new_tokens, engine.model.config.n_positions)
     param = prompt_field(req.input_ids)
     check_prompts(engine, prompts, params.max_new_tokens, param)
-    if len(prompts) > 1:
+    if req.batch():
         _check_stackable(prompts, params.max_new_tokens, param)
     spec = req.activations
     hooks, dump_bytes = await _checked_hooks(engine, settings, spec, prompts, params.max_new_tokens, file=True)
@@ -143,7 +143,7 @@ async def activations(
         ),
         request,
     )
-    pieces = await run_in_threadpool(_Reply(engine, None).file, completions, spec.dtype, len(prompts) > 1)
+    pieces = await run_in_threadpool(_Reply(engine, None).file, completions, spec.dtype, req.batch())
     return FileResponse(pieces)
 
 
