@@ -36,8 +36,8 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """q [N, K] int8, scale [N] -> [N, K] in `dtype`."""
-    return q.to(dtype) * scale.to(dtype)[:, None]
+    """q [N, K] int8, scale [N] -> [N, K] in `dtype`: one copy of the weight in `dtype` (scaled in place)."""
+    return q.to(dtype).mul_(scale.to(dtype)[:, None])
 
 
 def _int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -723,6 +723,39 @@ def test_an_int8_graph_keeps_no_float32_copy_of_the_weights(
         torch.testing.assert_close(got.grads[name], want.grads[name], rtol=1e-5, atol=1e-7)
 
 
+def test_an_int8_graph_estimate_counts_the_weights_dequantized_for_a_moment(
+    tiny: Checkpoint, tokenizer_dir: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each int8 product under autograd dequantizes its weight for a moment, forward and back: a float32 copy
+    of the LM head is 147 MiB on gpt2-small, far above a short prompt's graph (21 MB at 16 tokens), and a
+    16-token pass peaked 253 MiB above its start. `graph_bytes` for int8 weights counts twice the widest copy
+    made, and each copy is made once (scaled in place: the copy and its product were two)."""
+    import model.quantize
+    from model.loading import load
+
+    int8 = load(tiny.path, dtype="int8", device="cpu", tokenizer_dir=tokenizer_dir).model
+    real, copies = model.quantize.dequantize_rows, []
+
+    def spy(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        w = real(q, scale, dtype)
+        copies.append(w)
+        return w
+
+    monkeypatch.setattr(model.quantize, "dequantize_rows", spy)
+    n = 16
+    gradients(int8, list(range(100, 100 + n)), Loss(), ["blocks.0.hook_resid_pre"])
+    widest = max(w.nbytes for w in copies)
+    assert widest == int8.config.vocab_size * int8.config.n_embd * 4  # the LM head's, back and forth
+    c = int8.config
+    assert graph_bytes(c, n, torch.float32, quantized=True) - graph_bytes(c, n, torch.float32) >= 2 * widest
+    q, scale = int8.h[0].mlp.c_fc.q, int8.h[0].mlp.c_fc.scale
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        w = real(q, scale)
+    allocated = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0 and e.cpu_parent is None)
+    assert allocated < 1.5 * w.nbytes, (allocated, w.nbytes)  # one copy (and the scale's column), not two
+    torch.testing.assert_close(w, q.float() * scale[:, None], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("switches", ["split", "attn_in"])
 def test_optional_hook_gradients_equal_transformer_lens(tiny: Checkpoint, ours64: GPT, switches: str) -> None:
     """The optional hooks (each head's input copies and output, the MLP's copy of the stream) against a

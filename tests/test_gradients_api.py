@@ -276,6 +276,23 @@ def test_the_graph_limit_counts_the_per_head_inputs_asked_for_or_edited(loaded: 
         assert_still_serving(client)
 
 
+def test_the_graph_limit_counts_an_int8_model_s_dequantized_weights(tiny: Any, tokenizer_dir: Any) -> None:
+    """With int8 weights each product dequantizes its weight for a moment: a limit that fits a float32 model's
+    graph refuses the same request on the int8 model, naming the prompt, and the server serves on."""
+    from model.lab.gradients import graph_bytes
+    from model.loading import load
+
+    int8 = load(tiny.path, tokenizer_dir=tokenizer_dir, device="cpu", dtype="int8")
+    c, n = int8.model.config, 40
+    with serve(int8, max_gradient_bytes=graph_bytes(c, n, torch.float32)) as client:
+        body = grad(input_ids=[464] * n, hooks=["hook_embed"])
+        assert_error(client.post("/v1/gradients", json=body), 413, "input_ids")
+        assert_still_serving(client)
+    with serve(int8, max_gradient_bytes=graph_bytes(c, n, torch.float32, quantized=True)) as client:
+        ok = client.post("/v1/gradients", json=body)
+        assert ok.status_code == 200, ok.text
+
+
 # --- the engine: a pass's pieces as jobs, decode steps between them, one graph at a time -----------------
 
 

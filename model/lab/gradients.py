@@ -661,7 +661,9 @@ def highway(
 # --- memory ------------------------------------------------------------------------------------
 
 
-def graph_bytes(config: GPTConfig, n_tokens: int, dtype: torch.dtype, hooks: Iterable[str] = ()) -> int:
+def graph_bytes(
+    config: GPTConfig, n_tokens: int, dtype: torch.dtype, hooks: Iterable[str] = (), quantized: bool = False
+) -> int:
     """An upper estimate of the memory a forward pass with a graph and its backward pass take, from the
     shapes: per block and position about 17 d_model-wide values saved for the backward pass (inputs of the
     four projections, q, k, v, the layer norms' inputs, GELU's input and output at 4 d_model) and two
@@ -669,12 +671,16 @@ def graph_bytes(config: GPTConfig, n_tokens: int, dtype: torch.dtype, hooks: Ite
     (the logits and their log-softmax); a quarter more for the backward pass's own buffers. `hooks`, the
     hook points the run captures or edits: each per-head input they turn on (a block's queries', keys' or
     values' copy of the stream, TransformerLens' split inputs: `hook_attn_in` turns on all three) saves
-    about n_head d_model-wide values a position more (its copy and the copy's LayerNorm), 1.5 counted."""
+    about n_head d_model-wide values a position more (its copy and the copy's LayerNorm), 1.5 counted.
+    `quantized` (int8 weights): each product, forward and back, dequantizes its weight for a moment, one at a
+    time; twice the widest's size in `dtype` is counted (the copy and the product's own buffers: the LM head's
+    copy is 147 MiB on gpt2-small, and a 16-token pass peaked 253 MiB above its start)."""
     C, H, T = config.n_embd, config.n_head, n_tokens
     per_position = (
         config.n_layer * (17 * C + 2 * H * T) + 3 * C + 2 * config.vocab_size + 1.5 * H * C * _per_head_inputs(hooks)
     )
-    return int(1.25 * T * per_position * torch.empty((), dtype=dtype).element_size())
+    widest_weight = max(config.vocab_size, 4 * C) * C if quantized else 0  # the LM head, or an MLP projection
+    return int((1.25 * T * per_position + 2 * widest_weight) * torch.empty((), dtype=dtype).element_size())
 
 
 def _per_head_inputs(hooks: Iterable[str]) -> int:

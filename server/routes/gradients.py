@@ -56,9 +56,10 @@ def check_graph(
     it captures (`hooks`) and those its `edits` change, would not fit."""
     config = engine.model.config
     edited = edits.plan(config).targets if edits is not None else ()  # planned already: no glob matched again
-    size = graph_bytes(config, n_tokens, engine.loaded.dtype, [*hooks, *edited])
+    quantized = engine.loaded.quantization is not None
+    size = graph_bytes(config, n_tokens, engine.loaded.dtype, [*hooks, *edited], quantized)
     if size > settings.max_gradient_bytes:
-        split = size > graph_bytes(config, n_tokens, engine.loaded.dtype)
+        split = size > graph_bytes(config, n_tokens, engine.loaded.dtype, quantized=quantized)
         raise APIError(
             413,
             f"a graph for {n_tokens} tokens would take about {size} bytes, over the server's limit of "
