@@ -29,7 +29,7 @@ from model.generate import Generation, GenerationError, SamplingParams
 from model.hooks import UnknownHookError, check_hook_name, is_glob
 from model.interventions import InterventionError
 from model.lab.sae import SAEError
-from model.loading import LoadError, add_checkpoint_arguments, hub_repo, load_from
+from model.loading import DTYPE_NAMES, LoadError, add_checkpoint_arguments, hub_repo, load_from
 from model.tokenizer import InvalidTextError, Tokenizer
 
 
@@ -59,6 +59,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="append",
         metavar="PATTERN",
         help="hook names or globs to dump (repeatable; default: *, every default hook point, not the optional ones)",
+    )
+    p.add_argument(
+        "--dump-dtype",
+        choices=("float32", "float16", "bfloat16"),
+        help="the dump's dtype, whatever the model's (default float32, as the server's dumps; float16 or bfloat16: "
+        "half the size)",
     )
     add_sae_arguments(p, steer=True)
     args = p.parse_args(argv)
@@ -168,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:  # Ctrl-C leaves nothing half-wr
         return fail(problem)
     if args.hooks and not args.dump_activations:
         return fail("--hooks needs --dump-activations FILE")
+    if args.dump_dtype and not args.dump_activations:
+        return fail("--dump-dtype needs --dump-activations FILE")
     if args.dump_activations == "-":
         return fail("--dump-activations -: a dump is a file (the text goes to standard output); name one")
     if args.dump_activations and (problem := dump_path_problem(args.dump_activations)):  # before the long part
@@ -205,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:  # Ctrl-C leaves nothing half-wr
         tok = loaded.tokenizer
         hooks = (args.hooks or ["*"]) if args.dump_activations else None
         edits = steering_edits(steer, directions(args, loaded), loaded.model.config.n_layer)
-        generation = Generation(loaded.model, [tok.encode(prompt)], params, tok, hooks, edits)
+        dump_dtype = DTYPE_NAMES[args.dump_dtype or "float32"] if hooks else None  # cast as each is captured
+        generation = Generation(loaded.model, [tok.encode(prompt)], params, tok, hooks, edits, dump_dtype)
     except GenerationError as e:
         return fail(in_flags(e))
     except UnknownHookError as e:

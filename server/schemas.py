@@ -378,7 +378,8 @@ class ActivationsRequest(GenerateRequest):
 
     def batch(self) -> bool:
         """Whether the prompts came as a list (texts, or lists of ids): a batch, of one prompt too."""
-        return isinstance(self.prompt, list) or (bool(self.input_ids) and isinstance(self.input_ids[0], list))
+        ids = self.input_ids
+        return isinstance(self.prompt, list) or (ids is not None and len(ids) > 0 and isinstance(ids[0], list))
 
 
 class NextTokenRequest(Edits):

@@ -164,6 +164,27 @@ def test_hooks_need_a_dump_file(ckpt_with_tokenizer: Path, capsys: pytest.Captur
     assert out == "" and err == "gpt2-generate: error: --hooks needs --dump-activations FILE\n"
 
 
+def test_the_dump_dtype(ckpt_with_tokenizer: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A dump is float32 whatever the model's dtype, as the server's are (a bfloat16 model's dump was bfloat16,
+    which numpy cannot read), or the dtype `--dump-dtype` names; the flag needs a dump file."""
+    from model.dump import load_dump
+
+    for model_dtype, dump_dtype, want in [
+        ("bfloat16", None, torch.float32),
+        ("float32", "float16", torch.float16),
+        ("float32", "bfloat16", torch.bfloat16),
+    ]:
+        dump = tmp_path / f"{model_dtype}-{dump_dtype}.safetensors"
+        argv = ["hi", "--model", str(ckpt_with_tokenizer), "--dtype", model_dtype, "--greedy", "--max-new-tokens", "2"]
+        argv += ["--dump-activations", str(dump), "--hooks", "blocks.0.hook_resid_post"]
+        assert main(argv + (["--dump-dtype", dump_dtype] if dump_dtype else [])) == 0
+        tensors, _ = load_dump(dump)
+        assert tensors["blocks.0.hook_resid_post"].dtype == want, (model_dtype, dump_dtype)
+    capsys.readouterr()
+    assert main(["hi", "--model", str(ckpt_with_tokenizer), "--dump-dtype", "float16"]) == 1
+    assert capsys.readouterr().err == "gpt2-generate: error: --dump-dtype needs --dump-activations FILE\n"
+
+
 def test_prompt_from_stdin(
     ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

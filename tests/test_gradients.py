@@ -729,7 +729,7 @@ def test_an_int8_graph_estimate_counts_the_weights_dequantized_for_a_moment(
     """Each int8 product under autograd dequantizes its weight for a moment, forward and back: a float32 copy
     of the LM head is 147 MiB on gpt2-small, far above a short prompt's graph (21 MB at 16 tokens), and a
     16-token pass peaked 253 MiB above its start. `graph_bytes` for int8 weights counts twice the widest copy
-    made, and each copy is made once (scaled in place: the copy and its product were two)."""
+    made."""
     import model.quantize
     from model.loading import load
 
@@ -748,12 +748,6 @@ def test_an_int8_graph_estimate_counts_the_weights_dequantized_for_a_moment(
     assert widest == int8.config.vocab_size * int8.config.n_embd * 4  # the LM head's, back and forth
     c = int8.config
     assert graph_bytes(c, n, torch.float32, quantized=True) - graph_bytes(c, n, torch.float32) >= 2 * widest
-    q, scale = int8.h[0].mlp.c_fc.q, int8.h[0].mlp.c_fc.scale
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        w = real(q, scale)
-    allocated = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0 and e.cpu_parent is None)
-    assert allocated < 1.5 * w.nbytes, (allocated, w.nbytes)  # one copy (and the scale's column), not two
-    torch.testing.assert_close(w, q.float() * scale[:, None], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("switches", ["split", "attn_in"])

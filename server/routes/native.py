@@ -16,9 +16,11 @@ import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from model import kernels
 from model.analysis import NextTokenPass
 from model.generate import Completion, GenerationError, TokenLogprob, validate_prompt
 from model.hooks import is_optional, select_hooks
+from model.loading import LoadedModel
 
 from .. import encoding
 from ..engine import Engine
@@ -49,12 +51,21 @@ from .sae import DirectionsDep, FeatureReader, describe_saes, feature_reader
 
 router = APIRouter(tags=["native"], route_class=JSONBodyRoute)
 
-QUANTIZATION_NOTES = {
-    "int8": "weight-only int8: every projection and the LM head hold int8 weights with a float32 scale per output "
-    "channel; activations are float32 (on a CPU the decode step's products round each row of their input to "
-    "int16, 15 bits, inside the product), so dumps hold the float32 activations of this quantized model, not of "
-    "the original float32 weights"
-}
+
+def quantization_note(loaded: LoadedModel) -> str | None:
+    """What /v1/model says of quantized weights (None for float weights): how the products run here."""
+    if loaded.quantization is None:
+        return None
+    products = (
+        "on this CPU our kernels' products round each row of their input to int16, 15 bits, inside the product"
+        if loaded.device.type == "cpu" and kernels.available()
+        else "each product dequantizes its weights and multiplies in float32"
+    )
+    return (
+        "weight-only int8: every projection and the LM head hold int8 weights with a float32 scale per output "
+        f"channel; activations are float32 ({products}), so dumps hold the float32 activations of this quantized "
+        "model, not of the original float32 weights"
+    )
 
 
 @router.get("/v1/model")
@@ -66,7 +77,7 @@ async def model_info(engine: EngineDep, directions: DirectionsDep) -> dict[str, 
         "revision": loaded.revision,
         "dtype": str(loaded.dtype).removeprefix("torch."),  # of the activations (and dumps)
         "weights": loaded.weights,
-        "quantization": QUANTIZATION_NOTES.get(loaded.quantization or ""),
+        "quantization": quantization_note(loaded),
         "device": str(loaded.device),
         "n_layer": c.n_layer,
         "n_head": c.n_head,
