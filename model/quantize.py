@@ -39,7 +39,7 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """q [N, K] int8, scale [N] -> [N, K] in `dtype`: one copy of the weight in `dtype` (scaled in place)."""
-    return q.to(dtype).mul_(scale.to(dtype)[:, None])
+    return q.to(dtype, copy=True).mul_(scale.to(dtype)[:, None])  # (a copy even where dtype is q's)
 
 
 def _int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -148,6 +148,9 @@ def quantize_(model: GPT) -> GPT:
     stock layers or, in a model `load` gave to a CPU, our kernels' (`use_kernels`)."""
     if model.wte.weight.dtype != torch.float32:  # rounding float16's or bfloat16's rounding again
         raise ValueError(f"quantize_ takes a float32 model, got {str(model.wte.weight.dtype).removeprefix('torch.')}")
+    for name, p in model.named_parameters():  # a NaN in a row would quantize it to zeros, an inf make its scale inf
+        if not torch.isfinite(p).all():
+            raise ValueError(f"quantize_ takes finite weights: {name} holds inf or NaN (the model is left as it was)")
     replace_modules(model, (Conv1D, KernelConv1D), Int8Conv1D)
     replace_modules(model, (TiedLMHead, KernelLMHead), lambda _: Int8LMHead(model.wte.weight))
     if model.wte.weight.device.type == "cpu":  # into huge pages, a new mapping: `load` may have moved the float32

@@ -284,10 +284,11 @@ def _write_text(prompt: str, generation: Generation, tok: Tokenizer) -> str | No
     out.write("\n")
     result = generation.results[0]
     if result.logprobs is not None:
-        out.write("\ntoken\tlogprob\talternatives\n")
+        columns = ["token", "logprob"] + (["alternatives"] if any(lp.top for lp in result.logprobs) else [])
+        out.write("\n" + "\t".join(columns) + "\n")  # `--show-logprobs 0`: no alternatives, no column for them
         for lp in result.logprobs:
-            alts = "  ".join(f"{tok.token_text(i)!r}:{v:.3f}" for i, v in lp.top)
-            out.write(f"{tok.token_text(lp.id)!r}\t{lp.logprob:.4f}\t{alts}\n")
+            alts = ["  ".join(f"{tok.token_text(i)!r}:{v:.3f}" for i, v in lp.top)] if lp.top else []
+            out.write("\t".join([repr(tok.token_text(lp.id)), f"{lp.logprob:.4f}", *alts]) + "\n")
     out.flush()
     return None
 

@@ -322,6 +322,9 @@ def test_show_logprobs(ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[
         token, logprob, alternatives = line.split("\t")
         assert token.startswith(("'", '"')) and float(logprob) <= 0
         assert len(alternatives.split("  ")) == 3
+    assert main([*args, "--show-logprobs", "0"]) == 0  # each token's own log-probability, no alternatives column
+    table = capsys.readouterr().out.split("\ntoken\tlogprob\n")[1].splitlines()
+    assert len(table) == 4 and all(len(line.split("\t")) == 2 and float(line.split("\t")[1]) <= 0 for line in table)
     # seeded sampling is reproducible
     assert main(args) == 0
     first = capsys.readouterr().out

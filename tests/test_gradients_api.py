@@ -288,6 +288,9 @@ def test_the_graph_limit_counts_an_int8_model_s_dequantized_weights(tiny: Any, t
         body = grad(input_ids=[464] * n, hooks=["hook_embed"])
         assert_error(client.post("/v1/gradients", json=body), 413, "input_ids")
         assert_still_serving(client)
+    with serve(int8, max_gradient_bytes=graph_bytes(c, 0, torch.float32, quantized=True) - 1) as client:
+        error = assert_error(client.post("/v1/gradients", json=grad(input_ids=[464] * 2, hooks=["hook_embed"])), 413)
+        assert "with int8 weights a graph takes about" in error["message"] and "no prompt fits" in error["message"]
     with serve(int8, max_gradient_bytes=graph_bytes(c, n, torch.float32, quantized=True)) as client:
         ok = client.post("/v1/gradients", json=body)
         assert ok.status_code == 200, ok.text

@@ -84,6 +84,12 @@ def test_quantize_takes_a_float32_model(tiny: Checkpoint) -> None:
 
     with pytest.raises(ValueError, match="quantize_ takes a float32 model, got float16"):
         quantize_(load_ours(tiny, torch.float16))
+    model = load_ours(tiny, torch.float32)  # a NaN in a row quantized it to zeros, an inf made its scale inf
+    with torch.no_grad():
+        model.h[1].attn.c_proj.weight[3, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"h\.1\.attn\.c_proj\.weight holds inf or NaN \(the model is left as"):
+        quantize_(model)
+    assert not any(isinstance(m, Int8Conv1D) for m in model.modules())
 
 
 def test_int8_fidelity_tiny(tiny: Checkpoint) -> None:
@@ -208,7 +214,8 @@ def test_model_info_says_int8(tiny: Checkpoint, tokenizer_dir: Path, monkeypatch
         info = client.get("/v1/model").json()
         assert (info["dtype"], info["weights"]) == ("float32", "int8")
         assert "float32 activations of this quantized model" in info["quantization"]
-        assert ("round each row of their input to int16" in info["quantization"]) == kernels.available()
+        on_kernels = kernels.available() and kernels.max_rows() > 0
+        assert ("round each row of their input to int16" in info["quantization"]) == on_kernels
         monkeypatch.setattr(kernels, "available", lambda: False)
         note = client.get("/v1/model").json()["quantization"]
         assert "each product dequantizes its weights and multiplies in float32" in note and "int16" not in note

@@ -199,7 +199,7 @@ def test_a_list_of_one_prompt_is_a_batch_of_one(loaded: LoadedModel) -> None:
             assert safetensors.torch.load(r.content)[names[0]].shape == (1, len(ids[0]), 64)
             generating = {**body, "max_new_tokens": 2, "activations": {"hooks": names}}
             error = assert_error(client.post("/v1/activations", json=generating), 400, "max_new_tokens")
-            assert "a batch of 1 prompts gives their forward passes only" in error["message"]
+            assert "prompts sent as a list are a batch (1 here), which gives" in error["message"]
         r = client.post("/v1/activations", json={"input_ids": PROMPTS[1], "activations": None})  # null: the default
         assert r.status_code == 200, r.text
         assert sorted(safetensors.torch.load(r.content)) == sorted(hook_names(2, optional=False))

@@ -59,6 +59,15 @@ def check_graph(
     quantized = engine.loaded.quantization is not None
     size = graph_bytes(config, n_tokens, engine.loaded.dtype, [*hooks, *edited], quantized)
     if size > settings.max_gradient_bytes:
+        fixed = graph_bytes(config, 0, engine.loaded.dtype, quantized=quantized)  # int8's dequantized weights
+        if fixed > settings.max_gradient_bytes:
+            raise APIError(
+                413,
+                f"with int8 weights a graph takes about {fixed} bytes whatever the prompt (each product dequantizes "
+                f"its weights for a moment), over the server's limit of {settings.max_gradient_bytes} "
+                "(--max-gradient-bytes): no prompt fits; the server's operator can raise the limit or load float32",
+                param,
+            )
         split = size > graph_bytes(config, n_tokens, engine.loaded.dtype, quantized=quantized)
         raise APIError(
             413,

@@ -57,8 +57,9 @@ def quantization_note(loaded: LoadedModel) -> str | None:
     if loaded.quantization is None:
         return None
     products = (
-        "on this CPU our kernels' products round each row of their input to int16, 15 bits, inside the product"
-        if loaded.device.type == "cpu" and kernels.available()
+        f"on this CPU the products of up to {kernels.max_rows()} rows run on our kernels, which round each row of "
+        "their input to int16, 15 bits, inside the product; longer ones dequantize the weights and multiply in float32"
+        if loaded.device.type == "cpu" and kernels.available() and kernels.max_rows() > 0
         else "each product dequantizes its weights and multiplies in float32"
     )
     return (
@@ -162,8 +163,8 @@ def _check_stackable(prompts: list[list[int]], max_new_tokens: int, param: str) 
     """A batch's dumps are stacked along a leading batch dimension: one length for all, nothing generated."""
     if max_new_tokens:
         raise GenerationError(
-            f"a batch of {len(prompts)} prompts gives their forward passes only: max_new_tokens must be 0, got "
-            f"{max_new_tokens} (send one prompt per request to dump a generation)",
+            f"prompts sent as a list are a batch ({len(prompts)} here), which gives their forward passes only: "
+            f"max_new_tokens must be 0, got {max_new_tokens} (send one prompt, not in a list, to dump a generation)",
             "max_new_tokens",
         )
     lengths = sorted({len(p) for p in prompts})
