@@ -27,14 +27,14 @@ QMAX = 127  # symmetric: -127..127 (-128 unused, so that -q is always representa
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] -> (q [N, K] int8, scale [N] float32) with w ~= q * scale[:, None], row by row (each row
-    is one output channel). An all-zero row gets scale 1 (q = 0). One float32 copy of w is made, rounded in
-    place (the LM head's is 147 MiB on gpt2-small)."""
+    is one output channel). An all-zero row gets scale 1 (q = 0). For a float32 w (a row-major view or not),
+    one float32 copy is made, row-major, and rounded in place (the LM head's is 147 MiB on gpt2-small)."""
     w = w.float()
     lo, hi = torch.aminmax(w, dim=1)  # [N] each: max |w| without a copy of |w|
     amax = torch.maximum(-lo, hi)
     scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
-    q = (w / scale[:, None]).round_().clamp_(-QMAX, QMAX).to(torch.int8)
-    return q.contiguous(), scale.contiguous()
+    steps = torch.div(w, scale[:, None], out=torch.empty(w.shape, device=w.device))  # [N, K] row-major
+    return steps.round_().clamp_(-QMAX, QMAX).to(torch.int8), scale.contiguous()
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

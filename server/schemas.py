@@ -377,7 +377,8 @@ class ActivationsRequest(GenerateRequest):
         return None
 
     def batch(self) -> bool:
-        """Whether the prompts came as a list (texts, or lists of ids): a batch, of one prompt too."""
+        """Whether the prompts came as a list (texts, or lists of ids): a batch, of one prompt too, whose file's
+        token ids and texts are lists."""
         ids = self.input_ids
         return isinstance(self.prompt, list) or (ids is not None and len(ids) > 0 and isinstance(ids[0], list))
 

@@ -729,22 +729,31 @@ def test_an_int8_graph_estimate_counts_the_weights_dequantized_for_a_moment(
     """Each int8 product under autograd dequantizes its weight for a moment, forward and back: a float32 copy
     of the LM head is 147 MiB on gpt2-small, far above a short prompt's graph (21 MB at 16 tokens), and a
     16-token pass peaked 253 MiB above its start. `graph_bytes` for int8 weights counts twice the widest copy
-    made."""
+    made, and no two copies live at once (each is freed before the next product dequantizes)."""
+    import weakref
+
     import model.quantize
     from model.loading import load
 
     int8 = load(tiny.path, dtype="int8", device="cpu", tokenizer_dir=tokenizer_dir).model
-    real, copies = model.quantize.dequantize_rows, []
+    real, copies, alive, most_alive = model.quantize.dequantize_rows, [], [0], [0]
+
+    def freed() -> None:
+        alive[0] -= 1
 
     def spy(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         w = real(q, scale, dtype)
-        copies.append(w)
+        copies.append(w.nbytes)
+        alive[0] += 1
+        most_alive[0] = max(most_alive[0], alive[0])
+        weakref.finalize(w, freed)
         return w
 
     monkeypatch.setattr(model.quantize, "dequantize_rows", spy)
     n = 16
     gradients(int8, list(range(100, 100 + n)), Loss(), ["blocks.0.hook_resid_pre"])
-    widest = max(w.nbytes for w in copies)
+    widest = max(copies)
+    assert len(copies) > 2 and most_alive[0] == 1, most_alive
     assert widest == int8.config.vocab_size * int8.config.n_embd * 4  # the LM head's, back and forth
     c = int8.config
     assert graph_bytes(c, n, torch.float32, quantized=True) - graph_bytes(c, n, torch.float32) >= 2 * widest

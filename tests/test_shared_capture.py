@@ -16,7 +16,7 @@ import pytest
 import safetensors.torch
 import torch
 from conftest import Checkpoint, load_ours
-from contract import assert_error, safetensors_metadata
+from contract import safetensors_metadata
 from inprocess import assert_still_serving, serve
 from test_engine import held, run, running
 
@@ -186,7 +186,7 @@ def test_batched_activations_request_is_one_file_with_a_batch_dimension(loaded: 
 
 def test_a_list_of_one_prompt_is_a_batch_of_one(loaded: LoadedModel) -> None:
     """A prompt sent in a list, text or ids, is a batch of one: the metadata's `token_ids` and `text` are lists,
-    as for several, so a client reads the file by the shape of its own request; and nothing is generated."""
+    as for several, so a client reads the file by the shape of its own request; being one, it may generate."""
     names = ["blocks.0.hook_resid_pre"]
     with serve(loaded) as client:
         for body in ({"input_ids": [PROMPTS[1]]}, {"prompt": ["Hello world"]}):
@@ -197,9 +197,12 @@ def test_a_list_of_one_prompt_is_a_batch_of_one(loaded: LoadedModel) -> None:
             assert len(ids) == 1 and isinstance(ids[0], list), ids
             assert json.loads(meta["text"]) == [loaded.tokenizer.decode(ids[0])]
             assert safetensors.torch.load(r.content)[names[0]].shape == (1, len(ids[0]), 64)
-            generating = {**body, "max_new_tokens": 2, "activations": {"hooks": names}}
-            error = assert_error(client.post("/v1/activations", json=generating), 400, "max_new_tokens")
-            assert "prompts sent as a list are a batch (1 here), which gives" in error["message"]
+            generating = {**body, "max_new_tokens": 2, "ignore_eos": True, "activations": {"hooks": names}}
+            r = client.post("/v1/activations", json=generating)
+            assert r.status_code == 200, r.text
+            (generated,) = json.loads(safetensors_metadata(r.content)["token_ids"])
+            assert generated[: len(ids[0])] == ids[0] and len(generated) == len(ids[0]) + 2
+            assert safetensors.torch.load(r.content)[names[0]].shape == (1, len(ids[0]) + 2, 64)
         r = client.post("/v1/activations", json={"input_ids": PROMPTS[1], "activations": None})  # null: the default
         assert r.status_code == 200, r.text
         assert sorted(safetensors.torch.load(r.content)) == sorted(hook_names(2, optional=False))

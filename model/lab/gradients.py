@@ -679,7 +679,7 @@ def graph_bytes(
     per_position = (
         config.n_layer * (17 * C + 2 * H * T) + 3 * C + 2 * config.vocab_size + 1.5 * H * C * _per_head_inputs(hooks)
     )
-    widest_weight = max(config.vocab_size, 4 * C) * C if quantized else 0  # the LM head, or an MLP projection
+    widest_weight = max(config.vocab_size, config.d_mlp) * C if quantized else 0  # the LM head, or an MLP projection
     return int((1.25 * T * per_position + 2 * widest_weight) * torch.empty((), dtype=dtype).element_size())
 
 

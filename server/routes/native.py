@@ -58,7 +58,8 @@ def quantization_note(loaded: LoadedModel) -> str | None:
         return None
     products = (
         f"on this CPU the products of up to {kernels.max_rows()} rows run on our kernels, which round each row of "
-        "their input to int16, 15 bits, inside the product; longer ones dequantize the weights and multiply in float32"
+        "their input to int16, 15 bits, inside the product; longer ones and gradients dequantize the weights and "
+        "multiply in float32"
         if loaded.device.type == "cpu" and kernels.available() and kernels.max_rows() > 0
         else "each product dequantizes its weights and multiplies in float32"
     )
@@ -143,7 +144,7 @@ async def activations(
     params = req.sampling_params(settings.max_new_tokens, engine.model.config.n_positions)
     param = prompt_field(req.input_ids)
     check_prompts(engine, prompts, params.max_new_tokens, param)
-    if req.batch():
+    if len(prompts) > 1:
         _check_stackable(prompts, params.max_new_tokens, param)
     spec = req.activations
     hooks, dump_bytes = await _checked_hooks(engine, settings, spec, prompts, params.max_new_tokens, file=True)
@@ -163,8 +164,8 @@ def _check_stackable(prompts: list[list[int]], max_new_tokens: int, param: str) 
     """A batch's dumps are stacked along a leading batch dimension: one length for all, nothing generated."""
     if max_new_tokens:
         raise GenerationError(
-            f"prompts sent as a list are a batch ({len(prompts)} here), which gives their forward passes only: "
-            f"max_new_tokens must be 0, got {max_new_tokens} (send one prompt, not in a list, to dump a generation)",
+            f"a batch of {len(prompts)} prompts gives their forward passes only: max_new_tokens must be 0, got "
+            f"{max_new_tokens} (send one prompt per request to dump a generation)",
             "max_new_tokens",
         )
     lengths = sorted({len(p) for p in prompts})
@@ -296,8 +297,8 @@ class _Reply:
 
     def file(self, completions: list[Completion], dtype: str, batch: bool) -> list[bytes | memoryview]:
         """/v1/activations' answer: the dump as a safetensors file, its metadata holding the result. A
-        `batch`'s tensors are stacked along their batch dimension, in the order of the prompts, and its
-        token ids and texts are lists of one per prompt."""
+        `batch`'s tensors (prompts sent as a list, of one too) are stacked along their batch dimension, in the
+        order of the prompts, and its token ids and texts are lists of one per prompt."""
         acts = [c.activations for c in completions]
         assert all(a is not None for a in acts)
         ids = [c.prompt_ids + c.token_ids for c in completions]
@@ -312,7 +313,7 @@ class _Reply:
         tensors = {}
         for name in list(acts[0] or {}):  # a hook at a time, taken out of the completions: never held twice whole
             parts = [a.pop(name) for a in acts if a is not None]
-            value = torch.cat(parts) if batch else parts[0]
+            value = torch.cat(parts) if len(parts) > 1 else parts[0]  # (a batch of one: no copy)
             del parts
             tensors[name] = value.to(device="cpu", dtype=encoding.DTYPES[dtype])
         return encoding.to_safetensors(tensors, dtype, meta)
