@@ -960,7 +960,7 @@ class Generation:
         if group:
             max_len = max(len(s.prompt) + s.params.max_new_tokens for s in group)
             # prompt tokens per pass: at most a context's worth (bounds the memory of its logits)
-            batch = DecodeBatch(self.model, len(group), max_len, self.model.config.n_positions)
+            batch = DecodeBatch(self.model, len(group), max_len, prefill_chunk=self.model.config.n_positions)
             for seq in group:
                 batch.add(seq)
             while batch:

@@ -76,6 +76,10 @@ class TiedLMHead(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention: for each head h, z_h = softmax(Q_h K_hᵀ / √d_head + causal mask) V_h;
+    out = concat_h(z_h) W_O + b_O. `_explicit_attention` spells it out (where hooks ask for the scores or the
+    pattern); torch's fused SDPA computes the same otherwise."""
+
     def __init__(self, config: GPTConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer

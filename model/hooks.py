@@ -27,7 +27,9 @@ class Hooks(Protocol):
     """What a forward pass hands each hook point's value to."""
 
     def active(self, name: str) -> bool:
-        """Whether `name` is of interest (so the model can take the explicit attention path)."""
+        """Whether `name` is of interest: the model computes what only a hook reads where one is (the explicit
+        attention's scores and pattern, the per-head inputs and `hook_result`, the LayerNorm's scale, the LM
+        head's rows)."""
         ...
 
     def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
