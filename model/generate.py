@@ -659,7 +659,11 @@ class DecodeBatch:
         self, decoding: list[int], chunks: list[tuple[int, int, int]]
     ) -> list[tuple[SequenceState, TokenEvent | None]]:
         """A decode token for every row (a dummy for the rows still prefilling) and the prompt chunks,
-        in one pass; logits only where a token is wanted."""
+        in one pass; logits only where a token is wanted. The layout, as index lists:
+            tokens     = [one token per row (none when no row decodes) | chunk 0's tokens | chunk 1's | ...]
+            outputs    = the positions in `tokens` that leave the last block (decode rows', chunks' kept)
+            logit_rows = the positions in `outputs` whose logits are computed
+            spans, logit_spans = each chunk's slice of `outputs` and of the logits."""
         steps = [int(b in decoding) for b in range(len(self.seqs))]  # 1 for a decoding row, 0 for a dummy
         tokens = [s.tokens[-1] if n else 0 for s, n in zip(self.seqs, steps, strict=True)] if decoding else []
         outputs = list(decoding)  # the packed tokens that leave the last block
