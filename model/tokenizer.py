@@ -139,7 +139,8 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         """The text of `ids`; an id past the tokenizer's vocabulary (a model's padded one) is `<|id:N|>`, as in
-        `token_text`, where the library would leave it out."""
+        `token_text`, where the library would leave it out. A negative id is a ValueError."""
+        _no_negative(ids)
         if not ids or max(ids) < self.vocab_size:
             return self._tok.decode(ids, skip_special_tokens=False)
         runs = groupby(ids, key=lambda i: i < self.vocab_size)
@@ -150,6 +151,8 @@ class Tokenizer:
 
     def decode_batch(self, batch: list[list[int]]) -> list[str]:
         """Like `decode` for each list of ids; like `encode_batch`, it lets go of the GIL while it works."""
+        for ids in batch:
+            _no_negative(ids)
         if any(ids and max(ids) >= self.vocab_size for ids in batch):
             return [self.decode(ids) for ids in batch]
         return self._tok.decode_batch(batch, skip_special_tokens=False)
@@ -158,6 +161,7 @@ class Tokenizer:
         """The text one token stands for on its own (a lone piece of a multi-byte character shows as U+FFFD);
         `<|id:N|>` for an id past the tokenizer's vocabulary (a model's vocabulary padded past it, as nanoGPT
         pads to 50304), which would otherwise show as nothing."""
+        _no_negative([token_id])
         if token_id >= self.vocab_size:
             return f"<|id:{token_id}|>"
         return self._tok.decode([token_id], skip_special_tokens=False)
@@ -192,6 +196,12 @@ class Tokenizer:
 
     def save(self, directory: str | Path) -> None:
         (Path(directory) / "tokenizer.json").write_text(self._tok.to_str(pretty=True), encoding="utf-8")  # any path
+
+
+def _no_negative(ids: list[int]) -> None:
+    """Raise ValueError for a negative id (the library's own error is an OverflowError about Rust's u32)."""
+    if ids and min(ids) < 0:
+        raise ValueError(f"token id {min(ids)} is negative: ids are 0 and up")
 
 
 def check_unicode(text: str, item: int = 0) -> None:

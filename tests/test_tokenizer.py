@@ -86,6 +86,14 @@ def test_ids_past_the_vocabulary_decode_as_their_names(tok: Tokenizer) -> None:
     assert tok.decode([*emoji[:1], 50257, *emoji[1:]]) == tok.decode(emoji[:1]) + "<|id:50257|>" + tok.decode(emoji[1:])
 
 
+def test_a_negative_id_is_a_value_error(tok: Tokenizer) -> None:
+    """A negative id in Python is a ValueError that says so (the library's was an OverflowError about Rust's
+    u32); over HTTP the ids are checked before."""
+    for call in (lambda: tok.decode([15496, -1]), lambda: tok.decode_batch([[1], [-3]]), lambda: tok.token_text(-1)):
+        with pytest.raises(ValueError, match=r"token id -\d is negative: ids are 0 and up"):
+            call()
+
+
 def test_a_folder_whose_name_is_not_utf8(tokenizer_dir: Path, tmp_path: Path) -> None:
     """A path of bytes that are not UTF-8 (as Linux allows, Python holding them as surrogates): the library's
     from_file refused it ("surrogates not allowed"), though the files are fine."""
