@@ -361,8 +361,8 @@ class ActivationsRequest(GenerateRequest):
     def _file_spec(cls, value: Any) -> Any:
         """The answer is a safetensors file: no `format` to choose; `hooks` default to every default hook
         point here too when the object is given for its `dtype`, or as null."""
-        if value is None:
-            return {"hooks": ["*"]}
+        if value is None:  # as if absent
+            value = {}
         if isinstance(value, dict):
             if "format" in value:
                 raise ValueError("format is not taken here: /v1/activations answers with a safetensors file")
