@@ -47,17 +47,11 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as `python scripts/bench.py` without the package installed
+if str(ROOT) not in sys.path:  # run as `python scripts/bench.py`: this checkout's `model` first
     sys.path.insert(0, str(ROOT))
 
-from model.config import GPTConfig  # noqa: E402
-from model.generate import DecodeBatch, SamplingParams, generate, new_sequence  # noqa: E402
-from model.gpt import GPT  # noqa: E402
-from model.loading import DTYPE_NAMES, load_weights  # noqa: E402
-from model.quantize import weight_bytes  # noqa: E402
-from model.tokenizer import EOT_ID  # noqa: E402
-from scripts import bench_ctranslate2  # noqa: E402
-from scripts.bench_common import (  # noqa: E402
+from gpt2_scripts import bench_ctranslate2  # noqa: E402
+from gpt2_scripts.bench_common import (  # noqa: E402
     Timing,
     check_load,
     cpu_features,
@@ -70,6 +64,13 @@ from scripts.bench_common import (  # noqa: E402
     others_share,
     vm_hwm_bytes,
 )
+
+from model.config import GPTConfig  # noqa: E402
+from model.generate import DecodeBatch, SamplingParams, generate, new_sequence  # noqa: E402
+from model.gpt import GPT  # noqa: E402
+from model.loading import DTYPE_NAMES, load_weights  # noqa: E402
+from model.quantize import weight_bytes  # noqa: E402
+from model.tokenizer import EOT_ID  # noqa: E402
 
 SMALL = GPTConfig(n_layer=12, n_head=12, n_embd=768, n_positions=1024, vocab_size=50257)  # gpt2-small's shape
 BUSY_SHARE = 0.1  # share of all CPUs taken by other processes during the timed runs worth a warning
