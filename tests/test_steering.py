@@ -47,6 +47,8 @@ def test_identities_leave_logits_unchanged(tiny_model: GPT, sae: SAE) -> None:
     d = tiny_model.config.n_embd
     v = torch.randn(d, generator=torch.Generator().manual_seed(0))
     assert torch.equal(logits(tiny_model, IDS, Edit(HOOK, "steer", factor=0.0, direction=v)), plain)
+    matched = Edit(HOOK, "steer", factor=0.0, direction=v, norm_match=True)  # no rescaling's rounding either
+    assert torch.equal(logits(tiny_model, IDS, matched), plain)
     x = stream(tiny_model, IDS)  # [T, d]
     f = sae.encode(sae.read(x))
     active = int(f.sum(0).argmax())  # a feature that is on at some positions

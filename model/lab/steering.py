@@ -36,7 +36,10 @@ Reduce = Literal["last", "mean"]
 
 
 def steer(x: torch.Tensor, direction: torch.Tensor, scale: float, norm_match: bool) -> torch.Tensor:
-    """x + scale · direction; with `norm_match`, each vector rescaled to its norm before the edit."""
+    """x + scale · direction; with `norm_match`, each vector rescaled to its norm before the edit. Scale 0 is
+    x itself, bit for bit (rescaled, x's norm over its norm would round its last bits)."""
+    if scale == 0:
+        return x
     if not norm_match:
         return x + scale * direction.to(x.dtype)
     return _norm_matched(x.float(), direction.float(), scale).to(x.dtype)
