@@ -15,7 +15,7 @@ import math
 import numbers
 import operator
 import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +43,7 @@ from .json_file import clip, is_int
 from .kernels.decode import FusedDecode
 from .kv_cache import KVCache, PackedBatch
 from .overflow import dtype_range
-from .sampling import sample, top_logprobs
+from .sampling import penalize, sample, top_logprobs
 from .tokenizer import EOT_ID, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,8 @@ SEED_RANGE = range(-(2**63), 2**63)  # an int64, as torch's generators take it (
 MAX_STOPS = 16  # stop strings per request: each is looked for after every token
 MAX_STOP_CHARS = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 256  # stop token ids per request: each new token is looked up among them
+MAX_BIAS = 100.0  # a logit bias' magnitude, as OpenAI bounds it (-100 all but bans a token, 100 all but forces it)
+MAX_PENALTY = 2.0  # presence and frequency penalties' magnitude, as OpenAI bounds them
 SHARED_PREFIX_MIN = 16  # prompt tokens in common with a sequence in the batch, from which a joining one copies them
 
 
@@ -70,15 +72,21 @@ class ContextLengthError(GenerationError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to continue a prompt: how many tokens, how to choose each (temperature, top-k, top-p, a seed), when
-    to stop (a stop string, a stop token, end of text unless `ignore_eos`), and which log-probabilities to
-    give. Checked when made: a bad value is a `GenerationError` naming the field."""
+    """How to continue a prompt: how many tokens, how to choose each (biases and penalties on the logits,
+    then temperature, min-p, top-k, top-p, a seed: `model.sampling`), when to stop (a stop string, a stop
+    token, end of text unless `ignore_eos`), and which log-probabilities to give (the model's own, before any
+    of the choosing: vLLM's default). Checked when made: a bad value is a `GenerationError` naming the field."""
 
     max_new_tokens: int = 32
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # 0 = no limit (-1 too, as vLLM's clients send it)
     top_p: float = 1.0  # 1 = no limit
+    min_p: float = 0.0  # 0 = no limit
     seed: int | None = None  # None = a fresh random seed
+    logit_bias: Mapping[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
+    repetition_penalty: float = 1.0  # 1 = off; > 1 discourages the prompt's and the generated tokens
+    presence_penalty: float = 0.0  # 0 = off; in [-2, 2]: subtracted once from each generated token's logit
+    frequency_penalty: float = 0.0  # 0 = off; in [-2, 2]: subtracted per time a token was generated
     stop: tuple[str, ...] = ()  # stop strings; the text ends before the first one
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -90,7 +98,9 @@ class SamplingParams:
             if not ok:
                 raise GenerationError(f"{param} {message}, got {clip(getattr(self, param))}", param)
 
-        for name in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "logprobs", "prompt_logprobs"):
+        numeric = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "prompt_logprobs")
+        penalties = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+        for name in numeric + penalties:
             object.__setattr__(self, name, _python_number(getattr(self, name)))  # numpy's numbers as Python's
 
         check(is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens", "must be an integer >= 0")
@@ -103,6 +113,16 @@ class SamplingParams:
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         check(_is_num(self.top_p) and 0 <= self.top_p <= 1, "top_p", "must be a number in [0, 1]")
+        check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be a number in [0, 1]")
+        check(
+            _is_num(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf,
+            "repetition_penalty",
+            "must be a finite number > 0 (1: off)",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check(_is_num(value) and -MAX_PENALTY <= value <= MAX_PENALTY, name, "must be a number in [-2, 2]")
+        object.__setattr__(self, "logit_bias", _checked_bias(self.logit_bias))
         check(
             self.seed is None or (is_int(self.seed) and self.seed in SEED_RANGE),
             "seed",
@@ -141,6 +161,27 @@ class SamplingParams:
             check(
                 value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS), name, f"must be in 0..{MAX_LOGPROBS}"
             )
+
+
+def _checked_bias(bias: Any) -> dict[int, float]:
+    """A logit bias {token id: bias}, a copy of its own, checked: each id an integer >= 0 (the vocabulary is the
+    model's to check: `new_sequence`), each bias a number in [-100, 100]."""
+    if not isinstance(bias, Mapping):
+        raise GenerationError(f"logit_bias must map token ids to biases, got {type(bias).__name__}", "logit_bias")
+    out: dict[int, float] = {}
+    for token, value in bias.items():
+        token, value = _python_number(token), _python_number(value)
+        if not (is_int(token) and token >= 0):
+            raise GenerationError(f"logit_bias: a token id must be an integer >= 0, got {clip(token)}", "logit_bias")
+        if not (_is_num(value) and -MAX_BIAS <= value <= MAX_BIAS):
+            raise GenerationError(
+                f"logit_bias: the bias of token {token} must be a number in [-100, 100], got {clip(value)}",
+                "logit_bias",
+            )
+        if token in out:  # 5 and numpy's 5
+            raise GenerationError(f"logit_bias: token {token} is given twice", "logit_bias")
+        out[token] = float(value)
+    return out
 
 
 def _python_number(x: Any) -> Any:
@@ -215,6 +256,7 @@ class SequenceState:
     # their samples), so that no client's prompt is read, or timed, by another's; None: one group of all
     group: int | None = None
     _words: int | None = None  # `words`, once known
+    _bias: tuple[torch.Tensor, torch.Tensor] | None = None  # the logit bias' ids and values, once made
 
     @property
     def prompt_only(self) -> bool:
@@ -225,16 +267,18 @@ class SequenceState:
     def accept(self, logits: torch.Tensor, argmax: int | None = None) -> TokenEvent:
         """Choose the next token from `logits` [vocab] (float32; `argmax`: its argmax, if already known) and
         update text and stop state. Where the model's vocabulary is padded past its tokenizer's, only the
-        tokenizer's ids are chosen from (and their log-probabilities normalised over them), as vLLM does."""
+        tokenizer's ids are chosen from (and their log-probabilities normalised over them), as vLLM does. The
+        log-probabilities given are of `logits` as they come, before biases and penalties."""
         p = self.params
         words = self.words(len(logits))
         if words < len(logits):  # a vocabulary padded past the tokenizer's (nanoGPT's 50304): ids with no text
             logits = logits[:words]
             argmax = argmax if argmax is not None and argmax < words else None
-        if p.temperature == 0 and argmax is not None:
+        chosen_from = self._penalized(logits)
+        if p.temperature == 0 and argmax is not None and chosen_from is logits:
             token = argmax
         else:
-            token = sample(logits, p.temperature, p.top_k, p.top_p, self.generator)
+            token = sample(chosen_from, p.temperature, p.top_k, p.top_p, self.generator, p.min_p)
         self.tokens.append(token)
         lp = None
         if p.logprobs is not None:
@@ -251,6 +295,24 @@ class SequenceState:
         if self.finish_reason is None and len(self.tokens) >= p.max_new_tokens:
             self.finish_reason = "length"
         return TokenEvent(self.index, token, self._release(), lp, self.finish_reason)
+
+    def _penalized(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` [words] with the logit bias and the penalties applied (`sampling.penalize`); themselves
+        where there are none."""
+        p = self.params
+        repeats = p.repetition_penalty != 1.0
+        if not (p.logit_bias or repeats or p.presence_penalty or p.frequency_penalty):
+            return logits
+        if self._bias is None and p.logit_bias:  # made once: the ids a tokenizer has (any other is never chosen)
+            pairs = [(t, b) for t, b in p.logit_bias.items() if t < len(logits)]
+            self._bias = (
+                torch.tensor([t for t, _ in pairs], dtype=torch.long, device=logits.device),
+                torch.tensor([b for _, b in pairs], dtype=logits.dtype, device=logits.device),
+            )
+        seen = self.prompt + self.tokens if repeats else []
+        return penalize(
+            logits, self._bias, seen, self.tokens, p.repetition_penalty, p.presence_penalty, p.frequency_penalty
+        )
 
     def words(self, vocab: int) -> int:
         """How many of a `vocab`-wide distribution's ids are chosen from and scored over: the tokenizer's, where
@@ -445,11 +507,11 @@ def new_sequence(
         raise GenerationError("stop strings need a tokenizer", "stop")
     ids = validate_prompt(model, prompt, params.max_new_tokens)
     vocab = model.config.vocab_size
-    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-    if bad:
-        raise GenerationError(
-            f"stop token id {clip(bad[0])} is outside the vocabulary (0..{vocab - 1})", "stop_token_ids"
-        )
+    for param, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias))):
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            what = "stop token id" if param == "stop_token_ids" else "logit_bias: token id"
+            raise GenerationError(f"{what} {clip(bad[0])} is outside the vocabulary (0..{vocab - 1})", param)
     capture = Capture(hook_names, capture_dtype) if hook_names else None
     edit_hooks = edits.hooks(model.config, len(ids) + params.max_new_tokens) if edits is not None else None
     parts = [h for h in (edit_hooks, capture) if h is not None]

@@ -41,6 +41,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, help="sampling temperature (default 1; 0 is --greedy)")
     p.add_argument("--top-k", type=int, help="sample among the k most likely tokens (default 0: all)")
     p.add_argument("--top-p", type=float, help="sample from the nucleus of this probability mass (default 1)")
+    p.add_argument(
+        "--min-p", type=float, help="sample among tokens at least this fraction as likely as the likeliest (default 0)"
+    )
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        help="divide a positive logit (multiply a negative one) of each token already in the prompt or the "
+        "text by this (default 1: off; 1.2 is common)",
+    )
+    p.add_argument(
+        "--presence-penalty", type=float, help="subtract this from the logit of each token generated before (-2..2)"
+    )
+    p.add_argument(
+        "--frequency-penalty", type=float, help="subtract this per time a token was generated before (-2..2)"
+    )
+    p.add_argument(
+        "--logit-bias",
+        action="append",
+        type=_bias_flag,
+        default=[],
+        metavar="ID=BIAS",
+        help="add BIAS (-100..100) to token ID's logit before choosing (repeatable; 50256=-100 all but bans "
+        "<|endoftext|>)",
+    )
     p.add_argument("--seed", type=int, help="makes sampling reproducible (greedy needs none)")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token (temperature 0)")
     p.add_argument("--stop", action="append", default=[], help="stop before this string (repeatable)")
@@ -71,13 +95,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.greedy and args.temperature is not None:
         p.error("--greedy and --temperature conflict (--greedy is --temperature 0)")
     if args.greedy or args.temperature == 0:  # the most likely token is taken: nothing is sampled to narrow
-        narrowing = (("--top-k", args.top_k not in (None, 0, -1)), ("--top-p", args.top_p not in (None, 1.0)))
-        given = [flag for flag, narrows in narrowing if narrows]  # 0 and -1, or 1: no limit
+        narrowing = (
+            ("--top-k", args.top_k not in (None, 0, -1, 1)),  # 0 and -1: no limit; 1: greedy's own
+            ("--top-p", args.top_p not in (None, 1.0)),
+            ("--min-p", args.min_p not in (None, 0.0)),
+        )
+        given = [flag for flag, narrows in narrowing if narrows]
         if given:
             how = "--greedy" if args.greedy else "--temperature 0"
             verb = "narrow" if len(given) > 1 else "narrows"
             p.error(f"{' and '.join(given)} {verb} sampling, and {how} samples nothing: drop one")
+    biased = [token for token, _ in args.logit_bias]
+    twice = sorted({t for t in biased if biased.count(t) > 1})
+    if twice:
+        p.error(f"--logit-bias gives token {twice[0]} twice")
     return args
+
+
+def _bias_flag(text: str) -> tuple[int, float]:
+    """`--logit-bias ID=BIAS` as (id, bias); their ranges are `SamplingParams`' to check."""
+    token, sep, bias = text.partition("=")
+    try:
+        if sep:
+            return int(token), float(bias)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected ID=BIAS, a token id and a number (50256=-100), got {text!r}")
 
 
 class PromptError(Exception):
@@ -203,6 +246,11 @@ def main(argv: list[str] | None = None) -> int:  # Ctrl-C leaves nothing half-wr
             temperature=0.0 if args.greedy else 1.0 if args.temperature is None else args.temperature,
             top_k=0 if args.top_k is None else args.top_k,
             top_p=1.0 if args.top_p is None else args.top_p,
+            min_p=0.0 if args.min_p is None else args.min_p,
+            repetition_penalty=1.0 if args.repetition_penalty is None else args.repetition_penalty,
+            presence_penalty=0.0 if args.presence_penalty is None else args.presence_penalty,
+            frequency_penalty=0.0 if args.frequency_penalty is None else args.frequency_penalty,
+            logit_bias=dict(args.logit_bias),
             seed=args.seed,
             stop=tuple(args.stop),
             ignore_eos=args.ignore_eos,
@@ -253,6 +301,11 @@ FLAGS = {  # SamplingParams' fields, as this command's flags name them
     "temperature": "--temperature",
     "top_k": "--top-k",
     "top_p": "--top-p",
+    "min_p": "--min-p",
+    "repetition_penalty": "--repetition-penalty",
+    "presence_penalty": "--presence-penalty",
+    "frequency_penalty": "--frequency-penalty",
+    "logit_bias": "--logit-bias",
     "seed": "--seed",
     "stop": "--stop",
     "logprobs": "--show-logprobs",

@@ -45,7 +45,19 @@ HookName = Annotated[str, AfterValidator(_short_hook)]  # a name or glob (the lo
 
 
 class Strict(BaseModel):
+    """A request's object: its types as sent (a string is not a number), no field it does not have, and null
+    for a field with a default taken as that default (as OpenAI's API takes it; a client that writes None
+    for "not set" works)."""
+
     model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, body: Any) -> Any:
+        if not isinstance(body, dict) or None not in body.values():
+            return body
+        fields = cls.model_fields
+        return {k: v for k, v in body.items() if v is not None or k not in fields or fields[k].is_required()}
 
 
 class ActivationSpec(Strict):
@@ -315,7 +327,44 @@ class FeatureCapture(Strict):
         return top_k, None
 
 
-class GenerateRequest(Edits):
+class LogitsProcessors(BaseModel):
+    """What is done to the logits before a token is chosen, besides temperature, top-k and top-p, with OpenAI's
+    and vLLM's names (null: off): a bias per token id, the presence, frequency and repetition penalties, and
+    min-p (`model.sampling`)."""
+
+    logit_bias: dict[str, float] | None = None  # token id (as JSON spells a key: a string) -> bias in [-100, 100]
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+
+    def processors(self) -> dict[str, Any]:
+        """`SamplingParams`' fields of these (which checks their values)."""
+        return {
+            "logit_bias": logit_bias_ids(self.logit_bias or {}),
+            "presence_penalty": 0.0 if self.presence_penalty is None else self.presence_penalty,
+            "frequency_penalty": 0.0 if self.frequency_penalty is None else self.frequency_penalty,
+            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            "min_p": 0.0 if self.min_p is None else self.min_p,
+        }
+
+
+def logit_bias_ids(bias: dict[str, float]) -> dict[int, float]:
+    """A JSON logit bias, its keys token ids written as decimal strings ("50256"), with the ids as integers."""
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not (len(key) <= 20 and key.isascii() and key.lstrip("-").isdigit()):
+            raise GenerationError(
+                f"logit_bias: each key must be a token id (a decimal integer, as a string), got {clip(key)}",
+                "logit_bias",
+            )
+        if int(key) in out:  # "050256" and "50256"
+            raise GenerationError(f"logit_bias: token {int(key)} is given twice", "logit_bias")
+        out[int(key)] = value
+    return out
+
+
+class GenerateRequest(Edits, LogitsProcessors):
     prompt: PromptText | None = None
     input_ids: PromptIds | None = None
     max_new_tokens: int = 32
@@ -343,6 +392,7 @@ class GenerateRequest(Edits):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=self.logprobs,
+            **self.processors(),
         )
 
 
@@ -360,9 +410,7 @@ class ActivationsRequest(GenerateRequest):
     @classmethod
     def _file_spec(cls, value: Any) -> Any:
         """The answer is a safetensors file: no `format` to choose; `hooks` default to every default hook
-        point here too when the object is given for its `dtype`, or as null."""
-        if value is None:  # as if absent
-            value = {}
+        point here too when the object is given for its `dtype` (null: `Strict`'s default)."""
         if isinstance(value, dict):
             if "format" in value:
                 raise ValueError("format is not taken here: /v1/activations answers with a safetensors file")
@@ -508,7 +556,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(LogitsProcessors):
     """OpenAI's legacy completions, with vLLM's sampling extensions. Unknown fields are ignored; known ones
     (OpenAI's, chat's and vLLM's) that we do not implement are refused where their value would change the
     result (see `check`). `model` is checked against the served names by the route."""
@@ -544,9 +592,6 @@ class CompletionRequest(BaseModel):
         """Refuse unimplemented fields whose value would change the result, `n` and `logprobs` out of
         range (`model` is the route's to check: `check_model`)."""
         extra = self.model_extra or {}
-        bias = extra.get("logit_bias")
-        if isinstance(bias, dict) and all(_is_zero(v) for v in bias.values()):  # biases of 0 change nothing
-            extra = {k: v for k, v in extra.items() if k != "logit_bias"}
         # vLLM's defaults, true, change nothing where no special token (<|endoftext|>) can reach the text: it
         # is not echoed, and one generated ends the choice (EOS, or a stop token id) without entering it
         special_in_text = self.echo or (bool(self.ignore_eos) and EOT_ID not in (self.stop_token_ids or ()))
@@ -596,19 +641,15 @@ class CompletionRequest(BaseModel):
             ignore_eos=bool(self.ignore_eos),
             logprobs=self.logprobs,
             prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None,
+            **self.processors(),
         )
 
 
 # Fields of OpenAI's and vLLM's completions that this server does not implement, each at the value that
 # changes nothing (null, their default, too): another value is refused, never silently ignored.
 _NEUTRAL: dict[str, Any] = {
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "repetition_penalty": 1,
-    "logit_bias": {},
     "suffix": "",
     "min_tokens": 0,
-    "min_p": 0,
     "use_beam_search": False,
     "include_stop_str_in_output": False,
     "skip_special_tokens": False,  # the text is every token's: <|endoftext|> too, where one is generated or echoed
@@ -637,11 +678,10 @@ _UNSUPPORTED: dict[str, str] = {
     "tool_choice": _CHAT,
     "functions": _CHAT,
     "function_call": _CHAT,
+    **dict.fromkeys(
+        ("interventions", "residual", "activations", "features"), " on /v1/completions (/v1/generate takes it)"
+    ),
 }
-
-
-def _is_zero(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
 
 
 def stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from model.generate import SamplingParams, generate
 from model.hooks import Capture
+from model.loading import load
 from model.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -389,6 +390,7 @@ def test_greedy_and_temperature_conflict(ckpt_with_tokenizer: Path, capsys: pyte
         (["--greedy", "--top-k", "5"], "--top-k narrows sampling, and --greedy samples nothing"),
         (["--temperature", "0", "--top-p", "0.9"], "--top-p narrows sampling, and --temperature 0 samples nothing"),
         (["--greedy", "--top-k", "3", "--top-p", "0.5"], "--top-k and --top-p narrow sampling, and --greedy"),
+        (["--greedy", "--min-p", "0.1"], "--min-p narrows sampling, and --greedy samples nothing"),
     ],
 )
 def test_greedy_with_top_k_or_top_p_is_refused(
@@ -403,6 +405,37 @@ def test_greedy_with_top_k_or_top_p_is_refused(
     args = parse_args(["hi", "--greedy", "--top-k", "0", "--top-p", "1", "--seed", "3"])
     assert (args.top_k, args.top_p, args.seed) == (0, 1.0, 3)
     assert parse_args(["hi", "--greedy", "--top-k", "-1"]).top_k == -1  # vLLM's "no limit"
+    assert parse_args(["hi", "--greedy", "--top-k", "1", "--min-p", "0"]).top_k == 1  # greedy's own top-k
+
+
+def test_penalties_and_logit_bias(ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The biases and penalties of the API as flags: the text `generate` gives with the same settings."""
+    loaded = load(ckpt_with_tokenizer)
+    ids = loaded.tokenizer.encode("The quick brown fox")
+    settings = {"repetition_penalty": 1.4, "presence_penalty": 0.5, "frequency_penalty": 0.25}
+    want = generate(
+        loaded.model,
+        [ids],
+        SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True, logit_bias={11: 3.0, 13: -100}, **settings),
+        loaded.tokenizer,
+    )[0]
+    flags = ["--repetition-penalty", "1.4", "--presence-penalty", "0.5", "--frequency-penalty", "0.25"]
+    flags += ["--logit-bias", "11=3", "--logit-bias", "13=-100"]
+    common = ["The quick brown fox", "--model", str(ckpt_with_tokenizer), "--greedy", "--max-new-tokens", "6"]
+    assert main([*common, "--ignore-eos", *flags]) == 0
+    assert capsys.readouterr().out == "The quick brown fox" + want.text + "\n"
+    assert main([*common, "--presence-penalty", "3"]) == 1
+    assert capsys.readouterr().err == "gpt2-generate: error: --presence-penalty must be a number in [-2, 2], got 3.0\n"
+    assert main([*common, "--logit-bias", "50257=1"]) == 1
+    err = capsys.readouterr().err
+    assert err == "gpt2-generate: error: --logit-bias: token id 50257 is outside the vocabulary (0..50256)\n"
+    for bad, said in [("11", "expected ID=BIAS"), ("x=1", "expected ID=BIAS"), ("11=big", "expected ID=BIAS")]:
+        with pytest.raises(SystemExit):
+            parse_args(["hi", "--logit-bias", bad])
+        assert said in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["hi", "--logit-bias", "11=1", "--logit-bias", "11=2"])
+    assert "--logit-bias gives token 11 twice" in capsys.readouterr().err
 
 
 def test_dump_onto_something_not_a_regular_file(

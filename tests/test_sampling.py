@@ -10,7 +10,7 @@ from conftest import Checkpoint, load_ours
 
 from model.generate import MAX_LOGPROBS, GenerationError, SamplingParams, fold_seed, generate
 from model.gpt import GPT
-from model.sampling import nucleus, sample, top_logprobs
+from model.sampling import above_min_p, nucleus, penalize, sample, top_logprobs
 
 PROMPT = [464, 2068, 7586, 21831]
 
@@ -154,6 +154,16 @@ def test_seeds_apart_only_above_32_bits_sample_apart(flat_model: GPT) -> None:
         ("seed", "42"),
         ("stop", ("",)),
         ("stop_token_ids", ("50256",)),
+        ("min_p", 1.5),
+        ("min_p", -0.1),
+        ("repetition_penalty", 0),
+        ("repetition_penalty", -1.2),
+        ("repetition_penalty", math.inf),
+        ("repetition_penalty", math.nan),
+        ("presence_penalty", 2.5),
+        ("presence_penalty", True),
+        ("frequency_penalty", -2.01),
+        ("frequency_penalty", math.nan),
     ],
 )
 def test_invalid_sampling_params(param: str, value: object) -> None:
@@ -166,3 +176,149 @@ def test_invalid_sampling_params(param: str, value: object) -> None:
 def test_valid_edges_of_sampling_params() -> None:
     SamplingParams(temperature=0, top_p=1, top_k=0, logprobs=MAX_LOGPROBS, prompt_logprobs=0, max_new_tokens=0)
     SamplingParams(top_p=1e-9, seed=0, stop=("\n",), stop_token_ids=(50256,))
+
+
+# --- biases and penalties on the logits, and min-p ----------------------------------------------------
+
+
+def test_penalize_is_transformers_repetition_penalty_and_openais_presence_and_frequency() -> None:
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1000, generator=g) * 3  # positive and negative logits
+    prompt, generated = [5, 17, 17, 900], [17, 3, 3, 3, 42]
+    seen = prompt + generated
+    want = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([seen]), logits[None].clone())[0]
+    assert torch.equal(penalize(logits, None, seen, generated, repetition=1.7), want)
+    # OpenAI: mu[j] - c[j] * frequency - (c[j] > 0) * presence, c[j] counting the generated tokens only
+    counts = torch.zeros(1000)
+    for t in generated:
+        counts[t] += 1
+    want = logits - 0.3 * counts - 1.5 * (counts > 0).float()
+    assert torch.allclose(penalize(logits, None, seen, generated, presence=1.5, frequency=0.3), want, atol=1e-6)
+    assert penalize(logits, None, seen, generated, presence=1.5)[5] == logits[5]  # a prompt token: not penalized
+    bias = (torch.tensor([3, 999]), torch.tensor([-100.0, 7.5]))
+    biased = penalize(logits, bias, seen, generated)
+    assert biased[3] == logits[3] - 100 and biased[999] == logits[999] + 7.5
+    assert torch.equal(biased[4:999], logits[4:999])
+    assert penalize(logits, None, seen, generated) is logits  # nothing to do: the logits themselves
+    # a penalty far from 1 overflows float32: the largest finite logit instead of inf, so sampling still works
+    huge = penalize(logits, None, seen, generated, repetition=1e-38)
+    assert huge.isfinite().all() and int(huge.argmax()) in seen
+
+
+def test_min_p_keeps_what_transformers_keeps() -> None:
+    from transformers import MinPLogitsWarper
+
+    g = torch.Generator().manual_seed(1)
+    for min_p, temperature in [(0.05, 1.0), (0.3, 0.7), (0.01, 2.0), (1.0, 1.0)]:
+        logits = torch.randn(5000, generator=g) * 2
+        warped = MinPLogitsWarper(min_p)(torch.zeros(1, 1, dtype=torch.long), (logits / temperature)[None])[0]
+        ours = above_min_p(logits, min_p, temperature)
+        assert torch.equal(ours.isfinite(), warped.isfinite()), (min_p, temperature)
+        assert 1 <= int(ours.isfinite().sum()) < 5000
+        drawn = {sample(logits, temperature, 0, 1.0, g, min_p=min_p) for _ in range(200)}
+        assert drawn <= set(ours.isfinite().nonzero().flatten().tolist())
+    assert {sample(logits, 1.0, 0, 1.0, g, min_p=1.0) for _ in range(20)} == {int(logits.argmax())}
+
+
+def test_greedy_with_a_repetition_penalty_is_transformers_generate(tiny: Checkpoint, flat_model: GPT) -> None:
+    """transformers' `generate(repetition_penalty=...)`, greedy, over the prompt and the tokens generated."""
+    model = load_ours(tiny)
+    plain = generate(model, [PROMPT], SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True))[0]
+    for penalty in (1.3, 4.0, 0.8):
+        params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True, repetition_penalty=penalty)
+        ours = generate(model, [PROMPT], params)[0].token_ids
+        hf = tiny.hf.generate(
+            torch.tensor([PROMPT]),
+            do_sample=False,
+            repetition_penalty=penalty,
+            max_new_tokens=24,
+            min_new_tokens=24,
+            pad_token_id=0,
+        )[0, len(PROMPT) :].tolist()
+        assert ours == hf, penalty
+        if penalty > 1:
+            assert ours != plain.token_ids  # (the random model repeats itself: the penalty shows)
+
+
+def _openai_greedy(model: GPT, prompt: list[int], n: int, presence: float, frequency: float) -> list[int]:
+    """Greedy decoding, every step a full forward pass without a cache, with OpenAI's penalties written out."""
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids]))[0, -1].float()
+            for t in set(out):
+                logits[t] -= out.count(t) * frequency + presence
+            out.append(int(logits.argmax()))
+            ids.append(out[-1])
+    return out
+
+
+def test_greedy_with_presence_and_frequency_penalties_is_openais_formula(tiny: Checkpoint) -> None:
+    model = load_ours(tiny)
+    plain = generate(model, [PROMPT], SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True))[0]
+    for presence, frequency in [(2.0, 0.0), (0.0, 1.5), (0.5, 0.7), (-1.0, -0.5)]:
+        params = SamplingParams(
+            max_new_tokens=20, temperature=0, ignore_eos=True, presence_penalty=presence, frequency_penalty=frequency
+        )
+        ours = generate(model, [PROMPT], params)[0]
+        assert ours.token_ids == _openai_greedy(model, PROMPT, 20, presence, frequency), (presence, frequency)
+        if presence > 0 or frequency > 0:
+            assert ours.token_ids != plain.token_ids
+
+
+def test_logit_bias_moves_greedy_and_sampling_and_logprobs_stay_the_models(flat_model: GPT) -> None:
+    plain = generate(flat_model, [PROMPT], SamplingParams(max_new_tokens=6, temperature=0, logprobs=2))[0]
+    first = plain.token_ids[0]
+    banned = generate(
+        flat_model, [PROMPT], SamplingParams(max_new_tokens=6, temperature=0, logprobs=2, logit_bias={first: -100})
+    )[0]
+    assert first not in banned.token_ids
+    assert banned.token_ids[0] == plain.logprobs[0].top[1][0]  # the runner-up
+    # the log-probabilities given are the model's: the runner-up's as the plain run gave it
+    assert banned.logprobs[0].logprob == pytest.approx(plain.logprobs[0].top[1][1], abs=1e-6)
+    assert banned.logprobs[0].top == plain.logprobs[0].top
+    forced = {"max_new_tokens": 8, "temperature": 1.0, "logit_bias": {1000: 100}}
+    for seed in (0, 1):
+        assert tokens(flat_model, seed=seed, **forced) == [1000] * 8
+    # at bias 0 nothing changes; sampling draws from the biased distribution
+    unbiased = tokens(flat_model, max_new_tokens=12, seed=3)
+    assert tokens(flat_model, max_new_tokens=12, seed=3, logit_bias={5: 0.0}) == unbiased
+
+
+def test_rows_with_their_own_penalties_batch_as_they_run_alone(flat_model: GPT) -> None:
+    """Each sequence applies its own bias and penalties to its own row: batched as alone."""
+    settings = [
+        SamplingParams(max_new_tokens=10, temperature=0.8, seed=1, repetition_penalty=1.5),
+        SamplingParams(max_new_tokens=10, temperature=0.8, seed=1),
+        SamplingParams(max_new_tokens=10, temperature=0, presence_penalty=1.0, frequency_penalty=0.5),
+        SamplingParams(max_new_tokens=10, temperature=0.9, seed=2, min_p=0.2, logit_bias={11: 5.0}),
+    ]
+    prompts = [PROMPT, PROMPT, PROMPT[:2], PROMPT[1:]]
+    batched = generate(flat_model, prompts, settings)
+    for prompt, params, got in zip(prompts, settings, batched, strict=True):
+        assert got.token_ids == generate(flat_model, [prompt], params)[0].token_ids
+
+
+@pytest.mark.parametrize(
+    ("bias", "message"),
+    [
+        ({-1: 1.0}, "logit_bias: a token id must be an integer >= 0, got -1"),
+        ({1.5: 1.0}, "logit_bias: a token id must be an integer >= 0, got 1.5"),
+        ({True: 1.0}, "logit_bias: a token id must be an integer >= 0, got True"),
+        ({5: 100.5}, "logit_bias: the bias of token 5 must be a number in [-100, 100], got 100.5"),
+        ({5: math.nan}, "logit_bias: the bias of token 5 must be a number in [-100, 100], got nan"),
+        ({5: "1"}, "logit_bias: the bias of token 5 must be a number in [-100, 100], got '1'"),
+        ([(5, 1.0)], "logit_bias must map token ids to biases, got list"),
+    ],
+)
+def test_invalid_logit_bias(bias: object, message: str) -> None:
+    with pytest.raises(GenerationError) as info:
+        SamplingParams(logit_bias=bias)  # type: ignore[arg-type]
+    assert info.value.param == "logit_bias" and str(info.value) == message
+
+
+def test_logit_bias_past_the_vocabulary_is_refused_before_any_work(tiny_model: GPT) -> None:
+    with pytest.raises(GenerationError, match=r"logit_bias: token id 50257 is outside the vocabulary \(0..50256\)"):
+        generate(tiny_model, [PROMPT], SamplingParams(max_new_tokens=2, logit_bias={50257: 1.0}))

@@ -674,7 +674,7 @@ def test_completions_null_is_the_default(client: TestClient) -> None:
     request = {"prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0}
     penalties = ["presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "use_beam_search"]
     others = ["logit_bias", "suffix", "best_of", "n", "echo", "stream", "logprobs", "stop", "seed", "stream_options"]
-    vllm = ["top_k", "stop_token_ids", "ignore_eos", "min_p"]
+    vllm = ["top_k", "stop_token_ids", "ignore_eos", "min_p", "interventions", "residual", "activations", "features"]
     nulls = dict.fromkeys([*penalties, *others, *vllm])
     plain, with_nulls = post_ok(client, CMPL, request), post_ok(client, CMPL, request | nulls)
     assert with_nulls["choices"] == plain["choices"] and with_nulls["usage"] == plain["usage"]
@@ -719,12 +719,9 @@ def test_models_retrieve(client: TestClient, loaded: LoadedModel) -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("repetition_penalty", 1.2),  # not implemented: any value but the neutral one (or null) is refused
-        ("min_tokens", 2),
+        ("min_tokens", 2),  # not implemented: any value but the neutral one (or null) is refused
         ("use_beam_search", True),
-        ("min_p", 0.1),
-        ("logit_bias", {"11": 5}),
-        ("presence_penalty", False),  # a bool is not the neutral 0
+        ("presence_penalty", False),  # a bool is not a number
         ("best_of", 1.0),
         ("best_of", 2),
         ("n", "2"),  # null is accepted, other types are not
@@ -749,6 +746,11 @@ def test_models_retrieve(client: TestClient, loaded: LoadedModel) -> None:
         ("messages", [{"role": "user", "content": "Hi"}]),
         ("tools", []),
         ("return_tokens_as_token_ids", "yes"),
+        # this server's own fields, which /v1/generate takes: they would change the answer
+        ("interventions", [{"hook": "blocks.0.hook_resid_pre", "op": "zero"}]),
+        ("residual", {"remove": "attn"}),
+        ("activations", {"hooks": ["*"]}),
+        ("features", {"sae": "res0"}),
     ],
 )
 def test_completions_refuse_other_values(client: TestClient, field: str, value: Any) -> None:
@@ -1413,3 +1415,61 @@ def test_echo_of_a_prompt_that_ends_inside_a_character(tiny: Any, tokenizer_dir:
     assert offsets == [0, 3, len(prompt_text), len(prompt_text) + 1, len(prompt_text) + 2]
     assert "".join(ch["text"] for ch in streamed) == whole["text"]
     assert [o for ch in streamed if ch["logprobs"] for o in ch["logprobs"]["text_offset"]] == offsets
+
+
+def test_biases_and_penalties_on_both_apis_are_the_librarys(client: TestClient, loaded: LoadedModel) -> None:
+    """logit_bias, presence/frequency/repetition penalties and min_p, as OpenAI and vLLM name them, on
+    /v1/completions and /v1/generate: the tokens `generate` gives with the same settings; the log-probabilities
+    the model's own, before them."""
+    ids = ids_of(loaded, PROMPTS[1])
+    plain = greedy(loaded, ids, 8, ignore_eos=True, logprobs=1)
+    settings_ = {"presence_penalty": 1.0, "frequency_penalty": 0.5, "repetition_penalty": 1.3, "min_p": 0.05}
+    bias = {str(plain.token_ids[0]): -100, "11": 2.5}
+    want = greedy(
+        loaded, ids, 8, ignore_eos=True, logprobs=1, logit_bias={plain.token_ids[0]: -100, 11: 2.5}, **settings_
+    )
+    assert want.token_ids != plain.token_ids and want.token_ids[0] != plain.token_ids[0]
+    common = {"temperature": 0, "ignore_eos": True, "logit_bias": bias, "logprobs": 1, **settings_}
+    openai = post_ok(client, CMPL, {"prompt": ids, "max_tokens": 8, **common})["choices"][0]
+    assert openai["text"] == want.text
+    assert openai["logprobs"]["token_logprobs"] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-5)
+    native = post_ok(client, GEN, {"input_ids": ids, "max_new_tokens": 8, **common})["choices"][0]
+    assert native["token_ids"] == want.token_ids
+    # the first token's log-probability is the model's (the plain run's runner-up, say), not the biased one's
+    assert native["logprobs"][0]["top"] == [
+        {"id": i, "token": loaded.tokenizer.token_text(i), "logprob": pytest.approx(v, abs=1e-5)}
+        for i, v in plain.logprobs[0].top
+    ]
+    # sampled: a bias of 100 all but forces its token, at any seed
+    forced = {"prompt": PROMPTS[0], "max_tokens": 5, "seed": 3, "ignore_eos": True, "logit_bias": {"1000": 100}}
+    assert post_ok(client, CMPL, forced)["choices"][0]["text"] == loaded.tokenizer.decode([1000] * 5)
+    assert_still_serving(client)
+
+
+def test_native_stream_events_carry_the_alternatives(client: TestClient) -> None:
+    """`logprobs: N` streamed gives each token's N alternatives (`top`), as the whole answer's `logprobs` do."""
+    body = {"prompt": PROMPTS[2], "max_new_tokens": 5, "temperature": 0, "logprobs": 3}
+    whole = post_ok(client, GEN, body)["choices"][0]["logprobs"]
+    events = [e for e in sse_events(client.post(GEN, json={**body, "stream": True}).text) if "token_id" in e]
+    assert [e["top"] for e in events] == [lp["top"] for lp in whole]
+    assert all(len(e["top"]) == 3 for e in events)
+    plain = sse_events(client.post(GEN, json={**body, "logprobs": None, "stream": True}).text)
+    assert all(e["top"] is None and e["logprob"] is None for e in plain if "token_id" in e)
+
+
+def test_native_null_is_the_default(client: TestClient) -> None:
+    """A field sent as null is as if left out (as OpenAI's API takes it), in the native API too; a field
+    without a default still needs a value."""
+    body = {"prompt": PROMPTS[0], "max_new_tokens": 4, "temperature": 0}
+    plain = post_ok(client, GEN, body)
+    nulls = dict.fromkeys(["ignore_eos", "stream", "logprobs", "top_k", "min_p", "presence_penalty", "logit_bias"])
+    assert post_ok(client, GEN, body | nulls)["choices"] == plain["choices"]
+    default_length = post_ok(client, GEN, {"prompt": PROMPTS[0], "seed": 1, "max_new_tokens": None})
+    assert default_length["choices"] == post_ok(client, GEN, {"prompt": PROMPTS[0], "seed": 1})["choices"]
+    assert (
+        post_ok(client, NEXT, {"prompt": PROMPTS[0], "top_k": None})["top"]
+        == post_ok(client, NEXT, {"prompt": PROMPTS[0]})["top"]
+    )
+    edit = {"prompt": PROMPTS[0], "max_new_tokens": 1, "interventions": [{"hook": None, "op": "zero"}]}
+    assert "interventions" in assert_error(client.post(GEN, json=edit), 400)["param"]
+    assert_still_serving(client)

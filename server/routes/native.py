@@ -262,9 +262,12 @@ class _Reply:
         self.created = int(time.time())
 
     def _logprob(self, lp: TokenLogprob) -> dict[str, Any]:
+        token = self.engine.tokenizer.token_text(lp.id)
+        return {"id": lp.id, "token": token, "logprob": lp.logprob, "top": self._top(lp)}
+
+    def _top(self, lp: TokenLogprob) -> list[dict[str, Any]]:
         text = self.engine.tokenizer.token_text
-        top = [{"id": i, "token": text(i), "logprob": v} for i, v in lp.top]
-        return {"id": lp.id, "token": text(lp.id), "logprob": lp.logprob, "top": top}
+        return [{"id": i, "token": text(i), "logprob": v} for i, v in lp.top]
 
     def choice(self, c: Completion) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -339,6 +342,7 @@ class _Reply:
                     "token_id": event.token_id,
                     "text": event.text,
                     "logprob": lp.logprob if lp is not None else None,
+                    "top": self._top(lp) if lp is not None else None,
                     "finish_reason": None,
                 }
                 continue
