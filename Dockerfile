@@ -66,6 +66,6 @@ VOLUME ["/data/hf"]
 EXPOSE 8000
 # 503 while the model loads (a first run downloads it: hence the long start period), 200 once it serves.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=5m --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('GPT2_PORT', '8000') + '/health', timeout=4)"]
+    CMD ["python", "-c", "import os, urllib.request; h = os.environ.get('GPT2_HOST') or '0.0.0.0'; h = {'0.0.0.0': '127.0.0.1', '::': '::1'}.get(h, h); h = '[' + h + ']' if ':' in h else h; urllib.request.urlopen('http://' + h + ':' + os.environ.get('GPT2_PORT', '8000') + '/health', timeout=4)"]
 
 ENTRYPOINT ["gpt2-serve"]

@@ -157,9 +157,14 @@ def test_healthcheck_asks_health_with_python_only(
     assert argv[0] == "python" and "/health" in argv[-1]
     monkeypatch.setattr(_Health, "status", status)
     port = str(health_server.server_address[1])
-    env = os.environ | {"GPT2_PORT": port}
-    result = subprocess.run([sys.executable, *argv[1:]], env=env, capture_output=True, timeout=30)
-    assert (result.returncode == 0) == healthy
+
+    def probe(**env: str) -> bool:
+        run = subprocess.run([sys.executable, *argv[1:]], env=os.environ | env, capture_output=True, timeout=30)
+        return run.returncode == 0
+
+    assert probe(GPT2_PORT=port, GPT2_HOST="0.0.0.0") == healthy  # every interface: asked on the loopback one
+    assert probe(GPT2_PORT=port, GPT2_HOST="127.0.0.1") == healthy
+    assert not probe(GPT2_PORT=port, GPT2_HOST="127.0.0.2")  # the host it names is asked (nothing listens there)
 
 
 def test_dockerignore_lets_in_only_what_the_image_installs() -> None:
