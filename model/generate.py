@@ -17,6 +17,7 @@ import operator
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -43,7 +44,7 @@ from .json_file import clip, is_int
 from .kernels.decode import FusedDecode
 from .kv_cache import KVCache, PackedBatch
 from .overflow import dtype_range
-from .sampling import penalize, sample, top_logprobs
+from .sampling import Penalties, sample, top_logprobs
 from .tokenizer import EOT_ID, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,8 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = no limit
     min_p: float = 0.0  # 0 = no limit
     seed: int | None = None  # None = a fresh random seed
-    logit_bias: Mapping[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
+    # token id -> added to its logit, in [-100, 100]; kept read-only, without the biases of 0
+    logit_bias: Mapping[int, float] = field(default_factory=dict, hash=False)
     repetition_penalty: float = 1.0  # 1 = off; > 1 discourages the prompt's and the generated tokens
     presence_penalty: float = 0.0  # 0 = off; in [-2, 2]: subtracted once from each generated token's logit
     frequency_penalty: float = 0.0  # 0 = off; in [-2, 2]: subtracted per time a token was generated
@@ -163,9 +165,10 @@ class SamplingParams:
             )
 
 
-def _checked_bias(bias: Any) -> dict[int, float]:
-    """A logit bias {token id: bias}, a copy of its own, checked: each id an integer >= 0 (the vocabulary is the
-    model's to check: `new_sequence`), each bias a number in [-100, 100]."""
+def _checked_bias(bias: Any) -> Mapping[int, float]:
+    """A logit bias {token id: bias} as a read-only copy without its biases of 0 (which change nothing, and
+    clients send), checked: each id an integer >= 0 (the vocabulary is the model's to check: `new_sequence`),
+    each bias a number in [-100, 100]."""
     if not isinstance(bias, Mapping):
         raise GenerationError(f"logit_bias must map token ids to biases, got {type(bias).__name__}", "logit_bias")
     out: dict[int, float] = {}
@@ -178,10 +181,9 @@ def _checked_bias(bias: Any) -> dict[int, float]:
                 f"logit_bias: the bias of token {token} must be a number in [-100, 100], got {clip(value)}",
                 "logit_bias",
             )
-        if token in out:  # 5 and numpy's 5
-            raise GenerationError(f"logit_bias: token {token} is given twice", "logit_bias")
-        out[token] = float(value)
-    return out
+        if value != 0:
+            out[token] = float(value)
+    return MappingProxyType(out)
 
 
 def _python_number(x: Any) -> Any:
@@ -256,7 +258,7 @@ class SequenceState:
     # their samples), so that no client's prompt is read, or timed, by another's; None: one group of all
     group: int | None = None
     _words: int | None = None  # `words`, once known
-    _bias: tuple[torch.Tensor, torch.Tensor] | None = None  # the logit bias' ids and values, once made
+    _penalized: Penalties | None = None  # its bias and penalties, if any, once its first token is chosen
 
     @property
     def prompt_only(self) -> bool:
@@ -274,12 +276,15 @@ class SequenceState:
         if words < len(logits):  # a vocabulary padded past the tokenizer's (nanoGPT's 50304): ids with no text
             logits = logits[:words]
             argmax = argmax if argmax is not None and argmax < words else None
-        chosen_from = self._penalized(logits)
-        if p.temperature == 0 and argmax is not None and chosen_from is logits:
+        penalties = self._penalties(logits.device)
+        if p.temperature == 0 and argmax is not None and penalties is None:
             token = argmax
         else:
+            chosen_from = logits if penalties is None else penalties(logits)
             token = sample(chosen_from, p.temperature, p.top_k, p.top_p, self.generator, p.min_p)
         self.tokens.append(token)
+        if penalties is not None:
+            penalties.add(token)
         lp = None
         if p.logprobs is not None:
             logprobs = torch.log_softmax(logits, dim=-1)
@@ -296,23 +301,22 @@ class SequenceState:
             self.finish_reason = "length"
         return TokenEvent(self.index, token, self._release(), lp, self.finish_reason)
 
-    def _penalized(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` [words] with the logit bias and the penalties applied (`sampling.penalize`); themselves
-        where there are none."""
+    def _penalties(self, device: torch.device) -> Penalties | None:
+        """The sequence's logit bias and penalties (made at its first token), None where it has none."""
         p = self.params
-        repeats = p.repetition_penalty != 1.0
-        if not (p.logit_bias or repeats or p.presence_penalty or p.frequency_penalty):
-            return logits
-        if self._bias is None and p.logit_bias:  # made once: the ids a tokenizer has (any other is never chosen)
-            pairs = [(t, b) for t, b in p.logit_bias.items() if t < len(logits)]
-            self._bias = (
-                torch.tensor([t for t, _ in pairs], dtype=torch.long, device=logits.device),
-                torch.tensor([b for _, b in pairs], dtype=logits.dtype, device=logits.device),
+        wanted = p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+        if self._penalized is None and wanted:
+            capacity = len(self.prompt) + p.max_new_tokens
+            self._penalized = Penalties(
+                self.prompt,
+                capacity,
+                p.logit_bias,
+                p.repetition_penalty,
+                p.presence_penalty,
+                p.frequency_penalty,
+                device,
             )
-        seen = self.prompt + self.tokens if repeats else []
-        return penalize(
-            logits, self._bias, seen, self.tokens, p.repetition_penalty, p.presence_penalty, p.frequency_penalty
-        )
+        return self._penalized
 
     def words(self, vocab: int) -> int:
         """How many of a `vocab`-wide distribution's ids are chosen from and scored over: the tokenizer's, where
@@ -507,15 +511,15 @@ def new_sequence(
         raise GenerationError("stop strings need a tokenizer", "stop")
     ids = validate_prompt(model, prompt, params.max_new_tokens)
     vocab = model.config.vocab_size
-    for param, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias))):
-        bad = [t for t in tokens if not 0 <= t < vocab]
-        if bad:
-            what = "stop token id" if param == "stop_token_ids" else "logit_bias: token id"
-            raise GenerationError(f"{what} {clip(bad[0])} is outside the vocabulary (0..{vocab - 1})", param)
+    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+    if bad:
+        raise GenerationError(
+            f"stop token id {clip(bad[0])} is outside the vocabulary (0..{vocab - 1})", "stop_token_ids"
+        )
     capture = Capture(hook_names, capture_dtype) if hook_names else None
     edit_hooks = edits.hooks(model.config, len(ids) + params.max_new_tokens) if edits is not None else None
     parts = [h for h in (edit_hooks, capture) if h is not None]
-    return SequenceState(
+    state = SequenceState(
         index,
         ids,
         params,
@@ -525,6 +529,14 @@ def new_sequence(
         capture,
         parts[0] if len(parts) == 1 else HookChain(*parts) if parts else None,
     )
+    if params.logit_bias:  # the ids it chooses from: a padded vocabulary's padding is never chosen, nor biased
+        words = state.words(vocab)
+        bad = [t for t in params.logit_bias if t >= words]
+        if bad:
+            raise GenerationError(
+                f"logit_bias: token id {clip(bad[0])} is outside the vocabulary (0..{words - 1})", "logit_bias"
+            )
+    return state
 
 
 class DecodeBatch:

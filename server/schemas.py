@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import math
+import re
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
@@ -353,7 +354,7 @@ def logit_bias_ids(bias: dict[str, float]) -> dict[int, float]:
     """A JSON logit bias, its keys token ids written as decimal strings ("50256"), with the ids as integers."""
     out: dict[int, float] = {}
     for key, value in bias.items():
-        if not (len(key) <= 20 and key.isascii() and key.lstrip("-").isdigit()):
+        if not re.fullmatch(r"-?[0-9]{1,19}", key):
             raise GenerationError(
                 f"logit_bias: each key must be a token id (a decimal integer, as a string), got {clip(key)}",
                 "logit_bias",

@@ -142,6 +142,7 @@ CASES = [
     Bad("openai-repetition-penalty", CMPL, hi(repetition_penalty=0.0), param="repetition_penalty"),
     Bad("openai-min-p", CMPL, hi(min_p=1.5), param="min_p"),
     Bad("openai-logit-bias-key", CMPL, hi(logit_bias={"abc": 0}), param="logit_bias"),
+    Bad("openai-logit-bias-two-minus", CMPL, hi(logit_bias={"--5": 1}), param="logit_bias"),
     Bad("openai-logit-bias-past-vocab", CMPL, hi(logit_bias={"50257": -100}), param="logit_bias"),
     Bad("openai-logit-bias-range", CMPL, hi(logit_bias={"11": 101}), param="logit_bias"),
     Bad("openai-logit-bias-string", CMPL, hi(logit_bias={"11": "5"}), param="logit_bias"),

@@ -428,7 +428,9 @@ def test_penalties_and_logit_bias(ckpt_with_tokenizer: Path, capsys: pytest.Capt
     assert capsys.readouterr().err == "gpt2-generate: error: --presence-penalty must be a number in [-2, 2], got 3.0\n"
     assert main([*common, "--logit-bias", "50257=1"]) == 1
     err = capsys.readouterr().err
-    assert err == "gpt2-generate: error: --logit-bias: token id 50257 is outside the vocabulary (0..50256)\n"
+    assert (
+        err == "gpt2-generate: error: --logit-bias: token id 50257 is outside the vocabulary (0..256)\n"
+    )  # the tokenizer's
     for bad, said in [("11", "expected ID=BIAS"), ("x=1", "expected ID=BIAS"), ("11=big", "expected ID=BIAS")]:
         with pytest.raises(SystemExit):
             parse_args(["hi", "--logit-bias", bad])

@@ -8,9 +8,11 @@ import pytest
 import torch
 from conftest import Checkpoint, load_ours
 
+from model.config import GPTConfig
 from model.generate import MAX_LOGPROBS, GenerationError, SamplingParams, fold_seed, generate
 from model.gpt import GPT
-from model.sampling import above_min_p, nucleus, penalize, sample, top_logprobs
+from model.sampling import Penalties, above_min_p, draw, nucleus, sample, top_logprobs
+from model.tokenizer import Tokenizer
 
 PROMPT = [464, 2068, 7586, 21831]
 
@@ -84,6 +86,20 @@ def test_nucleus_keeps_the_smallest_set_reaching_top_p() -> None:
     assert torch.equal(kept_logits[[1, 3]], logits[[1, 3]])  # what is kept is unchanged
 
 
+@pytest.mark.parametrize("scale", [0.3, 4.0])
+def test_nucleus_is_the_smallest_set_at_every_size(scale: float) -> None:
+    """The nucleus ranks the most likely tokens only as far as it reaches (the 256 most likely, then 4,096, then
+    all): at sizes on both sides of each step it is the set a full sort gives (top_p set halfway between two
+    cumulative sums, out of the reach of rounding)."""
+    logits = torch.randn(50257, generator=torch.Generator().manual_seed(2)) * scale
+    order = torch.sort(logits, descending=True).indices
+    cum = torch.softmax(logits.double(), dim=-1)[order].cumsum(dim=-1)
+    for size in (1, 2, 255, 256, 257, 4096, 4097, 30000, 50257):
+        top_p = float(cum[size - 2] + cum[size - 1]) / 2 if size > 1 else float(cum[0]) / 2
+        kept = nucleus(logits, top_p).isfinite()
+        assert int(kept.sum()) == size and bool(kept[order[:size]].all()), size
+
+
 def test_sampling_draws_only_from_the_nucleus_and_the_top_k() -> None:
     logits = torch.tensor([0.125, 0.5, 0.0625, 0.25, 0.0625]).log()
     g = torch.Generator().manual_seed(0)
@@ -113,6 +129,15 @@ def test_sampling_follows_the_distribution() -> None:
         )
         expected = torch.softmax(logits / temperature, dim=-1)
         assert (counts / 4000 - expected).abs().max() < 0.03, (temperature, counts)
+
+
+def test_draw_takes_each_index_with_its_probability_and_never_one_of_none() -> None:
+    probs = torch.tensor([0.0, 0.2, 0.0, 0.5, 0.3, 0.0])
+    g = torch.Generator().manual_seed(4)
+    counts = torch.bincount(torch.tensor([draw(probs, g) for _ in range(6000)]), minlength=6)
+    assert counts[[0, 2, 5]].sum() == 0
+    assert (counts / 6000 - probs).abs().max() < 0.02, counts
+    assert {draw(torch.tensor([0.0, 0.0, 1e-30, 0.0]), g) for _ in range(50)} == {2}  # however small, the only one
 
 
 def test_top_logprobs() -> None:
@@ -181,30 +206,69 @@ def test_valid_edges_of_sampling_params() -> None:
 # --- biases and penalties on the logits, and min-p ----------------------------------------------------
 
 
-def test_penalize_is_transformers_repetition_penalty_and_openais_presence_and_frequency() -> None:
+def _penalties(
+    prompt: list[int], generated: list[int], bias: dict[int, float] | None = None, **how: float
+) -> Penalties:
+    """`Penalties` told of `generated` a token at a time, as a sequence tells them."""
+    penalties = Penalties(
+        prompt,
+        len(prompt) + len(generated),
+        bias or {},
+        how.get("repetition", 1.0),
+        how.get("presence", 0.0),
+        how.get("frequency", 0.0),
+        torch.device("cpu"),
+    )
+    for token in generated:
+        penalties.add(token)
+    return penalties
+
+
+def test_penalties_are_transformers_repetition_penalty_and_openais_presence_and_frequency() -> None:
     from transformers import RepetitionPenaltyLogitsProcessor
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(1000, generator=g) * 3  # positive and negative logits
     prompt, generated = [5, 17, 17, 900], [17, 3, 3, 3, 42]
-    seen = prompt + generated
-    want = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([seen]), logits[None].clone())[0]
-    assert torch.equal(penalize(logits, None, seen, generated, repetition=1.7), want)
+    want = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + generated]), logits[None].clone())[0]
+    assert torch.equal(_penalties(prompt, generated, repetition=1.7)(logits), want)
     # OpenAI: mu[j] - c[j] * frequency - (c[j] > 0) * presence, c[j] counting the generated tokens only
     counts = torch.zeros(1000)
     for t in generated:
         counts[t] += 1
     want = logits - 0.3 * counts - 1.5 * (counts > 0).float()
-    assert torch.allclose(penalize(logits, None, seen, generated, presence=1.5, frequency=0.3), want, atol=1e-6)
-    assert penalize(logits, None, seen, generated, presence=1.5)[5] == logits[5]  # a prompt token: not penalized
-    bias = (torch.tensor([3, 999]), torch.tensor([-100.0, 7.5]))
-    biased = penalize(logits, bias, seen, generated)
+    penalized = _penalties(prompt, generated, presence=1.5, frequency=0.3)(logits)
+    assert torch.allclose(penalized, want, atol=1e-6)
+    assert penalized[5] == logits[5]  # a prompt token: not penalized
+    biased = _penalties(prompt, generated, {3: -100.0, 999: 7.5})(logits)
     assert biased[3] == logits[3] - 100 and biased[999] == logits[999] + 7.5
     assert torch.equal(biased[4:999], logits[4:999])
-    assert penalize(logits, None, seen, generated) is logits  # nothing to do: the logits themselves
-    # a penalty far from 1 overflows float32: the largest finite logit instead of inf, so sampling still works
-    huge = penalize(logits, None, seen, generated, repetition=1e-38)
-    assert huge.isfinite().all() and int(huge.argmax()) in seen
+    # a penalty far from 1 overflows float32: the largest finite logit instead of inf, and a logit of 0 stays 0
+    # (0 times inf would be NaN), so sampling still works
+    logits[17] = 0.0
+    for huge in (1e-46, 1e39):
+        penalized = _penalties(prompt, generated, repetition=huge)(logits)
+        assert penalized.isfinite().all() and penalized[17] == 0
+    assert int(_penalties(prompt, generated, repetition=1e-46)(logits).argmax()) in prompt + generated
+
+
+def test_a_logit_bias_is_read_only_without_its_zeros() -> None:
+    params = SamplingParams(logit_bias={5: 0.0, 7: -2, 9: 0})
+    assert dict(params.logit_bias) == {7: -2.0}  # biases of 0 change nothing: the greedy fast path stays
+    with pytest.raises(TypeError):
+        params.logit_bias[7] = 100.0  # type: ignore[index]
+    assert hash(params) == hash(SamplingParams(logit_bias={7: 3.0}))  # hashable, the bias left out of it
+    assert params != SamplingParams(logit_bias={7: 3.0})
+
+
+def test_a_logit_bias_on_a_padded_vocabularys_padding_is_refused(tokenizer: Tokenizer) -> None:
+    """Only the tokenizer's ids are chosen from (the padding of nanoGPT's 50304 never is): a bias past them
+    would do nothing, so it is refused, not ignored."""
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, n_positions=32, vocab_size=50304)).eval()
+    params = SamplingParams(max_new_tokens=2, temperature=0, logit_bias={50300: 100})
+    with pytest.raises(GenerationError, match=r"logit_bias: token id 50300 is outside the vocabulary \(0..50256\)"):
+        generate(model, [PROMPT], params, tokenizer)
+    assert generate(model, [PROMPT], params)[0].token_ids == [50300, 50300]  # no tokenizer: every id is chosen
 
 
 def test_min_p_keeps_what_transformers_keeps() -> None:
