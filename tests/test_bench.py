@@ -17,7 +17,8 @@ from model import kernels
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_script(script: str, *args: str) -> None:
+def run_script(script: str, *args: str) -> str:
+    """The script's standard output, once it ran without an error."""
     done = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / script), *args],
         cwd=ROOT,
@@ -27,6 +28,7 @@ def run_script(script: str, *args: str) -> None:
         check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
 
 
 def positive(x: Any) -> bool:
@@ -207,3 +209,20 @@ def test_ctranslate2_worker(tiny, tmp_path: Path) -> None:
     assert not worker.process.is_alive()
     with pytest.raises(RuntimeError, match="worker failed"):
         bench_ctranslate2.Worker(tmp_path / "missing", [("float32", 1)])
+
+
+def test_bench_sampling_quick(tmp_path: Path) -> None:
+    """Every setting timed both ways, on logits whose nucleus the script reports."""
+    out = tmp_path / "sampling.json"
+    printed = run_script("bench_sampling.py", "--vocab", "2000", "--rows", "2", "--steps", "2", "--json", str(out))
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {
+        "greedy",
+        "temperature 0.8",
+        "top_k 40",
+        "top_p 0.95",
+        "min_p 0.05",
+        "repetition 1.3, top_p 0.9",
+    }
+    assert all(positive(r["ours_ms"]) and positive(r["transformers_ms"]) for r in results.values())
+    assert "the nucleus at top_p 0.95" in printed
