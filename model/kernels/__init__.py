@@ -118,6 +118,7 @@ def build(compiler: str | None = None, isa: str | None = None) -> Path:
         raise NoBuilds(f"the kernel cache {path.parent} cannot hold a build: {e}") from None
     with workdir as tmp:  # built aside, then moved in one step
         out = Path(tmp) / path.name
+        log.info("compiling our CPU kernels (%s build) into %s: once, in 10-30 s", isa, path.parent)
         try:
             done = subprocess.run(
                 [compiler, *FLAGS, *ISAS[isa], *map(str, SOURCES), "-o", str(out)],
