@@ -426,9 +426,9 @@ class Engine:
     def _step(self) -> None:
         try:
             self._step_batch()
-        finally:
-            self._send()
+        finally:  # the gauge first: a client that sees its token sees the batch it came from counted
             self.metrics.running.set(self._active())
+            self._send()
 
     def _step_batch(self) -> None:
         if self._prompt_only:
