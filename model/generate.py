@@ -9,6 +9,7 @@ it is produced; `generate` runs one to the end.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import math
@@ -17,7 +18,6 @@ import operator
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -84,11 +84,12 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = no limit
     min_p: float = 0.0  # 0 = no limit
     seed: int | None = None  # None = a fresh random seed
-    # token id -> added to its logit, in [-100, 100]; kept read-only, without the biases of 0
-    logit_bias: Mapping[int, float] = field(default_factory=dict, hash=False)
+    logit_bias: Mapping[int, float] = field(default_factory=dict, hash=False)  # token id -> added to its logit
     repetition_penalty: float = 1.0  # 1 = off; > 1 discourages the prompt's and the generated tokens
     presence_penalty: float = 0.0  # 0 = off; in [-2, 2]: subtracted once from each generated token's logit
     frequency_penalty: float = 0.0  # 0 = off; in [-2, 2]: subtracted per time a token was generated
+    adjusts_logits: bool = field(init=False, repr=False, compare=False)  # a bias or a penalty is on
+    bias_end: int = field(init=False, repr=False, compare=False)  # 1 + the largest id biased (0: none)
     stop: tuple[str, ...] = ()  # stop strings; the text ends before the first one
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -125,6 +126,9 @@ class SamplingParams:
             value = getattr(self, name)
             check(_is_num(value) and -MAX_PENALTY <= value <= MAX_PENALTY, name, "must be a number in [-2, 2]")
         object.__setattr__(self, "logit_bias", _checked_bias(self.logit_bias))
+        off = (self.repetition_penalty, self.presence_penalty, self.frequency_penalty) == (1.0, 0.0, 0.0)
+        object.__setattr__(self, "adjusts_logits", any(self.logit_bias.values()) or not off)
+        object.__setattr__(self, "bias_end", max(self.logit_bias, default=-1) + 1)
         check(
             self.seed is None or (is_int(self.seed) and self.seed in SEED_RANGE),
             "seed",
@@ -164,11 +168,19 @@ class SamplingParams:
                 value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS), name, f"must be in 0..{MAX_LOGPROBS}"
             )
 
+    def varied(self, max_new_tokens: int, seed: int | None) -> SamplingParams:
+        """These settings with another length and seed (checked), the others not checked again: a request's
+        samples share them (checking a logit bias over the whole vocabulary takes 60 ms, for each of n)."""
+        checked = SamplingParams(max_new_tokens=max_new_tokens, seed=seed)
+        new = copy.copy(self)
+        object.__setattr__(new, "max_new_tokens", checked.max_new_tokens)
+        object.__setattr__(new, "seed", checked.seed)
+        return new
 
-def _checked_bias(bias: Any) -> Mapping[int, float]:
-    """A logit bias {token id: bias} as a read-only copy without its biases of 0 (which change nothing, and
-    clients send), checked: each id an integer >= 0 (the vocabulary is the model's to check: `new_sequence`),
-    each bias a number in [-100, 100]."""
+
+def _checked_bias(bias: Any) -> dict[int, float]:
+    """A logit bias {token id: bias} as a copy of its own, checked: each id an integer >= 0 (the vocabulary is
+    the model's to check: `new_sequence`), each bias a number in [-100, 100]."""
     if not isinstance(bias, Mapping):
         raise GenerationError(f"logit_bias must map token ids to biases, got {type(bias).__name__}", "logit_bias")
     out: dict[int, float] = {}
@@ -181,9 +193,8 @@ def _checked_bias(bias: Any) -> Mapping[int, float]:
                 f"logit_bias: the bias of token {token} must be a number in [-100, 100], got {clip(value)}",
                 "logit_bias",
             )
-        if value != 0:
-            out[token] = float(value)
-    return MappingProxyType(out)
+        out[token] = float(value)
+    return out
 
 
 def _python_number(x: Any) -> Any:
@@ -304,8 +315,7 @@ class SequenceState:
     def _penalties(self, device: torch.device) -> Penalties | None:
         """The sequence's logit bias and penalties (made at its first token), None where it has none."""
         p = self.params
-        wanted = p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-        if self._penalized is None and wanted:
+        if self._penalized is None and p.adjusts_logits:
             capacity = len(self.prompt) + p.max_new_tokens
             self._penalized = Penalties(
                 self.prompt,
@@ -529,10 +539,10 @@ def new_sequence(
         capture,
         parts[0] if len(parts) == 1 else HookChain(*parts) if parts else None,
     )
-    if params.logit_bias:  # the ids it chooses from: a padded vocabulary's padding is never chosen, nor biased
+    if params.bias_end:  # the ids it chooses from: a padded vocabulary's padding is never chosen, nor biased
         words = state.words(vocab)
-        bad = [t for t in params.logit_bias if t >= words]
-        if bad:
+        if params.bias_end > words:
+            bad = [t for t in params.logit_bias if t >= words]
             raise GenerationError(
                 f"logit_bias: token id {clip(bad[0])} is outside the vocabulary (0..{words - 1})", "logit_bias"
             )

@@ -34,8 +34,8 @@ class Penalties:
     ) -> None:
         self.repetition, self.presence, self.frequency = repetition, presence, frequency
         self.bias = None
-        if bias:
-            ids, values = zip(*bias.items(), strict=True)
+        if any(bias.values()):  # (a bias of 0 does nothing)
+            ids, values = zip(*((t, b) for t, b in bias.items() if b), strict=True)
             self.bias = (torch.tensor(ids, device=device), torch.tensor(values, device=device))
         # the ids seen (prompt and text) and those generated, each once, in slots of tensors that only grow: the
         # slot of each is found here, on the host, so that a token's update writes one entry on the device
@@ -45,8 +45,10 @@ class Penalties:
         penalizes_counts = bool(presence or frequency)
         self.generated_ids = torch.empty(capacity if penalizes_counts else 0, dtype=torch.long, device=device)
         self.counts = torch.zeros(capacity if penalizes_counts else 0, device=device)
-        for token in dict.fromkeys(prompt) if repetition != 1.0 else ():
-            self._see(token)
+        if repetition != 1.0 and prompt:  # the prompt's ids in one write
+            distinct = list(dict.fromkeys(prompt))
+            self.seen = {token: slot for slot, token in enumerate(distinct)}
+            self.seen_ids[: len(distinct)] = torch.tensor(distinct, device=device)
 
     def _see(self, token: int) -> None:
         if token not in self.seen:
@@ -135,21 +137,26 @@ def nucleus(logits: torch.Tensor, top_p: float, temperature: float = 1.0) -> tor
     """Keep the smallest set of most likely tokens whose probability at `temperature` adds up to at least
     `top_p` (always the most likely one: top_p 0, as OpenAI allows it, keeps that one alone). The tokens are
     ranked only as far as the nucleus reaches (the 256 most likely, then 4,096, then all: on a CPU core, 0.1,
-    0.6 and 3.5 ms over 50,257 logits), on the logits themselves (at a huge temperature the probabilities all
-    but tie)."""
+    0.6 and 3.5 ms over 50,257 logits; a ranking that cannot reach top_p is skipped), on the logits themselves
+    (at a huge temperature the probabilities all but tie)."""
     probs = torch.softmax(logits.to(_wide(logits.device)) / temperature, dim=-1)  # the tail: 50,257 terms
     n = logits.shape[-1]
-    for k in (*(k for k in NUCLEUS_RANKS if k < n), n):
+    k = next((s for s in NUCLEUS_RANKS if s < n), n)
+    while True:
         order = torch.topk(logits, k).indices if k < n else torch.sort(logits, descending=True).indices
         ranked = probs[order]  # most likely first
         before = ranked.cumsum(dim=-1) - ranked  # the probability of the more likely tokens
-        if k == n or float(before[-1] + ranked[-1]) >= top_p:
+        if k == n:
             break
-    keep = order[before < top_p]  # where the more likely tokens do not reach top_p yet
-    kept = torch.full_like(logits, float("-inf"))
-    kept[order[0]] = logits[order[0]]  # the most likely token always stays
-    kept[keep] = logits[keep]
-    return kept
+        reached, last = (float(v) for v in torch.stack([before[-1] + ranked[-1], ranked[-1]]))  # one device sync
+        if reached >= top_p:
+            break
+        # the next ranking that can reach top_p (each token past the k-th is at most as likely as the k-th)
+        k = next((s for s in NUCLEUS_RANKS if k < s < n and reached + (s - k) * last >= top_p), n)
+    kept = torch.zeros_like(logits, dtype=torch.bool)
+    kept[order] = before < top_p  # where the more likely tokens do not reach top_p yet; the rest never does
+    kept[order[0]] = True  # the most likely token always stays
+    return logits.masked_fill(~kept, float("-inf"))
 
 
 def _wide(device: torch.device) -> torch.dtype:

@@ -75,12 +75,12 @@ def ours(logits: torch.Tensor, fields: dict[str, Any], steps: int) -> Callable[[
 
     rows = []
     for r in range(logits.shape[0]):
-        params = SamplingParams(max_new_tokens=10**6, ignore_eos=True, seed=r, **fields)
+        params = SamplingParams(max_new_tokens=1 + 3 * steps, ignore_eos=True, seed=r, **fields)  # `per_row_ms`' calls
         prompt = torch.randint(0, logits.shape[1], (64,), generator=torch.Generator().manual_seed(r)).tolist()
         rows.append(SequenceState(r, prompt, params, None, 50256, _generator(r, torch.device("cpu"))))
-    argmax = logits.argmax(dim=-1).tolist()
 
-    def run() -> None:
+    def run() -> None:  # the batch's argmax as the server's step takes it, once for every row
+        argmax = logits.max(dim=-1).indices.tolist()
         for seq, row, best in zip(rows, logits, argmax, strict=True):
             seq.accept(row, best)
 
@@ -112,7 +112,7 @@ def transformers_way(logits: torch.Tensor, fields: dict[str, Any]) -> Callable[[
     seen = torch.randint(0, logits.shape[1], (logits.shape[0], 64), generator=g)
 
     def run() -> None:
-        scores = logits.clone()
+        scores = logits  # (each processor makes a new tensor)
         for processor in processors:
             scores = processor(seen, scores)
         if greedy:

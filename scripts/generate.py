@@ -113,14 +113,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _bias_flag(text: str) -> tuple[int, float]:
-    """`--logit-bias ID=BIAS` as (id, bias); their ranges are `SamplingParams`' to check."""
-    token, sep, bias = text.partition("=")
-    try:
-        if sep:
-            return int(token), float(bias)
-    except ValueError:
-        pass
-    raise argparse.ArgumentTypeError(f"expected ID=BIAS, a token id and a number (50256=-100), got {text!r}")
+    """`--logit-bias ID=BIAS` as (id, bias), written as the API's JSON writes them (a decimal id, a plain
+    number: not `+5`, an Arabic-Indic digit or `1_0`); their ranges are `SamplingParams`' to check."""
+    match = re.fullmatch(r"(-?[0-9]{1,19})=(-?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS, a token id and a number (50256=-100), got {text!r}")
+    return int(match[1]), float(match[2])
 
 
 class PromptError(Exception):

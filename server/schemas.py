@@ -415,7 +415,8 @@ class ActivationsRequest(GenerateRequest):
         if isinstance(value, dict):
             if "format" in value:
                 raise ValueError("format is not taken here: /v1/activations answers with a safetensors file")
-            value = {"hooks": ["*"], **value}
+            if value.get("hooks") is None:  # left out, or null
+                value = {**value, "hooks": ["*"]}
         return value
 
     @field_validator("features")
@@ -623,11 +624,12 @@ class CompletionRequest(LogitsProcessors):
         within int64), with `max_tokens` (null: as many as fit the context, up to the server's cap; a number is
         checked against the cap by the route, `check_cap`)."""
         seqs, params = [], []
+        shared = self.sampling_params(0, None)  # checked once (a logit bias may name every id), varied below
         for prompt in prompts:
             max_tokens = max(0, min(cap, n_ctx - len(prompt))) if self.max_tokens is None else self.max_tokens
             for j in range(self.n):
                 seqs.append(prompt)
-                params.append(self.sampling_params(max_tokens, None if self.seed is None else nth_seed(self.seed, j)))
+                params.append(shared.varied(max_tokens, None if self.seed is None else nth_seed(self.seed, j)))
         return seqs, params
 
     def sampling_params(self, max_tokens: int, seed: int | None) -> SamplingParams:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import math
+import pickle
 
 import pytest
 import torch
@@ -252,13 +254,14 @@ def test_penalties_are_transformers_repetition_penalty_and_openais_presence_and_
     assert int(_penalties(prompt, generated, repetition=1e-46)(logits).argmax()) in prompt + generated
 
 
-def test_a_logit_bias_is_read_only_without_its_zeros() -> None:
-    params = SamplingParams(logit_bias={5: 0.0, 7: -2, 9: 0})
-    assert dict(params.logit_bias) == {7: -2.0}  # biases of 0 change nothing: the greedy fast path stays
-    with pytest.raises(TypeError):
-        params.logit_bias[7] = 100.0  # type: ignore[index]
+def test_sampling_params_with_a_logit_bias() -> None:
+    bias = {5: 0.0, 7: -2}
+    params = SamplingParams(logit_bias=bias)
+    assert params.logit_bias == {5: 0.0, 7: -2.0} and params.logit_bias is not bias  # a copy of its own
+    assert params.adjusts_logits and not SamplingParams(logit_bias={5: 0.0, 9: 0}).adjusts_logits  # zeros: nothing
     assert hash(params) == hash(SamplingParams(logit_bias={7: 3.0}))  # hashable, the bias left out of it
     assert params != SamplingParams(logit_bias={7: 3.0})
+    assert pickle.loads(pickle.dumps(params)) == params == copy.deepcopy(params)  # for a worker process
 
 
 def test_a_logit_bias_on_a_padded_vocabularys_padding_is_refused(tokenizer: Tokenizer) -> None:
@@ -386,3 +389,15 @@ def test_invalid_logit_bias(bias: object, message: str) -> None:
 def test_logit_bias_past_the_vocabulary_is_refused_before_any_work(tiny_model: GPT) -> None:
     with pytest.raises(GenerationError, match=r"logit_bias: token id 50257 is outside the vocabulary \(0..50256\)"):
         generate(tiny_model, [PROMPT], SamplingParams(max_new_tokens=2, logit_bias={50257: 1.0}))
+
+
+def test_varied_params_check_only_what_they_change() -> None:
+    """A request's samples share its settings, checked once (a bias over every id), each with its own seed."""
+    params = SamplingParams(temperature=0.5, logit_bias={i: 1.0 for i in range(50257)}, seed=1)
+    other = params.varied(7, 3)
+    assert (other.max_new_tokens, other.seed, params.max_new_tokens, params.seed) == (7, 3, 32, 1)
+    assert other.logit_bias is params.logit_bias and other.temperature == 0.5 and other.bias_end == 50257
+    for length, seed, param in [(-1, None, "max_new_tokens"), (1, 2**63, "seed"), (True, None, "max_new_tokens")]:
+        with pytest.raises(GenerationError) as info:
+            params.varied(length, seed)
+        assert info.value.param == param

@@ -1473,3 +1473,13 @@ def test_native_null_is_the_default(client: TestClient) -> None:
     edit = {"prompt": PROMPTS[0], "max_new_tokens": 1, "interventions": [{"hook": None, "op": "zero"}]}
     assert "interventions" in assert_error(client.post(GEN, json=edit), 400)["param"]
     assert_still_serving(client)
+
+
+def test_activations_hooks_null_is_every_default_hook(client: TestClient) -> None:
+    """`/v1/activations`' hooks default to `*` when the object is given for its dtype, null hooks too."""
+    body = {"prompt": PROMPTS[0]}
+    plain = client.post(ACTS, json=body)
+    halves = client.post(ACTS, json=body | {"activations": {"hooks": None, "dtype": "float16"}})
+    assert plain.status_code == halves.status_code == 200, halves.text
+    assert safetensors.torch.load(plain.content).keys() == safetensors.torch.load(halves.content).keys()
+    assert_error(client.post(ACTS, json=body | {"activations": {"hooks": []}}), 400, "activations")
