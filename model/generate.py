@@ -15,8 +15,9 @@ import logging
 import math
 import numbers
 import operator
+import re
 import secrets
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,7 +125,11 @@ class SamplingParams:
         )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            check(_is_num(value) and -MAX_PENALTY <= value <= MAX_PENALTY, name, "must be a number in [-2, 2]")
+            check(
+                _is_num(value) and -MAX_PENALTY <= value <= MAX_PENALTY,
+                name,
+                f"must be a number in [{-MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+            )
         object.__setattr__(self, "logit_bias", _checked_bias(self.logit_bias))
         off = (self.repetition_penalty, self.presence_penalty, self.frequency_penalty) == (1.0, 0.0, 0.0)
         object.__setattr__(self, "adjusts_logits", any(self.logit_bias.values()) or not off)
@@ -170,12 +175,26 @@ class SamplingParams:
 
     def varied(self, max_new_tokens: int, seed: int | None) -> SamplingParams:
         """These settings with another length and seed (checked), the others not checked again: a request's
-        samples share them (checking a logit bias over the whole vocabulary takes 60 ms, for each of n)."""
+        samples share them (a logit bias over the whole vocabulary took 60 ms a sample to parse and check)."""
         checked = SamplingParams(max_new_tokens=max_new_tokens, seed=seed)
         new = copy.copy(self)
         object.__setattr__(new, "max_new_tokens", checked.max_new_tokens)
         object.__setattr__(new, "seed", checked.seed)
         return new
+
+
+def logit_bias_by_id(pairs: Iterable[tuple[str, float]]) -> dict[int, float]:
+    """A logit bias written with its token ids as text, as JSON keys and `--logit-bias 50256=-100` write them,
+    with the ids as integers: each a decimal integer (no `+`, no space, no other script's digits), none named
+    twice (`"011"` and `"11"`). The values are `SamplingParams`' to check."""
+    out: dict[int, float] = {}
+    for text, value in pairs:
+        if not re.fullmatch(r"-?[0-9]{1,19}", text):
+            raise GenerationError(f"logit_bias: a token id must be a decimal integer, got {clip(text)}", "logit_bias")
+        if int(text) in out:
+            raise GenerationError(f"logit_bias: token {int(text)} is given twice", "logit_bias")
+        out[int(text)] = value
+    return out
 
 
 def _checked_bias(bias: Any) -> dict[int, float]:
@@ -190,7 +209,8 @@ def _checked_bias(bias: Any) -> dict[int, float]:
             raise GenerationError(f"logit_bias: a token id must be an integer >= 0, got {clip(token)}", "logit_bias")
         if not (_is_num(value) and -MAX_BIAS <= value <= MAX_BIAS):
             raise GenerationError(
-                f"logit_bias: the bias of token {token} must be a number in [-100, 100], got {clip(value)}",
+                f"logit_bias: the bias of token {token} must be a number in [{-MAX_BIAS:g}, {MAX_BIAS:g}], "
+                f"got {clip(value)}",
                 "logit_bias",
             )
         out[token] = float(value)
@@ -316,10 +336,9 @@ class SequenceState:
         """The sequence's logit bias and penalties (made at its first token), None where it has none."""
         p = self.params
         if self._penalized is None and p.adjusts_logits:
-            capacity = len(self.prompt) + p.max_new_tokens
             self._penalized = Penalties(
                 self.prompt,
-                capacity,
+                p.max_new_tokens,
                 p.logit_bias,
                 p.repetition_penalty,
                 p.presence_penalty,

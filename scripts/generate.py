@@ -25,7 +25,7 @@ from gpt2_scripts.console import empty_flag
 from gpt2_scripts.sae_cli import add_sae_arguments, directions, steering_edits, steering_specs
 
 from model.dump import dump_path_problem, save_dump
-from model.generate import Generation, GenerationError, SamplingParams
+from model.generate import Generation, GenerationError, SamplingParams, logit_bias_by_id
 from model.hooks import UnknownHookError, check_hook_name, is_glob
 from model.interventions import InterventionError
 from model.lab.sae import SAEError
@@ -105,20 +105,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             how = "--greedy" if args.greedy else "--temperature 0"
             verb = "narrow" if len(given) > 1 else "narrows"
             p.error(f"{' and '.join(given)} {verb} sampling, and {how} samples nothing: drop one")
-    biased = [token for token, _ in args.logit_bias]
-    twice = sorted({t for t in biased if biased.count(t) > 1})
-    if twice:
-        p.error(f"--logit-bias gives token {twice[0]} twice")
     return args
 
 
-def _bias_flag(text: str) -> tuple[int, float]:
-    """`--logit-bias ID=BIAS` as (id, bias), written as the API's JSON writes them (a decimal id, a plain
-    number: not `+5`, an Arabic-Indic digit or `1_0`); their ranges are `SamplingParams`' to check."""
-    match = re.fullmatch(r"(-?[0-9]{1,19})=(-?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)", text)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"expected ID=BIAS, a token id and a number (50256=-100), got {text!r}")
-    return int(match[1]), float(match[2])
+def _bias_flag(text: str) -> tuple[str, float]:
+    """`--logit-bias ID=BIAS` as (the id as written, the bias): `logit_bias_by_id` reads the ids as the API's
+    keys, `SamplingParams` checks the values."""
+    token, sep, bias = text.partition("=")
+    try:
+        if sep:
+            return token, float(bias)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected ID=BIAS, a token id and a number (50256=-100), got {text!r}")
+
+
+ADJUSTMENTS = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")  # flags as SamplingParams'
 
 
 class PromptError(Exception):
@@ -244,11 +246,8 @@ def main(argv: list[str] | None = None) -> int:  # Ctrl-C leaves nothing half-wr
             temperature=0.0 if args.greedy else 1.0 if args.temperature is None else args.temperature,
             top_k=0 if args.top_k is None else args.top_k,
             top_p=1.0 if args.top_p is None else args.top_p,
-            min_p=0.0 if args.min_p is None else args.min_p,
-            repetition_penalty=1.0 if args.repetition_penalty is None else args.repetition_penalty,
-            presence_penalty=0.0 if args.presence_penalty is None else args.presence_penalty,
-            frequency_penalty=0.0 if args.frequency_penalty is None else args.frequency_penalty,
-            logit_bias=dict(args.logit_bias),
+            logit_bias=logit_bias_by_id(args.logit_bias),
+            **{name: value for name in ADJUSTMENTS if (value := getattr(args, name)) is not None},
             seed=args.seed,
             stop=tuple(args.stop),
             ignore_eos=args.ignore_eos,

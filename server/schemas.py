@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import base64
 import math
-import re
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from model.generate import SEED_RANGE, ContextLengthError, GenerationError, SamplingParams
+from model.generate import SEED_RANGE, ContextLengthError, GenerationError, SamplingParams, logit_bias_by_id
 from model.hooks import UnknownHookError, select_hooks
 from model.interventions import OP_READS, Edit, EditSpec, InterventionError
 from model.json_file import clip
@@ -340,29 +339,12 @@ class LogitsProcessors(BaseModel):
     min_p: float | None = None
 
     def processors(self) -> dict[str, Any]:
-        """`SamplingParams`' fields of these (which checks their values)."""
-        return {
-            "logit_bias": logit_bias_ids(self.logit_bias or {}),
-            "presence_penalty": 0.0 if self.presence_penalty is None else self.presence_penalty,
-            "frequency_penalty": 0.0 if self.frequency_penalty is None else self.frequency_penalty,
-            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            "min_p": 0.0 if self.min_p is None else self.min_p,
-        }
-
-
-def logit_bias_ids(bias: dict[str, float]) -> dict[int, float]:
-    """A JSON logit bias, its keys token ids written as decimal strings ("50256"), with the ids as integers."""
-    out: dict[int, float] = {}
-    for key, value in bias.items():
-        if not re.fullmatch(r"-?[0-9]{1,19}", key):
-            raise GenerationError(
-                f"logit_bias: each key must be a token id (a decimal integer, as a string), got {clip(key)}",
-                "logit_bias",
-            )
-        if int(key) in out:  # "050256" and "50256"
-            raise GenerationError(f"logit_bias: token {int(key)} is given twice", "logit_bias")
-        out[int(key)] = value
-    return out
+        """`SamplingParams`' fields of those given (it keeps its defaults for the others, and checks the values)."""
+        names = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+        fields = {name: value for name in names if (value := getattr(self, name)) is not None}
+        if self.logit_bias is not None:
+            fields["logit_bias"] = logit_bias_by_id(self.logit_bias.items())
+        return fields
 
 
 class GenerateRequest(Edits, LogitsProcessors):
@@ -584,8 +566,9 @@ class CompletionRequest(LogitsProcessors):
 
     @model_validator(mode="before")
     @classmethod
-    def _null_is_default(cls, body: Any) -> Any:
-        """OpenAI allows null for `n`, `stream` and `echo`: their default."""
+    def _null_n_stream_echo(cls, body: Any) -> Any:
+        """OpenAI allows null for `n`, `stream` and `echo`: their default. (Not `Strict`'s rule for every field:
+        here a null `max_tokens` means as many as fit.)"""
         if not isinstance(body, dict):
             return body
         return {k: v for k, v in body.items() if v is not None or k not in ("n", "stream", "echo")}
@@ -624,7 +607,7 @@ class CompletionRequest(LogitsProcessors):
         within int64), with `max_tokens` (null: as many as fit the context, up to the server's cap; a number is
         checked against the cap by the route, `check_cap`)."""
         seqs, params = [], []
-        shared = self.sampling_params(0, None)  # checked once (a logit bias may name every id), varied below
+        shared = self.sampling_params()  # checked once (a logit bias may name every id), varied below
         for prompt in prompts:
             max_tokens = max(0, min(cap, n_ctx - len(prompt))) if self.max_tokens is None else self.max_tokens
             for j in range(self.n):
@@ -632,12 +615,11 @@ class CompletionRequest(LogitsProcessors):
                 params.append(shared.varied(max_tokens, None if self.seed is None else nth_seed(self.seed, j)))
         return seqs, params
 
-    def sampling_params(self, max_tokens: int, seed: int | None) -> SamplingParams:
+    def sampling_params(self) -> SamplingParams:
+        """The settings every sample of the request shares: `sequences` gives each its length and seed."""
         return SamplingParams(
-            max_new_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
-            seed=seed,
             stop=stop_tuple(self.stop),
             top_k=self.top_k or 0,
             stop_token_ids=tuple(self.stop_token_ids or ()),

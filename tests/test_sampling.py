@@ -214,7 +214,7 @@ def _penalties(
     """`Penalties` told of `generated` a token at a time, as a sequence tells them."""
     penalties = Penalties(
         prompt,
-        len(prompt) + len(generated),
+        len(generated),
         bias or {},
         how.get("repetition", 1.0),
         how.get("presence", 0.0),

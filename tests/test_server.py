@@ -692,7 +692,7 @@ def test_completions_take_vllm_sampling_fields(client: TestClient, loaded: Loade
     body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "logprobs": 0, "stop_token_ids": [stop_at]}
     stopped = post_ok(client, CMPL, body)["choices"][0]
     assert stopped["finish_reason"] == "stop" and len(stopped["logprobs"]["tokens"]) == want.index(stop_at) + 1
-    params = CompletionRequest.model_validate({"prompt": "Hi", "ignore_eos": True, "top_k": 3}).sampling_params(4, None)
+    params = CompletionRequest.model_validate({"prompt": "Hi", "ignore_eos": True, "top_k": 3}).sampling_params()
     assert params.ignore_eos and params.top_k == 3
     assert_error(client.post(CMPL, json={"prompt": "Hi", "max_tokens": 1, "ignore_eos": "yes"}), 400, "ignore_eos")
     # -1 is vLLM's "no limit", which its clients send: as 0 here; below it, an error
