@@ -18,7 +18,7 @@ from packaging.utils import canonicalize_name
 tomllib = pytest.importorskip("tomllib", reason="reads pyproject.toml with Python 3.11's tomllib")
 
 ROOT = Path(__file__).resolve().parents[1]
-OURS = {"model", "server", "scripts", "gpt2_scripts"}
+OURS = {"model", "server", "gpt2_scripts"}  # not `scripts`: installed, that folder is gpt2_scripts
 EXTRA_OF = {"server/ray_app.py": "ray", "scripts/bench*.py": "bench"}  # modules only an extra's users load
 
 
@@ -64,3 +64,16 @@ def test_every_module_imported_on_load_is_installed_by_the_dependencies() -> Non
                 missing.append(f"{where} imports {name} ({', '.join(sorted(distributions))})")
     assert not missing, "imported as these modules load, but not installed by their dependencies: " + "; ".join(missing)
     assert imported_on_load(ROOT / "server" / "ray_app.py") >= {"ray"}  # (what the extras are for is seen)
+
+
+def test_every_package_folder_is_in_the_wheel() -> None:
+    """pyproject.toml lists the packages by hand (the editable install the suite runs on would not notice one
+    missing from a wheel): every folder of model/, server/ and scripts/ holding Python, and the viewer's files."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["packages"])
+    folders = {
+        path.parent.relative_to(ROOT).as_posix().replace("/", ".").replace("scripts", "gpt2_scripts", 1)
+        for folder in ("model", "server", "scripts")
+        for path in (ROOT / folder).rglob("*.py")
+        if "__pycache__" not in path.parts
+    }
+    assert folders | {"server.static"} == listed
