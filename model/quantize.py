@@ -45,7 +45,7 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
 def _int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] @ (q * scale).T + bias -> [..., N]: our CPU kernel for a few rows, else dequantize + matmul
     (`_DequantizedProduct` where x needs a gradient)."""
-    if kernels.usable(x) and x.device == q.device:
+    if kernels.usable(x, bias) and x.device == q.device:
         return kernels.matmul_int8(x, q, scale, bias)
     if torch.is_grad_enabled() and x.requires_grad:
         y = _DequantizedProduct.apply(x, q, scale)

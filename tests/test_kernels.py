@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from conftest import Checkpoint, load_ours
 from model import kernels
 from model.gpt import Conv1D, TiedLMHead
 from model.kernels.layers import KernelConv1D, KernelLMHead
+from model.loading import load_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -492,3 +494,36 @@ def test_fallback_without_kernels(tiny: Checkpoint, tmp_path: Path, how: str) ->
         expected = tiny.hf(torch.tensor([[1, 2, 3, 4, 5]])).logits[0, -1, :8]
     torch.testing.assert_close(torch.tensor(report["logits"][0]), expected, rtol=0, atol=1e-4)
     assert (torch.tensor(report["logits"][1]) - expected).abs().max() < 1.0  # int8: close, not equal
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_a_bias_that_needs_a_gradient_gets_it(tiny: Checkpoint, dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bias trained alone (BitFit), the weights frozen and the input needing no gradient: its product goes to
+    torch, not to the kernels (which record no gradient), and the gradient is the stock layers' own."""
+    model = load_weights(tiny.path, dtype=dtype, device="cpu")
+    bias = model.h[0].attn.c_attn.bias
+    bias.requires_grad_(True)
+    idx = torch.tensor([[5, 6, 7, 8]])
+    model(idx).logsumexp(dim=-1).sum().backward()
+    assert bias.grad is not None
+    got, bias.grad = bias.grad, None
+    monkeypatch.setattr(kernels, "max_rows", lambda: 0)  # every product on torch's stock kernels
+    model(idx).logsumexp(dim=-1).sum().backward()
+    torch.testing.assert_close(got, bias.grad, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():  # no gradient recorded: the kernels again, the same values
+        monkeypatch.undo()
+        assert kernels.usable(torch.zeros(4, 64), bias)
+
+
+@needs_kernels
+def test_a_relative_cache_folder_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPT2_KERNEL_CACHE=. names the working directory: the library's path is made absolute, since ctypes
+    looks a bare file name up on the system's library path (where it would never be found)."""
+    built = kernels.library_path()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GPT2_KERNEL_CACHE", ".")
+    assert kernels.library_path() == Path.cwd() / built.name
+    shutil.copy(built, built.name)  # the build the suite made, as though made here
+    lib = kernels._library.__wrapped__()
+    assert lib is not None and lib._name == str(Path.cwd() / built.name)

@@ -70,10 +70,11 @@ MAX_ROWS_AVX512 = 2048  # with AVX-512, float32 blocks of up to 96 rows take out
 
 
 def cache_dir() -> Path:
-    if os.environ.get("GPT2_KERNEL_CACHE"):
-        return Path(os.environ["GPT2_KERNEL_CACHE"])
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "gpt2-server"
+    """Where the builds are kept, as an absolute path: ctypes looks a library named without a folder up on the
+    system's library path, so `GPT2_KERNEL_CACHE=.` would build a library that never loads."""
+    given = os.environ.get("GPT2_KERNEL_CACHE")
+    base = Path(given) if given else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpt2-server"
+    return base.expanduser().absolute()
 
 
 def _compiler() -> str | None:
@@ -324,14 +325,15 @@ def available() -> bool:
     return _library() is not None
 
 
-def usable(x: torch.Tensor) -> bool:
-    """Whether a product with input `x` [..., K] can go to the kernels: float32 on the CPU, few rows, and
-    no autograd (they have no backward)."""
+def usable(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
+    """Whether a product with input `x` [..., K] and `params` (its weight and bias) can go to the kernels:
+    float32 on the CPU, few rows, and no autograd (they have no backward): neither x nor a parameter needs a
+    gradient where one would be recorded (a bias trained alone, as BitFit trains them, needs one)."""
     return (
         x.device.type == "cpu"
         and x.dtype == torch.float32
         and x.numel() <= max_rows() * x.shape[-1]
-        and not (torch.is_grad_enabled() and x.requires_grad)
+        and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *params)))
         and available()
     )
 

@@ -25,7 +25,7 @@ class KernelConv1D(Conv1D):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w_t = self.weight.t()  # [out, in], contiguous rows as _stored lays them out
-        if usable(x) and w_t.stride(1) == 1 and not self.weight.requires_grad:
+        if usable(x, self.weight, self.bias) and w_t.stride(1) == 1:
             return matmul(x, w_t, self.bias)
         return super().forward(x)
 
@@ -34,7 +34,7 @@ class KernelLMHead(TiedLMHead):
     """The tied LM head, logits = x @ wte.T, on our kernel up to max_rows() rows (wte [vocab, C] row-major)."""
 
     def forward(self, x: torch.Tensor, wte: torch.Tensor) -> torch.Tensor:
-        if usable(x) and wte.stride(1) == 1 and not wte.requires_grad:
+        if usable(x, wte) and wte.stride(1) == 1:
             return matmul(x, wte)
         return super().forward(x, wte)
 
