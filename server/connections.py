@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .errors import error_body
-from .middleware import CLOSE, DRAINING, REFUSAL, app_path, origin_form
+from .middleware import CLOSE, DRAINING, MALFORMED, REFUSAL, app_path, origin_form, request_id_of
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -101,15 +101,35 @@ def bytes_acked(sock: Any) -> int | None:
     return struct.unpack_from("Q", info, offset)[0] if len(info) >= offset + 8 else None
 
 
-def _raw_response(status: int, reason: str, body: dict[str, Any]) -> bytes:
+def _raw_response(status: int, reason: str, body: dict[str, Any], request_id: str | None = None) -> bytes:
     """A whole HTTP/1.1 response that closes the connection, for answers written past h11 (a request it has
-    not seen, or one it could not parse), the connection closed after them."""
+    not seen, or one it could not parse), the connection closed after them; `request_id` where the request
+    has one (its headers were read)."""
     payload = json.dumps(body).encode()
+    named = f"x-request-id: {request_id}\r\n" if request_id else ""  # printable ASCII (`REQUEST_ID`)
     head = (
         f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(payload)}\r\n"
-        "connection: close\r\n\r\n"
+        f"{named}connection: close\r\n\r\n"
     )
     return head.encode("ascii") + payload
+
+
+class _QuieterLog(logging.LoggerAdapter):
+    """uvicorn's error log, with its warning for each request h11 cannot parse (one line a request, which any
+    client can send as fast as it likes, without its address) said at debug level: `send_400_response` says it
+    at info, with the client's address."""
+
+    def __getattr__(self, name: str) -> Any:  # the rest as the logger has it (uvicorn reads its `level`)
+        return getattr(self.logger, name)
+
+    def warning(self, msg: object, *args: Any, **kwargs: Any) -> None:
+        if msg == INVALID_REQUEST:
+            self.debug(msg, *args, **kwargs)
+        else:
+            super().warning(msg, *args, **kwargs)
+
+
+INVALID_REQUEST = "Invalid HTTP request received."  # uvicorn's words
 
 
 class _BoundedH11Protocol(H11Protocol):
@@ -132,6 +152,7 @@ class _BoundedH11Protocol(H11Protocol):
         self.limit_concurrency = None  # the cap is checked below, answered in the API's error shape
         self._app = self.app
         self.app = self._app_or_503
+        self.logger = _QuieterLog(self.logger, {})  # type: ignore[assignment]
 
     def shutdown(self) -> None:
         """uvicorn's start of a graceful shutdown; the request in flight is marked, so that the guard tells its
@@ -264,12 +285,21 @@ class _BoundedH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         """A request h11 cannot parse (a bad chunk size, two Content-Lengths that differ, no Host): uvicorn's
-        answer, 400 and the connection closed, in the API's error shape rather than plain text."""
+        answer, 400 and the connection closed, in the API's error shape rather than plain text. Where its
+        headers were read and its body could not be (a bad chunk), the request's guard counts and logs it as
+        this 400 (`MALFORMED`), and the answer carries its request id; else it is logged here."""
         if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):  # an answer has begun: no other can be sent
             self.transport.close()
             return
+        cycle = self.cycle if self.cycle is not None and not self.cycle.response_complete else None
+        request_id = request_id_of(cycle.scope) if cycle is not None else None  # type: ignore[arg-type]  # a dict
+        if cycle is not None:
+            cycle.scope[MALFORMED] = True  # type: ignore[literal-required]  # our key in the ASGI scope
+        else:
+            log.info("a request from %s is not valid HTTP/1.1: answered 400, the connection closed", self.client)
         message = "the request is not valid HTTP/1.1: its request line, headers or body framing could not be read"
-        self.transport.write(_raw_response(400, "Bad Request", error_body(400, message)))  # then closed: h11 is done
+        # then closed: h11 is done
+        self.transport.write(_raw_response(400, "Bad Request", error_body(400, message), request_id))
         self.transport.close()
 
     def _watch_headers(self) -> None:

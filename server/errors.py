@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from model.generate import ContextLengthError, GenerationError
 from model.hooks import UnknownHookError
 from model.interventions import InterventionError
+from model.json_file import clip
 
 from .engine import EngineStopped, QueueFull
 from .json_body import DuplicateKeyError
@@ -108,7 +109,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        loc = _path(first)
         if first.get("type") == "json_invalid":
             return error_response(
                 400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": ")
@@ -144,12 +145,18 @@ def validation_message(errors: Sequence[Any]) -> tuple[str, str]:
     of a union it came closest to (`_union_error`), in a validator's own words. Also the command line's, for
     an edit given as JSON (`--steer`)."""
     first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    loc = _path(first)
     union = _union_error(errors)
     if union is not None:
         return union, loc[0]
     message = _past_float(first) or str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     return (f"{'.'.join(loc)}: {message}" if loc else message), (loc[0] if loc else "body")
+
+
+def _path(error: Any) -> list[str]:
+    """Where in the body a validation error is, each part cut to a message's length: an unknown field's name is
+    the client's, and can be megabytes long."""
+    return [clip(str(part), str) for part in error.get("loc", ()) if part != "body"]
 
 
 def _past_float(error: Any) -> str | None:
@@ -166,7 +173,7 @@ def _union_error(errors: Sequence[Any]) -> str | None:
     `prompt.list[int].0`): for an object given where objects are among the forms, the first error of the
     object form it came closest to (`direction.feature: Field required`); else the forms it fits none of.
     None where the first error is not in a union."""
-    paths = [[str(part) for part in error.get("loc", ()) if part != "body"] for error in errors]
+    paths = [_path(error) for error in errors]
     first = paths[0]
     for i in range(1, len(first)):
         under = [(p, e) for p, e in zip(paths, errors, strict=True) if len(p) > i and p[:i] == first[:i]]

@@ -52,6 +52,24 @@ CLOSE = "gpt2.close"
 # cancellation), and the guard answers it 503 in the API's shape rather than let uvicorn answer a bare 500.
 DRAINING = "gpt2.draining"
 DRAINED = "the server is shutting down, and the request did not finish within its drain timeout (--drain-timeout)"
+# A scope key it sets on a request whose body h11 could not read (a bad chunk size, a chunk shorter than it
+# said): it answered 400 itself and closed the connection, so the guard, which then sees the client gone, counts
+# and logs the request as that 400, not as a 499.
+MALFORMED = "gpt2.malformed"
+
+
+def request_id_of(scope: Scope) -> str:
+    """The request's id: its X-Request-Id where that is printable ASCII of up to 128 characters, else a new
+    one. Made once and kept in the scope's state: the connection layer can need it first, for an answer it
+    writes itself (a body h11 cannot read, `MALFORMED`), before the guard has run."""
+    state = scope.setdefault("state", {})
+    if "request_id" not in state:
+        given = ""
+        for key, value in scope["headers"]:  # the last, as a dict of the headers keeps it
+            if key.lower() == b"x-request-id":
+                given = value.decode("latin-1")
+        state["request_id"] = given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+    return str(state["request_id"])
 
 
 def origin_form(scope: Scope) -> None:
@@ -155,9 +173,7 @@ class RequestGuard:
         # what the request was sent to, for the metrics, kept as it came (a Mount rewrites its scope's root_path)
         target = {key: scope[key] for key in ("type", "method", "path", "root_path") if key in scope}
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        given = headers.get("x-request-id", "")
-        request_id = given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
+        request_id = request_id_of(scope)
         status = 500
         started = False
         task = asyncio.current_task()
@@ -185,6 +201,9 @@ class RequestGuard:
             if rejection is None:
                 try:
                     receive, rejection = await self._bounded_body(headers, receive)
+                    if scope.get(MALFORMED):
+                        status = 400
+                        return
                 except asyncio.CancelledError:  # the host gave the request up while its body came (Ray Serve)
                     status = 499
                     raise

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 import socket
 import sys
@@ -333,6 +334,45 @@ def test_a_request_that_is_not_http_is_a_400_in_the_apis_shape(strict: Running, 
     assert status == 400 and headers["content-type"] == "application/json" and headers["connection"] == "close"
     assert body["error"]["type"] == "invalid_request_error" and "not valid HTTP/1.1" in body["error"]["message"]
     assert_good_request(strict)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"zz\r\n{}\r\n0\r\n\r\n", b"2\r\n{}}}\r\n0\r\n\r\n"],
+    ids=["bad chunk size", "chunk longer than it said"],
+)
+def test_a_body_that_is_not_http_is_counted_and_logged_as_its_400(
+    loaded: LoadedModel, body: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Headers h11 read, then a body it cannot: the 400 carries the request's id, and the log and the metrics
+    say 400 (the connection layer answers it and closes, so the request's guard sees its client gone: a 499
+    before). A request line h11 cannot read is logged once, at info, with the client's address (uvicorn's
+    warning, one a request and without the address, at debug)."""
+    warned: list[logging.LogRecord] = []
+    uvicorn_log = logging.getLogger("uvicorn.error")  # (it does not propagate to caplog's handler)
+    catch = logging.Handler(logging.WARNING)
+    catch.emit = warned.append  # type: ignore[method-assign]
+    uvicorn_log.addHandler(catch)
+    try:
+        with running(loaded) as r, caplog.at_level("INFO"):
+            with r.connect() as sock:
+                head = b"POST /tokenize HTTP/1.1\r\nHost: x\r\nX-Request-Id: chunky-1\r\n"
+                head += b"Transfer-Encoding: chunked\r\n\r\n"
+                sock.sendall(head + body)
+                status, headers, _ = parse(read_until_closed(sock))
+            assert status == 400 and headers["x-request-id"] == "chunky-1", headers
+            counted = 'gpt2_requests_total{route="/tokenize",status="400"} 1.0'
+            wait_until(lambda: counted in httpx.get(r.url + "/metrics", timeout=GUARD).text, timeout=GUARD)
+            assert 'status="499"' not in httpx.get(r.url + "/metrics", timeout=GUARD).text
+            assert any('"request_id": "chunky-1"' in m and '"status": 400' in m for m in caplog.messages), caplog.text
+            with r.connect() as sock:
+                sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+                assert parse(read_until_closed(sock))[0] == 400
+            wait_until(lambda: "is not valid HTTP/1.1: answered 400" in caplog.text, timeout=GUARD)
+            assert_good_request(r)
+    finally:
+        uvicorn_log.removeHandler(catch)
+    assert not [rec.getMessage() for rec in warned if "Invalid HTTP request" in rec.getMessage()]
 
 
 def test_a_partial_request_pipelined_behind_a_whole_one_is_a_408(strict: Running) -> None:

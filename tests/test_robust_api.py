@@ -540,3 +540,19 @@ def test_a_request_its_host_gives_up_is_a_499_not_an_internal_error(
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
     starts = [m["status"] for m in sent if m["type"] == "http.response.start"]
     assert starts == ([200] if when == "mid-stream" else [] if how == "cancelled" else [499]), sent
+
+
+@pytest.mark.parametrize("path", [GEN, TOKENIZE, NEXT])  # (/v1/completions ignores unknown fields, as OpenAI does)
+def test_an_unknown_fields_name_is_clipped_in_its_error(client: TestClient, path: str) -> None:
+    """A field the API does not take is named in the 400, cut to a message's length (a megabyte-long name was
+    echoed whole, in the message and in `param`), at the top level and nested."""
+    long = "k" * 60_000  # under the body cap the tests serve with (64 KiB)
+    for body, field in (({"prompt": "hi", long: 1}, long), ({"prompt": "hi", "residual": {long: 1}}, "residual")):
+        if path == TOKENIZE and field == "residual":
+            continue  # no residual field on these routes
+        answer = client.post(path, content=as_json(body), headers={"content-type": "application/json"})
+        error = answer.json()["error"]
+        assert answer.status_code == 400 and len(answer.content) < 2000, (answer.status_code, len(answer.content))
+        assert "Extra inputs are not permitted" in error["message"] and "kkkk..." in error["message"], error
+        assert error["param"] == (field if field == "residual" else "k" * 100 + "...")
+    assert_still_serving(client)
