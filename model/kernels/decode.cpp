@@ -172,7 +172,9 @@ inline int64_t head_offset(const Cache& cache, int64_t layer, int64_t row, int64
 }
 
 // One query (token t, head h, at position p) over keys 0..p of its row: scores, softmax, the weighted sum of
-// the values, into z's row t.
+// the values, into z's row t. Where torch's softmax is NaN (a score NaN or +inf, every score -inf: scores
+// out of float32's range), so is the output, as in the eager pass (exp's clamp would make a plain average of
+// the values of it), and the logits' check then refuses the step.
 void attend_one(const float* qkv, int64_t C, int64_t h, int64_t t, int64_t p, const float* keys, const float* values,
                 int64_t D, float scale, float* z, std::vector<float>& weights) {
   const float* q = qkv + t * 3 * C + h * D;  // [D]
@@ -181,14 +183,22 @@ void attend_one(const float* qkv, int64_t C, int64_t h, int64_t t, int64_t p, co
   fetch_run(values, values + n * D, kKVAhead);  // the values' first lines, while the scores run
   fetch_run(keys, keys + n * D, kKVAhead);
   scores(q, keys, n, D, scale, weights.data());
-  float best = -FLT_MAX;
-  for (int64_t s = 0; s < n; ++s) best = weights[s] > best ? weights[s] : best;
+  float best = -INFINITY;
+  bool broken = false;
+  for (int64_t s = 0; s < n; ++s) {
+    broken |= !(weights[s] <= FLT_MAX);  // NaN or +inf
+    best = weights[s] > best ? weights[s] : best;
+  }
+  float* out = z + t * C + h * D;  // [D]
+  if (broken || best == -INFINITY) {
+    std::fill(out, out + D, NAN);
+    return;
+  }
   const __m256 top = _mm256_set1_ps(best);
   for (int64_t s = 0; s < n; s += 8)  // softmax, unnormalised (what it makes of the padding is not used)
     _mm256_storeu_ps(&weights[s], gpt2::exp8(_mm256_sub_ps(_mm256_loadu_ps(&weights[s]), top)));
   float total = 0;
   for (int64_t s = 0; s < n; ++s) total += weights[s];
-  float* out = z + t * C + h * D;  // [D]
   int64_t d = 0;
   for (; d + 64 <= D; d += 64) weighted_sum<8>(weights.data(), values, n, D, d, out);
   for (; d + 8 <= D; d += 8) weighted_sum<1>(weights.data(), values, n, D, d, out);
@@ -227,6 +237,7 @@ inline void block_scores(const float* qt, const float* k, Lanes::V scale, float*
 // order: the two agree to float32 rounding). Measured on a 2-core Zen 5 host, gpt2-small, 2 threads, a pass
 // of a 64-token chunk alone (median, A/B in one process): at positions 0-63 31.9 -> 30.8 ms, 200-263 47.2 ->
 // 41.3, 600-663 45.1 -> 34.4 (its attention about 3.5x faster); with 16 decode rows beside it 56.1 -> 53.1.
+// A query whose softmax torch makes NaN gives NaN, as attend_one's.
 void attend_block(const float* qkv, int64_t C, int64_t h, int64_t t0, int64_t Tq, int64_t p0, const float* keys,
                   const float* values, float scale, float* z, std::vector<float>& buffer) {
   constexpr int64_t D = kBlockD, DV = D / kL;
@@ -242,9 +253,17 @@ void attend_block(const float* qkv, int64_t C, int64_t h, int64_t t0, int64_t Tq
   for (; s + 8 <= n; s += 8) block_scores<8>(qt, keys + s * D, sv, st + s * kL);
   for (; s < n; ++s) block_scores<1>(qt, keys + s * D, sv, st + s * kL);
   for (s = p0 + 1; s < n; ++s)  // query i (position p0 + i) sees keys up to p0 + i
-    for (int64_t i = 0; i < s - p0; ++i) st[s * kL + i] = -FLT_MAX;
-  Lanes::V top = Lanes::load(st);
-  for (s = 1; s < n; ++s) top = Lanes::max(top, Lanes::load(st + s * kL));
+    for (int64_t i = 0; i < s - p0; ++i) st[s * kL + i] = -INFINITY;
+  Lanes::V top = Lanes::set1(-INFINITY);
+  int broken = 0;  // the queries with a score NaN or +inf, or (below) every score they see -inf, as bits
+  for (s = 0; s < n; ++s) {
+    const Lanes::V v = Lanes::load(st + s * kL);
+    top = Lanes::max(top, v);
+    broken |= Lanes::above(v, FLT_MAX);
+  }
+  alignas(64) float tops[kL];
+  Lanes::store(tops, top);
+  for (int64_t i = 0; i < Tq; ++i) broken |= (tops[i] == -INFINITY) << i;
   for (s = 0; s < n; ++s)  // softmax, unnormalised; the masked keys' weights exactly 0
     Lanes::store(st + s * kL, Lanes::exp(Lanes::sub(Lanes::load(st + s * kL), top)));
   for (s = p0 + 1; s < n; ++s)
@@ -267,7 +286,7 @@ void attend_block(const float* qkv, int64_t C, int64_t h, int64_t t0, int64_t Tq
       }
     }
     for (int g = 0; g < G && i0 + g < Tq; ++g) {
-      const Lanes::V inv = Lanes::set1(1.0f / totals[i0 + g]);
+      const Lanes::V inv = Lanes::set1((broken >> (i0 + g)) & 1 ? NAN : 1.0f / totals[i0 + g]);
       float* out = z + (t0 + i0 + g) * C + h * D;
       for (int v = 0; v < DV; ++v) Lanes::store_first(out + v * kL, kL, Lanes::mul(acc[g][v], inv));
     }

@@ -406,6 +406,7 @@ struct Lanes {  // a vector of 16 float32 lanes
   static inline V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static inline V sub(V a, V b) { return _mm512_sub_ps(a, b); }
   static inline V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static inline int above(V a, float s) { return _mm512_cmp_ps_mask(a, _mm512_set1_ps(s), _CMP_NLE_UQ); }  // or NaN
   static inline V exp(V x) { return exp16(x); }
   static inline __mmask16 first(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
   static inline V load_first(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(first(n), p); }  // rest 0
@@ -451,6 +452,9 @@ struct Lanes {  // a vector of 8 float32 lanes
   static inline V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static inline V sub(V a, V b) { return _mm256_sub_ps(a, b); }
   static inline V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static inline int above(V a, float s) {  // the lanes where a > s or a is NaN, as bits
+    return _mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_set1_ps(s), _CMP_NLE_UQ));
+  }
   static inline V exp(V x) { return exp8(x); }
   static inline __m256i first(int64_t n) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
