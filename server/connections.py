@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .errors import error_body
-from .middleware import CLOSE, DRAINING, MALFORMED, REFUSAL, app_path, origin_form, request_id_of
+from .middleware import CLOSE, CUT, DRAINING, MALFORMED, REFUSAL, app_path, origin_form, request_id_of
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -148,6 +148,7 @@ class _BoundedH11Protocol(H11Protocol):
         self._write_timer: asyncio.TimerHandle | None = None
         self._drain_timer: asyncio.TimerHandle | None = None
         self._taken: tuple[int, int | None] = (0, None)  # the write deadline's last look (`_progress`)
+        self._dropped = False  # by the write deadline
         self._order = next(_ACCEPTED)
         self.limit_concurrency = None  # the cap is checked below, answered in the API's error shape
         self._app = self.app
@@ -193,6 +194,9 @@ class _BoundedH11Protocol(H11Protocol):
         self._watch_headers()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        cycle = self.cycle
+        if cycle is not None and cycle.response_started and not cycle.response_complete:  # its answer cut (`CUT`)
+            cycle.scope[CUT] = "write_timeout" if self._dropped else "client_left"  # type: ignore[literal-required]
         self._stop_header_timer()
         self._stop_write_timer()
         if self._drain_timer is not None:
@@ -281,6 +285,7 @@ class _BoundedH11Protocol(H11Protocol):
             self.client,
             self.write_timeout,
         )
+        self._dropped = True
         self.transport.abort()  # its buffer goes, unsent; the app's waiting sends return (the client is gone)
 
     def send_400_response(self, msg: str) -> None:

@@ -12,6 +12,14 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("gpt2_requests", "HTTP requests by route and status", ["route", "status"], registry=r)
+        self.answers_cut = Counter(
+            "gpt2_answers_cut",
+            "Answers cut short after they began (gpt2_requests counts them under the status they were sent with), "
+            "by route and reason: client_left, write_timeout (the client took none of it in --write-timeout and was "
+            "dropped) or drain (the shutdown's --drain-timeout ran out)",
+            ["route", "reason"],
+            registry=r,
+        )
         self.tokens_generated = Counter("gpt2_tokens_generated", "Tokens generated", registry=r)
         self.prompt_tokens_shared = Counter(
             "gpt2_prompt_tokens_shared",

@@ -56,6 +56,11 @@ DRAINED = "the server is shutting down, and the request did not finish within it
 # said): it answered 400 itself and closed the connection, so the guard, which then sees the client gone, counts
 # and logs the request as that 400, not as a 499.
 MALFORMED = "gpt2.malformed"
+# A scope key it sets when a request's connection is lost after its answer began and before it ended, with why:
+# "client_left", or "write_timeout" (it dropped a client that took none of the answer in `--write-timeout`).
+# Such an answer keeps the status it was sent with; the guard logs it with `"cut": why` and counts it in
+# gpt2_answers_cut_total (where a host cancels the request, "client_left"; the shutdown's drain, "drain").
+CUT = "gpt2.cut"
 
 
 def request_id_of(scope: Scope) -> str:
@@ -219,9 +224,13 @@ class RequestGuard:
                     await self.app(scope, receive, send_with_id)
                 except asyncio.CancelledError:  # the host gave the request up (Ray Serve: its client left)
                     status = status if started else 499
+                    if started:
+                        scope.setdefault(CUT, "client_left")
                     raise
                 except self.client_gone:  # no one reads the answer (the 499 that says so), nor a stream's end
-                    if not started:
+                    if started:
+                        scope.setdefault(CUT, "client_left")
+                    else:
                         gone = error_response(499, GONE)
                         with contextlib.suppress(Exception):
                             await gone(scope, receive, send_with_id)
@@ -236,13 +245,16 @@ class RequestGuard:
             if not scope.get(DRAINING):
                 raise
             log.warning("request %s: cut by the shutdown at the end of its drain timeout", request_id)
-            if not started:  # a stream already under way is cut (its connection closes, no end marker)
+            if started:  # a stream already under way is cut (its connection closes, no end marker)
+                scope[CUT] = "drain"
+            else:
                 drained = error_response(503, DRAINED, headers={"Connection": "close"})
                 with contextlib.suppress(Exception):
                     await drained(scope, receive, send_with_id)
         finally:
             self.in_flight.discard(task)
-            self.metrics.requests.labels(route=self._route(scope.get("route"), target), status=str(status)).inc()
+            route = self._route(scope.get("route"), target)
+            self.metrics.requests.labels(route=route, status=str(status)).inc()
             line: dict[str, Any] = {
                 "request_id": request_id,
                 "method": scope["method"],
@@ -250,6 +262,10 @@ class RequestGuard:
                 "status": status,
                 "duration_ms": round((time.perf_counter() - start) * 1000, 1),
             }
+            cut = scope.get(CUT)  # (one cut before it began is answered with a status that says so: 499, 503)
+            if cut is not None:
+                line["cut"] = cut
+                self.metrics.answers_cut.labels(route=route, reason=cut).inc()
             log.info(json.dumps(line))
 
     def _route(self, route: BaseRoute | None, target: Scope) -> str:

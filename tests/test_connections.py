@@ -515,7 +515,7 @@ def test_a_client_that_reads_none_of_its_answer_holds_its_dump_until_it_is_dropp
     its answer, a slice at a time, so its reservation stays in the dump budget (sent whole, the answer sat in
     the send buffer outside the budget, the request long over, for as long as the client stayed); once the
     send buffer has been full for `--write-timeout` (3 s here) the connection is dropped, the answer unsent,
-    and the reservation given back. The server serves on."""
+    and the reservation given back; the answer is counted as cut by the write timeout. The server serves on."""
     with running(loaded, write_timeout=3.0, max_activation_bytes=64 * 2**20) as r:
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
@@ -539,6 +539,10 @@ def test_a_client_that_reads_none_of_its_answer_holds_its_dump_until_it_is_dropp
         length = int(re.search(rb"content-length: (\d+)", head_bytes, re.I).group(1))  # type: ignore[union-attr]
         assert length > 20_000_000 and len(received) < length  # dropped before the answer was all sent
         assert_good_request(r)
+        metrics = httpx.get(r.url + "/metrics", timeout=GUARD).text
+        assert 'gpt2_answers_cut_total{reason="write_timeout",route="/v1/activations"} 1.0' in metrics, metrics
+        assert 'gpt2_requests_total{route="/v1/activations",status="200"} 1.0' in metrics  # as it was sent
+        assert 'route="/v1/generate"} ' not in metrics.split("gpt2_answers_cut_total", 1)[1].split("# HELP")[0]
 
 
 def test_a_client_that_leaves_during_its_answer_is_sent_no_more(
@@ -547,8 +551,9 @@ def test_a_client_that_leaves_during_its_answer_is_sent_no_more(
     """A 20 MB dump to a client that reads its first piece and resets the connection: the rest is not pushed
     into the closed connection a slice after another (asyncio logged "socket.send() raised exception." for
     each of about a hundred slices, all in one turn of the event loop, before uvicorn could see the client
-    gone). Nothing is logged, the dump budget is given back, and the server serves on."""
-    with running(loaded, max_activation_bytes=64 * 2**20) as r:
+    gone). Nothing is logged but the answers, each cut by its client leaving, the dump budget is given back,
+    and the server serves on."""
+    with running(loaded, max_activation_bytes=64 * 2**20) as r, caplog.at_level("INFO", logger="server.access"):
         for _ in range(3):
             sock = socket.create_connection((r.host, r.port), timeout=GUARD)
             body = json.dumps({"input_ids": list(range(100)), "activations": {"hooks": ["logits"]}}).encode()
@@ -561,8 +566,14 @@ def test_a_client_that_leaves_during_its_answer_is_sent_no_more(
             sock.close()  # a reset
             wait_until(lambda: in_flight(r) == 0, timeout=GUARD)
         assert_good_request(r)
+        counted = 'gpt2_answers_cut_total{reason="client_left",route="/v1/activations"} 3.0'
+        wait_until(lambda: counted in httpx.get(r.url + "/metrics", timeout=GUARD).text, timeout=GUARD)
     sent_to_nobody = [rec.getMessage() for rec in caplog.records if "socket.send() raised" in rec.getMessage()]
     assert sent_to_nobody == []
+    cut = [json.loads(m) for m in caplog.messages if m.startswith("{") and '"cut"' in m]
+    assert [(line["path"], line["status"], line["cut"]) for line in cut] == 3 * [
+        ("/v1/activations", 200, "client_left")
+    ]
 
 
 def test_a_client_that_leaves_during_its_body_is_a_499(loaded: LoadedModel) -> None:

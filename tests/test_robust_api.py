@@ -503,7 +503,8 @@ def test_a_request_its_host_gives_up_is_a_499_not_an_internal_error(
 ) -> None:
     """Ray Serve cancels the handler of a request whose client left (asyncio's CancelledError), or raises its
     TaskCancelledError into it (`create_app(client_gone=...)`): the access log and the metrics say 499 (the
-    stream's 200 where it had begun), not 500, and nothing is logged as an internal error."""
+    stream's 200 where it had begun, counted as cut by its client leaving), not 500, and nothing is logged as
+    an internal error."""
     from server.metrics import Metrics
     from server.middleware import RequestGuard
 
@@ -536,10 +537,41 @@ def test_a_request_its_host_gives_up_is_a_499_not_an_internal_error(
         asyncio.run(run())
     status = 200 if when == "mid-stream" else 499
     assert metrics.registry.get_sample_value("gpt2_requests_total", {"route": "unmatched", "status": str(status)}) == 1
+    cut = metrics.registry.get_sample_value("gpt2_answers_cut_total", {"route": "unmatched", "reason": "client_left"})
+    assert cut == (1 if when == "mid-stream" else None)
     assert f'"status": {status}' in caplog.text and "internal error" not in caplog.text, caplog.text
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
     starts = [m["status"] for m in sent if m["type"] == "http.response.start"]
     assert starts == ([200] if when == "mid-stream" else [] if how == "cancelled" else [499]), sent
+
+
+def test_a_stream_the_drain_cuts_is_logged_and_counted_as_cut(caplog: pytest.LogCaptureFixture) -> None:
+    """A stream under way when the shutdown's drain timeout runs out (uvicorn cancels its task, the request
+    marked `DRAINING`): its 200 stands, and the log and gpt2_answers_cut_total say it was cut by the drain."""
+    from server.metrics import Metrics
+    from server.middleware import DRAINING, RequestGuard
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        scope[DRAINING] = True  # as the connection layer marks it when the shutdown begins
+        raise asyncio.CancelledError()
+
+    metrics = Metrics()
+    guard = RequestGuard(app, api_key=None, max_body_bytes=1024, metrics=metrics)
+    scope = {"type": "http", "method": "POST", "path": "/v1/generate", "headers": [], "query_string": b""}
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    with caplog.at_level("INFO"):
+        asyncio.run(guard(scope, receive, send))  # the cancellation ends in the guard, as the drain's does
+    assert metrics.registry.get_sample_value("gpt2_requests_total", {"route": "unmatched", "status": "200"}) == 1
+    assert metrics.registry.get_sample_value("gpt2_answers_cut_total", {"route": "unmatched", "reason": "drain"}) == 1
+    assert '"status": 200' in caplog.text and '"cut": "drain"' in caplog.text, caplog.text
 
 
 @pytest.mark.parametrize("path", [GEN, TOKENIZE, NEXT])  # (/v1/completions ignores unknown fields, as OpenAI does)
