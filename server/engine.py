@@ -372,6 +372,7 @@ class Engine:
                         admitted.append(self._waiting.popleft())  # a request cancelled by now left the queue
                     self._admitting = len(admitted)  # neither waiting nor in the batch until `_admit`
                     self.metrics.queue_depth.set(len(self._waiting))
+                    self.metrics.running.set(self._active() + len(admitted))  # theirs, from now (a job may run first)
                 if job is not None:
                     self._run_job(job)
                     job = None  # what it holds (a gradient's graph) is not kept while the engine waits

@@ -101,6 +101,37 @@ def test_running_sequences_gauge(loaded: LoadedModel) -> None:
     run(main())
 
 
+def test_sequences_taken_from_the_queue_count_as_running_while_a_job_runs(loaded: LoadedModel) -> None:
+    """The engine takes waiting sequences into the batch's slots, then runs a job before their first step: they
+    count in `gpt2_running_sequences` from then on (they were in neither gauge while the job ran)."""
+
+    def gauge(engine: Engine, name: str) -> float | None:
+        return engine.metrics.registry.get_sample_value(name)
+
+    async def main() -> None:
+        with running(loaded, max_batch_size=4) as engine:
+            started, release = threading.Event(), threading.Event()
+
+            def hold(_: Any) -> str:
+                started.set()
+                release.wait(30)
+                return "held"
+
+            async with held(engine):
+                streams = engine.submit([[464], [464, 318]], [greedy_params(2)] * 2)
+                second = asyncio.ensure_future(engine.call(hold))  # run next, after the two are taken
+                await wait_for(lambda: len(engine._jobs) == 1)
+            await wait_for(started.is_set)
+            assert (gauge(engine, "gpt2_queue_depth"), gauge(engine, "gpt2_running_sequences")) == (0, 2)
+            release.set()
+            assert await second == "held"
+            for stream in streams:
+                assert len((await stream.result()).token_ids) == 2
+            await wait_for(lambda: gauge(engine, "gpt2_running_sequences") == 0)
+
+    run(main())
+
+
 def test_request_joins_at_the_next_step(loaded: LoadedModel) -> None:
     """A short request submitted while a long one decodes is served beside it and finishes first."""
     long_prompt, short_prompt = [464], loaded.tokenizer.encode("The quick brown fox")
