@@ -123,6 +123,7 @@ class _QuieterLog(logging.LoggerAdapter):
         return getattr(self.logger, name)
 
     def warning(self, msg: object, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("stacklevel", 2)  # the record names uvicorn's line, not this one
         if msg == INVALID_REQUEST:
             self.debug(msg, *args, **kwargs)
         else:

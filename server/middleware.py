@@ -206,9 +206,6 @@ class RequestGuard:
             if rejection is None:
                 try:
                     receive, rejection = await self._bounded_body(headers, receive)
-                    if scope.get(MALFORMED):
-                        status = 400
-                        return
                 except asyncio.CancelledError:  # the host gave the request up while its body came (Ray Serve)
                     status = 499
                     raise
@@ -253,6 +250,8 @@ class RequestGuard:
                     await drained(scope, receive, send_with_id)
         finally:
             self.in_flight.discard(task)
+            if scope.get(MALFORMED):  # answered 400 by the connection layer, whatever was sent after it
+                status = 400
             route = self._route(scope.get("route"), target)
             self.metrics.requests.labels(route=route, status=str(status)).inc()
             line: dict[str, Any] = {

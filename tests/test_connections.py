@@ -92,9 +92,9 @@ def parse(raw: bytes) -> tuple[int, dict[str, str], Any]:
     return int(status_line.split()[1]), headers, json.loads(body)
 
 
-def assert_good_request(r: Running) -> None:
+def assert_good_request(r: Running, headers: dict[str, str] | None = None) -> None:
     body = {"input_ids": [464, 3797], "max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
-    answer = httpx.post(r.url + GEN, json=body, timeout=GUARD)
+    answer = httpx.post(r.url + GEN, json=body, headers=headers, timeout=GUARD)
     assert answer.status_code == 200, answer.text
     assert len(answer.json()["choices"][0]["token_ids"]) == 2
 
@@ -341,20 +341,23 @@ def test_a_request_that_is_not_http_is_a_400_in_the_apis_shape(strict: Running, 
     [b"zz\r\n{}\r\n0\r\n\r\n", b"2\r\n{}}}\r\n0\r\n\r\n"],
     ids=["bad chunk size", "chunk longer than it said"],
 )
+@pytest.mark.parametrize("api_key", [None, "k"], ids=["open", "refused for its key too"])
 def test_a_body_that_is_not_http_is_counted_and_logged_as_its_400(
-    loaded: LoadedModel, body: bytes, caplog: pytest.LogCaptureFixture
+    loaded: LoadedModel, body: bytes, api_key: str | None, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Headers h11 read, then a body it cannot: the 400 carries the request's id, and the log and the metrics
     say 400 (the connection layer answers it and closes, so the request's guard sees its client gone: a 499
     before). A request line h11 cannot read is logged once, at info, with the client's address (uvicorn's
-    warning, one a request and without the address, at debug)."""
+    warning, one a request and without the address, at debug). So too where the guard would have refused it
+    before reading its body (a 401, the bad chunk come with the headers): the client was sent the 400."""
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     warned: list[logging.LogRecord] = []
     uvicorn_log = logging.getLogger("uvicorn.error")  # (it does not propagate to caplog's handler)
     catch = logging.Handler(logging.WARNING)
     catch.emit = warned.append  # type: ignore[method-assign]
     uvicorn_log.addHandler(catch)
     try:
-        with running(loaded) as r, caplog.at_level("INFO"):
+        with running(loaded, api_key=api_key) as r, caplog.at_level("INFO"):
             with r.connect() as sock:
                 head = b"POST /tokenize HTTP/1.1\r\nHost: x\r\nX-Request-Id: chunky-1\r\n"
                 head += b"Transfer-Encoding: chunked\r\n\r\n"
@@ -362,14 +365,15 @@ def test_a_body_that_is_not_http_is_counted_and_logged_as_its_400(
                 status, headers, _ = parse(read_until_closed(sock))
             assert status == 400 and headers["x-request-id"] == "chunky-1", headers
             counted = 'gpt2_requests_total{route="/tokenize",status="400"} 1.0'
-            wait_until(lambda: counted in httpx.get(r.url + "/metrics", timeout=GUARD).text, timeout=GUARD)
-            assert 'status="499"' not in httpx.get(r.url + "/metrics", timeout=GUARD).text
+            metrics = lambda: httpx.get(r.url + "/metrics", headers=auth, timeout=GUARD).text  # noqa: E731
+            wait_until(lambda: counted in metrics(), timeout=GUARD)
+            assert 'status="499"' not in metrics() and 'status="401"' not in metrics()
             assert any('"request_id": "chunky-1"' in m and '"status": 400' in m for m in caplog.messages), caplog.text
             with r.connect() as sock:
                 sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
                 assert parse(read_until_closed(sock))[0] == 400
             wait_until(lambda: "is not valid HTTP/1.1: answered 400" in caplog.text, timeout=GUARD)
-            assert_good_request(r)
+            assert_good_request(r, auth)
     finally:
         uvicorn_log.removeHandler(catch)
     assert not [rec.getMessage() for rec in warned if "Invalid HTTP request" in rec.getMessage()]

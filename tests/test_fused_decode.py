@@ -210,17 +210,23 @@ def test_every_query_of_a_chunk_attends_as_eager(d_head: int, tmp_path: Path) ->
 
 
 @needs_kernels
-def test_scores_beyond_float32_give_nan_as_torchs_softmax(tmp_path: Path) -> None:
+@pytest.mark.parametrize("case", ["NaN and inf", "all -inf"])
+def test_scores_beyond_float32_give_nan_as_torchs_softmax(tmp_path: Path, case: str) -> None:
     """Query and key weights so large that the attention scores leave float32's range (NaN and inf): torch's
     softmax, and transformers' logits, are NaN, and so are the fused pass's, for a decode token (attend_one)
     and a chunk's queries (attend_block), so that generation stops with its error instead of going on with the
-    plain average of the values that exp's clamp made of them."""
+    plain average of the values that exp's clamp made of them. (torch's fused attention, the eager pass's
+    without hooks, gives finite values there: 0 where every score is -inf.)"""
     ck = make_checkpoint(tmp_path, n_layer=1, n_head=2, n_embd=128, n_positions=64)  # d_head 64: the blocks
     model = load_ours(ck)
-    with torch.no_grad():
-        for weight in (model.h[0].attn.c_attn.weight, ck.hf.transformer.h[0].attn.c_attn.weight):
-            weight[:, : 2 * 128] *= 1e20  # [in, 3C]: the columns of Q and K
     prompts = prompts_of([7, 20])
+    for attn in (model.h[0].attn.c_attn, ck.hf.transformer.h[0].attn.c_attn):
+        with torch.no_grad():
+            if case == "NaN and inf":
+                attn.weight[:, : 2 * 128] *= 1e20  # [in, 3C]: the columns of Q and K
+            else:  # every score -inf: queries of 1e20, keys of -1e20, whatever the input
+                attn.weight[:, : 2 * 128] = 0
+                attn.bias[:128], attn.bias[128 : 2 * 128] = 1e20, -1e20
     assert ck.hf(torch.tensor([prompts[0]])).logits.isnan().all()
     with torch.inference_mode():
         cache = prefilled(model, [prompts[0][:6], prompts[1][:2]], max_len=64)

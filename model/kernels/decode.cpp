@@ -173,8 +173,9 @@ inline int64_t head_offset(const Cache& cache, int64_t layer, int64_t row, int64
 
 // One query (token t, head h, at position p) over keys 0..p of its row: scores, softmax, the weighted sum of
 // the values, into z's row t. Where torch's softmax is NaN (a score NaN or +inf, every score -inf: scores
-// out of float32's range), so is the output, as in the eager pass (exp's clamp would make a plain average of
-// the values of it), and the logits' check then refuses the step.
+// out of float32's range), so is the output, as transformers' is (exp's clamp would make a plain average of
+// the values of it), and the logits' check then refuses the step. (torch's fused CPU attention, which the
+// eager pass takes where no hook reads the pattern, gives finite values there: 0 where every score is -inf.)
 void attend_one(const float* qkv, int64_t C, int64_t h, int64_t t, int64_t p, const float* keys, const float* values,
                 int64_t D, float scale, float* z, std::vector<float>& weights) {
   const float* q = qkv + t * 3 * C + h * D;  // [D]
