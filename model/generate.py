@@ -5,8 +5,8 @@ token per step, in the same forward passes as the prompts of rows that joined la
 leaves the batch. Every sequence keeps its own sampling settings and random generator, so a row's tokens
 do not depend on what else is in the batch, up to the last bits of float32's products, which sum in another
 order for another number of rows (README, "Concurrency": a greedy token then changes only at a near tie, a
-seeded sample where its draw falls within about 1e-6 of the edge between two tokens). Iterating a `Generation` yields a `TokenEvent` per token as
-it is produced; `generate` runs one to the end.
+seeded sample where its draw falls within about 1e-6 of the edge between two tokens). Iterating a
+`Generation` yields a `TokenEvent` per token as it is produced; `generate` runs one to the end.
 """
 
 from __future__ import annotations

@@ -304,9 +304,8 @@ class _BoundedH11Protocol(H11Protocol):
         else:
             log.info("a request from %s is not valid HTTP/1.1: answered 400, the connection closed", self.client)
         message = "the request is not valid HTTP/1.1: its request line, headers or body framing could not be read"
-        # then closed: h11 is done
         self.transport.write(_raw_response(400, "Bad Request", error_body(400, message), request_id))
-        self.transport.close()
+        self.transport.close()  # h11 is done with the connection
 
     def _watch_headers(self) -> None:
         """Waiting for a request's headers (h11's client side is IDLE until they are complete): the timer

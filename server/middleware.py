@@ -52,9 +52,9 @@ CLOSE = "gpt2.close"
 # cancellation), and the guard answers it 503 in the API's shape rather than let uvicorn answer a bare 500.
 DRAINING = "gpt2.draining"
 DRAINED = "the server is shutting down, and the request did not finish within its drain timeout (--drain-timeout)"
-# A scope key it sets on a request whose body h11 could not read (a bad chunk size, a chunk shorter than it
-# said): it answered 400 itself and closed the connection, so the guard, which then sees the client gone, counts
-# and logs the request as that 400, not as a 499.
+# A scope key it sets on a request whose body h11 could not read (a bad chunk size, a chunk longer than it
+# said): it answered 400 itself and closed the connection, so the guard, which then sees the client gone (or
+# refuses the request unread, a 401), counts and logs the request as that 400.
 MALFORMED = "gpt2.malformed"
 # A scope key it sets when a request's connection is lost after its answer began and before it ended, with why:
 # "client_left", or "write_timeout" (it dropped a client that took none of the answer in `--write-timeout`).
