@@ -549,6 +549,39 @@ def test_a_client_that_reads_none_of_its_answer_holds_its_dump_until_it_is_dropp
         assert 'route="/v1/generate"} ' not in metrics.split("gpt2_answers_cut_total", 1)[1].split("# HELP")[0]
 
 
+def test_an_answer_the_drain_cuts_is_logged_as_cut_not_as_an_error(
+    loaded: LoadedModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 20 MB dump to a client that reads none of it when the server shuts down: at the end of the drain
+    (0.5 s here) the answer is cut, its access-log line says `"cut": "drain"` and the guard warns of it with
+    its id; uvicorn's error for an answer the app did not complete is not logged (the shutdown cut it)."""
+    logged: list[logging.LogRecord] = []
+    uvicorn_log = logging.getLogger("uvicorn.error")  # (it does not propagate to caplog's handler)
+    catch = logging.Handler(logging.INFO)
+    catch.emit = logged.append  # type: ignore[method-assign]
+    uvicorn_log.addHandler(catch)
+    try:
+        limits = {"write_timeout": 60.0, "drain_timeout": 0.5, "max_activation_bytes": 64 * 2**20}
+        with caplog.at_level("INFO"), socket.socket() as sock, running(loaded, **limits) as r:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+            sock.settimeout(GUARD)
+            sock.connect((r.host, r.port))
+            body = json.dumps({"input_ids": list(range(100)), "activations": {"hooks": ["logits"]}}).encode()
+            head = "POST /v1/activations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")  # the answer has begun
+            wait_until(lambda: in_flight(r) > 0, timeout=GUARD)
+        # the server has shut down, the answer cut at the drain's end
+    finally:
+        uvicorn_log.removeHandler(catch)
+    lines = [json.loads(m) for m in caplog.messages if m.startswith("{")]
+    assert [(line["status"], line.get("cut")) for line in lines if line["path"] == "/v1/activations"] == [
+        (200, "drain")
+    ], lines
+    assert "cut by the shutdown at the end of its drain timeout" in caplog.text
+    assert not [rec.getMessage() for rec in logged if "without completing" in rec.getMessage()]
+
+
 def test_a_client_that_leaves_during_its_answer_is_sent_no_more(
     loaded: LoadedModel, caplog: pytest.LogCaptureFixture
 ) -> None:
