@@ -30,7 +30,7 @@ from model.loading import LoadedModel, load_from
 
 from .engine import Engine
 from .errors import install_error_handlers
-from .metrics import Metrics
+from .metrics import LIFESPAN_KEY, Metrics
 from .middleware import CORS, RequestGuard, SlicedBodies
 from .routes import gradients, lab, native, openai, ops, tokenizer
 from .routes import sae as sae_routes
@@ -68,7 +68,7 @@ def create_app(
     in_flight: set[asyncio.Task[Any]] = set()  # the requests' tasks (`RequestGuard`), until each is answered
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         if loaded is not None:
             app.state.directions = sae_routes.load_directions(settings, loaded, shared_vectors)
             engine = _start_engine(loaded, settings, metrics)
@@ -76,7 +76,7 @@ def create_app(
             app.state.engine = engine
         else:
             threading.Thread(target=_load_in_background, args=(app,), name="gpt2-loader", daemon=True).start()
-        yield
+        yield {LIFESPAN_KEY: metrics}
         # the requests a drain that ran out cancelled answer first (a 503, `DRAINING`): the engine's stop below
         # holds the event loop, and the process ends after it
         if in_flight:

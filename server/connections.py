@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .errors import error_body
+from .metrics import LIFESPAN_KEY
 from .middleware import CLOSE, CUT, DRAINING, MALFORMED, REFUSAL, app_path, origin_form, request_id_of
 from .settings import Settings
 
@@ -303,6 +304,7 @@ class _BoundedH11Protocol(H11Protocol):
             cycle.scope[MALFORMED] = True  # type: ignore[literal-required]  # our key in the ASGI scope
         else:
             log.info("a request from %s is not valid HTTP/1.1: answered 400, the connection closed", self.client)
+            self._count_unseen(400)
         message = "the request is not valid HTTP/1.1: its request line, headers or body framing could not be read"
         self.transport.write(_raw_response(400, "Bad Request", error_body(400, message), request_id))
         self.transport.close()  # h11 is done with the connection
@@ -327,9 +329,18 @@ class _BoundedH11Protocol(H11Protocol):
             return
         message = f"the request's headers did not arrive within {self.header_timeout:g} s (--header-timeout)"
         log.info("%s; closing the connection from %s", message, self.client)
+        if self.conn.trailing_data[0]:  # part of a request came (a connection opened and left unused is no request)
+            self._count_unseen(408)
         # h11 cannot send a response to a request it has not seen: the bytes are written as they are.
         self.transport.write(_raw_response(408, "Request Timeout", error_body(408, message)))
         self.transport.close()
+
+    def _count_unseen(self, status: int) -> None:
+        """Count in /metrics an answer to a request no route saw (its request line or headers could not be
+        read), under `unmatched`, as the guard counts a path no route has."""
+        metrics = self.app_state.get(LIFESPAN_KEY)  # the app's, from its lifespan
+        if metrics is not None:
+            metrics.requests.labels(route="unmatched", status=str(status)).inc()
 
     async def _app_or_503(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A request on a connection that is not among the first `max_connections` of those open now, in the

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+# The key under which the app's lifespan hands its Metrics to the server (ASGI lifespan state), so that the
+# connection layer (`server.connections`) counts the answers it gives to requests no route sees.
+LIFESPAN_KEY = "gpt2_metrics"
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 

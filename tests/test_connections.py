@@ -379,6 +379,24 @@ def test_a_body_that_is_not_http_is_counted_and_logged_as_its_400(
     assert not [rec.getMessage() for rec in warned if "Invalid HTTP request" in rec.getMessage()]
 
 
+def test_requests_no_route_sees_are_counted_as_unmatched(loaded: LoadedModel) -> None:
+    """A request line h11 cannot read (a 400) and headers that stop halfway (a 408 at the header deadline) are
+    counted in /metrics under `unmatched`, as a path no route has is; a connection opened and left unused is
+    closed with its 408 too, but it held no request, and is not counted."""
+    with running(loaded, header_timeout=1.0) as r:
+        with r.connect() as sock:
+            sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+            assert parse(read_until_closed(sock))[0] == 400
+        with r.connect() as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHo")
+            assert parse(read_until_closed(sock))[0] == 408
+        with r.connect() as sock:
+            assert parse(read_until_closed(sock))[0] == 408
+        metrics = httpx.get(r.url + "/metrics", timeout=GUARD).text
+    assert 'gpt2_requests_total{route="unmatched",status="400"} 1.0' in metrics, metrics
+    assert 'gpt2_requests_total{route="unmatched",status="408"} 1.0' in metrics, metrics
+
+
 def test_a_partial_request_pipelined_behind_a_whole_one_is_a_408(strict: Running) -> None:
     """Half of a second request's headers, sent with the first: the header deadline runs for it once the first
     is answered (the keep-alive timeout closed it silently, without the 408)."""
