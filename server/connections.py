@@ -102,17 +102,20 @@ def bytes_acked(sock: Any) -> int | None:
     return struct.unpack_from("Q", info, offset)[0] if len(info) >= offset + 8 else None
 
 
-def _raw_response(status: int, reason: str, body: dict[str, Any], request_id: str | None = None) -> bytes:
+def _raw_response(
+    status: int, reason: str, body: dict[str, Any], server_headers: list[tuple[bytes, bytes]], request_id: str | None
+) -> bytes:
     """A whole HTTP/1.1 response that closes the connection, for answers written past h11 (a request it has
-    not seen, or one it could not parse), the connection closed after them; `request_id` where the request
-    has one (its headers were read)."""
-    payload = json.dumps(body).encode()
-    named = f"x-request-id: {request_id}\r\n" if request_id else ""  # printable ASCII (`REQUEST_ID`)
-    head = (
-        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(payload)}\r\n"
-        f"{named}connection: close\r\n\r\n"
-    )
-    return head.encode("ascii") + payload
+    not seen, or one it could not parse), the connection closed after them, in the form of every other answer:
+    the server's own headers (`date`, `server`), the body as the app's JSON responses write it, and
+    `request_id` where the request has one (its headers were read)."""
+    payload = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()  # as Starlette's JSONResponse
+    headers = [*server_headers, (b"content-type", b"application/json"), (b"content-length", b"%d" % len(payload))]
+    if request_id:
+        headers.append((b"x-request-id", request_id.encode("ascii")))  # printable ASCII (`REQUEST_ID`)
+    headers.append((b"connection", b"close"))
+    lines = [b"HTTP/1.1 %d %s" % (status, reason.encode("ascii")), *(name + b": " + value for name, value in headers)]
+    return b"\r\n".join(lines) + b"\r\n\r\n" + payload
 
 
 class _QuieterLog(logging.LoggerAdapter):
@@ -306,7 +309,8 @@ class _BoundedH11Protocol(H11Protocol):
             log.info("a request from %s is not valid HTTP/1.1: answered 400, the connection closed", self.client)
             self._count_unseen(400)
         message = "the request is not valid HTTP/1.1: its request line, headers or body framing could not be read"
-        self.transport.write(_raw_response(400, "Bad Request", error_body(400, message), request_id))
+        answer = error_body(400, message)
+        self.transport.write(_raw_response(400, "Bad Request", answer, self.server_state.default_headers, request_id))
         self.transport.close()  # h11 is done with the connection
 
     def _watch_headers(self) -> None:
@@ -332,7 +336,8 @@ class _BoundedH11Protocol(H11Protocol):
         if self.conn.trailing_data[0]:  # part of a request came (a connection opened and left unused is no request)
             self._count_unseen(408)
         # h11 cannot send a response to a request it has not seen: the bytes are written as they are.
-        self.transport.write(_raw_response(408, "Request Timeout", error_body(408, message)))
+        answer = error_body(408, message)
+        self.transport.write(_raw_response(408, "Request Timeout", answer, self.server_state.default_headers, None))
         self.transport.close()
 
     def _count_unseen(self, status: int) -> None:

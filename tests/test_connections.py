@@ -327,12 +327,17 @@ def test_a_request_with_content_length_and_transfer_encoding_is_a_400_that_close
     ids=["bad chunk size", "two lengths", "no host"],
 )
 def test_a_request_that_is_not_http_is_a_400_in_the_apis_shape(strict: Running, request_bytes: bytes) -> None:
-    """What h11 cannot parse is answered as every error is, `{"error": ...}` (uvicorn's is plain text)."""
+    """What h11 cannot parse is answered as every error is, `{"error": ...}` (uvicorn's is plain text), with the
+    server's own headers and the body written as the app writes its JSON (compact)."""
     with strict.connect() as sock:
         sock.sendall(request_bytes)
-        status, headers, body = parse(read_until_closed(sock))
+        raw = read_until_closed(sock)
+    status, headers, body = parse(raw)
     assert status == 400 and headers["content-type"] == "application/json" and headers["connection"] == "close"
     assert body["error"]["type"] == "invalid_request_error" and "not valid HTTP/1.1" in body["error"]["message"]
+    assert headers["server"] == "uvicorn" and "date" in headers
+    assert raw.partition(b"\r\n\r\n")[2].startswith(b'{"error":{"type":"invalid_request_error"')
+    assert int(headers["content-length"]) == len(raw.partition(b"\r\n\r\n")[2])
     assert_good_request(strict)
 
 
