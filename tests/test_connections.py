@@ -77,6 +77,21 @@ def strict(loaded: LoadedModel) -> Iterator[Running]:
         yield r
 
 
+@contextmanager
+def uvicorn_log(level: int) -> Iterator[list[logging.LogRecord]]:
+    """The records uvicorn's error log takes at `level` and above while the block runs (that log does not
+    propagate to caplog's handler)."""
+    records: list[logging.LogRecord] = []
+    logger = logging.getLogger("uvicorn.error")
+    catch = logging.Handler(level)
+    catch.emit = records.append  # type: ignore[method-assign]
+    logger.addHandler(catch)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(catch)
+
+
 def read_until_closed(sock: socket.socket) -> bytes:
     """Everything the server sends until it closes the connection (the socket's timeout guards a hang)."""
     chunks = []
@@ -356,31 +371,23 @@ def test_a_body_that_is_not_http_is_counted_and_logged_as_its_400(
     warning, one a request and without the address, at debug). So too where the guard would have refused it
     before reading its body (a 401, the bad chunk come with the headers): the client was sent the 400."""
     auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    warned: list[logging.LogRecord] = []
-    uvicorn_log = logging.getLogger("uvicorn.error")  # (it does not propagate to caplog's handler)
-    catch = logging.Handler(logging.WARNING)
-    catch.emit = warned.append  # type: ignore[method-assign]
-    uvicorn_log.addHandler(catch)
-    try:
-        with running(loaded, api_key=api_key) as r, caplog.at_level("INFO"):
-            with r.connect() as sock:
-                head = b"POST /tokenize HTTP/1.1\r\nHost: x\r\nX-Request-Id: chunky-1\r\n"
-                head += b"Transfer-Encoding: chunked\r\n\r\n"
-                sock.sendall(head + body)
-                status, headers, _ = parse(read_until_closed(sock))
-            assert status == 400 and headers["x-request-id"] == "chunky-1", headers
-            counted = 'gpt2_requests_total{route="/tokenize",status="400"} 1.0'
-            metrics = lambda: httpx.get(r.url + "/metrics", headers=auth, timeout=GUARD).text  # noqa: E731
-            wait_until(lambda: counted in metrics(), timeout=GUARD)
-            assert 'status="499"' not in metrics() and 'status="401"' not in metrics()
-            assert any('"request_id": "chunky-1"' in m and '"status": 400' in m for m in caplog.messages), caplog.text
-            with r.connect() as sock:
-                sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
-                assert parse(read_until_closed(sock))[0] == 400
-            wait_until(lambda: "is not valid HTTP/1.1: answered 400" in caplog.text, timeout=GUARD)
-            assert_good_request(r, auth)
-    finally:
-        uvicorn_log.removeHandler(catch)
+    with uvicorn_log(logging.WARNING) as warned, running(loaded, api_key=api_key) as r, caplog.at_level("INFO"):
+        with r.connect() as sock:
+            head = b"POST /tokenize HTTP/1.1\r\nHost: x\r\nX-Request-Id: chunky-1\r\n"
+            head += b"Transfer-Encoding: chunked\r\n\r\n"
+            sock.sendall(head + body)
+            status, headers, _ = parse(read_until_closed(sock))
+        assert status == 400 and headers["x-request-id"] == "chunky-1", headers
+        counted = 'gpt2_requests_total{route="/tokenize",status="400"} 1.0'
+        metrics = lambda: httpx.get(r.url + "/metrics", headers=auth, timeout=GUARD).text  # noqa: E731
+        wait_until(lambda: counted in metrics(), timeout=GUARD)
+        assert 'status="499"' not in metrics() and 'status="401"' not in metrics()
+        assert any('"request_id": "chunky-1"' in m and '"status": 400' in m for m in caplog.messages), caplog.text
+        with r.connect() as sock:
+            sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+            assert parse(read_until_closed(sock))[0] == 400
+        wait_until(lambda: "is not valid HTTP/1.1: answered 400" in caplog.text, timeout=GUARD)
+        assert_good_request(r, auth)
     assert not [rec.getMessage() for rec in warned if "Invalid HTTP request" in rec.getMessage()]
 
 
@@ -578,12 +585,7 @@ def test_an_answer_the_drain_cuts_is_logged_as_cut_not_as_an_error(
     """A 20 MB dump to a client that reads none of it when the server shuts down: at the end of the drain
     (0.5 s here) the answer is cut, its access-log line says `"cut": "drain"` and the guard warns of it with
     its id; uvicorn's error for an answer the app did not complete is not logged (the shutdown cut it)."""
-    logged: list[logging.LogRecord] = []
-    uvicorn_log = logging.getLogger("uvicorn.error")  # (it does not propagate to caplog's handler)
-    catch = logging.Handler(logging.INFO)
-    catch.emit = logged.append  # type: ignore[method-assign]
-    uvicorn_log.addHandler(catch)
-    try:
+    with uvicorn_log(logging.INFO) as logged:
         limits = {"write_timeout": 60.0, "drain_timeout": 0.5, "max_activation_bytes": 64 * 2**20}
         with caplog.at_level("INFO"), socket.socket() as sock, running(loaded, **limits) as r:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
@@ -595,8 +597,6 @@ def test_an_answer_the_drain_cuts_is_logged_as_cut_not_as_an_error(
             assert sock.recv(4096).startswith(b"HTTP/1.1 200")  # the answer has begun
             wait_until(lambda: in_flight(r) > 0, timeout=GUARD)
         # the server has shut down, the answer cut at the drain's end
-    finally:
-        uvicorn_log.removeHandler(catch)
     lines = [json.loads(m) for m in caplog.messages if m.startswith("{")]
     assert [(line["status"], line.get("cut")) for line in lines if line["path"] == "/v1/activations"] == [
         (200, "drain")
