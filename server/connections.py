@@ -26,7 +26,7 @@ from typing import Any
 import h11
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, H11Protocol
 
 from .errors import error_body
 from .metrics import LIFESPAN_KEY
@@ -118,6 +118,35 @@ def _raw_response(
     return b"\r\n".join(lines) + b"\r\n\r\n" + payload
 
 
+class _HintingConnection(h11.Connection):
+    """h11's server side, keeping the status its last protocol error hints at (`error_status_hint`: 431 for a
+    request line and headers longer than its buffer, 501 for a Transfer-Encoding it cannot read, else 400),
+    which uvicorn's handler drops, answering 400 to all."""
+
+    error_status_hint = 400
+
+    def next_event(self) -> Any:
+        try:
+            return super().next_event()
+        except h11.RemoteProtocolError as exc:
+            self.error_status_hint = exc.error_status_hint
+            raise
+
+
+# What a request h11 could not read is told, by the status h11 hints at (`_HintingConnection`).
+_UNREADABLE = {
+    400: (
+        "Bad Request",
+        "the request is not valid HTTP/1.1: its request line, headers or body framing could not be read",
+    ),
+    431: ("Request Header Fields Too Large", "the request line and headers did not end within {limit} bytes"),
+    501: (
+        "Not Implemented",
+        "the request's Transfer-Encoding is not one this server reads: send chunked alone, or a Content-Length",
+    ),
+}
+
+
 class _QuieterLog(logging.LoggerAdapter):
     """uvicorn's error log, with its warning for each request h11 cannot parse (one line a request, which any
     client can send as fast as it likes, without its address) said at debug level: `send_400_response` says it
@@ -159,6 +188,9 @@ class _BoundedH11Protocol(H11Protocol):
         self._app = self.app
         self.app = self._app_or_503
         self.logger = _QuieterLog(self.logger, {})  # type: ignore[assignment]
+        limit = self.config.h11_max_incomplete_event_size  # as uvicorn sizes its connection's buffer
+        self._head_limit = DEFAULT_MAX_INCOMPLETE_EVENT_SIZE if limit is None else limit
+        self.conn = self._hinting = _HintingConnection(h11.SERVER, self._head_limit)
 
     def shutdown(self) -> None:
         """uvicorn's start of a graceful shutdown; the request in flight is marked, so that the guard tells its
@@ -295,22 +327,27 @@ class _BoundedH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         """A request h11 cannot parse (a bad chunk size, two Content-Lengths that differ, no Host): uvicorn's
-        answer, 400 and the connection closed, in the API's error shape rather than plain text. Where its
-        headers were read and its body could not be (a bad chunk), the request's guard counts and logs it as
-        this 400 (`MALFORMED`), and the answer carries its request id; else it is logged here."""
+        answer, 400 and the connection closed, in the API's error shape rather than plain text; where no route
+        saw the request, with the status h11 hints at (431 for a request line and headers over h11's buffer,
+        501 for a Transfer-Encoding other than chunked), which uvicorn's answer drops. Where its headers were
+        read and its body could not be (a bad chunk), the request's guard counts and logs it as a 400
+        (`MALFORMED`), and the answer carries its request id; else it is logged here."""
         if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):  # an answer has begun: no other can be sent
             self.transport.close()
             return
         cycle = self.cycle if self.cycle is not None and not self.cycle.response_complete else None
         request_id = request_id_of(cycle.scope) if cycle is not None else None  # type: ignore[arg-type]  # a dict
+        status = 400
         if cycle is not None:
             cycle.scope[MALFORMED] = True  # type: ignore[literal-required]  # our key in the ASGI scope
         else:
-            log.info("a request from %s is not valid HTTP/1.1: answered 400, the connection closed", self.client)
-            self._count_unseen(400)
-        message = "the request is not valid HTTP/1.1: its request line, headers or body framing could not be read"
-        answer = error_body(400, message)
-        self.transport.write(_raw_response(400, "Bad Request", answer, self.server_state.default_headers, request_id))
+            status = self._hinting.error_status_hint
+            status = status if status in _UNREADABLE else 400
+            log.info("a request from %s is not valid HTTP/1.1: answered %d, the connection closed", self.client, status)
+            self._count_unseen(status)
+        reason, message = _UNREADABLE[status]
+        answer = error_body(status, message.format(limit=self._head_limit))
+        self.transport.write(_raw_response(status, reason, answer, self.server_state.default_headers, request_id))
         self.transport.close()  # h11 is done with the connection
 
     def _watch_headers(self) -> None:

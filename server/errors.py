@@ -33,8 +33,10 @@ _TYPES = {
     413: "request_too_large",
     415: "unsupported_media_type",
     429: "rate_limit_error",
+    431: "request_header_fields_too_large",
     499: "client_closed_request",
     500: "internal_error",
+    501: "not_implemented",
     503: "service_unavailable",
 }
 

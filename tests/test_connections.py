@@ -409,6 +409,45 @@ def test_requests_no_route_sees_are_counted_as_unmatched(loaded: LoadedModel) ->
     assert 'gpt2_requests_total{route="unmatched",status="408"} 1.0' in metrics, metrics
 
 
+@pytest.mark.parametrize(
+    ("request_bytes", "status", "reason", "kind", "said"),
+    [
+        (
+            b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000,  # no end of the headers in 16 KiB
+            431,
+            "Request Header Fields Too Large",
+            "request_header_fields_too_large",
+            "did not end within 16384 bytes",
+        ),
+        (
+            b"POST /tokenize HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n{}",
+            501,
+            "Not Implemented",
+            "not_implemented",
+            "Transfer-Encoding is not one this server reads",
+        ),
+    ],
+    ids=["headers too long", "transfer-encoding gzip"],
+)
+def test_what_h11_cannot_read_gets_the_status_it_hints_at(
+    loaded: LoadedModel, request_bytes: bytes, status: int, reason: str, kind: str, said: str
+) -> None:
+    """h11 hints 431 for a request line and headers that outgrow its buffer and 501 for a Transfer-Encoding it
+    cannot read; uvicorn answered 400 to both. The answer says which, in the API's error shape, is counted under
+    `unmatched` with that status, and the connection closes; the server serves on."""
+    with running(loaded) as r:
+        with r.connect() as sock:
+            sock.sendall(request_bytes)
+            raw = read_until_closed(sock)
+        answer, headers, body = parse(raw)
+        assert raw.startswith(f"HTTP/1.1 {status} {reason}\r\n".encode()), raw[:80]
+        assert answer == status and headers["connection"] == "close"
+        assert body["error"]["type"] == kind and said in body["error"]["message"], body
+        metrics = httpx.get(r.url + "/metrics", timeout=GUARD).text
+        assert f'gpt2_requests_total{{route="unmatched",status="{status}"}} 1.0' in metrics, metrics
+        assert_good_request(r)
+
+
 def test_a_partial_request_pipelined_behind_a_whole_one_is_a_408(strict: Running) -> None:
     """Half of a second request's headers, sent with the first: the header deadline runs for it once the first
     is answered (the keep-alive timeout closed it silently, without the 408)."""
