@@ -30,7 +30,7 @@ from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, H
 
 from .errors import error_body
 from .metrics import LIFESPAN_KEY
-from .middleware import CLOSE, CUT, DRAINING, MALFORMED, REFUSAL, app_path, origin_form, request_id_of
+from .middleware import CLOSE, CUT, DRAINING, LEFT, MALFORMED, REFUSAL, app_path, origin_form, request_id_of
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -234,6 +234,8 @@ class _BoundedH11Protocol(H11Protocol):
         cycle = self.cycle
         if cycle is not None and cycle.response_started and not cycle.response_complete:  # its answer cut (`CUT`)
             cycle.scope[CUT] = "write_timeout" if self._dropped else "client_left"  # type: ignore[literal-required]
+        elif cycle is not None and not cycle.response_complete:  # gone before its answer began (`LEFT`)
+            cycle.scope[LEFT] = True  # type: ignore[literal-required]  # our key in the ASGI scope
         self._stop_header_timer()
         self._stop_write_timer()
         if self._drain_timer is not None:

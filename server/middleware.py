@@ -61,6 +61,11 @@ MALFORMED = "gpt2.malformed"
 # Such an answer keeps the status it was sent with; the guard logs it with `"cut": why` and counts it in
 # gpt2_answers_cut_total (where a host cancels the request, "client_left"; the shutdown's drain, "drain").
 CUT = "gpt2.cut"
+# A scope key it sets when a request's connection is lost before its answer began. No one reads what the app
+# answers after that (uvicorn drops it), so the guard logs and counts the request as 499, as it does where the
+# app saw the client go: work that does not watch for it, such as an answer built on a worker thread, would
+# otherwise be logged with the status of an answer never sent.
+LEFT = "gpt2.left"
 
 
 def request_id_of(scope: Scope) -> str:
@@ -252,6 +257,8 @@ class RequestGuard:
             self.in_flight.discard(task)
             if scope.get(MALFORMED):  # answered 400 by the connection layer, whatever was sent after it
                 status = 400
+            elif scope.get(LEFT):  # the client left before the answer began: no one read it
+                status = 499
             route = self._route(scope.get("route"), target)
             self.metrics.requests.labels(route=route, status=str(status)).inc()
             line: dict[str, Any] = {

@@ -26,6 +26,7 @@ from fastapi.testclient import TestClient
 from inprocess import settings, wait_until
 
 from model.loading import LoadedModel
+from server import encoding
 from server.app import create_app
 from server.cli import _bind
 from server.connections import uvicorn_config
@@ -445,6 +446,37 @@ def test_what_h11_cannot_read_gets_the_status_it_hints_at(
         assert body["error"]["type"] == kind and said in body["error"]["message"], body
         metrics = httpx.get(r.url + "/metrics", timeout=GUARD).text
         assert f'gpt2_requests_total{{route="unmatched",status="{status}"}} 1.0' in metrics, metrics
+        assert_good_request(r)
+
+
+def test_a_client_gone_before_its_answer_began_is_logged_and_counted_as_499(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The client leaves while its answer is built on a worker thread (a JSON answer, which takes seconds for a
+    long /v1/analyze), where the route does not watch for it: what the route answers after that reaches no one
+    (uvicorn drops it), so the request is logged and counted as 499, not as the 200 it would have been, and
+    not as a cut answer either."""
+    built, real = threading.Event(), encoding.json_bytes
+
+    def slow(value: Any) -> bytes:
+        built.set()
+        time.sleep(0.5)  # the client is gone meanwhile
+        return real(value)
+
+    monkeypatch.setattr(encoding, "json_bytes", slow)
+    generate = json.dumps({"input_ids": [464, 3797], "max_new_tokens": 2, "temperature": 0}).encode()
+    head = b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Request-Id: left-1\r\n"
+    with running(loaded) as r, caplog.at_level("INFO"):
+        with r.connect() as sock:
+            sock.sendall(head + b"Content-Length: %d\r\n\r\n" % len(generate) + generate)
+            assert built.wait(GUARD)
+        logged = lambda: [json.loads(m) for m in caplog.messages if '"request_id": "left-1"' in m]  # noqa: E731
+        wait_until(lambda: bool(logged()), timeout=GUARD)
+        (line,) = logged()
+        assert line["status"] == 499 and "cut" not in line, line
+        metrics = httpx.get(r.url + "/metrics", timeout=GUARD).text
+        assert 'gpt2_requests_total{route="/v1/generate",status="499"} 1.0' in metrics, metrics
+        assert 'route="/v1/generate",status="200"' not in metrics and "gpt2_answers_cut_total{" not in metrics
         assert_good_request(r)
 
 

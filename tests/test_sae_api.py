@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,7 +26,7 @@ from model.generate import SamplingParams, generate
 from model.gpt import GPT
 from model.hooks import run_with_cache
 from model.interventions import Edit, EditSpec
-from model.lab.sae import PART_WORK, FeatureReading, load_sae, part_positions, read_features, token_features
+from model.lab.sae import PART_WORK, FeatureReading, load_sae, part_positions, token_features
 from model.lab.steering import contrastive_vector
 from model.loading import load
 from server.app import create_app
@@ -270,12 +271,12 @@ def test_a_reading_in_parts_is_the_whole_reading(sae_dirs) -> None:
             assert got.mse == pytest.approx(ref.mse, rel=1e-5)
 
 
-def test_a_part_is_smaller_for_a_larger_sae_and_read_features_goes_in_parts(
+def test_a_part_is_smaller_for_a_larger_sae_and_a_reading_takes_such_parts(
     sae_dirs, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A part holds as much work as 256 positions of res-jb (d_in 768, 24,576 features): 64 positions of a 4x
-    larger SAE, one at the least. `read_features` (`/v1/generate`'s `features`) reads in such parts, and gives
-    what one reading of every position gives, chosen features (a NaN reading, whose top features are none) too."""
+    larger SAE, one at the least. A `FeatureReading` takes such parts, and gives what one reading of every
+    position gives, chosen features (a NaN reading, whose top features are none) too."""
     sae = load_sae(sae_dirs["mlp0"])
     assert part_positions(sae) == PART_WORK // (sae.cfg.d_in * sae.cfg.d_sae)
 
@@ -288,7 +289,11 @@ def test_a_part_is_smaller_for_a_larger_sae_and_read_features_goes_in_parts(
     x[7] = float("nan")
     monkeypatch.setattr(sae_module, "part_positions", lambda sae: 3)
     for top_k, ids in ((5, None), (None, [0, 3, 2])):
-        whole, parts = token_features(sae, x, top_k, ids), read_features(sae, x, top_k, ids)
+        reading = FeatureReading(sae, x, top_k, ids)
+        assert reading.positions == 3
+        while not reading.done:
+            reading.step(None)
+        whole, parts = token_features(sae, x, top_k, ids), reading.rows
         assert len(parts) == 10 and parts[7].l0 is None and (ids is not None or parts[7].features == [])
         for got, ref in zip(parts, whole, strict=True):
             assert [i for i, _ in got.features] == [i for i, _ in ref.features] and got.l0 == ref.l0
@@ -586,6 +591,28 @@ def test_features_as_a_capture_in_generate(client: TestClient) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "features.top_k", r.text
     r = client.post("/v1/activations", json={"input_ids": IDS, "features": spec})
     assert r.status_code == 400 and "features" in r.json()["error"]["param"], r.text
+
+
+def test_generate_reads_its_features_a_part_a_job(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """/v1/generate's `features` are read as /v1/features reads them, `part_positions` positions an engine job
+    after the generation (3 here: 5 jobs over its 13 tokens a choice), streamed or not, rather than inside the
+    answer's building on a worker thread, which nothing stopped when the client left (15 s of a core after it,
+    at 16 prompts of 1,000 tokens and res-jb's size)."""
+    monkeypatch.setattr(sae_module, "part_positions", lambda sae: 3)
+    body = {"input_ids": [IDS, IDS[:5]], "max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    body |= {"features": {"sae": "mlp0", "top_k": 3}}
+    log = log_engine(client, monkeypatch)
+    got = post(client, "/v1/generate", body)
+    readings = [e for e in log if e.startswith("FeatureReading")]
+    assert readings == ["FeatureReading.step#0"] * 5 + ["FeatureReading.step#1"] * 4, log
+    assert [len(c["features"]) for c in got["choices"]] == [13, 10]
+    log.clear()
+    with client.stream("POST", "/v1/generate", json=body | {"stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    finals = sorted((e for e in events if e.get("finish_reason")), key=lambda e: e["index"])
+    assert [f["features"] for f in finals] == [c["features"] for c in got["choices"]]
+    streamed = Counter(e for e in log if e.startswith("FeatureReading"))  # passes numbered on from the first run's
+    assert sorted(streamed.values()) == [4, 5], log
 
 
 def test_sae_settings(capsys) -> None:

@@ -510,17 +510,10 @@ PART_WORK = 256 * 768 * 24_576  # positions x d_in x d_sae of one part: 256 posi
 
 
 def part_positions(sae: SAE) -> int:
-    """Positions of a part of a reading (`FeatureReading`, `read_features`): as much work as 256 positions of
+    """Positions of a part of a reading (`FeatureReading`): as much work as 256 positions of
     res-jb's 24,576 features over d_in 768 (19 GFLOP, a fraction of a second on a 2-core CPU, and a [256,
     24576] float32 of features), fewer for a larger SAE."""
     return max(1, PART_WORK // (sae.cfg.d_in * sae.cfg.d_sae))
-
-
-def read_features(sae: SAE, x: torch.Tensor, top_k: int | None, ids: list[int] | None) -> list[TokenFeatures]:
-    """`token_features` of x [T, *site], a part at a time (`part_positions`): the features of every position at
-    once would hold [T, d_sae] and more (a 1,000-token reading of res-jb, 275 MB)."""
-    n = part_positions(sae)
-    return [row for start in range(0, x.shape[0], n) for row in token_features(sae, x[start : start + n], top_k, ids)]
 
 
 def _norm(v: torch.Tensor) -> torch.Tensor:

@@ -178,13 +178,14 @@ class Steps(Protocol):
     def step(self, model: GPT) -> None: ...
 
 
-async def stepped(request: Request, engine: Engine, work: Steps, begun: bool = False) -> None:
+async def stepped(request: Request | None, engine: Engine, work: Steps, begun: bool = False) -> None:
     """Run `work` to its end, each step an engine job of its own: decode steps go on between them. Only the
     first job of a request's work can meet a full queue (429; `begun`: the request has work done already,
     an earlier pass): once begun, it goes on to its end (a full queue refusing a later step would throw that
     work away). A request's first pass is refused (429) while `max_queue` are under way, each holding what it
     keeps between its jobs; its later passes are not. A client gone ends it (a 499): its waiting job leaves the
-    queue, a running one stops where `Engine.call` stops it, and no job of it follows."""
+    queue, a running one stops where `Engine.call` stops it, and no job of it follows. With no `request`
+    (work inside a stream, whose answer has begun), the stream's end does the same: it cancels this."""
     if engine.passes >= engine.max_queue and not begun:
         raise QueueFull(
             f"{engine.passes} model calls of many steps are under way: a new one is taken once fewer than "
@@ -193,7 +194,8 @@ async def stepped(request: Request, engine: Engine, work: Steps, begun: bool = F
     engine.passes += 1
     try:
         while not work.done:
-            await unless_disconnected(request, engine.call(work.step, continuing=begun))
+            call = engine.call(work.step, continuing=begun)
+            await (call if request is None else unless_disconnected(request, call))
             begun = True
     finally:
         engine.passes -= 1

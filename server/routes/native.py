@@ -126,6 +126,8 @@ async def generate(
     if req.stream:
         return sse(reply.stream(merged(streams)))
     completions = await results(streams, request)
+    for c in completions:
+        await reply.read_features(c, request)
     return await json_response(reply.body, completions)
 
 
@@ -258,6 +260,7 @@ class _Reply:
         (the SAE's hook is captured for the reader, and left out of the dump unless asked for)."""
         self.engine, self.spec, self.reader = engine, spec, reader
         self.hooks = None if hooks is None else set(hooks)
+        self.features: dict[int, list[dict[str, Any]]] = {}  # each choice's, by its index (`read_features`)
         self.id = "gen-" + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -281,9 +284,16 @@ class _Reply:
             out["logprobs"] = [self._logprob(lp) for lp in c.logprobs]
         if self.spec is not None and c.activations is not None:
             out["activations"] = self._activations(c)
-        if self.reader is not None and c.activations is not None:
-            out["features"] = self.reader.json(c.activations[self.reader.hook][0])
+        if c.index in self.features:
+            out["features"] = self.features[c.index]
         return out
+
+    async def read_features(self, c: Completion, request: Request | None) -> None:
+        """The SAE features of `c`'s capture at the reader's hook, read on the engine a part at a time, before
+        the answer is built (`request` None in a stream, whose end stops the reading)."""
+        if self.reader is not None and c.activations is not None:
+            x = c.activations[self.reader.hook][0]  # [T, *site]
+            self.features[c.index] = await self.reader.json(request, self.engine, x)
 
     def _activations(self, c: Completion) -> Any:
         assert self.spec is not None and c.activations is not None
@@ -354,6 +364,7 @@ class _Reply:
                 "usage": _usage(len(c.prompt_ids), len(c.token_ids)),
             }
             if (self.spec or self.reader) is not None and c.activations is not None:  # encoded off the event loop
+                await self.read_features(c, None)
                 yield await run_in_threadpool(self._final_json, final, c)
             else:
                 yield final
@@ -362,8 +373,8 @@ class _Reply:
         extra: dict[str, Any] = {}
         if self.spec is not None:
             extra["activations"] = self._activations(c)
-        if self.reader is not None and c.activations is not None:
-            extra["features"] = self.reader.json(c.activations[self.reader.hook][0])
+        if c.index in self.features:
+            extra["features"] = self.features[c.index]
         return encoding.json_bytes(final | extra)
 
 

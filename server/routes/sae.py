@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from model.generate import GenerationError
 from model.hooks import hook_names, reads_as_one_vector
 from model.interventions import site_shape
-from model.lab.sae import SAE, FeatureReading, TokenFeatures, load_saes, read_features
+from model.lab.sae import SAE, FeatureReading, TokenFeatures, load_saes
 from model.lab.steering import (
     DirectionError,
     Directions,
@@ -31,6 +31,7 @@ from model.lab.steering import (
 from model.loading import LoadedModel
 
 from .. import encoding
+from ..engine import Engine
 from ..errors import APIError
 from ..json_body import JSONBodyRoute
 from ..schemas import FeatureCapture, FeaturesRequest, SteeringVectorRequest
@@ -111,12 +112,12 @@ class FeatureReader:
     def hook(self) -> str:
         return self.sae.cfg.hook_name
 
-    def read(self, x: torch.Tensor) -> list[TokenFeatures]:
-        """Per position of `x` [T, *site], the model's values at the SAE's hook."""
-        return read_features(self.sae, x, self.top_k, self.ids)
-
-    def json(self, x: torch.Tensor) -> list[dict[str, Any]]:
-        return [_row(r) for r in self.read(x)]
+    async def json(self, request: Request | None, engine: Engine, x: torch.Tensor) -> list[dict[str, Any]]:
+        """Per position of `x` [T, *site], the model's values at the SAE's hook, its features in JSON: read a
+        part at a time, each an engine job (`stepped`: a client gone stops it; `request` None in a stream)."""
+        reading = FeatureReading(self.sae, x, self.top_k, self.ids)
+        await stepped(request, engine, reading, begun=True)  # the pass is done: not refused for a full queue
+        return [_row(r) for r in reading.rows]
 
     def _k_and_field(self) -> tuple[int, str]:
         """Features a position holds at most, and the field that chose them."""
