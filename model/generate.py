@@ -581,7 +581,10 @@ class DecodeBatch:
     share the batch with the others: each one's `hooks` sees only its own tokens (`RowHooks`), exactly the
     values it would see alone, and its prompt is prefilled in chunks as any other's (the hooks glue them, or edit
     each chunk's positions), but in one piece where its hooks need that (`needs_whole_prompt`: an edit such as
-    `mean` takes its mean over the whole prompt).
+    `mean` takes its mean over the whole prompt). Such a piece takes as many prompt tokens as the steps of its
+    chunks would have: while rows decode, the next whole prompt waits until the steps after one have made up
+    the tokens it took beyond its own step's chunk (`_owed`), so that whole prompts sent back to back slow the
+    decoding rows as chunked prompts do, not to a token a pass of a second.
 
     A sequence without hooks whose prompt begins with at least `SHARED_PREFIX_MIN` tokens of the prompt of one
     already in the batch, of its `group` (the `n` samples of a prompt, the choices of a multiple-choice question
@@ -613,6 +616,7 @@ class DecodeBatch:
         self.shared_tokens = 0  # prompt tokens copied from another row rather than computed, since the start
         self._tickets = itertools.count()
         self.prefill_chunk = prefill_chunk
+        self._owed = 0  # prompt tokens a whole prompt took beyond its step's chunk, made up a chunk a step since
         self.static = StaticDecode(model, self.cache) if static else None
         if self.static is not None:
             self.static.capture()
@@ -711,8 +715,10 @@ class DecodeBatch:
             self._take_prefixes()
         decoding = [b for b, s in enumerate(self.seqs) if s.prefilled == len(s.prompt)]
         chunks = self._chunks()
-        if not chunks:
+        if not chunks and len(decoding) == len(self.seqs):
             out = self._decode() if decoding else []
+        elif not chunks and not decoding:
+            out = []  # every row waits (`_chunks`)
         elif len(chunks) == 1 and not decoding:
             out = self._prefill(*chunks[0])  # one sequence alone: hooks see its own shapes
         else:
@@ -725,8 +731,12 @@ class DecodeBatch:
         return out
 
     def _chunks(self) -> list[tuple[int, int, int]]:
-        """The prompt tokens to prefill this step, as (row, start, end), in the order the rows joined."""
+        """The prompt tokens to prefill this step, as (row, start, end), in the order the rows joined; a whole
+        prompt (`needs_whole_prompt`) not while the one before is owed steps and rows decode."""
         budget = self.prefill_chunk
+        waits = self._owed > 0 and any(s.prefilled == len(s.prompt) for s in self.seqs)
+        if budget is not None:
+            self._owed = max(0, self._owed - budget)  # this step's chunk, made up
         chunks = []
         for b in sorted(range(len(self.seqs)), key=self.joined.__getitem__):
             seq = self.seqs[b]
@@ -735,10 +745,13 @@ class DecodeBatch:
                     continue  # waits for another row to prefill what it will copy
                 del self._prefixes[id(seq)]  # this step carries its whole prompt: waiting would cost it a pass
             if seq.prefilled < len(seq.prompt) and (budget is None or budget > 0):
-                if budget is None or (seq.hooks is not None and needs_whole_prompt(seq.hooks)):
-                    end = len(seq.prompt)
-                else:
-                    end = min(len(seq.prompt), seq.prefilled + budget)
+                whole = budget is not None and seq.hooks is not None and needs_whole_prompt(seq.hooks)
+                if whole and waits:
+                    continue  # the rows after it take the step's chunk meanwhile
+                end = len(seq.prompt) if budget is None or whole else min(len(seq.prompt), seq.prefilled + budget)
+                if whole:
+                    assert self.prefill_chunk is not None
+                    self._owed = max(0, end - seq.prefilled - self.prefill_chunk)
                 chunks.append((b, seq.prefilled, end))
                 if budget is not None:
                     budget -= end - seq.prefilled

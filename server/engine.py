@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -191,6 +192,7 @@ class Engine:
         static = loaded.device.type == "cuda"
         self._batch = DecodeBatch(self.model, max_batch_size, config.n_positions, self.prefill_chunk, static)
         self._shared_counted = 0  # of the batch's shared_tokens, those already in the metrics
+        self._owed = 0  # steps a one-pass prompt's pass took beyond its own step's, made up a step at a time
         self._groups = itertools.count()
         self._batch.warm_up()
         # The cache was zeroed and the batch warmed on this thread: its OpenMP threads go, so that the engine's
@@ -432,7 +434,8 @@ class Engine:
             self._send()
 
     def _step_batch(self) -> None:
-        if self._prompt_only:
+        owed, self._owed = self._owed, max(0, self._owed - 1)
+        if self._prompt_only and not (owed and len(self._batch)):  # rows decode first while a pass is owed
             self._prefill_prompts()
         if not len(self._batch):
             return
@@ -469,7 +472,9 @@ class Engine:
         """The next prompt-only sequences in one padded pass (`prefill_prompts`) of at most `prefill_chunk`
         tokens, B x the longest (at least one prompt): no more before the next decode step than a prompt chunk
         of generation's. A prompt with edits runs in a pass of its own, so that an edit that fails fails only
-        its own request."""
+        its own request. A pass that cost more than a step's chunk through every block (a long prompt whose
+        edits need it whole, `mean`) is owed the steps it took beyond one (`_owed`): the batch's rows take them
+        before the next such pass, so passes sent back to back slow the streams as chunked prompts do."""
         group: list[_Request] = []
         while self._prompt_only:
             request = self._prompt_only[0]
@@ -480,6 +485,10 @@ class Engine:
                     break  # the next pass, after the decode step
             group.append(self._prompt_only.popleft())
         prefill_prompts(self.model, [r.seq for r in group])
+        config = self.model.config
+        names = [n for r in group if r.seq.capture is not None for n in r.seq.capture.names]
+        work = len(group) * max(len(r.seq.prompt) for r in group) * pass_blocks(config, names)
+        self._owed = max(0, math.ceil(work / (self.prefill_chunk * config.n_layer)) - 1)
         for request in group:
             if request.seq.error is not None:
                 self._end_with(request, request.seq.error)

@@ -389,6 +389,61 @@ def test_a_hooked_prompt_is_prefilled_in_chunks_unless_its_edits_need_it_whole(l
         torch.testing.assert_close(got.activations[name], want.activations[name], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize(("dump", "streaming"), [(False, True), (True, True), (False, False), (True, False)])
+def test_whole_prompts_sent_back_to_back_wait_for_the_steps_they_took(
+    loaded: LoadedModel, dump: bool, streaming: bool
+) -> None:
+    """Two 64-token prompts whose `mean` edit needs each whole, at chunks of 16, beside a decoding stream: the
+    second's pass waits for the steps the first took beyond its own step's (as a generation's, through every
+    block, 4 chunks: 3 steps more; as a dump's, to block 0 of 2, 2 chunks: 1 more), so that such prompts sent
+    back to back slow the streams as chunked prompts do (two clients sending 1,000-token ones held a server's
+    streams at 0.9 tokens/s, from 40), those rows decoding meanwhile with the waiting row beside them. With no
+    stream, a dump's pass does not wait, and a generation's waits for the first's own decode step only."""
+    prompts = [[(7 * t + k) % 50000 for t in range(64)] for k in (1, 2)]
+    spec = EditSpec((Edit("blocks.0.hook_mlp_out", "mean"),))
+    names = ["blocks.0.hook_resid_post"]
+    params = SamplingParams(max_new_tokens=0) if dump else greedy_params(2, ignore_eos=True)
+    steps = 0
+    passes: list[int] = []  # the step each whole prompt's pass ran in
+
+    async def main() -> list[Completion]:
+        nonlocal steps
+        with running(loaded, max_batch_size=4, prefill_chunk=16) as engine:
+            stream = None
+            if streaming:
+                (stream,) = engine.submit([[464]], [greedy_params(LONG, ignore_eos=True)])
+                await first_event(stream)
+            real_step = engine._step_batch
+
+            def step() -> None:
+                nonlocal steps
+                steps += 1
+                real_step()
+
+            def entered(_: Any, args: tuple[torch.Tensor, ...]) -> None:
+                if args[0].numel() >= 64:  # a whole prompt (with the stream's decode token, if packed)
+                    passes.append(steps)
+
+            engine._step_batch = step  # type: ignore[method-assign]
+            hook = engine.model.wte.register_forward_pre_hook(entered)
+            try:
+                results = [await s.result() for s in engine.submit(prompts, [params] * 2, names, spec)]
+            finally:
+                hook.remove()
+            if stream is not None:
+                stream.cancel()
+            return results
+
+    results = run(main())
+    assert len(passes) == 2, passes
+    assert passes[1] - passes[0] == ((2 if dump else 4) if streaming else (1 if dump else 2)), passes
+    for prompt, result in zip(prompts, results, strict=True):
+        alone = run_with_cache(loaded.model, prompt, names, spec.hooks(loaded.model.config, 64))
+        assert result.activations is not None
+        got = result.activations[names[0]][:, :64]  # the prompt's positions (a generation's go on)
+        torch.testing.assert_close(got, alone[names[0]], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("chunk", [None, 16])
 def test_the_batch_prefills_in_the_engines_chunks(loaded: LoadedModel, chunk: int | None) -> None:
     """The engine's batch takes the engine's prefill chunk, the device's default where none is given (a
