@@ -583,8 +583,9 @@ class DecodeBatch:
     each chunk's positions), but in one piece where its hooks need that (`needs_whole_prompt`: an edit such as
     `mean` takes its mean over the whole prompt). Such a piece takes as many prompt tokens as the steps of its
     chunks would have: while rows decode, the next whole prompt waits until the steps after one have made up
-    the tokens it took beyond its own step's chunk (`_owed`), so that whole prompts sent back to back slow the
-    decoding rows as chunked prompts do, not to a token a pass of a second.
+    the tokens it took beyond its own step's chunk (`owed`, to which a server's whole passes beside the batch
+    add theirs: `charge`), so that whole prompts sent back to back slow the decoding rows as chunked prompts
+    do, not to a token a pass of a second.
 
     A sequence without hooks whose prompt begins with at least `SHARED_PREFIX_MIN` tokens of the prompt of one
     already in the batch, of its `group` (the `n` samples of a prompt, the choices of a multiple-choice question
@@ -616,7 +617,8 @@ class DecodeBatch:
         self.shared_tokens = 0  # prompt tokens copied from another row rather than computed, since the start
         self._tickets = itertools.count()
         self.prefill_chunk = prefill_chunk
-        self._owed = 0  # prompt tokens a whole prompt took beyond its step's chunk, made up a chunk a step since
+        self.owed = 0  # prompt tokens whole prompts took beyond their steps' chunks while rows decoded, made up
+        # a chunk a step since (`_chunks`)
         self.static = StaticDecode(model, self.cache) if static else None
         if self.static is not None:
             self.static.capture()
@@ -717,8 +719,6 @@ class DecodeBatch:
         chunks = self._chunks()
         if not chunks and len(decoding) == len(self.seqs):
             out = self._decode() if decoding else []
-        elif not chunks and not decoding:
-            out = []  # every row waits (`_chunks`)
         elif len(chunks) == 1 and not decoding:
             out = self._prefill(*chunks[0])  # one sequence alone: hooks see its own shapes
         else:
@@ -730,13 +730,28 @@ class DecodeBatch:
                 self._leave(b)
         return out
 
+    def owes(self) -> bool:
+        """Whether a whole prompt's pass waits now: rows decode, and the passes before it are owed steps."""
+        return self.owed > 0 and self._decoding()
+
+    def charge(self, tokens: int) -> None:
+        """A whole prompt's pass of `tokens` (as many through every block) ran beside this batch, before its
+        step (whose chunk `_chunks` then makes up): while rows decode, they are owed."""
+        if self.prefill_chunk is not None and self._decoding():
+            self.owed += tokens
+
+    def _decoding(self) -> bool:
+        return any(s.prefilled == len(s.prompt) for s in self.seqs)
+
     def _chunks(self) -> list[tuple[int, int, int]]:
         """The prompt tokens to prefill this step, as (row, start, end), in the order the rows joined; a whole
-        prompt (`needs_whole_prompt`) not while the one before is owed steps and rows decode."""
+        prompt (`needs_whole_prompt`) not while the passes before it are owed steps (`owes`)."""
         budget = self.prefill_chunk
-        waits = self._owed > 0 and any(s.prefilled == len(s.prompt) for s in self.seqs)
-        if budget is not None:
-            self._owed = max(0, self._owed - budget)  # this step's chunk, made up
+        waits = self.owes()
+        if not self._decoding():
+            self.owed = 0  # no row to make it up to
+        elif budget is not None:
+            self.owed = max(0, self.owed - budget)  # this step's chunk, made up
         chunks = []
         for b in sorted(range(len(self.seqs)), key=self.joined.__getitem__):
             seq = self.seqs[b]
@@ -749,12 +764,11 @@ class DecodeBatch:
                 if whole and waits:
                     continue  # the rows after it take the step's chunk meanwhile
                 end = len(seq.prompt) if budget is None or whole else min(len(seq.prompt), seq.prefilled + budget)
-                if whole:
-                    assert self.prefill_chunk is not None
-                    self._owed = max(0, end - seq.prefilled - self.prefill_chunk)
                 chunks.append((b, seq.prefilled, end))
                 if budget is not None:
                     budget -= end - seq.prefilled
+        if budget is not None and budget < 0 and self._decoding():  # a whole prompt took more than the chunk
+            self.owed += -budget
         return chunks
 
     def _prefill(self, b: int, start: int, end: int) -> list[tuple[SequenceState, TokenEvent | None]]:

@@ -345,7 +345,7 @@ class _BoundedH11Protocol(H11Protocol):
         else:
             status = self._hinting.error_status_hint
             status = status if status in _UNREADABLE else 400
-            log.info("a request from %s is not valid HTTP/1.1: answered %d, the connection closed", self.client, status)
+            log.info("a request from %s could not be read as HTTP/1.1: answered %d, closing", self.client, status)
             self._count_unseen(status)
         reason, message = _UNREADABLE[status]
         answer = error_body(status, message.format(limit=self._head_limit))

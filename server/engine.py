@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -192,7 +191,6 @@ class Engine:
         static = loaded.device.type == "cuda"
         self._batch = DecodeBatch(self.model, max_batch_size, config.n_positions, self.prefill_chunk, static)
         self._shared_counted = 0  # of the batch's shared_tokens, those already in the metrics
-        self._owed = 0  # steps a one-pass prompt's pass took beyond its own step's, made up a step at a time
         self._groups = itertools.count()
         self._batch.warm_up()
         # The cache was zeroed and the batch warmed on this thread: its OpenMP threads go, so that the engine's
@@ -423,8 +421,7 @@ class Engine:
             return True  # nothing to capture: nothing to run
         if has_edits(seq) and needs_whole_prompt(seq.hooks):
             return True  # edits (the hooks before the capture) that need the prompt whole
-        config = self.model.config
-        return len(seq.prompt) * pass_blocks(config, seq.capture.names) <= self.prefill_chunk * config.n_layer
+        return self._pass_tokens([seq]) <= self.prefill_chunk
 
     def _step(self) -> None:
         try:
@@ -434,8 +431,7 @@ class Engine:
             self._send()
 
     def _step_batch(self) -> None:
-        owed, self._owed = self._owed, max(0, self._owed - 1)
-        if self._prompt_only and not (owed and len(self._batch)):  # rows decode first while a pass is owed
+        if self._prompt_only:
             self._prefill_prompts()
         if not len(self._batch):
             return
@@ -472,29 +468,42 @@ class Engine:
         """The next prompt-only sequences in one padded pass (`prefill_prompts`) of at most `prefill_chunk`
         tokens, B x the longest (at least one prompt): no more before the next decode step than a prompt chunk
         of generation's. A prompt with edits runs in a pass of its own, so that an edit that fails fails only
-        its own request. A pass that cost more than a step's chunk through every block (a long prompt whose
-        edits need it whole, `mean`) is owed the steps it took beyond one (`_owed`): the batch's rows take them
-        before the next such pass, so passes sent back to back slow the streams as chunked prompts do."""
+        its own request. A pass that costs more than a step's chunk through every block (a long prompt whose
+        edits need it whole, `mean`) waits while the batch owes steps to its decoding rows, and is charged to it
+        (`DecodeBatch.owes`, `charge`), as the batch's own whole prompts are: such passes sent back to back slow
+        the streams as chunked prompts do. The passes behind it go first meanwhile."""
         group: list[_Request] = []
-        while self._prompt_only:
-            request = self._prompt_only[0]
+        waits = self._batch.owes()
+        for request in self._prompt_only:
+            if waits and self._pass_tokens([request.seq]) > self.prefill_chunk:
+                continue  # after the steps owed
             if group:
                 alone = has_edits(request.seq) or has_edits(group[0].seq)
                 longest = max(len(r.seq.prompt) for r in (*group, request))
                 if alone or longest * (len(group) + 1) > self.prefill_chunk:
                     break  # the next pass, after the decode step
-            group.append(self._prompt_only.popleft())
+            group.append(request)
+        if not group:
+            return
+        for request in group:
+            self._prompt_only.remove(request)
         prefill_prompts(self.model, [r.seq for r in group])
-        config = self.model.config
-        names = [n for r in group if r.seq.capture is not None for n in r.seq.capture.names]
-        work = len(group) * max(len(r.seq.prompt) for r in group) * pass_blocks(config, names)
-        self._owed = max(0, math.ceil(work / (self.prefill_chunk * config.n_layer)) - 1)
+        tokens = self._pass_tokens([r.seq for r in group])
+        if tokens > self.prefill_chunk:  # more than the step's chunk: owed to the batch's decoding rows
+            self._batch.charge(round(tokens))
         for request in group:
             if request.seq.error is not None:
                 self._end_with(request, request.seq.error)
             else:
                 self._finish(request)
         self._send()  # their results now, not after the decode pass that follows
+
+    def _pass_tokens(self, seqs: list[SequenceState]) -> float:
+        """The work of a `prefill_prompts` pass over `seqs`, in tokens through every block: B x the longest, to
+        the last hook any captures (`pass_blocks`)."""
+        config = self.model.config
+        names = [n for s in seqs if s.capture is not None for n in s.capture.names]
+        return len(seqs) * max(len(s.prompt) for s in seqs) * pass_blocks(config, names) / config.n_layer
 
     def _post(self, request: _Request, item: TokenEvent | Completion | BaseException) -> None:
         """`item` for `request`'s queue, sent with the rest of this step's at its end (`_send`)."""

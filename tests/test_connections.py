@@ -389,7 +389,7 @@ def test_a_body_that_is_not_http_is_counted_and_logged_as_its_400(
         with r.connect() as sock:
             sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
             assert parse(read_until_closed(sock))[0] == 400
-        wait_until(lambda: "is not valid HTTP/1.1: answered 400" in caplog.text, timeout=GUARD)
+        wait_until(lambda: "could not be read as HTTP/1.1: answered 400" in caplog.text, timeout=GUARD)
         assert_good_request(r, auth)
     assert not [rec.getMessage() for rec in warned if "Invalid HTTP request" in rec.getMessage()]
 

@@ -389,20 +389,30 @@ def test_a_hooked_prompt_is_prefilled_in_chunks_unless_its_edits_need_it_whole(l
         torch.testing.assert_close(got.activations[name], want.activations[name], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize(("dump", "streaming"), [(False, True), (True, True), (False, False), (True, False)])
+WHOLE_AFTER = {  # (first, second, a stream decoding) -> steps from the first whole prompt's pass to the second's
+    ("generation", "generation", True): 4,  # through every block, 4 chunks: 3 steps more
+    ("dump", "dump", True): 2,  # to block 0 of 2, 2 chunks: 1 more
+    ("dump", "generation", True): 2,  # 1 more, owed to the same batch
+    ("generation", "generation", False): 1,
+    ("dump", "dump", False): 1,
+    ("dump", "generation", False): 0,  # the dump's pass, then the batch's step
+}
+
+
+@pytest.mark.parametrize(("first", "second", "streaming"), list(WHOLE_AFTER))
 def test_whole_prompts_sent_back_to_back_wait_for_the_steps_they_took(
-    loaded: LoadedModel, dump: bool, streaming: bool
+    loaded: LoadedModel, first: str, second: str, streaming: bool
 ) -> None:
     """Two 64-token prompts whose `mean` edit needs each whole, at chunks of 16, beside a decoding stream: the
-    second's pass waits for the steps the first took beyond its own step's (as a generation's, through every
-    block, 4 chunks: 3 steps more; as a dump's, to block 0 of 2, 2 chunks: 1 more), so that such prompts sent
+    second's pass waits for the steps the first took beyond its own step's (`DecodeBatch.owed`, whether the
+    first was a generation's, through every block, or a dump's pass to its last hook), so that such prompts sent
     back to back slow the streams as chunked prompts do (two clients sending 1,000-token ones held a server's
     streams at 0.9 tokens/s, from 40), those rows decoding meanwhile with the waiting row beside them. With no
-    stream, a dump's pass does not wait, and a generation's waits for the first's own decode step only."""
+    stream decoding, nothing waits."""
     prompts = [[(7 * t + k) % 50000 for t in range(64)] for k in (1, 2)]
     spec = EditSpec((Edit("blocks.0.hook_mlp_out", "mean"),))
     names = ["blocks.0.hook_resid_post"]
-    params = SamplingParams(max_new_tokens=0) if dump else greedy_params(2, ignore_eos=True)
+    params = {"dump": SamplingParams(max_new_tokens=0), "generation": greedy_params(2, ignore_eos=True)}
     steps = 0
     passes: list[int] = []  # the step each whole prompt's pass ran in
 
@@ -427,7 +437,9 @@ def test_whole_prompts_sent_back_to_back_wait_for_the_steps_they_took(
             engine._step_batch = step  # type: ignore[method-assign]
             hook = engine.model.wte.register_forward_pre_hook(entered)
             try:
-                results = [await s.result() for s in engine.submit(prompts, [params] * 2, names, spec)]
+                (a,) = engine.submit([prompts[0]], [params[first]], names, spec)
+                (b,) = engine.submit([prompts[1]], [params[second]], names, spec)
+                results = [await a.result(), await b.result()]
             finally:
                 hook.remove()
             if stream is not None:
@@ -435,13 +447,45 @@ def test_whole_prompts_sent_back_to_back_wait_for_the_steps_they_took(
             return results
 
     results = run(main())
-    assert len(passes) == 2, passes
-    assert passes[1] - passes[0] == ((2 if dump else 4) if streaming else (1 if dump else 2)), passes
+    assert len(passes) == 2 and passes[1] - passes[0] == WHOLE_AFTER[first, second, streaming], passes
     for prompt, result in zip(prompts, results, strict=True):
         alone = run_with_cache(loaded.model, prompt, names, spec.hooks(loaded.model.config, 64))
         assert result.activations is not None
         got = result.activations[names[0]][:, :64]  # the prompt's positions (a generation's go on)
         torch.testing.assert_close(got, alone[names[0]], rtol=1e-4, atol=1e-4)
+
+
+def test_a_cheap_dump_goes_before_a_whole_prompt_that_waits(loaded: LoadedModel) -> None:
+    """Behind a 96-token `mean` dump, whose pass makes the next such pass wait for the stream's steps, a
+    4-token dump without edits, whose pass costs less than a chunk, is not held: it takes the next step."""
+    spec = EditSpec((Edit("blocks.0.hook_mlp_out", "mean"),))
+    names = ["blocks.0.hook_resid_post"]
+    widths: list[int] = []  # tokens of each dump's pass, in the order they ran
+
+    async def main() -> None:
+        with running(loaded, max_batch_size=4, prefill_chunk=16) as engine:
+            (stream,) = engine.submit([[464]], [greedy_params(LONG, ignore_eos=True)])
+            await first_event(stream)
+
+            def entered(_: Any, args: tuple[torch.Tensor, ...]) -> None:
+                if args[0].numel() > 2:  # not a decode step
+                    widths.append(args[0].numel())
+
+            hook = engine.model.wte.register_forward_pre_hook(entered)
+            try:
+                dumps = [
+                    *engine.submit([list(range(1, 97))], [SamplingParams(max_new_tokens=0)], names, spec),
+                    *engine.submit([list(range(1, 97))], [SamplingParams(max_new_tokens=0)], names, spec),
+                    *engine.submit([[5, 6, 7, 8]], [SamplingParams(max_new_tokens=0)], names),
+                ]
+                for d in dumps:
+                    await d.result()
+            finally:
+                hook.remove()
+            stream.cancel()
+
+    run(main())
+    assert widths == [96, 4, 96], widths
 
 
 @pytest.mark.parametrize("chunk", [None, 16])

@@ -20,6 +20,7 @@ from model import kernels
 from model.analysis import NextTokenPass
 from model.generate import Completion, GenerationError, TokenLogprob, validate_prompt
 from model.hooks import is_optional, select_hooks
+from model.lab.sae import TokenFeatures
 from model.loading import LoadedModel
 
 from .. import encoding
@@ -260,7 +261,7 @@ class _Reply:
         (the SAE's hook is captured for the reader, and left out of the dump unless asked for)."""
         self.engine, self.spec, self.reader = engine, spec, reader
         self.hooks = None if hooks is None else set(hooks)
-        self.features: dict[int, list[dict[str, Any]]] = {}  # each choice's, by its index (`read_features`)
+        self.features: dict[int, list[TokenFeatures]] = {}  # each choice's, by its index, until it is sent
         self.id = "gen-" + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -285,7 +286,7 @@ class _Reply:
         if self.spec is not None and c.activations is not None:
             out["activations"] = self._activations(c)
         if c.index in self.features:
-            out["features"] = self.features[c.index]
+            out["features"] = FeatureReader.json(self.features.pop(c.index))
         return out
 
     async def read_features(self, c: Completion, request: Request | None) -> None:
@@ -293,7 +294,7 @@ class _Reply:
         the answer is built (`request` None in a stream, whose end stops the reading)."""
         if self.reader is not None and c.activations is not None:
             x = c.activations[self.reader.hook][0]  # [T, *site]
-            self.features[c.index] = await self.reader.json(request, self.engine, x)
+            self.features[c.index] = await self.reader.read(request, self.engine, x)
 
     def _activations(self, c: Completion) -> Any:
         assert self.spec is not None and c.activations is not None
@@ -374,7 +375,7 @@ class _Reply:
         if self.spec is not None:
             extra["activations"] = self._activations(c)
         if c.index in self.features:
-            extra["features"] = self.features[c.index]
+            extra["features"] = FeatureReader.json(self.features.pop(c.index))
         return encoding.json_bytes(final | extra)
 
 

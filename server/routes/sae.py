@@ -112,12 +112,17 @@ class FeatureReader:
     def hook(self) -> str:
         return self.sae.cfg.hook_name
 
-    async def json(self, request: Request | None, engine: Engine, x: torch.Tensor) -> list[dict[str, Any]]:
-        """Per position of `x` [T, *site], the model's values at the SAE's hook, its features in JSON: read a
-        part at a time, each an engine job (`stepped`: a client gone stops it; `request` None in a stream)."""
+    async def read(self, request: Request | None, engine: Engine, x: torch.Tensor) -> list[TokenFeatures]:
+        """Per position of `x` [T, *site], the model's values at the SAE's hook, its features: read a part at a
+        time, each an engine job (`stepped`: a client gone stops it; `request` None in a stream)."""
         reading = FeatureReading(self.sae, x, self.top_k, self.ids)
         await stepped(request, engine, reading, begun=True)  # the pass is done: not refused for a full queue
-        return [_row(r) for r in reading.rows]
+        return reading.rows
+
+    @staticmethod
+    def json(rows: list[TokenFeatures]) -> list[dict[str, Any]]:
+        """`read`'s rows as the answer gives them (built off the event loop: 138 ms at 1,024 tokens of 1,024)."""
+        return [_row(r) for r in rows]
 
     def _k_and_field(self) -> tuple[int, str]:
         """Features a position holds at most, and the field that chose them."""
@@ -218,7 +223,7 @@ async def features(
     if req.format == "safetensors":
         blob = await run_in_threadpool(_file, rows, body)
         return Response(blob, media_type="application/octet-stream")
-    return await json_response(lambda: body | {"features": [_row(r) for r in rows]})  # NaN, inf: null
+    return await json_response(lambda: body | {"features": FeatureReader.json(rows)})  # NaN, inf: null
 
 
 def _file(rows: list[TokenFeatures], meta: dict[str, Any]) -> bytes:
