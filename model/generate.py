@@ -747,8 +747,9 @@ class DecodeBatch:
         """The prompt tokens to prefill this step, as (row, start, end), in the order the rows joined; a whole
         prompt (`needs_whole_prompt`) not while the passes before it are owed steps (`owes`)."""
         budget = self.prefill_chunk
-        waits = self.owes()
-        if not self._decoding():
+        decoding = self._decoding()
+        waits = self.owed > 0 and decoding  # `owes`
+        if not decoding:
             self.owed = 0  # no row to make it up to
         elif budget is not None:
             self.owed = max(0, self.owed - budget)  # this step's chunk, made up
@@ -767,7 +768,7 @@ class DecodeBatch:
                 chunks.append((b, seq.prefilled, end))
                 if budget is not None:
                     budget -= end - seq.prefilled
-        if budget is not None and budget < 0 and self._decoding():  # a whole prompt took more than the chunk
+        if budget is not None and budget < 0 and decoding:  # a whole prompt took more than the chunk
             self.owed += -budget
         return chunks
 

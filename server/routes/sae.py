@@ -206,9 +206,7 @@ async def features(
             f"the edits drove {sae.cfg.hook_name} to inf or NaN: no features to read", "interventions"
         )
 
-    reading = FeatureReading(sae, x, reader.top_k, reader.ids)
-    await stepped(request, engine, reading, begun=True)  # the pass is done: not refused for a full queue
-    rows = reading.rows
+    rows = await reader.read(request, engine, x)
     tokens = (completion.prompt_ids + completion.token_ids)[: x.shape[0]]
     text = engine.tokenizer.token_text
     body = {
