@@ -5,9 +5,7 @@ the connection closes, an idle keep-alive connection is closed, a request beyond
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import itertools
 import json
 import logging
 import re
@@ -32,7 +30,7 @@ from server import encoding
 from server.app import create_app
 from server.cli import _bind
 from server.connections import uvicorn_config
-from server.middleware import SlicedBodies, Sparse
+from server.middleware import Sparse
 from server.settings import parse_settings
 
 GUARD = 60.0  # seconds a socket waits before the test fails as hung (a guard, not a measured bound)
@@ -707,44 +705,6 @@ def test_a_client_that_leaves_during_its_answer_is_sent_no_more(
     assert [(line["path"], line["status"], line["cut"]) for line in cut] == 3 * [
         ("/v1/activations", 200, "client_left")
     ]
-
-
-def test_each_piece_of_a_stream_gives_the_event_loop_a_turn() -> None:
-    """A stream's pieces, sent one after another by an app that has them ready (a stream's events waiting in
-    its queue), each give the event loop a turn before the next (`SlicedBodies`), as a large answer's slices do:
-    a send into a connection the client has reset fails without waiting, and uvicorn learns the client is gone
-    only in a later turn, so pieces sent in one turn went into the closed connection, asyncio logging "socket.
-    send() raised exception." from the fifth on (over a thousand lines in 40 s from two clients that each read
-    six events of a stream and closed it, again and again)."""
-
-    async def app(scope: Any, receive: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        for i in range(6):
-            await send({"type": "http.response.body", "body": b"data: %d\n\n" % i, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    turns = 0  # loop turns taken so far, as callbacks scheduled at each send run
-    seen: list[int] = []  # the turns taken before each body piece was sent
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-
-        def turn() -> None:
-            nonlocal turns
-            turns += 1
-
-        async def send(message: Any) -> None:
-            if message["type"] == "http.response.body":
-                seen.append(turns)
-            loop.call_soon(turn)
-
-        async def receive() -> Any:
-            return {"type": "http.request", "body": b"", "more_body": False}
-
-        await SlicedBodies(app)({"type": "http", "method": "POST", "path": "/"}, receive, send)
-
-    asyncio.run(main())
-    assert len(seen) == 7 and all(later > earlier for earlier, later in itertools.pairwise(seen)), seen
 
 
 def test_a_client_that_leaves_during_its_body_is_a_499(loaded: LoadedModel) -> None:
