@@ -2,7 +2,8 @@
 
 A dump can be hundreds of megabytes. The routes refuse it (413) when its size on the wire, known before
 running, is over the server's limit, and encode it on a worker thread, a piece of a few megabytes at a
-time: the event loop's thread gets the GIL back between pieces, so other requests keep being served.
+time: the event loop's thread gets the GIL back between pieces, so other requests keep being served, and
+an encoding whose client has left stops at its next piece.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import torch
 from model.config import GPTConfig
 from model.dump import dump_pieces
 from model.hooks import is_attention_square, site_shape
+
+from .errors import GONE, APIError
+from .middleware import client_left
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 Wire = Literal["json", "safetensors_base64", "safetensors"]
@@ -129,10 +133,18 @@ def to_json(tensors: dict[str, torch.Tensor], dtype: str) -> dict[str, Any]:
     return out
 
 
+def unless_client_left() -> None:
+    """A long encoding asks between its pieces: where the client has left, it stops with the 499 that no one
+    reads, rather than write the rest of an answer for no one (seconds of a core, for a dump)."""
+    if client_left():
+        raise APIError(499, GONE)
+
+
 def _nested_lists(t: torch.Tensor, out: list[bytes]) -> None:
     """Append `t` as JSON nested lists to `out`, written a block of rows (at most `ENCODE_VALUES` numbers,
     or one row) at a time."""
     if t.dim() <= 1 or t.numel() <= ENCODE_VALUES:
+        unless_client_left()
         out.append(pydantic_core.to_json(t.tolist(), inf_nan_mode="null"))
         return
     out.append(b"[")
@@ -163,6 +175,8 @@ def to_safetensors_base64(tensors: dict[str, torch.Tensor], dtype: str, metadata
             out.append(base64.b64encode(carry))
             carry = b""
         whole = len(view) - len(view) % 3
-        out.extend(base64.b64encode(view[i : min(i + step, whole)]) for i in range(0, whole, step))
+        for i in range(0, whole, step):
+            unless_client_left()
+            out.append(base64.b64encode(view[i : min(i + step, whole)]))
         carry = bytes(view[whole:])
     return RawJSON([*out, base64.b64encode(carry), b'"'])

@@ -17,6 +17,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from typing import Any
 from urllib.parse import unquote
 
@@ -66,6 +67,16 @@ CUT = "gpt2.cut"
 # app saw the client go: work that does not watch for it, such as an answer built on a worker thread, would
 # otherwise be logged with the status of an answer never sent.
 LEFT = "gpt2.left"
+# The request a task answers (the guard sets it): the task's work, and what it runs on worker threads (in a
+# copy of its context), can ask whether its client has left (`client_left`).
+_REQUEST: ContextVar[Scope | None] = ContextVar("gpt2_request", default=None)
+
+
+def client_left() -> bool:
+    """Whether the client of the request being answered left before its answer began (`LEFT`): what the
+    request still does is for no one. (Known where the connection layer is gpt2-serve's; under another, never.)"""
+    scope = _REQUEST.get()
+    return scope is not None and bool(scope.get(LEFT))
 
 
 def request_id_of(scope: Scope) -> str:
@@ -179,6 +190,7 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
+        _REQUEST.set(scope)  # in this request's task, which has a context of its own
         origin_form(scope)
         # what the request was sent to, for the metrics, kept as it came (a Mount rewrites its scope's root_path)
         target = {key: scope[key] for key in ("type", "method", "path", "root_path") if key in scope}

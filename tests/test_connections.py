@@ -30,6 +30,7 @@ from server import encoding
 from server.app import create_app
 from server.cli import _bind
 from server.connections import uvicorn_config
+from server.engine import Engine
 from server.middleware import Sparse
 from server.settings import parse_settings
 
@@ -705,6 +706,89 @@ def test_a_client_that_leaves_during_its_answer_is_sent_no_more(
     assert [(line["path"], line["status"], line["cut"]) for line in cut] == 3 * [
         ("/v1/activations", 200, "client_left")
     ]
+
+
+def test_a_stream_its_client_resets_is_sent_no_more(
+    loaded: LoadedModel, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream whose client resets the connection while the event loop is busy (held for 0.2 s here), the
+    events of several decode steps waiting: they went out in one turn of the loop, the first write failing and
+    the others into the closed connection before uvicorn learned that the client had gone, and asyncio logged
+    "socket.send() raised exception." for the fifth on. Now they are dropped; each answer is counted as cut by
+    its client, and the server serves on. (Each step is made to take 20 ms, so that the stream still goes.)"""
+    step = Engine._step
+
+    def slow_step(engine: Engine) -> None:
+        step(engine)
+        time.sleep(0.02)
+
+    monkeypatch.setattr(Engine, "_step", slow_step)
+    with running(loaded) as r, caplog.at_level("WARNING", logger="asyncio"):
+        loop = r.server.servers[0].get_loop()
+        for n in range(1, 4):
+            sock = r.connect()
+            body = json.dumps(
+                {"input_ids": [464], "max_new_tokens": 64, "ignore_eos": True, "temperature": 0, "stream": True}
+            )
+            head = f"POST {GEN} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n{body}".encode())
+            got = b""
+            while got.count(b"data: ") < 2:
+                chunk = sock.recv(1 << 16)
+                assert chunk, got.decode("latin-1")
+                got += chunk
+            held = threading.Event()
+
+            def hold(held: threading.Event = held) -> None:
+                held.set()
+                time.sleep(0.2)
+
+            loop.call_soon_threadsafe(hold)
+            assert held.wait(GUARD)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            sock.close()  # a reset, while the loop is held
+            counted = f'gpt2_answers_cut_total{{reason="client_left",route="{GEN}"}} {n}.0'
+            wait_until(lambda c=counted: c in httpx.get(r.url + "/metrics", timeout=GUARD).text, timeout=GUARD)
+        assert_good_request(r)
+    sent_to_nobody = [rec.getMessage() for rec in caplog.records if "socket.send() raised" in rec.getMessage()]
+    assert sent_to_nobody == []
+
+
+def test_an_answer_whose_client_left_is_not_encoded_on(
+    loaded: LoadedModel, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A generation's JSON dump (the logits at 100 positions: a piece a row) whose client resets the connection
+    while a worker thread encodes it: the encoding stops at its next piece (it went on to the end, for no one),
+    the request is logged as a 499 and its share of the dump budget is given back, and the server serves on.
+    (Each piece is made to take 20 ms, so that the client leaves in the middle.)"""
+    pieces: list[int] = []
+    begun = threading.Event()
+    nested_lists = encoding._nested_lists
+
+    def slow_nested_lists(t: Any, out: list[bytes]) -> None:  # the function calls itself by this name too
+        if t.dim() <= 1:
+            pieces.append(len(pieces))
+            begun.set()
+            time.sleep(0.02)
+        nested_lists(t, out)
+
+    monkeypatch.setattr(encoding, "_nested_lists", slow_nested_lists)
+    with running(loaded, max_activation_bytes=256 * 2**20) as r, caplog.at_level("INFO", logger="server.access"):
+        sock = r.connect()
+        body = json.dumps({"input_ids": list(range(99)), "max_new_tokens": 1, "activations": {"hooks": ["logits"]}})
+        head = f"POST {GEN} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        assert begun.wait(GUARD)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        sock.close()  # a reset
+        left_at = len(pieces)
+        lines = lambda: [json.loads(m) for m in caplog.messages if m.startswith("{") and GEN in m]  # noqa: E731
+        wait_until(lambda: len(lines()) == 1, timeout=GUARD)
+        assert lines()[0]["status"] == 499
+        assert len(pieces) <= left_at + 2, f"{len(pieces) - left_at} pieces encoded after the client left, of 100"
+        wait_until(lambda: in_flight(r) == 0, timeout=GUARD)
+        assert_good_request(r)
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
 
 
 def test_a_client_that_leaves_during_its_body_is_a_499(loaded: LoadedModel) -> None:

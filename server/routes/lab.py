@@ -150,6 +150,7 @@ async def analyze_prompt(
         stats, grads = measured
         pieces = [b"["]
         for n, s in enumerate(stats):
+            encoding.unless_client_left()  # a layer's text at a time
             layer = layer_json(s, text)
             if grads is not None:  # the same layers, in the same order
                 g = grads[n]
