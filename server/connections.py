@@ -404,14 +404,18 @@ class _BoundedH11Protocol(H11Protocol):
         await self._app(scope, receive, self._unless_closing(send))
 
     def _unless_closing(self, send: Send) -> Send:
-        """`send`, less the body of an answer whose connection is closing. A write into a connection the client
-        has reset fails, and asyncio closes the transport, but uvicorn learns that (`connection_lost`) only in a
-        later turn of the event loop; until then it writes each piece sent into the closed transport, and
-        asyncio logs "socket.send() raised exception." from the sixth on (a stream of 8 sequences sends 8
-        events in one turn after each decode step). Dropped here, as uvicorn drops them once it knows."""
+        """`send`, less the pieces of an answer's body (all but the last) sent while its connection closes. A
+        client that resets the connection fails the next write, or the next read, and asyncio closes the
+        transport, but uvicorn learns it (`connection_lost`) only in a later turn of the event loop; until then
+        it writes each piece sent into the closed transport, and asyncio logs "socket.send() raised exception."
+        for each from the fifth on (a stream's events of several decode steps go out in one turn where the loop
+        was busy). Dropped here, as uvicorn drops them once it knows. The last goes on: it marks the answer
+        complete (without it, an answer ready in the turn its client left ends with uvicorn's error "ASGI
+        callable returned without completing response"), one more write into the closed transport."""
 
         async def sending(message: Message) -> None:
-            if message["type"] == "http.response.body" and self.transport.is_closing():
+            closing = message["type"] == "http.response.body" and self.transport.is_closing()
+            if closing and message.get("more_body", False):
                 return
             await send(message)
 

@@ -20,7 +20,7 @@ from model.config import GPTConfig
 from model.dump import dump_pieces
 from model.hooks import is_attention_square, site_shape
 
-from .errors import GONE, APIError
+from .errors import ClientLeft
 from .middleware import client_left
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -134,10 +134,10 @@ def to_json(tensors: dict[str, torch.Tensor], dtype: str) -> dict[str, Any]:
 
 
 def unless_client_left() -> None:
-    """A long encoding asks between its pieces: where the client has left, it stops with the 499 that no one
-    reads, rather than write the rest of an answer for no one (seconds of a core, for a dump)."""
+    """A long encoding asks between its pieces: where the client has left, it stops (`ClientLeft`), rather
+    than write the rest of an answer for no one (seconds of a core, for a dump)."""
     if client_left():
-        raise APIError(499, GONE)
+        raise ClientLeft()
 
 
 def _nested_lists(t: torch.Tensor, out: list[bytes]) -> None:

@@ -57,6 +57,14 @@ class APIError(Exception):
         self.status, self.message, self.param, self.headers, self.code = status, message, param, headers, code
 
 
+class ClientLeft(APIError):
+    """Work stopped because the request's client has gone (`server.middleware.client_left`): the 499 that no
+    one reads, or, in a stream, its end."""
+
+    def __init__(self) -> None:
+        super().__init__(499, GONE)
+
+
 def error_response(
     status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None, code: str | None = None
 ) -> JSONResponse:

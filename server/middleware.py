@@ -73,10 +73,11 @@ _REQUEST: ContextVar[Scope | None] = ContextVar("gpt2_request", default=None)
 
 
 def client_left() -> bool:
-    """Whether the client of the request being answered left before its answer began (`LEFT`): what the
-    request still does is for no one. (Known where the connection layer is gpt2-serve's; under another, never.)"""
+    """Whether the client of the request being answered has left, before its answer began (`LEFT`) or during
+    it (`CUT`): what the request still does is for no one. (Known where the connection layer is gpt2-serve's;
+    under another, never.)"""
     scope = _REQUEST.get()
-    return scope is not None and bool(scope.get(LEFT))
+    return scope is not None and bool(scope.get(LEFT) or scope.get(CUT))
 
 
 def request_id_of(scope: Scope) -> str:

@@ -754,13 +754,15 @@ def test_a_stream_its_client_resets_is_sent_no_more(
     assert sent_to_nobody == []
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["answer", "stream"])
 def test_an_answer_whose_client_left_is_not_encoded_on(
-    loaded: LoadedModel, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    loaded: LoadedModel, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, stream: bool
 ) -> None:
-    """A generation's JSON dump (the logits at 100 positions: a piece a row) whose client resets the connection
-    while a worker thread encodes it: the encoding stops at its next piece (it went on to the end, for no one),
-    the request is logged as a 499 and its share of the dump budget is given back, and the server serves on.
-    (Each piece is made to take 20 ms, so that the client leaves in the middle.)"""
+    """A generation's JSON dump (the logits at 100 positions: a piece a row; streamed, in its last event) whose
+    client resets the connection while a worker thread encodes it: the encoding stops at its next piece (it
+    went on to the end, for no one), the request is logged as a 499 (streamed: its answer as cut by its client),
+    its share of the dump budget is given back, nothing is logged as an error, and the server serves on. (Each
+    piece is made to take 20 ms, so that the client leaves in the middle.)"""
     pieces: list[int] = []
     begun = threading.Event()
     nested_lists = encoding._nested_lists
@@ -773,9 +775,14 @@ def test_an_answer_whose_client_left_is_not_encoded_on(
         nested_lists(t, out)
 
     monkeypatch.setattr(encoding, "_nested_lists", slow_nested_lists)
-    with running(loaded, max_activation_bytes=256 * 2**20) as r, caplog.at_level("INFO", logger="server.access"):
+    with (
+        running(loaded, max_activation_bytes=256 * 2**20) as r,
+        uvicorn_log(logging.ERROR) as errors,
+        caplog.at_level("INFO", logger="server.access"),
+    ):
         sock = r.connect()
-        body = json.dumps({"input_ids": list(range(99)), "max_new_tokens": 1, "activations": {"hooks": ["logits"]}})
+        request = {"input_ids": list(range(99)), "max_new_tokens": 1, "activations": {"hooks": ["logits"]}}
+        body = json.dumps(request | {"stream": stream})
         head = f"POST {GEN} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n{body}".encode())
         assert begun.wait(GUARD)
@@ -784,11 +791,59 @@ def test_an_answer_whose_client_left_is_not_encoded_on(
         left_at = len(pieces)
         lines = lambda: [json.loads(m) for m in caplog.messages if m.startswith("{") and GEN in m]  # noqa: E731
         wait_until(lambda: len(lines()) == 1, timeout=GUARD)
-        assert lines()[0]["status"] == 499
+        assert (lines()[0]["status"], lines()[0].get("cut")) == ((200, "client_left") if stream else (499, None))
         assert len(pieces) <= left_at + 2, f"{len(pieces) - left_at} pieces encoded after the client left, of 100"
         wait_until(lambda: in_flight(r) == 0, timeout=GUARD)
         assert_good_request(r)
-    assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+    assert not [rec.getMessage() for rec in [*caplog.records, *errors] if rec.levelno >= logging.ERROR]
+
+
+def test_an_answer_ready_in_the_turn_its_client_leaves_ends_quietly(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An answer whose JSON a worker thread finishes while the event loop is busy, its client resetting or
+    closing the connection meanwhile: the answer's turn comes before the loop reads the close. Its last piece
+    still reaches uvicorn, which has the answer complete (dropped, as the pieces before it are, uvicorn logged
+    "ASGI callable returned without completing response" as an error), and the server serves on."""
+    started, proceed, built = threading.Event(), threading.Event(), threading.Event()
+    json_bytes = encoding.json_bytes
+
+    def held_json_bytes(content: Any) -> bytes:
+        started.set()
+        proceed.wait(GUARD)
+        body = json_bytes(content)
+        built.set()
+        return body
+
+    monkeypatch.setattr(encoding, "json_bytes", held_json_bytes)
+    for how in ("reset", "close"):
+        for event in (started, proceed, built):
+            event.clear()
+        with running(loaded) as r, uvicorn_log(logging.ERROR) as errors:
+            loop = r.server.servers[0].get_loop()
+            held, release = threading.Event(), threading.Event()
+
+            def hold(held: threading.Event = held, release: threading.Event = release) -> None:
+                held.set()
+                release.wait(GUARD)
+
+            sock = r.connect()
+            body = json.dumps({"input_ids": [464], "max_new_tokens": 2, "temperature": 0})
+            head = f"POST {GEN} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n{body}".encode())
+            assert started.wait(GUARD)
+            loop.call_soon_threadsafe(hold)
+            assert held.wait(GUARD)  # the loop is busy
+            proceed.set()
+            assert built.wait(GUARD)
+            time.sleep(0.1)  # the answer's JSON is handed back: it waits for the loop
+            if how == "reset":
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            sock.close()
+            time.sleep(0.1)  # the close waits for the loop too
+            release.set()
+            assert_good_request(r)
+        assert [rec.getMessage() for rec in errors] == [], how
 
 
 def test_a_client_that_leaves_during_its_body_is_a_499(loaded: LoadedModel) -> None:

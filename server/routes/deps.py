@@ -29,7 +29,7 @@ from model.tokenizer import InvalidTextError
 
 from .. import encoding
 from ..engine import Engine, QueueFull, RequestStream
-from ..errors import GONE, APIError, error_body, generation_error_body
+from ..errors import GONE, APIError, ClientLeft, error_body, generation_error_body
 from ..metrics import Metrics
 from ..middleware import SlicedBodies
 from ..schemas import Edits
@@ -500,6 +500,8 @@ def sse(events: AsyncIterator[dict[str, Any] | bytes]) -> StreamingResponse:
             async for event in events:
                 data = event if isinstance(event, bytes) else json.dumps(event).encode()
                 yield b"data: " + data + b"\n\n"
+        except ClientLeft:  # its last event's dump stopped encoding: no one reads the rest
+            return
         except GenerationError as e:  # this request's own fault, found mid-stream (e.g. its edits blew up)
             yield f"data: {json.dumps(generation_error_body(e))}\n\n".encode()
         except Exception as e:  # the status line is gone already: say it in the stream
