@@ -402,6 +402,13 @@ class _BoundedH11Protocol(H11Protocol):
                 f"{older} opened before this one"
             )
         await self._app(scope, receive, self._unless_closing(send))
+        cycle = self.cycle
+        if scope.get(CUT) == "drain" and cycle is not None and cycle.scope is scope and not cycle.response_complete:
+            # an answer the shutdown cut at the end of its drain (the guard logged it so): its connection closes,
+            # without its end, as uvicorn would close it, but without uvicorn's error "ASGI callable returned
+            # without completing response"
+            cycle.disconnected = True
+            self.transport.close()
 
     def _unless_closing(self, send: Send) -> Send:
         """`send`, less the pieces of an answer's body (all but the last) sent while its connection closes. A

@@ -42,6 +42,12 @@ class Running:
     server: uvicorn.Server
     host: str
     port: int
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        """Shut the server down now (as the block's end would): its drain runs, then it exits."""
+        self.server.should_exit = True
+        self.thread.join(GUARD)
 
     @property
     def url(self) -> str:
@@ -65,7 +71,7 @@ def running(loaded: LoadedModel, **overrides: Any) -> Iterator[Running]:
     thread.start()
     try:
         wait_until(lambda: server.started, timeout=GUARD)
-        yield Running(server, "127.0.0.1", port)
+        yield Running(server, "127.0.0.1", port, thread)
     finally:
         server.should_exit = True
         thread.join(GUARD)
@@ -82,7 +88,8 @@ def strict(loaded: LoadedModel) -> Iterator[Running]:
 @contextmanager
 def uvicorn_log(level: int) -> Iterator[list[logging.LogRecord]]:
     """The records uvicorn's error log takes at `level` and above while the block runs (that log does not
-    propagate to caplog's handler)."""
+    propagate to caplog's handler). Enter it once the server is `running`: configuring uvicorn (its
+    `dictConfig`) takes every handler off that log."""
     records: list[logging.LogRecord] = []
     logger = logging.getLogger("uvicorn.error")
     catch = logging.Handler(level)
@@ -373,7 +380,7 @@ def test_a_body_that_is_not_http_is_counted_and_logged_as_its_400(
     warning, one a request and without the address, at debug). So too where the guard would have refused it
     before reading its body (a 401, the bad chunk come with the headers): the client was sent the 400."""
     auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    with uvicorn_log(logging.WARNING) as warned, running(loaded, api_key=api_key) as r, caplog.at_level("INFO"):
+    with running(loaded, api_key=api_key) as r, uvicorn_log(logging.WARNING) as warned, caplog.at_level("INFO"):
         with r.connect() as sock:
             head = b"POST /tokenize HTTP/1.1\r\nHost: x\r\nX-Request-Id: chunky-1\r\n"
             head += b"Transfer-Encoding: chunked\r\n\r\n"
@@ -657,23 +664,28 @@ def test_an_answer_the_drain_cuts_is_logged_as_cut_not_as_an_error(
     """A 20 MB dump to a client that reads none of it when the server shuts down: at the end of the drain
     (0.5 s here) the answer is cut, its access-log line says `"cut": "drain"` and the guard warns of it with
     its id; uvicorn's error for an answer the app did not complete is not logged (the shutdown cut it)."""
-    with uvicorn_log(logging.INFO) as logged:
-        limits = {"write_timeout": 60.0, "drain_timeout": 0.5, "max_activation_bytes": 64 * 2**20}
-        with caplog.at_level("INFO"), socket.socket() as sock, running(loaded, **limits) as r:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
-            sock.settimeout(GUARD)
-            sock.connect((r.host, r.port))
-            body = json.dumps({"input_ids": list(range(100)), "activations": {"hooks": ["logits"]}}).encode()
-            head = "POST /v1/activations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
-            assert sock.recv(4096).startswith(b"HTTP/1.1 200")  # the answer has begun
-            wait_until(lambda: in_flight(r) > 0, timeout=GUARD)
-        # the server has shut down, the answer cut at the drain's end
+    limits = {"write_timeout": 60.0, "drain_timeout": 0.5, "max_activation_bytes": 64 * 2**20}
+    with (
+        caplog.at_level("INFO"),
+        socket.socket() as sock,
+        running(loaded, **limits) as r,
+        uvicorn_log(logging.INFO) as logged,
+    ):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+        sock.settimeout(GUARD)
+        sock.connect((r.host, r.port))
+        body = json.dumps({"input_ids": list(range(100)), "activations": {"hooks": ["logits"]}}).encode()
+        head = "POST /v1/activations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")  # the answer has begun
+        wait_until(lambda: in_flight(r) > 0, timeout=GUARD)
+        r.stop()  # the server shuts down, the answer cut at the drain's end
     lines = [json.loads(m) for m in caplog.messages if m.startswith("{")]
     assert [(line["status"], line.get("cut")) for line in lines if line["path"] == "/v1/activations"] == [
         (200, "drain")
     ], lines
     assert "cut by the shutdown at the end of its drain timeout" in caplog.text
+    assert any("Shutting down" in rec.getMessage() for rec in logged)  # the log is read
     assert not [rec.getMessage() for rec in logged if "without completing" in rec.getMessage()]
 
 
