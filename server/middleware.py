@@ -74,8 +74,8 @@ _REQUEST: ContextVar[Scope | None] = ContextVar("gpt2_request", default=None)
 
 def client_left() -> bool:
     """Whether the client of the request being answered has left, before its answer began (`LEFT`) or during
-    it (`CUT`): what the request still does is for no one. (Known where the connection layer is gpt2-serve's;
-    under another, never.)"""
+    it (`CUT`): what the request still does is for no one. (Known as it happens where the connection layer is
+    gpt2-serve's; under Ray Serve's, only a cut, once the host has given the request up.)"""
     scope = _REQUEST.get()
     return scope is not None and bool(scope.get(LEFT) or scope.get(CUT))
 
