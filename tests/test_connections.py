@@ -215,6 +215,31 @@ def http_exchange(sock: socket.socket, request: bytes) -> tuple[int, dict[str, s
     return parse(head + b"\r\n\r\n" + body)
 
 
+def post_json(sock: socket.socket, path: str, body: dict[str, Any]) -> None:
+    """Send a POST of `body` as JSON on `sock` (its answer is the caller's to read)."""
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    sock.sendall(head.encode() + data)
+
+
+def reset(sock: socket.socket) -> None:
+    """Close `sock` with a reset, as a client that gives up may, rather than in order."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    sock.close()
+
+
+def hold_loop(r: Running, release: threading.Event) -> None:
+    """Keep the server's event loop busy until `release` is set; returns once it is busy."""
+    held = threading.Event()
+
+    def hold() -> None:
+        held.set()
+        release.wait(GUARD)
+
+    r.server.servers[0].get_loop().call_soon_threadsafe(hold)
+    assert held.wait(GUARD)
+
+
 HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
 MODELS = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"  # a route the cap applies to (not /health: test_deploy.py)
 
@@ -635,10 +660,7 @@ def test_a_client_that_reads_none_of_its_answer_holds_its_dump_until_it_is_dropp
         sock.settimeout(GUARD)
         sock.connect((r.host, r.port))
         with sock:
-            body = json.dumps({"input_ids": list(range(100)), "activations": {"hooks": ["logits"]}}).encode()
-            head = "POST /v1/activations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            head += f"Content-Length: {len(body)}\r\n\r\n"
-            sock.sendall(head.encode() + body)
+            post_json(sock, "/v1/activations", {"input_ids": list(range(100)), "activations": {"hooks": ["logits"]}})
             got = sock.recv(4096)  # the answer has begun: its head and a first piece of the body
             time.sleep(0.5)  # long after a request whose answer went whole into the send buffer had ended
             assert in_flight(r) > 0  # still reserved: the answer waits for the client, a slice at a time
@@ -674,9 +696,7 @@ def test_an_answer_the_drain_cuts_is_logged_as_cut_not_as_an_error(
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
         sock.settimeout(GUARD)
         sock.connect((r.host, r.port))
-        body = json.dumps({"input_ids": list(range(100)), "activations": {"hooks": ["logits"]}}).encode()
-        head = "POST /v1/activations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        post_json(sock, "/v1/activations", {"input_ids": list(range(100)), "activations": {"hooks": ["logits"]}})
         assert sock.recv(4096).startswith(b"HTTP/1.1 200")  # the answer has begun
         wait_until(lambda: in_flight(r) > 0, timeout=GUARD)
         r.stop()  # the server shuts down, the answer cut at the drain's end
@@ -700,14 +720,11 @@ def test_a_client_that_leaves_during_its_answer_is_sent_no_more(
     with running(loaded, max_activation_bytes=64 * 2**20) as r, caplog.at_level("INFO", logger="server.access"):
         for _ in range(3):
             sock = socket.create_connection((r.host, r.port), timeout=GUARD)
-            body = json.dumps({"input_ids": list(range(100)), "activations": {"hooks": ["logits"]}}).encode()
-            head = "POST /v1/activations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            post_json(sock, "/v1/activations", {"input_ids": list(range(100)), "activations": {"hooks": ["logits"]}})
             got = b""
             while len(got) < 1 << 19:
                 got += sock.recv(1 << 16)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-            sock.close()  # a reset
+            reset(sock)
             wait_until(lambda: in_flight(r) == 0, timeout=GUARD)
         assert_good_request(r)
         counted = 'gpt2_answers_cut_total{reason="client_left",route="/v1/activations"} 3.0'
@@ -736,29 +753,20 @@ def test_a_stream_its_client_resets_is_sent_no_more(
 
     monkeypatch.setattr(Engine, "_step", slow_step)
     with running(loaded) as r, caplog.at_level("WARNING", logger="asyncio"):
-        loop = r.server.servers[0].get_loop()
         for n in range(1, 4):
             sock = r.connect()
-            body = json.dumps(
-                {"input_ids": [464], "max_new_tokens": 64, "ignore_eos": True, "temperature": 0, "stream": True}
-            )
-            head = f"POST {GEN} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n{body}".encode())
+            stream = {"input_ids": [464], "max_new_tokens": 64, "ignore_eos": True, "temperature": 0, "stream": True}
+            post_json(sock, GEN, stream)
             got = b""
             while got.count(b"data: ") < 2:
                 chunk = sock.recv(1 << 16)
                 assert chunk, got.decode("latin-1")
                 got += chunk
-            held = threading.Event()
-
-            def hold(held: threading.Event = held) -> None:
-                held.set()
-                time.sleep(0.2)
-
-            loop.call_soon_threadsafe(hold)
-            assert held.wait(GUARD)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-            sock.close()  # a reset, while the loop is held
+            release = threading.Event()
+            hold_loop(r, release)
+            reset(sock)  # while the loop is held
+            time.sleep(0.2)
+            release.set()
             counted = f'gpt2_answers_cut_total{{reason="client_left",route="{GEN}"}} {n}.0'
             wait_until(lambda c=counted: c in httpx.get(r.url + "/metrics", timeout=GUARD).text, timeout=GUARD)
         assert_good_request(r)
@@ -794,12 +802,9 @@ def test_an_answer_whose_client_left_is_not_encoded_on(
     ):
         sock = r.connect()
         request = {"input_ids": list(range(99)), "max_new_tokens": 1, "activations": {"hooks": ["logits"]}}
-        body = json.dumps(request | {"stream": stream})
-        head = f"POST {GEN} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        post_json(sock, GEN, request | {"stream": stream})
         assert begun.wait(GUARD)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-        sock.close()  # a reset
+        reset(sock)
         left_at = len(pieces)
         lines = lambda: [json.loads(m) for m in caplog.messages if m.startswith("{") and GEN in m]  # noqa: E731
         wait_until(lambda: len(lines()) == 1, timeout=GUARD)
@@ -832,26 +837,18 @@ def test_an_answer_ready_in_the_turn_its_client_leaves_ends_quietly(
         for event in (started, proceed, built):
             event.clear()
         with running(loaded) as r, uvicorn_log(logging.ERROR) as errors:
-            loop = r.server.servers[0].get_loop()
-            held, release = threading.Event(), threading.Event()
-
-            def hold(held: threading.Event = held, release: threading.Event = release) -> None:
-                held.set()
-                release.wait(GUARD)
-
             sock = r.connect()
-            body = json.dumps({"input_ids": [464], "max_new_tokens": 2, "temperature": 0})
-            head = f"POST {GEN} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n{body}".encode())
+            post_json(sock, GEN, {"input_ids": [464], "max_new_tokens": 2, "temperature": 0})
             assert started.wait(GUARD)
-            loop.call_soon_threadsafe(hold)
-            assert held.wait(GUARD)  # the loop is busy
+            release = threading.Event()
+            hold_loop(r, release)  # the loop is busy
             proceed.set()
             assert built.wait(GUARD)
             time.sleep(0.1)  # the answer's JSON is handed back: it waits for the loop
             if how == "reset":
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-            sock.close()
+                reset(sock)
+            else:
+                sock.close()
             time.sleep(0.1)  # the close waits for the loop too
             release.set()
             assert_good_request(r)
