@@ -20,7 +20,7 @@ from model.interventions import InterventionError
 from model.json_file import clip
 
 from .engine import EngineStopped, QueueFull
-from .json_body import DuplicateKeyError
+from .json_body import DuplicateKeyError, TooManyContainers
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +228,8 @@ def _is_json(content_type: str | None) -> bool:
 
 
 def _unparsable(cause: BaseException | None) -> str:
+    if isinstance(cause, TooManyContainers):
+        return str(cause)
     if isinstance(cause, RecursionError):
         return "the body is nested too deeply to parse"
     if isinstance(cause, UnicodeDecodeError):

@@ -5,7 +5,10 @@ OpenAI client and streaming work through the routes. In process, on the `tiny` c
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +19,7 @@ from fastapi.testclient import TestClient
 from inprocess import assert_still_serving, serve
 
 from model.loading import LoadedModel
+from server import json_body
 from server.json_body import DuplicateKeyError, loads
 
 JSON = {"content-type": "application/json"}
@@ -213,3 +217,86 @@ def test_the_openai_client_completes_and_streams(client: TestClient) -> None:
     with pytest.raises(openai.BadRequestError) as e:  # the error shape, as the client reads it
         oai.completions.create(model=model, prompt="Hello", max_tokens=-1)
     assert e.value.param == "max_tokens"
+
+
+# --- the parse's cost ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("collecting", [True, False])
+@pytest.mark.parametrize("body", [b'{"a": [[1], [2]]}', b'{"a": [[1], [2]'], ids=["good", "bad"])
+def test_the_parse_leaves_the_collector_as_it_found_it(body: bytes, collecting: bool) -> None:
+    """The cyclic garbage collector is paused while a body parses, and left as it was, whatever the body."""
+    was = gc.isenabled()
+    (gc.enable if collecting else gc.disable)()
+    try:
+        with contextlib.suppress(json.JSONDecodeError):
+            loads(body)
+        assert gc.isenabled() == collecting
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
+def test_no_collection_walks_a_body_while_it_parses() -> None:
+    """Without the pause, a collection every 700 new lists would walk all those made so far (a second for a 4
+    MiB body of small lists): here 40,000 lists parse with at most one collection, the one once it is over."""
+    collections: list[int] = []
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    body = b"[" + b",".join([b"[[1]]"] * 20_000) + b"]"
+    gc.callbacks.append(count)
+    try:
+        value = loads(body)
+    finally:
+        gc.callbacks.remove(count)
+    assert len(value) == 20_000 and len(collections) <= 1, collections
+
+
+def containers(n: int, pad: int = 0) -> bytes:
+    """A body of n arrays and objects (half of each, about), with `pad` bytes of string besides."""
+    return b'{"s": "' + b"x" * pad + b'", "a": [' + b",".join([b"[{}]"] * ((n - 2) // 2)) + b"]}"
+
+
+def test_a_body_of_more_arrays_and_objects_than_its_size_allows_is_refused() -> None:
+    """At most MAX_CONTAINERS arrays and objects, or one per CONTAINER_BYTES of the body where that is more:
+    what a body costs to parse is bounded by its size. Brackets inside strings are text, not containers."""
+    cap = json_body.MAX_CONTAINERS
+    assert len(loads(containers(cap))["a"]) == (cap - 2) // 2
+    with pytest.raises(json_body.TooManyContainers) as e:
+        loads(containers(cap + 2))
+    assert str(e.value).startswith(f"the body holds {cap + 2:,} JSON arrays and objects, more than the {cap:,} a body")
+    wide = containers(cap + 2, pad=(cap + 1) * json_body.CONTAINER_BYTES)  # more bytes: more containers allowed
+    assert len(loads(wide)["a"]) == cap // 2
+    text = json.dumps({"prompt": "[{" * cap, "ids": [[1]] * 10}).encode()  # 200,000 brackets, all but 11 in text
+    assert loads(text)["prompt"] == "[{" * cap
+
+
+def test_a_body_of_too_many_arrays_and_objects_is_a_400(loaded: LoadedModel) -> None:
+    body = b'{"prompt": "Hi", "max_tokens": 1, "x": [' + b",".join([b"[[[[1]]]]"] * 60_000) + b"]}"
+    with serve(loaded, max_body_bytes=2**20) as client:
+        error = assert_error(post(client, CMPL, body), 400)
+        assert error["message"].startswith("the body holds 240,002 JSON arrays and objects, more than the 100,000")
+        assert error["message"].endswith("send a tensor's values as fewer, longer lists")
+        assert_still_serving(client)
+
+
+def test_a_large_body_is_parsed_off_the_event_loop(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The event loop serves the other clients while a body of more than THREAD_BYTES parses (on a worker
+    thread); a small one parses where it is, without a thread's hop."""
+    threads: list[int] = []
+
+    def recorded(body: bytes) -> Any:
+        threads.append(threading.get_ident())
+        return loads(body)
+
+    monkeypatch.setattr(json_body, "loads", recorded)
+    small = {"prompt": "Hi", "max_tokens": 2, "temperature": 0}
+    large = {**small, "user": "x" * json_body.THREAD_BYTES}
+    with serve(loaded, max_body_bytes=4 * json_body.THREAD_BYTES) as client:
+        answers = [post(client, CMPL, json.dumps(body)) for body in (small, large, small)]
+    assert [a.status_code for a in answers] == [200, 200, 200], [a.text for a in answers]
+    assert len({a.json()["choices"][0]["text"] for a in answers}) == 1  # the same request, read the same
+    on_loop, off_loop, again = threads
+    assert on_loop == again != off_loop
