@@ -897,7 +897,15 @@ class DecodeBatch:
         self, seq: SequenceState, start: int, end: int, logits: torch.Tensor
     ) -> list[tuple[SequenceState, TokenEvent | None]]:
         """Book prompt tokens start..end as prefilled, given their logits [T or 1 or 0, vocab]: prompt
-        logprobs if asked for, and the first new token once the prompt is complete."""
+        logprobs if asked for, and the first new token once the prompt is complete. Logits that are not finite
+        where they give a prompt token's log-probability fail the sequence, as they do where they give a new
+        token (`_accept`)."""
+        if seq.params.prompt_logprobs is not None:
+            used = logits[: max(0, min(end, len(seq.prompt) - 1) - start)]  # the rows that predict prompt tokens
+            bad = (~used.isfinite()).any(dim=-1).nonzero()  # one device sync
+            if len(bad):
+                seq.finish_reason, seq.error = "error", self._overflowed(seq, f"prompt token {start + int(bad[0]) + 2}")
+                return [(seq, None)]
         seq.prefilled = end
         if seq.params.prompt_logprobs is not None:
             seq.prompt_logprobs = (seq.prompt_logprobs or [None]) + _prompt_logprobs(
@@ -953,22 +961,25 @@ class DecodeBatch:
         for seq, row, best, ok in zip(seqs, logits, argmax, finite, strict=True):
             try:
                 if not ok:
-                    edited = has_edits(seq)
-                    why = (
-                        "interventions with large factors or values can do this"
-                        if edited
-                        else f"the weights, or {dtype_range(self.model.ln_f.weight.dtype)}"  # the activations'
-                    )
-                    raise GenerationError(
-                        f"the logits became non-finite (inf or NaN) at generated token {len(seq.tokens) + 1}: "
-                        f"the activations overflowed ({why})",
-                        "interventions" if edited else None,
-                    )
+                    raise self._overflowed(seq, f"generated token {len(seq.tokens) + 1}")
                 out.append((seq, seq.accept(row, best)))
             except Exception as e:  # this row's problem: the others go on
                 seq.finish_reason, seq.error = "error", e
                 out.append((seq, None))
         return out
+
+    def _overflowed(self, seq: SequenceState, where: str) -> GenerationError:
+        """The error of a sequence whose logits are not finite where they give `where`'s probabilities."""
+        edited = has_edits(seq)
+        why = (
+            "interventions with large factors or values can do this"
+            if edited
+            else f"the weights, or {dtype_range(self.model.ln_f.weight.dtype)}"  # the activations'
+        )
+        return GenerationError(
+            f"the logits became non-finite (inf or NaN) at {where}: the activations overflowed ({why})",
+            "interventions" if edited else None,
+        )
 
     def cancel(self, seq: SequenceState) -> None:
         """Take `seq` out of the batch now (its row is free for the next sequence)."""

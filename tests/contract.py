@@ -216,8 +216,13 @@ def sse_events(text: str) -> list[dict[str, Any]]:
     events = []
     for block in blocks[:-1]:
         assert block.startswith("data: ") and "\n" not in block, block
-        events.append(json.loads(block.removeprefix("data: ")))
+        events.append(json.loads(block.removeprefix("data: "), parse_constant=_not_json))
     return events
+
+
+def _not_json(name: str) -> None:
+    """Python's json reads NaN, Infinity and -Infinity; JSON has none of them, and other parsers refuse them."""
+    raise AssertionError(f"{name} in a stream's event is not JSON")
 
 
 def assert_same(a: Any, b: Any, tol: float = 1e-5, where: str = "") -> None:

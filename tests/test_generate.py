@@ -557,6 +557,38 @@ def test_which_rows_of_logits_count_as_non_finite(tiny: Checkpoint) -> None:
     assert all("logits became non-finite" in str(s.error) for s in (seqs[0], seqs[1], seqs[2], seqs[5]))
 
 
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_non_finite_logits_under_a_prompt_token_fail_its_scoring_alone(tiny: Checkpoint, chunk: int | None) -> None:
+    """Prompt log-probabilities from logits that are not finite fail the sequence, as a new token's do, and
+    name the prompt token (here the 7th, which position 5 predicts), in a pass of its own or in chunks beside
+    a row that decodes; that row, and one whose prompt ends before the poisoned position, go on as alone."""
+    model = poisoned(tiny, 5)
+    scoring = SamplingParams(max_new_tokens=0, prompt_logprobs=1)
+    short = PROMPT[:3]  # with 2 new tokens, positions 0-4: every logit finite
+    with torch.inference_mode():
+        batch = DecodeBatch(model, 3, 32, prefill_chunk=chunk)
+        seqs = [
+            new_sequence(model, 0, short, SamplingParams(max_new_tokens=2, logprobs=1, **GREEDY), None),
+            new_sequence(model, 1, (PROMPT * 2)[:12], scoring, None),
+            new_sequence(model, 2, short, scoring, None),
+        ]
+        for seq in seqs:
+            batch.add(seq)
+        while batch:
+            batch.step()
+    bad = seqs[1]
+    assert bad.finish_reason == "error" and isinstance(bad.error, GenerationError)
+    assert str(bad.error).startswith("the logits became non-finite (inf or NaN) at prompt token 7: the activations")
+    for seq in (seqs[0], seqs[2]):
+        assert seq.error is None, seq.error
+        got, want = seq.result(), run(model, [short], seq.params)[0][0]
+        assert got.token_ids == want.token_ids
+        mine, alone = (got.logprobs, want.logprobs) if seq is seqs[0] else (got.prompt_logprobs, want.prompt_logprobs)
+        assert mine is not None and alone is not None and len(mine) == len(alone) > 1
+        assert [x and x.logprob for x in mine] == pytest.approx([x and x.logprob for x in alone], abs=1e-4)
+        assert all(math.isfinite(x.logprob) for x in mine if x is not None)
+
+
 @pytest.mark.parametrize("temperature", [math.inf, -math.inf, math.nan, -0.5])
 def test_a_temperature_that_is_not_a_finite_number_at_least_0_is_refused(temperature: float) -> None:
     """An infinite temperature would sample uniformly, whatever the model says."""

@@ -6,6 +6,9 @@ bursts of model calls (next-token, analyze) beside a stream, and stop strings be
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
+import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -22,7 +25,7 @@ from model.generate import GenerationError, SequenceState
 from model.gpt import GPT
 from model.loading import LoadedModel
 from server.engine import QueueFull
-from server.routes.deps import places
+from server.routes.deps import places, sse
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -92,6 +95,45 @@ def test_edits_that_blow_up_a_stream_end_it_with_a_client_error(loaded: LoadedMo
         assert error["type"] == "invalid_request_error" and "logits became non-finite" in error["message"]
         assert error["param"] == "interventions"
         assert_still_serving(c)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompt_scored_from_non_finite_logits_is_a_400(loaded: LoadedModel, stream: bool) -> None:
+    """Echoed prompt log-probabilities (lm-evaluation-harness' scoring) from logits that are not finite (here
+    broken weights: an infinite position embedding at position 3) are the error a new token's are, naming the
+    prompt token, not log-probabilities of null; a prompt that ends before it is scored as before."""
+    model = copy.deepcopy(loaded.model)
+    with torch.no_grad():
+        model.wpe.weight[3] = float("inf")
+    broken = dataclasses.replace(loaded, model=model)
+    score = {"max_tokens": 0, "echo": True, "logprobs": 1, "stream": stream}
+    with serve(broken) as c:
+        r = c.post(CMPL, json={**score, "prompt": [464, 2068, 7586, 21831, 18045, 625]})
+        says = "the logits became non-finite (inf or NaN) at prompt token 5: the activations overflowed (the weights"
+        if stream:
+            assert r.status_code == 200
+            error = sse_events(r.text)[-1]["error"]
+            assert error["type"] == "invalid_request_error" and error["message"].startswith(says), error
+        else:
+            assert assert_error(r, 400)["message"].startswith(says)
+        logprobs = post_ok(c, CMPL, {**score, "prompt": [464, 2068, 7586], "stream": False})["choices"][0]["logprobs"]
+        first, *rest = logprobs["token_logprobs"]
+        assert first is None and len(rest) == 2 and all(isinstance(x, float) for x in rest)
+        assert_still_serving(c)
+
+
+def test_a_stream_writes_infinities_and_nan_as_null_as_a_whole_answer_does() -> None:
+    """A log-probability of -inf (finite logits further apart than float32 can subtract) is null in a stream's
+    event, as in the whole answer: JSON has no -Infinity, and parsers other than Python's refuse it."""
+
+    async def events() -> Any:
+        yield {"token_logprobs": [None, -math.inf, math.nan, math.inf, -1.5], "text": "caf\u00e9"}
+
+    async def read() -> bytes:
+        return b"".join([piece async for piece in sse(events()).body_iterator])  # type: ignore[misc]
+
+    body = asyncio.run(read()).decode()
+    assert sse_events(body) == [{"token_logprobs": [None, None, None, None, -1.5], "text": "caf\u00e9"}]
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -493,12 +493,13 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[RequestStr
 
 def sse(events: AsyncIterator[dict[str, Any] | bytes]) -> StreamingResponse:
     """Server-Sent Events: one `data:` line of JSON per event (given as a dict, or as JSON bytes already
-    encoded off the event loop), then `data: [DONE]`."""
+    encoded off the event loop), then `data: [DONE]`. A dict is written as a whole answer is (`json_bytes`:
+    infinities and NaN as null, which JSON parsers other than Python's would refuse as written)."""
 
     async def body() -> AsyncIterator[bytes]:
         try:
             async for event in events:
-                data = event if isinstance(event, bytes) else json.dumps(event).encode()
+                data = event if isinstance(event, bytes) else encoding.json_bytes(event)
                 yield b"data: " + data + b"\n\n"
         except ClientLeft:  # its last event's dump stopped encoding: no one reads the rest
             return
