@@ -75,7 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ray.add_argument("--gpus-per-actor", type=float, help="GPUs per actor (0)")
     args = p.parse_args(argv)
     if args.ray is None and (given := [k for k, v in ray_options(args).items() if v is not None]):
-        p.error(f"{', '.join('--' + k.replace('_', '-') for k in given)} need --ray")  # else silently dropped
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        p.error(f"{flags} {'needs' if len(given) == 1 else 'need'} --ray")  # else silently dropped
     return args
 
 

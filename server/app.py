@@ -91,8 +91,9 @@ def create_app(
             engine = _start_engine(model, settings, metrics)
             _loaded(engine, on_loaded)  # before the first request: /health says 503 until the engine is set
         except Exception as e:
-            log.error("%s", load_failure(e))
-            if on_load_error is not None:
+            if on_load_error is None:
+                log.error("%s", load_failure(e))
+            else:  # which says it (gpt2-serve: as its last line, once)
                 on_load_error(e)
             return
         app.state.engine = engine

@@ -946,6 +946,9 @@ def test_cli_ray_flags_need_ray(capsys) -> None:
         )
     assert exit_info.value.code == 2
     assert "--actors, --gpus-per-actor need --ray" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        harvest_cli.parse_args(["x.txt", "--out", "o", "--hooks", "hook_embed", "--cpus-per-actor", "2"])
+    assert "--cpus-per-actor needs --ray" in capsys.readouterr().err
     args = harvest_cli.parse_args(["x.txt", "--out", "o", "--hooks", "hook_embed", "--ray", "--actors", "3"])
     assert (args.ray, args.actors, args.cpus_per_actor) == ("", 3, None)
 
