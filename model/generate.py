@@ -161,7 +161,9 @@ class SamplingParams:
             raise GenerationError(
                 f"stop strings must be at most {MAX_STOP_CHARS} characters each, got one of {longest}", "stop"
             )
-        check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        for i, s in enumerate(self.stop):  # which one, of up to MAX_STOPS
+            if not (isinstance(s, str) and s):
+                raise GenerationError(f"stop[{i}] must be a non-empty string, got {clip(s)}", "stop")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise GenerationError(
                 f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}",

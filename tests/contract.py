@@ -88,7 +88,7 @@ CASES = [
     Bad("top-k-negative", GEN, hi(top_k=-2), param="top_k"),
     Bad("logprobs-over-20", GEN, hi(logprobs=21), param="logprobs"),
     Bad("logprobs-negative", GEN, hi(logprobs=-1), param="logprobs"),
-    Bad("stop-empty-string", GEN, hi(stop=[""]), param="stop"),
+    Bad("stop-empty-string", GEN, hi(stop=["x" * 64, ""]), param="stop"),
     # hooks and token ids
     Bad("unknown-hook", GEN, hi(activations={"hooks": ["blocks.9.hook_resid_post"]}), param="activations.hooks"),
     Bad("unknown-hook-glob", GEN, hi(activations={"hooks": ["nothing.*"]}), param="activations.hooks"),

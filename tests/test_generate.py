@@ -617,6 +617,8 @@ def test_stop_strings_are_limited_in_number_and_length() -> None:
         (("x",) * 17, "stop must hold at most 16 strings, got 17"),
         (("x" * 257,), "stop strings must be at most 256 characters each, got one of 257"),
         (("x" * 1000,) * 1000, "stop must hold at most 16 strings, got 1000"),
+        (("x" * 256,) * 15 + ("",), "stop[15] must be a non-empty string, got ''"),  # which one, not all 16
+        (("a", 5), "stop[1] must be a non-empty string, got 5"),
     ):
         with pytest.raises(GenerationError) as info:
             SamplingParams(stop=stop)
