@@ -193,8 +193,10 @@ def logit_bias_by_id(pairs: Iterable[tuple[str, float]]) -> dict[int, float]:
     twice (`"011"` and `"11"`). The values are `SamplingParams`' to check."""
     out: dict[int, float] = {}
     for text, value in pairs:
-        if not re.fullmatch(r"-?[0-9]{1,19}", text):
+        if not re.fullmatch(r"-?[0-9]+", text):
             raise GenerationError(f"logit_bias: a token id must be a decimal integer, got {clip(text)}", "logit_bias")
+        if len(text.lstrip("-").lstrip("0")) > 19:  # (leading zeros are fine: "007" is 7)
+            raise GenerationError(f"logit_bias: token id {clip(text)} is past any vocabulary", "logit_bias")
         if int(text) in out:
             raise GenerationError(f"logit_bias: token {int(text)} is given twice", "logit_bias")
         out[int(text)] = value

@@ -445,6 +445,8 @@ def test_penalties_and_logit_bias(ckpt_with_tokenizer: Path, capsys: pytest.Capt
         ("\u0665=1", "a token id must be a decimal integer, got '\u0665'"),
         (" 5=1", "a token id must be a decimal integer, got ' 5'"),
         ("5=nan", "the bias of token 5 must be a number in [-100, 100], got nan"),
+        ("00000000000000000000050257=1", "token id 50257 is outside the vocabulary (0..256)"),  # zeros are fine
+        ("10000000000000000000=1", "token id '10000000000000000000' is past any vocabulary"),
     ]:
         assert main([*common, "--logit-bias", bad]) == 1
         assert capsys.readouterr().err == f"gpt2-generate: error: --logit-bias: {said}\n", bad
