@@ -195,11 +195,13 @@ def logit_bias_by_id(pairs: Iterable[tuple[str, float]]) -> dict[int, float]:
     for text, value in pairs:
         if not re.fullmatch(r"-?[0-9]+", text):
             raise GenerationError(f"logit_bias: a token id must be a decimal integer, got {clip(text)}", "logit_bias")
-        if len(text.lstrip("-").lstrip("0")) > 19:  # (leading zeros are fine: "007" is 7)
+        digits = text.lstrip("-").lstrip("0") or "0"  # (leading zeros are fine: "007" is 7)
+        if len(digits) > 19:  # (and int() refuses more than 4,300 digits)
             raise GenerationError(f"logit_bias: token id {clip(text)} is past any vocabulary", "logit_bias")
-        if int(text) in out:
-            raise GenerationError(f"logit_bias: token {int(text)} is given twice", "logit_bias")
-        out[int(text)] = value
+        token = -int(digits) if text.startswith("-") else int(digits)
+        if token in out:
+            raise GenerationError(f"logit_bias: token {token} is given twice", "logit_bias")
+        out[token] = value
     return out
 
 

@@ -314,7 +314,7 @@ def in_flags(e: GenerationError) -> str:
     message = str(e)
     for field, flag in FLAGS.items():
         message = re.sub(rf"\b{field}\b", flag, message)
-    return message
+    return re.sub(r"--stop\[(\d+)\]", lambda m: f"--stop number {int(m[1]) + 1}", message)  # as the flag counts
 
 
 def _write_text(prompt: str, generation: Generation, tok: Tokenizer) -> str | None:

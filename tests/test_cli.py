@@ -343,6 +343,8 @@ def test_prompt_that_is_not_valid_utf8(ckpt_with_tokenizer: Path, capsys: pytest
     assert main(["hi", "--model", str(ckpt_with_tokenizer), "--stop", "a", "--stop", bad]) == 1
     err = capsys.readouterr().err
     assert err == "gpt2-generate: error: --stop number 2 is not valid UTF-8: it holds the byte 0xFE at character 1\n"
+    assert main(["hi", "--model", str(ckpt_with_tokenizer), "--stop", "a", "--stop", ""]) == 1  # named as the flag
+    assert capsys.readouterr().err == "gpt2-generate: error: --stop number 2 must be a non-empty string, got ''\n"
 
 
 def test_unavailable_device(
@@ -447,6 +449,7 @@ def test_penalties_and_logit_bias(ckpt_with_tokenizer: Path, capsys: pytest.Capt
         ("5=nan", "the bias of token 5 must be a number in [-100, 100], got nan"),
         ("00000000000000000000050257=1", "token id 50257 is outside the vocabulary (0..256)"),  # zeros are fine
         ("10000000000000000000=1", "token id '10000000000000000000' is past any vocabulary"),
+        ("0" * 4300 + "50257=1", "token id 50257 is outside the vocabulary (0..256)"),  # past int()'s 4,300 digits
     ]:
         assert main([*common, "--logit-bias", bad]) == 1
         assert capsys.readouterr().err == f"gpt2-generate: error: --logit-bias: {said}\n", bad

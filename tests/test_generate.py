@@ -579,6 +579,13 @@ def test_non_finite_logits_under_a_prompt_token_fail_its_scoring_alone(tiny: Che
     bad = seqs[1]
     assert bad.finish_reason == "error" and isinstance(bad.error, GenerationError)
     assert str(bad.error).startswith("the logits became non-finite (inf or NaN) at prompt token 7: the activations")
+    last = new_sequence(model, 3, (PROMPT * 2)[:6], scoring, None)  # position 5 predicts no prompt token
+    with torch.inference_mode():
+        batch.add(last)
+        while batch:
+            batch.step()
+    assert last.finish_reason == "length" and last.error is None and last.prompt_logprobs is not None
+    assert len(last.prompt_logprobs) == 6 and all(math.isfinite(x.logprob) for x in last.prompt_logprobs[1:] if x)
     for seq in (seqs[0], seqs[2]):
         assert seq.error is None, seq.error
         got, want = seq.result(), run(model, [short], seq.params)[0][0]

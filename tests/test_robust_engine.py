@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import json
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -128,12 +129,19 @@ def test_a_stream_writes_infinities_and_nan_as_null_as_a_whole_answer_does() -> 
 
     async def events() -> Any:
         yield {"token_logprobs": [None, -math.inf, math.nan, math.inf, -1.5], "text": "caf\u00e9"}
+        yield {"text": "a\u2028b\u2029c\x85d\ne"}  # what str.splitlines and httpx's iter_lines take for line ends
 
     async def read() -> bytes:
         return b"".join([piece async for piece in sse(events()).body_iterator])  # type: ignore[misc]
 
     body = asyncio.run(read()).decode()
-    assert sse_events(body) == [{"token_logprobs": [None, None, None, None, -1.5], "text": "caf\u00e9"}]
+    want = [
+        {"token_logprobs": [None, None, None, None, -1.5], "text": "caf\u00e9"},
+        {"text": "a\u2028b\u2029c\x85d\ne"},
+    ]
+    assert sse_events(body) == want
+    lines = [line for line in body.splitlines() if line]  # as httpx's iter_lines splits them
+    assert [json.loads(line.removeprefix("data: ")) for line in lines[:-1]] == want and lines[-1] == "data: [DONE]"
 
 
 @pytest.mark.parametrize("stream", [False, True])

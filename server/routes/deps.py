@@ -491,16 +491,29 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[RequestStr
             s.cancel()  # a client gone mid-stream frees its rows at the next step
 
 
+_LINE_BREAKS = {"\u2028": b"\\u2028", "\u2029": b"\\u2029", "\x85": b"\\u0085"}
+
+
+def _one_line(data: bytes) -> bytes:
+    """JSON text with the characters that end a line for `str.splitlines` (and so for httpx's `iter_lines`,
+    which would cut an event in two) written as escapes: JSON's encoders write them as they are, and in UTF-8
+    their bytes are those characters wherever they occur (inside strings: JSON allows them nowhere else)."""
+    for character, escape in _LINE_BREAKS.items():
+        data = data.replace(character.encode(), escape)
+    return data
+
+
 def sse(events: AsyncIterator[dict[str, Any] | bytes]) -> StreamingResponse:
     """Server-Sent Events: one `data:` line of JSON per event (given as a dict, or as JSON bytes already
     encoded off the event loop), then `data: [DONE]`. A dict is written as a whole answer is (`json_bytes`:
-    infinities and NaN as null, which JSON parsers other than Python's would refuse as written)."""
+    infinities and NaN as null, which JSON parsers other than Python's would refuse as written), but for
+    U+2028, U+2029 and U+0085 (`_one_line`)."""
 
     async def body() -> AsyncIterator[bytes]:
         try:
             async for event in events:
                 data = event if isinstance(event, bytes) else encoding.json_bytes(event)
-                yield b"data: " + data + b"\n\n"
+                yield b"data: " + _one_line(data) + b"\n\n"
         except ClientLeft:  # its last event's dump stopped encoding: no one reads the rest
             return
         except GenerationError as e:  # this request's own fault, found mid-stream (e.g. its edits blew up)

@@ -12,7 +12,6 @@ until it is sent."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -140,7 +139,7 @@ async def _file(engine: Engine, ids: list[int], kind: str, metric: Metric, resul
     meta = {
         "model": engine.loaded.name,
         "token_ids": ids,
-        "metric": json.dumps({"type": kind, "value": result.metric, **_metric_fields(metric)}),
+        "metric": encoding.json_bytes({"type": kind, "value": result.metric, **_metric_fields(metric)}).decode(),
     }
     grads = {grad_name(n): g for n, g in result.grads.items()}
     return FileResponse(await run_in_threadpool(encoding.to_safetensors, grads, "float32", meta))

@@ -322,7 +322,7 @@ class _Reply:
             "weights": self.engine.loaded.weights,
             "token_ids": ids if batch else ids[0],
             "text": json.dumps(texts) if batch else texts[0],
-            "result": json.dumps(self.body(completions)),
+            "result": encoding.json_bytes(self.body(completions)).decode(),  # -inf as null: JSON, as the answer
         }
         tensors = {}
         for name in list(acts[0] or {}):  # a hook at a time, taken out of the completions: never held twice whole
