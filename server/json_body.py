@@ -86,7 +86,7 @@ def loads(body: bytes) -> Any:
 
 def _count_containers(body: bytes) -> None:
     """Raise TooManyContainers where `body` holds more arrays and objects than its size allows: its brackets
-    counted, a few milliseconds at 4 MiB, and where they are too many, again outside its strings (`_outside`)."""
+    counted, a few milliseconds at 4 MiB, and where they are too many, again outside its strings."""
     allowed = max(MAX_CONTAINERS, len(body) // CONTAINER_BYTES)
     if len(body) // 2 <= allowed:  # each takes two bytes at least
         return

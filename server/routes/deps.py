@@ -505,15 +505,16 @@ def _one_line(data: bytes) -> bytes:
 
 def sse(events: AsyncIterator[dict[str, Any] | bytes]) -> StreamingResponse:
     """Server-Sent Events: one `data:` line of JSON per event (given as a dict, or as JSON bytes already
-    encoded off the event loop), then `data: [DONE]`. A dict is written as a whole answer is (`json_bytes`:
-    infinities and NaN as null, which JSON parsers other than Python's would refuse as written), but for
-    U+2028, U+2029 and U+0085 (`_one_line`)."""
+    encoded off the event loop, whose text must be one line: a final event with its dump, whose only string is
+    its empty "text"), then `data: [DONE]`. A dict is written as a whole answer is (`json_bytes`: infinities and
+    NaN as null, which JSON parsers other than Python's would refuse as written), but for U+2028, U+2029 and
+    U+0085 (`_one_line`)."""
 
     async def body() -> AsyncIterator[bytes]:
         try:
             async for event in events:
-                data = event if isinstance(event, bytes) else encoding.json_bytes(event)
-                yield b"data: " + _one_line(data) + b"\n\n"
+                data = event if isinstance(event, bytes) else _one_line(encoding.json_bytes(event))
+                yield b"data: " + data + b"\n\n"
         except ClientLeft:  # its last event's dump stopped encoding: no one reads the rest
             return
         except GenerationError as e:  # this request's own fault, found mid-stream (e.g. its edits blew up)
