@@ -908,15 +908,14 @@ class DecodeBatch:
         token (`_accept`)."""
         if seq.params.prompt_logprobs is not None:
             used = logits[: max(0, min(end, len(seq.prompt) - 1) - start)]  # the rows that predict prompt tokens
-            bad = (~used.isfinite()).any(dim=-1).nonzero()  # one device sync
+            bad = (~used.isfinite().all(dim=-1)).nonzero()  # one device sync
             if len(bad):
                 seq.finish_reason, seq.error = "error", self._overflowed(seq, f"prompt token {start + int(bad[0]) + 2}")
-                return [(seq, None)]
-        seq.prefilled = end
-        if seq.params.prompt_logprobs is not None:
+                return [(seq, None)]  # (not booked as prefilled: no row copies a prefix from it)
             seq.prompt_logprobs = (seq.prompt_logprobs or [None]) + _prompt_logprobs(
                 logits, seq.prompt, start, seq.params.prompt_logprobs or 0, seq.words(logits.shape[-1])
             )
+        seq.prefilled = end
         if end < len(seq.prompt):
             return []
         if seq.params.max_new_tokens == 0:

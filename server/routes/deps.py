@@ -491,7 +491,7 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[RequestStr
             s.cancel()  # a client gone mid-stream frees its rows at the next step
 
 
-_LINE_BREAKS = {"\u2028": b"\\u2028", "\u2029": b"\\u2029", "\x85": b"\\u0085"}
+_LINE_BREAKS = {"\u2028".encode(): b"\\u2028", "\u2029".encode(): b"\\u2029", "\x85".encode(): b"\\u0085"}
 
 
 def _one_line(data: bytes) -> bytes:
@@ -499,7 +499,7 @@ def _one_line(data: bytes) -> bytes:
     which would cut an event in two) written as escapes: JSON's encoders write them as they are, and in UTF-8
     their bytes are those characters wherever they occur (inside strings: JSON allows them nowhere else)."""
     for character, escape in _LINE_BREAKS.items():
-        data = data.replace(character.encode(), escape)
+        data = data.replace(character, escape)
     return data
 
 
