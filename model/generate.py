@@ -48,7 +48,7 @@ from .kernels.decode import FusedDecode
 from .kv_cache import KVCache, PackedBatch
 from .overflow import dtype_range
 from .sampling import Penalties, sample, top_logprobs
-from .tokenizer import EOT_ID, Tokenizer
+from .tokenizer import EOT_ID, Detokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -289,8 +289,7 @@ class SequenceState:
     prefilled: int = 0  # prompt tokens in the KV cache
     text: str = ""
     emitted: int = 0  # characters of `text` already handed out
-    _clean_text: str = ""  # the text of tokens[:_clean_tokens], which ends on a whole character
-    _clean_tokens: int = 0
+    _text: Detokenizer | None = None  # makes `text`, a token at a time, once the first is decoded
     finish_reason: str | None = None  # "error" when it failed alone (`error`)
     error: Exception | None = None
     # sequences may copy each other's prompt prefixes only within one group (a server's request: its prompts and
@@ -364,21 +363,24 @@ class SequenceState:
         return self._words
 
     def _extend_text(self) -> None:
-        """Decode only the tokens since the last whole character, so a step costs the same at any length."""
+        """Decode the new token (`Detokenizer`), so a step costs the same at any length."""
         if self.tokenizer is None:
             return
-        tail = self.tokenizer.decode(self.tokens[self._clean_tokens :])
-        self.text = self._clean_text + tail
-        if not tail.endswith("\ufffd"):  # no unfinished multi-byte character: a safe place to cut
-            self._clean_text, self._clean_tokens = self.text, len(self.tokens)
+        if self._text is None:
+            self._text = Detokenizer(self.tokenizer)
+        self._text.add(self.tokens[-1])
+        self.text = self._text.text
+
+    def _settled(self) -> str:
+        """The text that no later token changes: all of it but a character not yet finished (its U+FFFD)."""
+        return self._text.settled if self._text is not None else self.text
 
     def _cut_at_stop(self, final: bool) -> None:
         """End the text before the earliest match of any stop string, whatever their order (matches that
         overlap, "log" in "login" and "gin", must all be looked for in the text before it is cut). An
-        unfinished character's placeholder (U+FFFD at the end) is looked in only once no token follows
+        unfinished character's placeholder (its U+FFFD at the end) is looked in only once no token follows
         (`final`): until then it is not yet the character it becomes."""
-        unsure = not final and self._clean_tokens < len(self.tokens)
-        settled = self.text.rstrip("\ufffd") if unsure else self.text
+        settled = self.text if final else self._settled()
         found = [settled.find(s, max(0, self.emitted - len(s) + 1)) for s in self.params.stop]
         first = min((at for at in found if at != -1), default=None)
         if first is not None:
@@ -388,9 +390,8 @@ class SequenceState:
         """The text that can be handed out now: all of it once finished, else up to what is still unsure."""
         end = len(self.text)
         if self.finish_reason is None:
-            while end and self.text[end - 1] == "\ufffd":  # an unfinished multi-byte character
-                end -= 1
-            end -= _longest_stop_prefix(self.text[:end], self.params.stop)
+            settled = self._settled()
+            end = len(settled) - _longest_stop_prefix(settled, self.params.stop)
         end = max(end, self.emitted)
         piece, self.emitted = self.text[self.emitted : end], end
         return piece

@@ -6,6 +6,7 @@ encodes without unknown tokens and decodes back to itself. `<|endoftext|>` (id 5
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from itertools import groupby
@@ -62,6 +63,7 @@ class Tokenizer:
         if eot is None:
             raise TokenizerError(f"the tokenizer has no {EOT} token")
         self.eot_id: int = eot
+        self._added = {i: t.content for i, t in tok.get_added_tokens_decoder().items()}  # special tokens, as text
         self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
         self._cuttable = _splits_as_gpt2(json.loads(spec))
         self.most_bytes_a_token: int | None = self._most_bytes_a_token()  # 256 for GPT-2's (20 ms)
@@ -188,14 +190,47 @@ class Tokenizer:
         return piece
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The exact bytes of one token."""
+        """The exact bytes of one token (a special token's are those of its text, `<|endoftext|>`)."""
         piece = self.piece(token_id)
-        if piece == EOT:
+        if token_id in self._added:
             return piece.encode()
         return bytes(_UNICODE_TO_BYTE[c] for c in piece)
 
     def save(self, directory: str | Path) -> None:
         (Path(directory) / "tokenizer.json").write_text(self._tok.to_str(pretty=True), encoding="utf-8")  # any path
+
+
+class Detokenizer:
+    """The text of a growing list of token ids, a token at a time, at a cost that does not grow with the list
+    (a stream's text): the tokens' bytes go through an incremental UTF-8 decoder, which holds back only the
+    first bytes of a character not yet finished (three at most) and replaces bytes that can never be one as
+    soon as that is known, so that `text` is always `Tokenizer.decode` of the ids so far."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self.settled = ""  # the text up to the character not yet finished, which no later token changes
+
+    def add(self, token_id: int) -> None:
+        if token_id < self._tokenizer.vocab_size:
+            self.settled += self._utf8.decode(self._tokenizer.token_bytes(token_id))
+        else:  # an id past the vocabulary (`token_text`) ends the character before it, as `decode` has it
+            self.settled += self._utf8.decode(b"", final=True) + self._tokenizer.token_text(token_id)
+
+    @property
+    def unfinished(self) -> str:
+        """The text of the last bytes, which may still become a character with the next token's: "" or
+        U+FFFD (two for the first bytes of a surrogate's, which Python's decoder holds back as well)."""
+        held = self._utf8.getstate()[0]
+        return held.decode("utf-8", "replace") if held else ""
+
+    @property
+    def text(self) -> str:
+        """The text so far, as `decode` gives it."""
+        return self.settled + self.unfinished
+
+    def __len__(self) -> int:
+        return len(self.settled) + len(self.unfinished)
 
 
 def _no_negative(ids: list[int]) -> None:

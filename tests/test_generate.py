@@ -132,11 +132,19 @@ def test_a_character_split_across_tokens_is_streamed_whole(tokenizer: Tokenizer)
     assert [e.text for e in events] == ["a", "", "é", "b", "\ufffd"]  # the unfinished one shows once finished
     assert streamed_text(events) == result.text == "aéb\ufffd"
     # a stop string that holds U+FFFD is not matched by the placeholder of a character still unfinished, only
-    # by a U+FFFD in the text: "é" in two tokens, then "!", never held one
-    script = [*e_acute, 0, byte_token(tokenizer, 0xFF), 65]  # "é", "!", then a byte no character starts with
+    # by a U+FFFD in the text, as soon as it is sure: "é" in two tokens, then "!", never held one; a byte no
+    # character starts with is one at once; so is the first byte of a character that the next token's do not
+    # finish, and U+FFFD itself (its three bytes: a real character)
     params = SamplingParams(max_new_tokens=5, stop=("\ufffd",), **GREEDY)
-    [result], events = run(ScriptedModel(1, script), [[50]], params, tokenizer)
-    assert result.text == "é!" and result.finish_reason == "stop" and len(result.token_ids) == 5
+    euro = byte_token(tokenizer, "€".encode()[0])
+    for script, text, tokens in (
+        ([*e_acute, 0, byte_token(tokenizer, 0xFF), 65], "é!", 4),
+        ([64, euro, 65, 66], "a", 3),
+        ([64, *(byte_token(tokenizer, b) for b in "\ufffd".encode()), 65], "a", 4),
+    ):
+        [result], events = run(ScriptedModel(1, script), [[50]], params, tokenizer)
+        assert (result.text, result.finish_reason, len(result.token_ids)) == (text, "stop", tokens), script
+        assert streamed_text(events) == text
     # and once no token follows (the last one, EOS, a stop token id), the U+FFFD at the end is what it stays
     script = [64, byte_token(tokenizer, 0xFF)]  # "a", a byte no character starts with
     for tail, params in (

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from model.tokenizer import EOT, EOT_ID, Tokenizer, TokenizerError, tokenizer_files
+from model.tokenizer import EOT, EOT_ID, Detokenizer, Tokenizer, TokenizerError, tokenizer_files
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +152,48 @@ def test_round_trip_on_any_text(tokenizer: Tokenizer, text: str) -> None:
         assert all(0 <= i < tokenizer.vocab_size for i in ids)
         assert tokenizer.decode(ids) == text
         assert (EOT_ID in ids) == (special and EOT in text)
+
+
+# ids for a stream's text: single bytes (ids 0-255, which may start, continue or never be a character), pieces
+# of multi-byte characters, <|endoftext|>, ids past the vocabulary, any id
+STREAM_IDS = st.integers(0, 255) | st.sampled_from([5525, 6184, 27332, 47249, 171, 4210]) | st.just(EOT_ID)
+STREAM_IDS |= st.integers(50257, 50303) | st.integers(0, 50256)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(ids=st.lists(STREAM_IDS, max_size=24))
+@example(ids=[169, 111])  # b"\xed\xb3": a surrogate's first bytes, which Python's UTF-8 decoder holds back too
+@example(ids=[226, 50260, 226, 226])  # half a character before an id past the vocabulary: U+FFFD, as decode has it
+def test_a_stream_decodes_as_the_whole(tok: Tokenizer, ids: list[int]) -> None:
+    """`Detokenizer`: the text of a growing list of ids, a token at a time, is `decode` of the ids so far at
+    every step; what it has settled is never taken back."""
+    stream = Detokenizer(tok)
+    settled = ""
+    for n in range(len(ids) + 1):
+        if n:
+            stream.add(ids[n - 1])
+        assert stream.text == tok.decode(ids[:n]) and len(stream) == len(stream.text)
+        assert stream.settled.startswith(settled) and len(stream.unfinished) <= 2
+        settled = stream.settled
+
+
+def test_a_stream_reads_each_token_once(tok: Tokenizer) -> None:
+    """A run of bytes that never ends a character (continuation bytes) costs a token's bytes a token, not the
+    whole run again at each one (which made 1,000 such tokens a quadratic 500,000 decodes)."""
+    read = []
+
+    class Counting:
+        vocab_size = tok.vocab_size
+
+        def token_bytes(self, token_id: int) -> bytes:
+            read.append(token_id)
+            return tok.token_bytes(token_id)
+
+    continuation = next(i for i in range(256) if tok.token_bytes(i) == b"\x80")
+    stream = Detokenizer(Counting())  # type: ignore[arg-type]
+    for _ in range(1000):
+        stream.add(continuation)
+    assert read == [continuation] * 1000 and stream.text == "\ufffd" * 1000 and not stream.unfinished
 
 
 # The pieces text is made of where a cut is easy to get wrong: runs of white space of every kind (Unicode's

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -16,6 +16,7 @@ from fastapi.responses import Response
 from model.generate import Completion, GenerationError, TokenLogprob
 from model.json_file import clip
 from model.loading import hub_repo
+from model.tokenizer import Detokenizer, Tokenizer
 
 from ..engine import Engine, RequestStream
 from ..errors import APIError
@@ -179,11 +180,11 @@ class _Reply:
         echo = self.req.echo
         logprobs = None
         if self.req.logprobs is not None:
-            decode = self.engine.tokenizer.decode
-            logprobs = self._logprobs(list(c.logprobs or []), list(c.token_ids), _TextOffsets(decode, len(prompt_text)))
+            tok = self.engine.tokenizer
+            logprobs = self._logprobs(list(c.logprobs or []), list(c.token_ids), _TextOffsets(tok, len(prompt_text)))
             if echo:  # the prompt's offsets in its own text, then the completion's after it (`_TextOffsets`)
                 entries = list(c.prompt_logprobs or [None] * len(c.prompt_ids))
-                echoed = self._logprobs(entries, c.prompt_ids, _TextOffsets(decode))
+                echoed = self._logprobs(entries, c.prompt_ids, _TextOffsets(tok))
                 logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
         return {
             "index": i,
@@ -249,15 +250,15 @@ class _Reply:
     def _prompt(self, i: int, stream: RequestStream) -> tuple[_TextOffsets, dict[str, Any] | None]:
         """Choice i's text offsets past its prompt and, with echo, the prompt as its first chunk (decoding
         the prompt: call it on a worker thread)."""
-        decode = self.engine.tokenizer.decode
-        text = decode(stream.prompt)
+        tok = self.engine.tokenizer
+        text = tok.decode(stream.prompt)
         if not self.req.echo:
-            return _TextOffsets(decode, len(text)), None
+            return _TextOffsets(tok, len(text)), None
         logprobs = None
         if self.req.logprobs is not None:
             entries = stream.prompt_logprobs or [None] * len(stream.prompt)
-            logprobs = self._logprobs(list(entries), stream.prompt, _TextOffsets(decode))
-        return _TextOffsets(decode, len(text)), {"index": i, "text": text, "logprobs": logprobs, "finish_reason": None}
+            logprobs = self._logprobs(list(entries), stream.prompt, _TextOffsets(tok))
+        return _TextOffsets(tok, len(text)), {"index": i, "text": text, "logprobs": logprobs, "finish_reason": None}
 
 
 class _TextOffsets:
@@ -265,22 +266,17 @@ class _TextOffsets:
     is the length of the text the tokens before it decode to, after `start` characters. The prompt and the
     completion are each decoded on their own, as the choice's text is made of them (so a character split
     between the prompt's last token and the first generated one shows as U+FFFD on both sides, and the
-    offsets still index that text). Decodes only the
-    tokens since the last whole character (where the text of the tokens so far splits exactly), so that a
-    token costs the same at any length and a stream's offsets equal the whole answer's."""
+    offsets still index that text). A token costs the same at any length (`Detokenizer`), and a stream's
+    offsets equal the whole answer's."""
 
-    def __init__(self, decode: Callable[[list[int]], str], start: int = 0) -> None:
-        self._decode = decode
-        self._whole = start  # characters up to the last whole character
-        self._tail: list[int] = []  # the tokens since then
+    def __init__(self, tokenizer: Tokenizer, start: int = 0) -> None:
+        self._text = Detokenizer(tokenizer)
+        self._start = start
 
     def take(self, ids: list[int]) -> list[int]:
         """The offsets of the next tokens, `ids`."""
         offsets = []
         for token_id in ids:
-            tail = self._decode(self._tail)
-            offsets.append(self._whole + len(tail))
-            if not tail.endswith("\ufffd"):  # no unfinished multi-byte character: a safe place to split
-                self._whole, self._tail = self._whole + len(tail), []
-            self._tail.append(token_id)
+            offsets.append(self._start + len(self._text))
+            self._text.add(token_id)
         return offsets
