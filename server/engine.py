@@ -310,12 +310,12 @@ class Engine:
             self._claim = _Claim(n, now + CLAIM_S)
         waiting = len(self._waiting)
         why = (
-            f"{waiting} {'is' if waiting == 1 else 'are'} waiting, and at most {self.max_queue} wait beyond the "
-            f"batch's free places ({free} now)"
+            f"room for {max(0, room - held)} more ({_count(free, 'free place')} in the batch and "
+            f"{self.max_queue} in the queue, with {_count(waiting, 'sequence')} waiting"
         )
         if held:
-            why += f"; {held} places are held for a larger request refused before, which comes first"
-        raise QueueFull(f"the request's {n} sequence{'s do' if n > 1 else ' does'} not fit now: {why}")
+            why += f"; {held} of those places held for a larger request refused before, which comes first"
+        raise QueueFull(f"the request's {_count(n, 'sequence')} do{'es' if n == 1 else ''} not fit now: {why})")
 
     async def call(self, fn: Callable[[GPT], T], continuing: bool = False) -> T:
         """Run `fn(model)` on the engine's thread, between engine steps, and return its result (raises
@@ -574,6 +574,10 @@ class Engine:
             request.loop.call_soon_threadsafe(request.queue.put_nowait, error)
         for job in jobs:
             job.loop.call_soon_threadsafe(_settle, job.future, None, error)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _put_all(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:

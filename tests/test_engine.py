@@ -216,8 +216,8 @@ def test_queue_bound(loaded: LoadedModel) -> None:
                 with pytest.raises(QueueFull) as refused:  # all or none: 3 + 2 > 2 + 1
                     engine.submit([[464], [464]], [greedy_params(2)] * 2)
                 assert str(refused.value) == (  # what this request needs, beside what the server holds
-                    "the request's 2 sequences do not fit now: 3 are waiting, and at most 2 wait beyond the batch's "
-                    "free places (1 now)"
+                    "the request's 2 sequences do not fit now: room for 0 more (1 free place in the batch and 2 in the "
+                    "queue, with 3 sequences waiting)"
                 )
                 with pytest.raises(QueueFull):
                     engine.submit([[464]], [greedy_params(2)])
@@ -245,7 +245,11 @@ def test_a_large_request_refused_for_room_is_not_kept_out_by_smaller_ones(
                     engine.submit([[464]] * 4, [greedy_params(2)] * 4)  # 4 > 3: refused, its room held
                 with pytest.raises(QueueFull) as refused:
                     engine.submit([[464]], [greedy_params(2)])  # would fit, but not beside the 4 held
-                assert "4 places are held for a larger request refused before" in str(refused.value)
+                assert str(refused.value) == (
+                    "the request's 1 sequence does not fit now: room for 0 more (1 free place in the batch and 3 in "
+                    "the queue, with 1 sequence waiting; 4 of those places held for a larger request refused before, "
+                    "which comes first)"
+                )
             assert await job == "held"
             await a.result()
             big = engine.submit([[464]] * 4, [greedy_params(2)] * 4)  # the retry, once there is room: taken
