@@ -32,6 +32,7 @@ SETTINGS: dict[str, dict[str, Any]] = {  # name -> SamplingParams' fields
     "temperature 0.8": {"temperature": 0.8},
     "top_k 40": {"temperature": 0.8, "top_k": 40},
     "top_p 0.95": {"temperature": 0.8, "top_p": 0.95},
+    "top_p 0.95, temperature 1.5": {"temperature": 1.5, "top_p": 0.95},  # a wide nucleus: thousands of tokens
     "min_p 0.05": {"temperature": 0.8, "min_p": 0.05},
     "repetition 1.3, top_p 0.9": {"temperature": 0.8, "top_p": 0.9, "repetition_penalty": 1.3},
 }
@@ -132,10 +133,13 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"host: {cpu_name()}, {args.threads} thread(s); extensions: {features_text(cpu_features())}")
     logits = lm_like_logits(args.rows, args.vocab, args.zipf)
-    sizes = [int(nucleus(row, 0.95, 0.8).isfinite().sum()) for row in logits]
+    held = []
+    for temperature in (0.8, 1.5):
+        sizes = [int(nucleus(row, 0.95, temperature).isfinite().sum()) for row in logits]
+        held.append(f"{min(sizes)}-{max(sizes)} tokens at temperature {temperature}")
     print(
-        f"{args.rows} rows of {args.vocab} logits, Zipf {args.zipf}: the nucleus at top_p 0.95 (temperature 0.8) "
-        f"holds {min(sizes)}-{max(sizes)} tokens; ms per row and token, best of 3"
+        f"{args.rows} rows of {args.vocab} logits, Zipf {args.zipf}: the nucleus at top_p 0.95 holds "
+        f"{' and '.join(held)}; ms per row and token, best of 3"
     )
     print(f"{'setting':28}{'ours':>10}{'transformers':>14}{'ratio':>8}")
     results = {}

@@ -221,6 +221,7 @@ def test_bench_sampling_quick(tmp_path: Path) -> None:
         "temperature 0.8",
         "top_k 40",
         "top_p 0.95",
+        "top_p 0.95, temperature 1.5",
         "min_p 0.05",
         "repetition 1.3, top_p 0.9",
     }

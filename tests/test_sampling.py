@@ -90,16 +90,58 @@ def test_nucleus_keeps_the_smallest_set_reaching_top_p() -> None:
 
 @pytest.mark.parametrize("scale", [0.3, 4.0])
 def test_nucleus_is_the_smallest_set_at_every_size(scale: float) -> None:
-    """The nucleus ranks the most likely tokens only as far as it reaches (the 256 most likely, then 4,096, then
-    all): at sizes on both sides of each step it is the set a full sort gives (top_p set halfway between two
-    cumulative sums, out of the reach of rounding)."""
+    """The nucleus ranks the most likely tokens only as far as it reaches (the 256 most likely, then the bin of
+    logits where it ends): at sizes on both sides of that step and of the bins' it is the set a full sort gives
+    (top_p set halfway between two cumulative sums, out of the reach of rounding: not where the token past it
+    is less likely than 1e-12, as the last of 50,257 at scale 4 is, 3e-16)."""
     logits = torch.randn(50257, generator=torch.Generator().manual_seed(2)) * scale
     order = torch.sort(logits, descending=True).indices
-    cum = torch.softmax(logits.double(), dim=-1)[order].cumsum(dim=-1)
-    for size in (1, 2, 255, 256, 257, 4096, 4097, 30000, 50257):
+    probs = torch.softmax(logits.double(), dim=-1)[order]
+    cum = probs.cumsum(dim=-1)
+    sizes = [s for s in (1, 2, 255, 256, 257, 4096, 4097, 30000, 45000, 50257) if probs[s - 1] > 1e-12]
+    assert len(sizes) >= 9
+    for size in sizes:
         top_p = float(cum[size - 2] + cum[size - 1]) / 2 if size > 1 else float(cum[0]) / 2
         kept = nucleus(logits, top_p).isfinite()
         assert int(kept.sum()) == size and bool(kept[order[:size]].all()), size
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["ties", "masked", "float32-range", "all-equal", "one-huge", "few-finite", "steps"],
+)
+def test_the_binned_nucleus_is_the_sorted_one(case: str) -> None:
+    """Past the 256 most likely tokens, on a CPU, the nucleus is found through bins of logits (`_binned`):
+    logits that tie, that top-k or min-p made -inf, that span float32's range, that are all equal, that one
+    outlier dominates, of which only a few are finite, or that fall in a few steps (many per bin), all keep the
+    set a full sort keeps: as many tokens, all at least as likely as any left out."""
+    g = torch.Generator().manual_seed(3)
+    n = 50257
+    logits = torch.randn(n, generator=g)
+    if case == "ties":
+        logits = (logits * 4).round() / 4  # 40-odd distinct values
+    elif case == "masked":
+        logits[torch.rand(n, generator=g) < 0.7] = float("-inf")
+    elif case == "float32-range":
+        logits = logits.sign() * 3e38  # hi - lo overflows float32
+        logits[:300] = torch.randn(300, generator=g)
+    elif case == "all-equal":
+        logits = torch.zeros(n)
+    elif case == "one-huge":
+        logits[7] = 8.0
+    elif case == "few-finite":
+        logits[300:] = float("-inf")
+    elif case == "steps":
+        logits = torch.randint(0, 3, (n,), generator=g).float() * 1e-3 + torch.randn(n, generator=g) * 1e-9
+    probs = torch.softmax(logits.double(), dim=-1)
+    order = torch.sort(logits, descending=True).indices
+    cum = probs[order].cumsum(dim=-1)
+    for top_p in (0.0, 0.3, 0.5, 0.9, 0.999):
+        kept = nucleus(logits, top_p).isfinite()
+        want = max(1, int((cum - probs[order] < top_p).sum()))  # the tokens before which top_p is not reached
+        assert int(kept.sum()) == want, (top_p, case)
+        if want < n:
+            assert logits[kept].min() >= logits[~kept].max(), (top_p, case)
 
 
 def test_sampling_draws_only_from_the_nucleus_and_the_top_k() -> None:
