@@ -63,7 +63,6 @@ class Tokenizer:
         if eot is None:
             raise TokenizerError(f"the tokenizer has no {EOT} token")
         self.eot_id: int = eot
-        self._added = {i: t.content for i, t in tok.get_added_tokens_decoder().items()}  # special tokens, as text
         self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
         self._cuttable = _splits_as_gpt2(json.loads(spec))
         self.most_bytes_a_token: int | None = self._most_bytes_a_token()  # 256 for GPT-2's (20 ms)
@@ -190,21 +189,23 @@ class Tokenizer:
         return piece
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The exact bytes of one token (a special token's are those of its text, `<|endoftext|>`)."""
+        """The exact bytes of one token, as the byte-level decoder gives them: a byte for each character of its
+        vocabulary string, or, for an added token with a character outside that alphabet, its text's UTF-8."""
         piece = self.piece(token_id)
-        if token_id in self._added:
+        try:
+            return bytes(map(_UNICODE_TO_BYTE.__getitem__, piece))
+        except KeyError:
             return piece.encode()
-        return bytes(_UNICODE_TO_BYTE[c] for c in piece)
 
     def save(self, directory: str | Path) -> None:
         (Path(directory) / "tokenizer.json").write_text(self._tok.to_str(pretty=True), encoding="utf-8")  # any path
 
 
 class Detokenizer:
-    """The text of a growing list of token ids, a token at a time, at a cost that does not grow with the list
-    (a stream's text): the tokens' bytes go through an incremental UTF-8 decoder, which holds back only the
-    first bytes of a character not yet finished (three at most) and replaces bytes that can never be one as
-    soon as that is known, so that `text` is always `Tokenizer.decode` of the ids so far."""
+    """The text of a growing list of token ids, a token at a time (a stream's text), each token's bytes decoded
+    once: they go through an incremental UTF-8 decoder, which holds back only the first bytes of a character
+    not yet finished (three at most) and replaces bytes that can never be one as soon as that is known, so
+    that `text` is always `Tokenizer.decode` of the ids so far."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
@@ -216,13 +217,14 @@ class Detokenizer:
             self.settled += self._utf8.decode(self._tokenizer.token_bytes(token_id))
         else:  # an id past the vocabulary (`token_text`) ends the character before it, as `decode` has it
             self.settled += self._utf8.decode(b"", final=True) + self._tokenizer.token_text(token_id)
+        held = self._utf8.getstate()[0]
+        if len(held) == 2 and held[0] == 0xED and held[1] >= 0xA0:  # a surrogate's, never a character in UTF-8:
+            self.settled += self._utf8.decode(b"", final=True)  # Python's decoder holds them back all the same
 
     @property
     def unfinished(self) -> str:
-        """The text of the last bytes, which may still become a character with the next token's: "" or
-        U+FFFD (two for the first bytes of a surrogate's, which Python's decoder holds back as well)."""
-        held = self._utf8.getstate()[0]
-        return held.decode("utf-8", "replace") if held else ""
+        """The text of the last bytes, which may still become a character with the next token's: "" or U+FFFD."""
+        return "\ufffd" if self._utf8.getstate()[0] else ""
 
     @property
     def text(self) -> str:

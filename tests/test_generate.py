@@ -140,6 +140,7 @@ def test_a_character_split_across_tokens_is_streamed_whole(tokenizer: Tokenizer)
     for script, text, tokens in (
         ([*e_acute, 0, byte_token(tokenizer, 0xFF), 65], "é!", 4),
         ([64, euro, 65, 66], "a", 3),
+        ([64, *(byte_token(tokenizer, b) for b in b"\xed\xa0"), 65], "a", 3),  # a surrogate's: never a character
         ([64, *(byte_token(tokenizer, b) for b in "\ufffd".encode()), 65], "a", 4),
     ):
         [result], events = run(ScriptedModel(1, script), [[50]], params, tokenizer)
