@@ -12,7 +12,7 @@ import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from model.generate import SEED_RANGE, ContextLengthError, GenerationError, SamplingParams, logit_bias_by_id
-from model.hooks import UnknownHookError, select_hooks
+from model.hooks import UnknownHookError, is_glob, select_hooks
 from model.interventions import OP_READS, Edit, EditSpec, InterventionError
 from model.json_file import clip
 from model.lab.attribution import MAX_VERIFY
@@ -277,8 +277,11 @@ def _tensor_from_dump(dump: DumpValue, hook: str, where: str) -> torch.Tensor:
     except Exception:
         raise InterventionError(f"{where}: value for {hook!r}: the dump is not base64 of a safetensors file") from None
     if name not in tensors:
-        have = ", ".join(tensors)
-        raise InterventionError(f"{where}: value for {hook!r}: the dump has no tensor {name!r} (it has {have})")
+        have = ", ".join(sorted(tensors))
+        why = f"the dump has no tensor {name!r} (it has {have})"
+        if dump.name is None and is_glob(hook):  # one edit, one value: the same tensor at every hook it matches
+            why += "; a glob's edit sets one tensor at every hook it matches: name it, or give an edit for each hook"
+        raise InterventionError(f"{where}: value for {hook!r}: {why}")
     t = tensors[name]
     if not t.is_floating_point():  # a dump holds activations: booleans or integers are no activation's values
         raise InterventionError(

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import Checkpoint
 from fastapi.testclient import TestClient
-from inprocess import assert_interleaved, log_engine, wait_until
+from inprocess import assert_interleaved, log_engine, post_ok, wait_until
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
@@ -379,6 +379,20 @@ def test_a_dump_without_the_tensor_names_what_it_has(client: TestClient) -> None
     )
     assert r.status_code == 400
     assert "the dump has no tensor 'hook_pos_embed' (it has hook_embed)" in r.json()["error"]["message"]
+    # a glob's edit takes one tensor for all its hooks: a dump of each of them is not read hook by hook, and the
+    # message says what to send instead
+    hooks = ["blocks.0.hook_resid_post", "blocks.1.hook_resid_post"]
+    value = {"safetensors_base64": base64.b64encode(dump(client, CLEAN, hooks)).decode()}
+    edit = {"hook": "blocks.*.hook_resid_post", "op": "set", "value": value}
+    r = client.post("/v1/next-token", json={"input_ids": CLEAN, "interventions": [edit]})
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        "interventions[0]: value for 'blocks.*.hook_resid_post': the dump has no "
+        "tensor 'blocks.*.hook_resid_post' (it has blocks.0.hook_resid_post, blocks.1.hook_resid_post); a glob's "
+        "edit sets one tensor at every hook it matches: name it, or give an edit for each hook"
+    )
+    edits = [{"hook": h, "op": "set", "value": value} for h in hooks]  # each from its own tensor: the clean run
+    patched = post_ok(client, "/v1/next-token", {"input_ids": CLEAN, "interventions": edits})
+    assert patched["top"] == post_ok(client, "/v1/next-token", {"input_ids": CLEAN})["top"]
 
 
 def test_a_dump_of_a_shorter_prompt_is_refused(client: TestClient) -> None:
