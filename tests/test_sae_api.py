@@ -431,6 +431,24 @@ BAD = {
         "hook",
         "not a hook with one vector per position",
     ),
+    "contrast past the model's blocks": (
+        "/v1/steering-vectors",
+        {"positive": ["a"], "negative": ["b"], "hook": "blocks.9.hook_resid_pre"},
+        "hook",
+        "hook 'blocks.9.hook_resid_pre' is past this model's blocks (0..1); give one with a vector per position",
+    ),
+    "contrast at a glob": (
+        "/v1/steering-vectors",
+        {"positive": ["a"], "negative": ["b"], "hook": "blocks.*.hook_resid_pre"},
+        "hook",
+        "hook 'blocks.*.hook_resid_pre' is a glob: a steering vector is read at one hook point; give one",
+    ),
+    "contrast at no hook point": (
+        "/v1/steering-vectors",
+        {"positive": ["a"], "negative": ["b"], "hook": "blocks.0.hook_nope"},
+        "hook",
+        "hook 'blocks.0.hook_nope' is no hook point of this model; give one",
+    ),
     "contrast with an empty prompt among them": (
         "/v1/steering-vectors",
         {"positive": ["a", ""], "negative": ["b"], "hook": RES},

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from model.generate import GenerationError
-from model.hooks import hook_names, reads_as_one_vector
+from model.hooks import hook_names, is_glob, layer_of, reads_as_one_vector
 from model.interventions import site_shape
 from model.lab.sae import SAE, FeatureReading, TokenFeatures, load_saes
 from model.lab.steering import (
@@ -263,10 +263,19 @@ async def steering_vectors(
     req.check()
     config = engine.model.config
     if req.hook not in hook_names(config.n_layer) or not reads_as_one_vector(req.hook):
+        layer = layer_of(req.hook)
+        if is_glob(req.hook):
+            why = "is a glob: a steering vector is read at one hook point"
+        elif layer is not None and layer >= config.n_layer:
+            why = f"is past this model's blocks (0..{config.n_layer - 1})"
+        elif req.hook not in hook_names(config.n_layer):
+            why = "is no hook point of this model"
+        else:
+            why = "is not a hook with one vector per position"
         raise GenerationError(
-            f"hook {req.hook!r} is not a hook with one vector per position of this model (for example "
+            f"hook {req.hook!r} {why}; give one with a vector per position, such as "
             f"blocks.{config.n_layer // 2}.hook_resid_pre, hook_resid_post, hook_attn_out, hook_mlp_out, or "
-            "attn.hook_z, its heads read as one vector)",
+            "attn.hook_z, its heads read as one vector",
             "hook",
         )
     sides = [await _prompts(engine, getattr(req, side), side) for side in ("positive", "negative")]
