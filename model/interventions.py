@@ -304,7 +304,12 @@ class EditPlan:
             raise InterventionError(
                 f"{where}: value of shape {list(v.shape)} does not fit {t.name}: give {list(site)} (one "
                 "position's selected values, broadcast to every selected position)"
-                + (f" or [pos, {', '.join(map(str, full))}] (a whole sequence's)" if e.op == "set" else "")
+                + (
+                    f" or [pos, {', '.join(map(str, full))}] (a whole sequence's; a dump's batch dimension of 1 is"
+                    " taken off first)"
+                    if e.op == "set"
+                    else ""
+                )
             )
         return t
 

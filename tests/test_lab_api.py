@@ -391,6 +391,17 @@ def test_a_dump_without_the_tensor_names_what_it_has(client: TestClient) -> None
         "edit sets one tensor at every hook it matches: name it, or give an edit for each hook"
     )
     edits = [{"hook": h, "op": "set", "value": value} for h in hooks]  # each from its own tensor: the clean run
+    # a tensor of one dimension too many: the message says that the dump's batch dimension was taken off
+    extra = torch.zeros(1, 1, len(CLEAN), 64)
+    value = {"safetensors_base64": base64.b64encode(save_safetensors({hooks[0]: extra})).decode()}
+    r = client.post(
+        "/v1/next-token", json={"input_ids": CLEAN, "interventions": [{"hook": hooks[0], "op": "set", "value": value}]}
+    )
+    assert r.status_code == 400 and r.json()["error"]["message"].endswith(
+        f"value of shape [1, {len(CLEAN)}, 64] does not fit blocks.0.hook_resid_post: give [64] (one position's "
+        "selected values, broadcast to every selected position) or [pos, 64] (a whole sequence's; a dump's batch "
+        "dimension of 1 is taken off first)"
+    )
     patched = post_ok(client, "/v1/next-token", {"input_ids": CLEAN, "interventions": edits})
     assert patched["top"] == post_ok(client, "/v1/next-token", {"input_ids": CLEAN})["top"]
 
