@@ -141,7 +141,7 @@ def above_min_p(logits: torch.Tensor, min_p: float, temperature: float = 1.0) ->
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
-NUCLEUS_RANKS = 256  # most likely tokens ranked first when looking for the nucleus
+NUCLEUS_FIRST = 256  # most likely tokens ranked first when looking for the nucleus
 NUCLEUS_BINS = 4096  # past them, on a CPU: bins of logits whose probabilities are summed, one bin then ranked
 
 
@@ -150,19 +150,20 @@ def nucleus(logits: torch.Tensor, top_p: float, temperature: float = 1.0) -> tor
     `top_p` (always the most likely one: top_p 0, as OpenAI allows it, keeps that one alone). The tokens are
     ranked only as far as the nucleus reaches: the 256 most likely first (0.1 ms over 50,257 logits on a CPU
     core); past them, on a CPU, only the tokens of the bin where the sum reaches top_p (`_binned`, 0.4-0.7 ms
-    where a full sort takes 3.5); elsewhere all of them (a GPU sorts 50,257 in microseconds). They are
-    ranked on the logits themselves (at a huge temperature the probabilities all but tie)."""
+    where a full sort takes 3.5); elsewhere all of them (a GPU sorts 50,257 in microseconds, and its
+    `bincount` sums in no fixed order). They are ranked on the logits themselves (at a huge temperature the
+    probabilities all but tie)."""
     probs = torch.softmax(logits.to(_wide(logits.device)) / temperature, dim=-1)  # the tail: 50,257 terms
     n = logits.shape[-1]
-    if n > NUCLEUS_RANKS:
-        order = torch.topk(logits, NUCLEUS_RANKS).indices
+    if n > NUCLEUS_FIRST:
+        order = torch.topk(logits, NUCLEUS_FIRST).indices
         ranked = probs[order]  # most likely first
         if float(ranked.sum()) >= top_p:
-            return _keep(logits, torch.zeros_like(logits, dtype=torch.bool), order, ranked, 0.0, top_p)
+            return _keep(logits, order, ranked, top_p)
         if logits.device.type == "cpu":
             return _binned(logits, probs, top_p, temperature)
     order = torch.sort(logits, descending=True).indices
-    return _keep(logits, torch.zeros_like(logits, dtype=torch.bool), order, probs[order], 0.0, top_p)
+    return _keep(logits, order, probs[order], top_p)
 
 
 def _binned(logits: torch.Tensor, probs: torch.Tensor, top_p: float, temperature: float) -> torch.Tensor:
@@ -181,14 +182,20 @@ def _binned(logits: torch.Tensor, probs: torch.Tensor, top_p: float, temperature
     b = min(int(torch.searchsorted(reached, reached.new_tensor([top_p]))), NUCLEUS_BINS - 1)  # the first to reach
     members = (bins == b).nonzero().squeeze(1)
     order = members[torch.argsort(logits[members], descending=True)]
-    return _keep(logits, bins < b, order, probs[order], float(reached[b] - mass[b]), top_p)
+    return _keep(logits, order, probs[order], top_p, kept=bins < b, above=float(reached[b] - mass[b]))
 
 
 def _keep(
-    logits: torch.Tensor, kept: torch.Tensor, order: torch.Tensor, ranked: torch.Tensor, above: float, top_p: float
+    logits: torch.Tensor,
+    order: torch.Tensor,
+    ranked: torch.Tensor,
+    top_p: float,
+    kept: torch.Tensor | None = None,
+    above: float = 0.0,
 ) -> torch.Tensor:
-    """`logits` with -inf but where `kept` [vocab] is true and where the tokens `order` (most likely first, of
-    probabilities `ranked`, after more likely ones of probability `above`) do not reach top_p before them."""
+    """`logits` with -inf but where the tokens `order` (most likely first, of probabilities `ranked`, after more
+    likely ones of probability `above`) do not reach top_p before them, and where `kept` [vocab] is true."""
+    kept = torch.zeros_like(logits, dtype=torch.bool) if kept is None else kept
     before = above + ranked.cumsum(dim=-1) - ranked  # the probability of the more likely tokens
     kept[order] = before < top_p  # where the more likely tokens do not reach top_p yet; the rest never does
     kept[order[0]] = True  # top_p 0 keeps the most likely token; past a bin, the first of `order` is kept anyway
