@@ -379,12 +379,18 @@ class SequenceState:
         """End the text before the earliest match of any stop string, whatever their order (matches that
         overlap, "log" in "login" and "gin", must all be looked for in the text before it is cut). An
         unfinished character's placeholder (its U+FFFD at the end) is looked in only once no token follows
-        (`final`): until then it is not yet the character it becomes."""
-        settled = self.text if final else self._settled()
-        found = [settled.find(s, max(0, self.emitted - len(s) + 1)) for s in self.params.stop]
-        first = min((at for at in found if at != -1), default=None)
+        (`final`, or a stop string found before it: the text ends with this token): until then it is not yet
+        the character it becomes."""
+        first = self._first_stop(self.text if final else self._settled())
+        if first is not None and not final:  # found: no token follows, so a match in the placeholder counts too
+            first = self._first_stop(self.text)
         if first is not None:
             self.text, self.finish_reason = self.text[:first], "stop"
+
+    def _first_stop(self, text: str) -> int | None:
+        """Where the earliest match of any stop string begins in `text`, looked for past what was handed out."""
+        found = [text.find(s, max(0, self.emitted - len(s) + 1)) for s in self.params.stop]
+        return min((at for at in found if at != -1), default=None)
 
     def _release(self) -> str:
         """The text that can be handed out now: all of it once finished, else up to what is still unsure."""

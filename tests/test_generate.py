@@ -146,6 +146,15 @@ def test_a_character_split_across_tokens_is_streamed_whole(tokenizer: Tokenizer)
         [result], events = run(ScriptedModel(1, script), [[50]], params, tokenizer)
         assert (result.text, result.finish_reason, len(result.token_ids)) == (text, "stop", tokens), script
         assert streamed_text(events) == text
+    # a stop string found in the settled text ends the generation with this token: its unfinished character's
+    # placeholder is then final, and a stop string that matches it earlier wins (" 裏\xe7" is one token)
+    token = 20174
+    assert tokenizer.token_bytes(token) == " 裏".encode() + b"\xe7"
+    for max_new_tokens in (1, 2):
+        params = SamplingParams(max_new_tokens=max_new_tokens, stop=("裏", " 裏\ufffd"), **GREEDY)
+        [result], events = run(ScriptedModel(1, [token, 64]), [[50]], params, tokenizer)
+        assert (result.text, result.finish_reason, result.token_ids) == ("", "stop", [token]), max_new_tokens
+        assert streamed_text(events) == ""
     # and once no token follows (the last one, EOS, a stop token id), the U+FFFD at the end is what it stays
     script = [64, byte_token(tokenizer, 0xFF)]  # "a", a byte no character starts with
     for tail, params in (

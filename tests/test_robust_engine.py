@@ -157,7 +157,8 @@ def test_an_error_of_one_prompt_of_several_names_it(loaded: LoadedModel, stream:
         # prompts as long as each other fail alike: the request's fault, named by no prompt
         body["input_ids"] = [[7, 8], [9, 10]]
         error = assert_error(c.post(GEN, json=body | {"stream": stream}), 400, "interventions")
-        assert error["message"].startswith("interventions[0] (") and "position 5 is out of range 0..4" in error["message"]
+        message = error["message"]
+        assert message.startswith("interventions[0] (") and "position 5 is out of range 0..4" in message
         blow_up = {"hook": "blocks.0.hook_resid_pre", "op": "scale", "factor": 1e38, "positions": [4]}
         body = {"input_ids": [[1, 2, 3, 4, 5], [7, 8]], "max_new_tokens": 3, **GREEDY, "interventions": [blow_up]}
         assert post_ok(c, GEN, body | {"input_ids": [[7, 8]]})["choices"][0]["finish_reason"] == "length"
