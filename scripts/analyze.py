@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from gpt2_scripts.console import empty_flag
-from gpt2_scripts.generate import PromptError, read_prompt, utf8_checked
+from gpt2_scripts.generate import PromptError, read_prompt, replaces_an_input, utf8_checked
 from gpt2_scripts.json_flag import read_json_flag
 from gpt2_scripts.sae_cli import add_sae_arguments, directions, features_table
 
@@ -131,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         if plot_format(args.plot) == "pgf" and shutil.which(tex := plt.rcParams["pgf.texsystem"]) is None:
             return fail(f"--plot {args.plot}: matplotlib writes pgf with {tex}, which is not installed (LaTeX)")
-        if problem := dump_path_problem(args.plot):  # before the long part: a dump's rules (`replace_whole`)
+        if problem := dump_path_problem(args.plot) or replaces_an_input(  # before the long part: a dump's rules
+            "--plot", args.plot, args.model, args.tokenizer, args.sae
+        ):
             return fail(problem)
     if args.attribution:
         return attribution_main(args, plt)

@@ -145,8 +145,9 @@ def read_prompt(arg: str | None) -> str:
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt")  # GPT-2's, whichever a loader reads
 
 
-def _replaces_an_input(dump: str, model: str, tokenizer: str | None, saes: list[str]) -> str | None:
-    """Why a dump must not go to `dump`: a file there already that this run reads, which the dump would replace
+def replaces_an_input(flag: str, dump: str, model: str, tokenizer: str | None, saes: list[str]) -> str | None:
+    """Why a dump (or `gpt2-analyze`'s figure, written as one) must not go to `dump`, given as `flag`: a file
+    there already that this run reads, which the dump would replace
     (read, then written over): of the local checkpoint `model` (any file of its directory; or the weights file
     itself, with the config.json and tokenizer files beside it that a bare file's loading reads too), of the
     hub's cache where `model` or an SAE is a hub name, of the `--tokenizer` directory (its tokenizer files,
@@ -166,15 +167,15 @@ def _replaces_an_input(dump: str, model: str, tokenizer: str | None, saes: list[
     else:
         read = []
     if _one_of(target, read):
-        return f"--dump-activations {dump}: it would replace a file of the checkpoint being loaded ({model})"
+        return f"{flag} {dump}: it would replace a file of the checkpoint being loaded ({model})"
     tok = Path(tokenizer).expanduser().absolute() if tokenizer else None
     if tok is not None and tok.is_dir() and _one_of(target, [tok / f for f in TOKENIZER_FILES]):
-        return f"--dump-activations {dump}: it would replace a file of the tokenizer being loaded ({tokenizer})"
+        return f"{flag} {dump}: it would replace a file of the tokenizer being loaded ({tokenizer})"
     for spec in saes:
         source = spec.partition("=")[2]
         path = Path(source).expanduser().absolute()
         if _one_of(target, [path] if path.exists() else [_hub_cache()] if source else []):
-            return f"--dump-activations {dump}: it would replace a file of the SAE being loaded ({spec})"
+            return f"{flag} {dump}: it would replace a file of the SAE being loaded ({spec})"
     return None
 
 
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:  # Ctrl-C leaves nothing half-wr
     if args.dump_activations and (problem := dump_path_problem(args.dump_activations)):  # before the long part
         return fail(problem)
     dump = args.dump_activations
-    if dump and (problem := _replaces_an_input(dump, args.model, args.tokenizer, args.sae)):
+    if dump and (problem := replaces_an_input("--dump-activations", dump, args.model, args.tokenizer, args.sae)):
         return fail(problem)
     try:  # an exact name no GPT-2 has, before the model loads (a glob, or a layer past it, is checked after)
         for name in args.hooks or []:

@@ -4,6 +4,7 @@ the table, the plot, and one-line errors."""
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -155,6 +156,35 @@ def test_plot_into_a_missing_directory_is_refused_before_the_work(
     out, err = capsys.readouterr()
     assert out == ""  # no table printed, then an error
     assert err == f"gpt2-analyze: error: cannot write {target}: no directory {target.parent}\n"
+
+
+def test_a_plot_never_replaces_what_loading_reads(
+    tiny: Checkpoint, tokenizer_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The figure is written as a dump is, through a link to the file it names, and like a dump it is refused
+    before the work where it would replace a file the run reads (a link named like a figure to the weights or
+    a tokenizer file once wrote a PNG over them)."""
+    from gpt2_scripts.analyze import main
+
+    ckpt, tok = tmp_path / "ckpt", tmp_path / "tok"
+    for source, copy in ((tiny.path, ckpt), (tokenizer_dir, tok)):
+        copy.mkdir()
+        for f in source.iterdir():
+            if f.is_file():
+                shutil.copyfile(f, copy / f.name)
+    for name, target, what, loaded in (
+        ("weights.png", ckpt / "model.safetensors", "checkpoint", ckpt),
+        ("tokenizer.svg", tok / "tokenizer.json", "tokenizer", tok),
+    ):
+        link = tmp_path / name
+        link.symlink_to(target)
+        before = target.read_bytes()
+        args = [PROMPT, "--model", str(ckpt), "--tokenizer", str(tok), "--device", "cpu", "--plot", str(link)]
+        assert main(args) == 1
+        out, err = capsys.readouterr()
+        says = f"gpt2-analyze: error: --plot {link}: it would replace a file of the {what} being loaded ({loaded})\n"
+        assert out == "" and err == says
+        assert target.read_bytes() == before
 
 
 def test_a_plot_format_whose_tool_is_missing_is_refused_before_the_work(
