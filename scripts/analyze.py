@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from gpt2_scripts.console import empty_flag
-from gpt2_scripts.generate import PromptError, read_prompt, replaces_an_input, utf8_checked
+from gpt2_scripts.generate import PromptError, read_prompt, replaces_an_input, saying_when_written, utf8_checked
 from gpt2_scripts.json_flag import read_json_flag
 from gpt2_scripts.sae_cli import add_sae_arguments, directions, features_table
 
@@ -178,12 +178,12 @@ def main(argv: list[str] | None = None) -> int:
         return fail(failure)
     if plt is not None:
         try:
-            plot(plt, args.plot, normal, ablated, f"{loaded.name}: {prompt!r}", grads)
+            with saying_when_written(args.plot, f"wrote {args.plot}"):
+                plot(plt, args.plot, normal, ablated, f"{loaded.name}: {prompt!r}", grads)
         except OSError as e:
             return fail(f"cannot write {args.plot}: {e.strerror or e}")
         except RuntimeError as e:  # a format whose tool is missing (pgf needs LaTeX)
             return fail(f"cannot write {args.plot}: {e}")
-        print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
 
@@ -369,10 +369,10 @@ def attribution_main(args: argparse.Namespace, plt: Any) -> int:
         return fail(failure)
     if plt is not None:
         try:
-            plot_attribution(plt, args.plot, result, [tok.token_name(t) for t in clean])
+            with saying_when_written(args.plot, f"wrote {args.plot}"):
+                plot_attribution(plt, args.plot, result, [tok.token_name(t) for t in clean])
         except (OSError, RuntimeError) as e:
             return fail(f"cannot write {args.plot}: {getattr(e, 'strerror', None) or e}")
-        print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
 

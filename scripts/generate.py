@@ -19,6 +19,8 @@ import argparse
 import os
 import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from gpt2_scripts.console import empty_flag
@@ -179,6 +181,29 @@ def replaces_an_input(flag: str, dump: str, model: str, tokenizer: str | None, s
     return None
 
 
+@contextmanager
+def saying_when_written(path: str, wrote: str) -> Iterator[None]:
+    """Say `wrote` once the block has put a new file at `path` (renamed over it), also where a Ctrl-C or a
+    SIGTERM ends the block after the rename: the tool then says both, not "interrupted" alone over a new file."""
+    before = _file_id(path)
+    try:
+        yield
+    except KeyboardInterrupt:
+        if _file_id(path) != before:
+            print(wrote, file=sys.stderr)
+        raise
+    print(wrote, file=sys.stderr)
+
+
+def _file_id(path: str) -> tuple[int, int] | None:
+    """The file at `path` (through links), as a rename over it changes it; None where there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def _hub_cache() -> Path:
     from huggingface_hub import constants
 
@@ -280,16 +305,14 @@ def main(argv: list[str] | None = None) -> int:  # Ctrl-C leaves nothing half-wr
     if args.dump_activations and result.activations is not None:
         token_ids = result.prompt_ids + result.token_ids
         meta = {"model": loaded.name, "weights": loaded.weights, "token_ids": token_ids, "text": prompt + result.text}
+        wrote = f"wrote {len(result.activations)} activations over {len(token_ids)} tokens to {args.dump_activations}"
         try:
-            save_dump(args.dump_activations, result.activations, meta)
+            with saying_when_written(args.dump_activations, wrote):
+                save_dump(args.dump_activations, result.activations, meta)
         except OSError as e:
             return fail(f"cannot write {args.dump_activations}: {e.strerror or e}")
         except ValueError as e:  # the path went bad during the generation (`dump_path_problem` again)
             return fail(str(e))
-        print(
-            f"wrote {len(result.activations)} activations over {len(token_ids)} tokens to {args.dump_activations}",
-            file=sys.stderr,
-        )
     print(f"[{len(result.token_ids)} tokens, finish reason: {result.finish_reason}]", file=sys.stderr)
     return 0
 

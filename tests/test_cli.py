@@ -186,6 +186,37 @@ def test_the_dump_dtype(ckpt_with_tokenizer: Path, tmp_path: Path, capsys: pytes
     assert capsys.readouterr().err == "gpt2-generate: error: --dump-dtype needs --dump-activations FILE\n"
 
 
+@pytest.mark.parametrize("renamed", [False, True])
+def test_a_signal_as_the_dump_is_written_says_whether_it_was(
+    ckpt_with_tokenizer: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    renamed: bool,
+) -> None:
+    """A Ctrl-C (or SIGTERM) that ends the dump's writing before its rename leaves the old file, and the tool
+    says only that it was interrupted; one just after the rename leaves the new file, and the tool says it
+    wrote it (it once said "interrupted" alone over a new file)."""
+    import gpt2_scripts.generate as cli
+
+    from model.dump import save_dump
+
+    def interrupted(path: str, tensors: dict, metadata: dict) -> None:
+        if renamed:
+            save_dump(path, tensors, metadata)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "save_dump", interrupted)
+    dump = tmp_path / "keep.safetensors"
+    dump.write_bytes(b"old")
+    argv = ["hi", "--model", str(ckpt_with_tokenizer), "--greedy", "--max-new-tokens", "2", "--ignore-eos"]
+    with pytest.raises(KeyboardInterrupt):
+        main([*argv, "--dump-activations", str(dump), "--hooks", "blocks.0.hook_resid_post"])
+    err = capsys.readouterr().err
+    assert (dump.read_bytes() != b"old") == renamed
+    assert err == (f"wrote 1 activations over 4 tokens to {dump}\n" if renamed else "")
+
+
 def test_prompt_from_stdin(
     ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
