@@ -285,6 +285,14 @@ def _byte_level_bpe(vocab_path: Path, merges_path: Path) -> _HFTokenizer:
             got = clip(line)
             raise TokenizerError(f"{merges_path}, line {number}: a merge is two symbols and one space, got {got}")
         merges.append((pair[0], pair[1]))
+    made = {a + b for a, b in merges}  # every token of more than one byte is some merge's: else none could be
+    unmade = [(i, t) for t, i in vocab.items() if t != EOT and len(t) > 1 and t not in made]
+    if unmade:
+        i, t = min(unmade)
+        raise TokenizerError(
+            f"{merges_path}: no merge makes {len(unmade)} of vocab.json's tokens (the first {t!r}, id {i}), so "
+            "no text would encode to them: the file is cut short, or another tokenizer's"
+        )
     tok = _HFTokenizer(models.BPE(vocab, merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
     tok.post_processor = processors.ByteLevel(trim_offsets=False)

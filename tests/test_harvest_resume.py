@@ -51,14 +51,15 @@ def tree_shas(directory: Path) -> dict[str, str]:
 
 
 def drop_first_merge(tok_dir: Path) -> None:
-    """Edit the tokenizer in place as someone might: its first merge ("Ġ t") removed."""
+    """Edit the tokenizer in place as someone might: its first merge ("Ġ t") removed (from merges.txt, moved
+    last: a merges.txt that makes no "Ġt" is refused as cut short)."""
     if (tok_dir / "tokenizer.json").is_file():
         data = json.loads((tok_dir / "tokenizer.json").read_text(encoding="utf-8"))
         data["model"]["merges"] = data["model"]["merges"][1:]
         (tok_dir / "tokenizer.json").write_text(json.dumps(data), encoding="utf-8")
     else:
         lines = (tok_dir / "merges.txt").read_text(encoding="utf-8").splitlines(keepends=True)
-        (tok_dir / "merges.txt").write_text("".join([lines[0], *lines[2:]]), encoding="utf-8")
+        (tok_dir / "merges.txt").write_text("".join([lines[0], *lines[2:], lines[1]]), encoding="utf-8")
 
 
 @pytest.mark.parametrize("files", [("tokenizer.json",), ("vocab.json", "merges.txt")])

@@ -140,6 +140,22 @@ def test_a_merges_line_that_is_not_a_pair_is_named(tokenizer_dir: Path, tmp_path
     assert str(e.value) == want
 
 
+@pytest.mark.parametrize("kept", [0, 1, 49999])
+def test_a_merges_file_cut_at_a_line_is_refused(tokenizer_dir: Path, tmp_path: Path, kept: int) -> None:
+    """A merges.txt emptied, or cut short at a line's end, parses: but the tokens of vocab.json that its missing
+    merges made could never be encoded, and text would tokenize otherwise. Refused, naming the first."""
+    (tmp_path / "vocab.json").write_bytes((tokenizer_dir / "vocab.json").read_bytes())
+    lines = (tokenizer_dir / "merges.txt").read_text(encoding="utf-8").splitlines(keepends=True)
+    (tmp_path / "merges.txt").write_text("".join(lines[: 1 + kept]) if kept else "", encoding="utf-8")
+    with pytest.raises(TokenizerError) as e:
+        Tokenizer.from_dir(tmp_path)
+    first = {0: "'Ġt', id 256", 1: "'Ġa', id 257", 49999: "'Ġgazed', id 50255"}[kept]
+    assert str(e.value) == (
+        f"{tmp_path / 'merges.txt'}: no merge makes {50000 - kept} of vocab.json's tokens (the first {first}), "
+        "so no text would encode to them: the file is cut short, or another tokenizer's"
+    )
+
+
 @settings(max_examples=300, deadline=None, database=None)
 @given(text=st.text())
 @example(text="a<|endoftext|>b")
