@@ -115,7 +115,7 @@ def _bias_flag(text: str) -> tuple[str, float]:
     keys, `SamplingParams` checks the values."""
     token, sep, bias = text.partition("=")
     try:
-        if sep:
+        if sep and token:
             return token, float(bias)
     except ValueError:
         pass

@@ -464,7 +464,7 @@ def test_penalties_and_logit_bias(ckpt_with_tokenizer: Path, capsys: pytest.Capt
     assert (
         err == "gpt2-generate: error: --logit-bias: token id 50257 is outside the vocabulary (0..256)\n"
     )  # the tokenizer's
-    for bad in ("11", "11=big", "5=1e", "5=.", "5="):  # not ID=BIAS: a usage error
+    for bad in ("11", "11=big", "5=1e", "5=.", "5=", "=1"):  # not ID=BIAS: a usage error
         with pytest.raises(SystemExit):
             parse_args(["hi", "--logit-bias", bad])
         assert "expected ID=BIAS" in capsys.readouterr().err, bad
