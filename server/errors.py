@@ -159,7 +159,8 @@ def validation_message(errors: Sequence[Any]) -> tuple[str, str]:
     union = _union_error(errors)
     if union is not None:
         return union, loc[0]
-    message = _past_float(first) or str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    message = _union_tag(first) or _past_float(first) or str(first.get("msg", "invalid value"))
+    message = message.removeprefix("Value error, ")
     return (f"{'.'.join(loc)}: {message}" if loc else message), (loc[0] if loc else "body")
 
 
@@ -176,6 +177,18 @@ def _past_float(error: Any) -> str | None:
     if error.get("type") != "float_type" or not isinstance(given, int) or isinstance(given, bool):
         return None
     return f"an integer of {len(str(abs(given)))} digits is past a float's range (about 1.8e308)"
+
+
+def _union_tag(error: Any) -> str | None:
+    """For an object of a union told apart by one of its fields (a metric's `type`), missing or not one of the
+    kinds: that, in a short message, not pydantic's "Unable to extract tag using discriminator"; else None."""
+    ctx = error.get("ctx") or {}
+    field = str(ctx.get("discriminator", "")).strip("'")
+    if error.get("type") == "union_tag_not_found":
+        return f"no {field!r}, which says what kind it is"
+    if error.get("type") == "union_tag_invalid":
+        return f"{field} {ctx.get('tag')!r} is none of the kinds: {ctx.get('expected_tags')}"
+    return None
 
 
 def _union_error(errors: Sequence[Any]) -> str | None:

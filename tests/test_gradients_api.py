@@ -155,6 +155,7 @@ def attr(**fields: Any) -> dict[str, Any]:
 
 BAD = [
     ("metric-type", "/v1/gradients", grad(metric={"type": "kl"}), 400, "metric"),
+    ("metric-no-type", "/v1/gradients", grad(metric={"token": 5}), 400, "metric"),
     ("metric-missing", "/v1/gradients", {"input_ids": CLEAN, "hooks": ["logits"]}, 400, "metric"),
     ("metric-extra-field", "/v1/gradients", grad(metric={"type": "loss", "token": 5}), 400, "metric"),
     ("token-over-vocab", "/v1/gradients", grad(metric={"type": "logprob", "token": 50257}), 400, "metric.token"),
@@ -245,6 +246,17 @@ def small_limits(loaded: LoadedModel) -> Iterator[TestClient]:
     limit = (graph_bytes(c, 60, torch.float32) + graph_bytes(c, 100, torch.float32)) // 2
     with serve(loaded, max_gradient_bytes=limit) as client:
         yield client
+
+
+def test_a_metric_of_no_kind_or_another_says_which_kinds_there_are(small_limits: TestClient) -> None:
+    """A metric is told apart by its `type`: missing, or none of the kinds, the message says so in its own words
+    (pydantic's were "Unable to extract tag using discriminator 'type'"); the command line's `--metric` too."""
+    for metric, says in (
+        ({"token": 5}, "metric: no 'type', which says what kind it is"),
+        ({"type": "kl"}, "metric: type 'kl' is none of the kinds: 'logprob', 'logit_diff', 'loss'"),
+    ):
+        error = assert_error(small_limits.post("/v1/gradients", json=grad(metric=metric)), 400, "metric")
+        assert error["message"] == says
 
 
 @pytest.mark.parametrize(("path", "body", "status", "param"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
