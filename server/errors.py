@@ -159,7 +159,7 @@ def validation_message(errors: Sequence[Any]) -> tuple[str, str]:
     union = _union_error(errors)
     if union is not None:
         return union, loc[0]
-    message = _union_tag(first) or _past_float(first) or str(first.get("msg", "invalid value"))
+    message = _union_tag(first) or _not_an_object(first) or _past_float(first) or str(first.get("msg", "invalid value"))
     message = message.removeprefix("Value error, ")
     return (f"{'.'.join(loc)}: {message}" if loc else message), (loc[0] if loc else "body")
 
@@ -189,6 +189,25 @@ def _union_tag(error: Any) -> str | None:
     if error.get("type") == "union_tag_invalid":
         return f"{field} {ctx.get('tag')!r} is none of the kinds: {ctx.get('expected_tags')}"
     return None
+
+
+_OBJECT_TYPES = ("model_type", "model_attributes_type", "dict_type")  # pydantic's "a valid dictionary or instance of"
+
+
+def _not_an_object(error: Any) -> str | None:
+    """For a JSON object given something else: that, with what it was given, in words of JSON, not pydantic's
+    "Input should be a valid dictionary or instance of InterventionSpec"; else None."""
+    if error.get("type") not in _OBJECT_TYPES or "input" not in error:
+        return None
+    return f"must be an object ({{...}}), got {_json_kind(error['input'])}"
+
+
+def _json_kind(value: Any) -> str:
+    """What a value parsed from JSON is, in JSON's words."""
+    for kinds, name in ((bool, "a boolean"), ((int, float), "a number"), (str, "a string"), ((list, tuple), "a list")):
+        if isinstance(value, kinds):
+            return name
+    return "null" if value is None else type(value).__name__
 
 
 def _union_error(errors: Sequence[Any]) -> str | None:

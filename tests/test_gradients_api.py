@@ -254,6 +254,7 @@ def test_a_metric_of_no_kind_or_another_says_which_kinds_there_are(small_limits:
     for metric, says in (
         ({"token": 5}, "metric: no 'type', which says what kind it is"),
         ({"type": "kl"}, "metric: type 'kl' is none of the kinds: 'logprob', 'logit_diff', 'loss'"),
+        (["loss"], "metric: must be an object ({...}), got a list"),  # not pydantic's "a valid dictionary"
     ):
         error = assert_error(small_limits.post("/v1/gradients", json=grad(metric=metric)), 400, "metric")
         assert error["message"] == says

@@ -102,7 +102,7 @@ def test_steering_with_no_sae_says_to_give_one(tiny: Checkpoint, tokenizer_dir: 
         ('{"hook": "h", "op": "scale", "factor": 2', "not valid JSON: Expecting ',' delimiter"),
         ('{"hook": "h", "op": "scale", "factor": 1' + "0" * 5000 + "}", "not valid JSON: Exceeds the limit"),
         ("[" * 100_000 + "]" * 100_000, "not valid JSON"),
-        ("[1]", "Input should be a valid dictionary"),
+        ("[1]", "must be an object ({...}), got a list"),
         (json.dumps({"hook": "x" * 5000, "op": "scale", "factor": 2}), "a hook name or glob of 5000 characters"),
         ('{"hook": "h", "op": "tilt"}', "op: Input should be 'zero', 'mean', "),  # the server's words, whole
         ('{"hook": "h", "op": "tilt"}', "'projection_cap' or 'clamp'"),
