@@ -172,14 +172,17 @@ def _binned(logits: torch.Tensor, probs: torch.Tensor, top_p: float, temperature
     reaches top_p are kept whole, those after it not at all, and only that one's tokens are ranked (all of
     them where the logits crowd into one bin). Summed in float64 on one thread, in a fixed order."""
     hi = float(logits.max())
-    lo = max(float(logits.min()), hi - 745 * temperature)  # lower: probability 0 in float64, in the last bin
-    if lo < hi:  # float32's rounding keeps the bins in the logits' order; hi - logits past its range is inf
-        bins = ((hi - logits) * (NUCLEUS_BINS / (hi - lo))).clamp_(0, NUCLEUS_BINS - 1).int()
+    lo = max(float(logits.min()), hi - 745 * temperature)  # lower: 1e-323 of the best at most, in the last bin
+    if lo < hi:  # rounding keeps the bins in the logits' order; past float32's range a product is inf, the last
+        scale = min(NUCLEUS_BINS / (hi - lo), torch.finfo(logits.dtype).max)  # (a tiny temperature's range)
+        bins = ((hi - logits) * scale).clamp_(0, NUCLEUS_BINS - 1).int()
     else:
         bins = torch.zeros_like(logits, dtype=torch.int)
     mass = torch.bincount(bins, weights=probs, minlength=NUCLEUS_BINS)
     reached = mass.cumsum(dim=-1)
-    b = min(int(torch.searchsorted(reached, reached.new_tensor([top_p]))), NUCLEUS_BINS - 1)  # the first to reach
+    b = int(torch.searchsorted(reached, reached.new_tensor([top_p])))  # the first bin to reach top_p
+    if b == NUCLEUS_BINS:  # none does (top_p within rounding of 1): every token's more likely ones fall short
+        return logits
     members = (bins == b).nonzero().squeeze(1)
     order = members[torch.argsort(logits[members], descending=True)]
     return _keep(logits, order, probs[order], top_p, kept=bins < b, above=float(reached[b] - mass[b]))

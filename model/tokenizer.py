@@ -285,8 +285,8 @@ def _byte_level_bpe(vocab_path: Path, merges_path: Path) -> _HFTokenizer:
             got = clip(line)
             raise TokenizerError(f"{merges_path}, line {number}: a merge is two symbols and one space, got {got}")
         merges.append((pair[0], pair[1]))
-    made = {a + b for a, b in merges}  # every token of more than one byte is some merge's: else none could be
-    unmade = [(i, t) for t, i in vocab.items() if t != EOT and len(t) > 1 and t not in made]
+    made = {a + b for a, b in merges}  # every token of more than one byte is some merge's, but special tokens
+    unmade = [(i, t) for t, i in vocab.items() if len(t) > 1 and t not in made and not _special(t)]
     if unmade:
         i, t = min(unmade)
         raise TokenizerError(
@@ -300,6 +300,11 @@ def _byte_level_bpe(vocab_path: Path, merges_path: Path) -> _HFTokenizer:
     if EOT in vocab:
         tok.add_special_tokens([EOT])
     return tok
+
+
+def _special(token: str) -> bool:
+    """Whether a vocabulary's token is spelled as GPT-2's special ones are, `<|endoftext|>`, `<|pad|>`."""
+    return token.startswith("<|") and token.endswith("|>")
 
 
 def _bytes_to_unicode() -> dict[int, str]:

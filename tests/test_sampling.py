@@ -110,11 +110,11 @@ def test_nucleus_is_the_smallest_set_at_every_size(scale: float) -> None:
     "case",
     ["ties", "masked", "float32-range", "all-equal", "one-huge", "few-finite", "steps"],
 )
-def test_the_binned_nucleus_is_the_sorted_one(case: str) -> None:
-    """Past the 256 most likely tokens, on a CPU, the nucleus is found through bins of logits (`_binned`):
-    logits that tie, that top-k or min-p made -inf, that span float32's range, that are all equal, that one
-    outlier dominates, of which only a few are finite, or that fall in a few steps (many per bin), all keep the
-    set a full sort keeps: as many tokens, all at least as likely as any left out."""
+def test_the_binned_nucleus_is_the_sorted_one(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the 256 most likely tokens, on a CPU, the nucleus is found through bins of logits (`_binned`, not a
+    sort of them all): logits that tie, that top-k or min-p made -inf, that span float32's range, that are all
+    equal, that one outlier dominates, of which only a few are finite, or that fall in a few steps (many per
+    bin), all keep the set a full sort keeps: as many tokens, all at least as likely as any left out."""
     g = torch.Generator().manual_seed(3)
     n = 50257
     logits = torch.randn(n, generator=g)
@@ -136,12 +136,27 @@ def test_the_binned_nucleus_is_the_sorted_one(case: str) -> None:
     probs = torch.softmax(logits.double(), dim=-1)
     order = torch.sort(logits, descending=True).indices
     cum = probs[order].cumsum(dim=-1)
+    monkeypatch.setattr(torch, "sort", None)  # the reference's sort is done: the nucleus ranks no other way
     for top_p in (0.0, 0.3, 0.5, 0.9, 0.999):
         kept = nucleus(logits, top_p).isfinite()
         want = max(1, int((cum - probs[order] < top_p).sum()))  # the tokens before which top_p is not reached
         assert int(kept.sum()) == want, (top_p, case)
         if want < n:
             assert logits[kept].min() >= logits[~kept].max(), (top_p, case)
+
+
+def test_the_binned_nucleus_at_the_edges() -> None:
+    """Past the 256 most likely tokens: a top_p no bin reaches (within rounding of 1, over equal logits) keeps
+    every token, and a temperature below float32's smallest normal number, whose bins would be NaN for the
+    logits that tie for the best, still gives a nucleus (both once raised, failing the sequence)."""
+    g = torch.Generator().manual_seed(0)
+    for n in (257, 300, 4097):
+        assert nucleus(torch.zeros(n), 1 - 2**-53).isfinite().all()
+        assert 0 <= sample(torch.zeros(n), 1.0, 0, 1 - 2**-53, g) < n
+    ties = torch.where(torch.arange(1000) < 500, 0.0, -1.0)
+    assert sample(ties, 1e-39, 0, 0.9, g) < 500
+    kept = nucleus(ties, 0.9, 1e-39).isfinite()
+    assert int(kept.sum()) == 450 and bool(kept[:500].any()) and not kept[500:].any()
 
 
 def test_sampling_draws_only_from_the_nucleus_and_the_top_k() -> None:

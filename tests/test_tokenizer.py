@@ -156,6 +156,16 @@ def test_a_merges_file_cut_at_a_line_is_refused(tokenizer_dir: Path, tmp_path: P
     )
 
 
+def test_a_vocabulary_with_special_tokens_of_its_own_loads(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """A vocab.json with a special token besides <|endoftext|> (a fine-tune's <|pad|>), which no merge makes, is
+    no merges.txt cut short: it loads, and decodes that token as its text."""
+    vocab = json.loads((tokenizer_dir / "vocab.json").read_text(encoding="utf-8")) | {"<|pad|>": 50257}
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    (tmp_path / "merges.txt").write_bytes((tokenizer_dir / "merges.txt").read_bytes())
+    tok = Tokenizer.from_dir(tmp_path)
+    assert tok.decode([15496, 50257]) == "Hello<|pad|>"
+
+
 @settings(max_examples=300, deadline=None, database=None)
 @given(text=st.text())
 @example(text="a<|endoftext|>b")
