@@ -205,7 +205,8 @@ class Detokenizer:
     """The text of a growing list of token ids, a token at a time (a stream's text), each token's bytes decoded
     once: they go through an incremental UTF-8 decoder, which holds back only the first bytes of a character
     not yet finished (three at most) and replaces bytes that can never be one as soon as that is known, so
-    that `text` is always `Tokenizer.decode` of the ids so far."""
+    that `text` is always `Tokenizer.decode` of the ids so far (with the byte-level decoder GPT-2's has: a
+    tokenizer.json that names none, or another, is decoded as byte-level BPE all the same)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
