@@ -121,16 +121,31 @@ def _raw_response(
 class _HintingConnection(h11.Connection):
     """h11's server side, keeping the status its last protocol error hints at (`error_status_hint`: 431 for a
     request line and headers longer than its buffer, 501 for a Transfer-Encoding it cannot read, else 400),
-    which uvicorn's handler drops, answering 400 to all."""
+    which uvicorn's handler drops, answering 400 to all. h11 measures a head against its buffer only while it
+    is incomplete: one that arrives whole in one read, however long, it takes; here that is a 431 too."""
 
     error_status_hint = 400
 
+    def __init__(self, role: Any, head_limit: int) -> None:
+        super().__init__(role, head_limit)
+        self.head_limit = head_limit
+
     def next_event(self) -> Any:
         try:
-            return super().next_event()
+            event = super().next_event()
+            if isinstance(event, h11.Request) and _head_bytes(event) > self.head_limit:
+                raise h11.RemoteProtocolError("the request line and headers are too long", error_status_hint=431)
+            return event
         except h11.RemoteProtocolError as exc:
             self.error_status_hint = exc.error_status_hint
             raise
+
+
+def _head_bytes(request: h11.Request) -> int:
+    """The bytes of a request's line and headers as sent, but for the white space around header values that
+    h11 trims: `METHOD target HTTP/1.1`, each `name: value`, each line's CRLF and the blank line's."""
+    line = len(request.method) + len(request.target) + len(b"  HTTP/1.1\r\n")
+    return line + sum(len(name) + len(value) + 4 for name, value in request.headers.raw_items()) + 2
 
 
 # What a request h11 could not read is told, by the status h11 hints at (`_HintingConnection`).

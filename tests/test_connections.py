@@ -454,6 +454,13 @@ def test_requests_no_route_sees_are_counted_as_unmatched(loaded: LoadedModel) ->
             "did not end within 16384 bytes",
         ),
         (
+            b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n",  # whole, in one write
+            431,
+            "Request Header Fields Too Large",
+            "request_header_fields_too_large",
+            "did not end within 16384 bytes",
+        ),
+        (
             b"POST /tokenize HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n{}",
             501,
             "Not Implemented",
@@ -461,14 +468,16 @@ def test_requests_no_route_sees_are_counted_as_unmatched(loaded: LoadedModel) ->
             "Transfer-Encoding is not one this server reads",
         ),
     ],
-    ids=["headers too long", "transfer-encoding gzip"],
+    ids=["headers too long", "headers too long, whole", "transfer-encoding gzip"],
 )
 def test_what_h11_cannot_read_gets_the_status_it_hints_at(
     loaded: LoadedModel, request_bytes: bytes, status: int, reason: str, kind: str, said: str
 ) -> None:
     """h11 hints 431 for a request line and headers that outgrow its buffer and 501 for a Transfer-Encoding it
     cannot read; uvicorn answered 400 to both. The answer says which, in the API's error shape, is counted under
-    `unmatched` with that status, and the connection closes; the server serves on."""
+    `unmatched` with that status, and the connection closes; the server serves on. A head over the buffer that
+    arrives whole is a 431 too (h11 took it: it measures only a head not yet complete), and one a little under
+    it is served."""
     with running(loaded) as r:
         with r.connect() as sock:
             sock.sendall(request_bytes)
@@ -480,6 +489,10 @@ def test_what_h11_cannot_read_gets_the_status_it_hints_at(
         metrics = httpx.get(r.url + "/metrics", timeout=GUARD).text
         assert f'gpt2_requests_total{{route="unmatched",status="{status}"}} 1.0' in metrics, metrics
         assert_good_request(r)
+        with r.connect() as sock:  # a head of 16,383 bytes, whole: served
+            head = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Big: "
+            sock.sendall(head + b"a" * (16_383 - len(head) - 4) + b"\r\n\r\n")
+            assert parse(read_until_closed(sock))[0] == 200
 
 
 def test_a_client_gone_before_its_answer_began_is_logged_and_counted_as_499(
