@@ -303,6 +303,9 @@ def test_missing_and_empty_sources(tmp_path: Path) -> None:
         open_source(tmp_path)
     with pytest.raises(HarvestError, match="the text source is empty"):  # not the current directory, all of it
         open_source("")
+    os.mkfifo(tmp_path / "pipe.txt")  # neither a file nor a folder: not "holds no .txt files", as a folder would
+    with pytest.raises(HarvestError, match=r"pipe\.txt is neither a regular file nor a folder: give a \.txt"):
+        open_source(tmp_path / "pipe.txt")
 
 
 def test_an_output_folder_inside_the_source_folder(tiny, tokenizer_dir: Path, corpus, tmp_path: Path) -> None:

@@ -112,6 +112,8 @@ def open_source(path: str | Path, text_field: str = "text", leave_out: str | Pat
                 f"{path}: cannot read {path.suffix or 'a file without extension'}; valid: {', '.join(FILE_KINDS)}"
             )
         return Source(path, text_field, files=(path,))
+    if not path.is_dir():  # a pipe, a device: neither a file to read from any place nor a folder to list
+        raise HarvestError(f"{path} is neither a regular file nor a folder: give a .txt, .jsonl or .parquet file")
     if _is_datasets_dir(path):
         return Source(path, text_field, dataset_dir=path)
     root, skipped = path.resolve(), Path(leave_out).resolve() if leave_out is not None else None
