@@ -572,6 +572,16 @@ def test_a_refused_folder_keeps_its_files(tmp_path: Path) -> None:
     assert (tmp_path / MANIFEST).is_symlink()
 
 
+def test_an_output_folder_that_cannot_be_made_is_named(tmp_path: Path) -> None:
+    """A folder that cannot be made (under a file; under /proc, which takes none) is a HarvestError naming the
+    folder, not the OS's bare "No such file or directory"."""
+    from model.harvest.shards import Manifest
+
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(HarvestError, match=r"cannot make the output folder .*a-file/acts: Not a directory"):
+        Manifest.open(tmp_path / "a-file" / "acts", {"context_size": 4}, {})
+
+
 # --- the journal: each shard recorded at O(1) cost, the manifest rewritten now and then ---------
 
 

@@ -250,7 +250,10 @@ class Manifest:
         if out.exists() and not out.is_dir():
             raise HarvestError(f"output {out} is a file, not a folder")
         missing = [p for p in (out, *out.parents) if not p.exists()]
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a read-only disk, a folder that takes none (/proc)
+            raise HarvestError(f"cannot make the output folder {out}: {e.strerror or e}") from None
         manifest = cls(out, job, header)
         manifest.made = missing[-1] if missing else None
         manifest.lock = FolderLock.acquire(out)  # before reading anything: another job may be writing there
