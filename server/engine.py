@@ -273,7 +273,6 @@ class Engine:
         self.check_count(len(prompts), count_param)  # before building anything: the count is the client's
         names = select_hooks(hooks, self.model.config.n_layer) if hooks else None
         each: list[str | None] = list(labels) if labels is not None else [None] * len(prompts)
-        lengths = {len(prompt) + p.max_new_tokens for prompt, p in zip(prompts, params, strict=True)}
         seqs = []
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             try:
@@ -281,6 +280,7 @@ class Engine:
             except InterventionError as e:  # an edit's position past this prompt's end, say (the rest, its stop
                 # lists, are the whole request's; so are its edits' where every sequence is as long, as they
                 # are checked against lengths alone)
+                lengths = {len(prompt) + p.max_new_tokens for prompt, p in zip(prompts, params, strict=True)}
                 raise labelled(e, each[i] if len(lengths) > 1 else None) from None
         group = next(self._groups)  # its sequences share prompt prefixes with each other, not with another request's
         for seq in seqs:

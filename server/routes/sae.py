@@ -251,6 +251,20 @@ def _file(rows: list[TokenFeatures], meta: dict[str, Any]) -> bytes:
     )
 
 
+def _not_a_vector_hook(hook: str, n_layer: int) -> str | None:
+    """Why a steering vector cannot be read at `hook` of a model of `n_layer` blocks; None where it can."""
+    layer = layer_of(hook)
+    if is_glob(hook):
+        return "is a glob: a steering vector is read at one hook point"
+    if layer is not None and layer >= n_layer:
+        return f"is past this model's blocks (0..{n_layer - 1})"
+    if hook not in hook_names(n_layer):
+        return "is no hook point of this model"
+    if not reads_as_one_vector(hook):
+        return "is not a hook with one vector per position"
+    return None
+
+
 @router.post("/v1/steering-vectors")
 async def steering_vectors(
     req: SteeringVectorRequest,
@@ -262,16 +276,7 @@ async def steering_vectors(
 ) -> dict[str, Any]:
     req.check()
     config = engine.model.config
-    if req.hook not in hook_names(config.n_layer) or not reads_as_one_vector(req.hook):
-        layer = layer_of(req.hook)
-        if is_glob(req.hook):
-            why = "is a glob: a steering vector is read at one hook point"
-        elif layer is not None and layer >= config.n_layer:
-            why = f"is past this model's blocks (0..{config.n_layer - 1})"
-        elif req.hook not in hook_names(config.n_layer):
-            why = "is no hook point of this model"
-        else:
-            why = "is not a hook with one vector per position"
+    if (why := _not_a_vector_hook(req.hook, config.n_layer)) is not None:
         raise GenerationError(
             f"hook {req.hook!r} {why}; give one with a vector per position, such as "
             f"blocks.{config.n_layer // 2}.hook_resid_pre, hook_resid_post, hook_attn_out, hook_mlp_out, or "
