@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 import torch
@@ -13,7 +14,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from model.generate import SEED_RANGE, ContextLengthError, GenerationError, SamplingParams, logit_bias_by_id
 from model.hooks import UnknownHookError, is_glob, select_hooks
-from model.interventions import OP_READS, Edit, EditSpec, InterventionError
+from model.interventions import OP_READS, Edit, EditSpec, InterventionError, edit_sites
 from model.json_file import clip
 from model.lab.attribution import MAX_VERIFY
 from model.lab.gradients import LogitDiff, LogProb, Loss, Metric
@@ -117,20 +118,29 @@ class InterventionSpec(Strict):
     sae: str | None = Field(default=None, description="for clamp: the SAE id")
     feature: int | None = Field(default=None, description="for clamp: the feature of that SAE")
 
+    def edits(self, n_layer: int, directions: Directions | None = None, where: str = "interventions") -> list[Edit]:
+        """The edits this spec asks for: one, but for an `add` or `set` whose hook is a glob and whose value is
+        a dump with no tensor `name`, which is an edit for each hook the glob matches (in its `layers`), each
+        taking the dump's tensor of that hook's name: a dump of several layers patches them all at once."""
+        dump = self.value
+        if not (self.op in ("add", "set") and isinstance(dump, DumpValue) and dump.name is None and is_glob(self.hook)):
+            return [self.edit(directions, where)]
+        self._check_fields(where)
+        tensors = _dump_tensors(dump, self.hook, where)
+        placed = Edit(self.hook, self.op, None, None, _tuple(self.layers), _tuple(self.heads), _tuple(self.positions))
+        return [
+            replace(placed, hook=site, value=_dump_tensor(tensors, site, site, where, per_hook=True))
+            for site in edit_sites(placed, n_layer, f"{where} ({self.hook!r})")
+        ]
+
     def edit(self, directions: Directions | None = None, where: str = "interventions") -> Edit:
-        given = [f for f in _OP_SPECIFIC if getattr(self, f) is not None and getattr(self, f) is not False]
-        stray = [f for f in given if f not in _OP_FIELDS[self.op]]
-        if stray:
-            takes = ", ".join(_OP_FIELDS[self.op]) or "none of them"
-            raise InterventionError(
-                f"{where}.{stray[0]} does not apply to {self.op} (of {', '.join(_OP_SPECIFIC)} it takes {takes})",
-                "interventions",
-            )
+        self._check_fields(where)
         if self.op in STEERING_OPS:
             return self._steering_edit(directions or Directions(), where)
         value = None
         if isinstance(self.value, DumpValue):
-            value = _tensor_from_dump(self.value, self.hook, where)
+            name = self.value.name or self.hook
+            value = _dump_tensor(_dump_tensors(self.value, self.hook, where), name, self.hook, where)
         elif self.value is not None:
             try:
                 value = torch.tensor(self.value, dtype=torch.float32)
@@ -153,6 +163,17 @@ class InterventionSpec(Strict):
             _tuple(self.heads),
             _tuple(self.positions),
         )
+
+    def _check_fields(self, where: str) -> None:
+        """A field the op does not read is refused, not ignored."""
+        given = [f for f in _OP_SPECIFIC if getattr(self, f) is not None and getattr(self, f) is not False]
+        stray = [f for f in given if f not in _OP_FIELDS[self.op]]
+        if stray:
+            takes = ", ".join(_OP_FIELDS[self.op]) or "none of them"
+            raise InterventionError(
+                f"{where}.{stray[0]} does not apply to {self.op} (of {', '.join(_OP_SPECIFIC)} it takes {takes})",
+                "interventions",
+            )
 
     def _steering_edit(self, directions: Directions, where: str) -> Edit:
         """A steer, orthogonal, projection_cap or clamp edit, its direction resolved (`DirectionError`s
@@ -235,11 +256,12 @@ def edit_spec(
         # the request is n_layer long at most (a million repeats in a body once cost seconds of event loop)
         return tuple(range(n_layer)) if spec == "all" else tuple(dict.fromkeys(spec))
 
+    edits = [(e, where(i)) for i, spec in enumerate(interventions) for e in spec.edits(n_layer, directions, where(i))]
     spec = EditSpec(
-        tuple(e.edit(directions, where(i)) for i, e in enumerate(interventions)),
+        tuple(e for e, _ in edits),
         layers(residual.attn) if residual else (),
         layers(residual.mlp) if residual else (),
-        tuple(where(i) for i in range(len(interventions))),
+        tuple(name for _, name in edits),  # a glob's edits from a dump, one a hook, each named as the spec
     )
     topk = sum(e.op == "clamp" and e.sae is not None and e.sae.cfg.architecture == "topk" for e in spec.edits)
     if topk > MAX_TOPK_CLAMPS:
@@ -267,20 +289,30 @@ def _tuple(values: list[int] | None) -> tuple[int, ...] | None:
     return tuple(values) if values is not None else None
 
 
-def _tensor_from_dump(dump: DumpValue, hook: str, where: str) -> torch.Tensor:
+def _dump_tensors(dump: DumpValue, hook: str, where: str) -> dict[str, torch.Tensor]:
+    """The tensors of a dump a client sent, read once however many hooks take theirs from it."""
     from safetensors.torch import load
 
-    name = dump.name or hook
     text = "".join(dump.safetensors_base64.split())  # base64 as `base64` writes it: lines of 76 characters
     try:
-        tensors = load(base64.b64decode(text, validate=True))
+        return load(base64.b64decode(text, validate=True))
     except Exception:
         raise InterventionError(f"{where}: value for {hook!r}: the dump is not base64 of a safetensors file") from None
+
+
+def _dump_tensor(
+    tensors: dict[str, torch.Tensor], name: str, hook: str, where: str, per_hook: bool = False
+) -> torch.Tensor:
+    """Tensor `name` of a dump as the value of an edit at `hook`, in float32, its batch dimension of 1 off
+    (`per_hook`: one of the edits a glob's dump value makes, a hook each)."""
     if name not in tensors:
         have = ", ".join(sorted(tensors))
         why = f"the dump has no tensor {name!r} (it has {have})"
-        if dump.name is None and is_glob(hook):  # one edit, one value: the same tensor at every hook it matches
-            why += "; a glob's edit sets one tensor at every hook it matches: name it, or give an edit for each hook"
+        if per_hook:
+            why += (
+                "; a glob's edit from a dump takes each hook's own tensor: narrow it with layers, or give the "
+                "dump's tensor for them all as name"
+            )
         raise InterventionError(f"{where}: value for {hook!r}: {why}")
     t = tensors[name]
     if not t.is_floating_point():  # a dump holds activations: booleans or integers are no activation's values

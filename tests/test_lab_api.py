@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import Checkpoint
 from fastapi.testclient import TestClient
-from inprocess import assert_interleaved, log_engine, post_ok, wait_until
+from inprocess import assert_interleaved, assert_still_serving, log_engine, post_ok, wait_until
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
@@ -379,17 +379,17 @@ def test_a_dump_without_the_tensor_names_what_it_has(client: TestClient) -> None
     )
     assert r.status_code == 400
     assert "the dump has no tensor 'hook_pos_embed' (it has hook_embed)" in r.json()["error"]["message"]
-    # a glob's edit takes one tensor for all its hooks: a dump of each of them is not read hook by hook, and the
-    # message says what to send instead
+    # a glob's edit from a dump takes each hook's own tensor: a dump of one layer does not cover the other
     hooks = ["blocks.0.hook_resid_post", "blocks.1.hook_resid_post"]
-    value = {"safetensors_base64": base64.b64encode(dump(client, CLEAN, hooks)).decode()}
+    value = {"safetensors_base64": base64.b64encode(dump(client, CLEAN, hooks[:1])).decode()}
     edit = {"hook": "blocks.*.hook_resid_post", "op": "set", "value": value}
     r = client.post("/v1/next-token", json={"input_ids": CLEAN, "interventions": [edit]})
     assert r.status_code == 400 and r.json()["error"]["message"] == (
-        "interventions[0]: value for 'blocks.*.hook_resid_post': the dump has no "
-        "tensor 'blocks.*.hook_resid_post' (it has blocks.0.hook_resid_post, blocks.1.hook_resid_post); a glob's "
-        "edit sets one tensor at every hook it matches: name it, or give an edit for each hook"
+        "interventions[0]: value for 'blocks.1.hook_resid_post': the dump has no tensor 'blocks.1.hook_resid_post' "
+        "(it has blocks.0.hook_resid_post); a glob's edit from a dump takes each hook's own tensor: narrow it with "
+        "layers, or give the dump's tensor for them all as name"
     )
+    value = {"safetensors_base64": base64.b64encode(dump(client, CLEAN, hooks)).decode()}
     edits = [{"hook": h, "op": "set", "value": value} for h in hooks]  # each from its own tensor: the clean run
     # a tensor of one dimension too many: the message says that the dump's batch dimension was taken off
     extra = torch.zeros(1, 1, len(CLEAN), 64)
@@ -404,6 +404,40 @@ def test_a_dump_without_the_tensor_names_what_it_has(client: TestClient) -> None
     )
     patched = post_ok(client, "/v1/next-token", {"input_ids": CLEAN, "interventions": edits})
     assert patched["top"] == post_ok(client, "/v1/next-token", {"input_ids": CLEAN})["top"]
+
+
+def test_a_glob_patches_every_hook_it_matches_from_one_dump(client: TestClient) -> None:
+    """Activation patching of several layers in one edit: a glob's `set` from a dump with no tensor name takes,
+    at each hook it matches, the dump's tensor of that hook's name, as an edit a hook would."""
+    hooks = ["blocks.0.hook_resid_post", "blocks.1.hook_resid_post", "blocks.0.hook_mlp_out"]
+    value = {"safetensors_base64": base64.b64encode(dump(client, CLEAN, hooks)).decode()}
+    clean, corrupted = logits(client, CLEAN), logits(client, CORRUPTED)
+    glob = [{"hook": "blocks.*.hook_resid_post", "op": "set", "value": value}]
+    each = [{"hook": h, "op": "set", "value": value} for h in hooks[:2]]
+    patched = logits(client, CORRUPTED, interventions=glob)
+    assert torch.equal(patched, logits(client, CORRUPTED, interventions=each))
+    assert torch.allclose(patched, clean, atol=1e-5) and not torch.allclose(patched, corrupted, atol=1e-3)
+    # in its layers only: layer 0's stream set, layer 1 recomputes from it, which is the clean run's too
+    first = logits(client, CORRUPTED, interventions=[glob[0] | {"layers": [0]}])
+    assert torch.equal(first, logits(client, CORRUPTED, interventions=each[:1]))
+    assert torch.allclose(first, clean, atol=1e-5)
+    # `add` reads a file of one vector a hook the same way; a named tensor is still one value for every hook
+    vectors = {h: torch.randn(64, generator=torch.Generator().manual_seed(i)) for i, h in enumerate(hooks[:2])}
+    file = {"safetensors_base64": base64.b64encode(save_safetensors(vectors)).decode()}
+    add = {"hook": "blocks.*.hook_resid_post", "op": "add", "value": file, "positions": [2]}
+    added = logits(client, CORRUPTED, interventions=[add])
+    assert torch.equal(added, logits(client, CORRUPTED, interventions=[add | {"hook": h} for h in hooks[:2]]))
+    assert not torch.allclose(added, corrupted, atol=1e-3)
+    named = {"safetensors_base64": value["safetensors_base64"], "name": "blocks.1.hook_resid_post"}
+    assert torch.equal(
+        logits(client, CORRUPTED, interventions=[glob[0] | {"value": named}]),
+        logits(client, CORRUPTED, interventions=[e | {"value": named} for e in each]),
+    )
+    # a bad edit among a glob's is named with the hook where it failed
+    r = client.post("/v1/next-token", json={"input_ids": CLEAN[:3], "interventions": [glob[0] | {"positions": [7]}]})
+    assert r.status_code == 400, r.text
+    assert "interventions[0] ('blocks.0.hook_resid_post')" in r.json()["error"]["message"], r.text
+    assert_still_serving(client)
 
 
 def test_a_dump_of_a_shorter_prompt_is_refused(client: TestClient) -> None:
