@@ -11,7 +11,7 @@ import functools
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from itertools import islice
 from pathlib import Path
@@ -621,10 +621,25 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--revision", help="hub revision (branch, tag or commit)")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="shape of a bare .safetensors file")
     parser.add_argument("--tokenizer", help="directory with the tokenizer, for checkpoints that ship none")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    parser.add_argument("--device", default="auto", type=_named(device_problem), help="auto, cpu, cuda, cuda:N or mps")
     parser.add_argument(
-        "--dtype", default="auto", help="auto, float32, float16, bfloat16 or int8 (int8 weights, float32 activations)"
+        "--dtype",
+        default="auto",
+        type=_named(dtype_problem),
+        help="auto, float32, float16, bfloat16 or int8 (int8 weights, float32 activations)",
     )
+
+
+def _named(problem: Callable[[str], str | None]) -> Callable[[str], str]:
+    """A flag's type that refuses a name `problem` finds fault with: a usage error (status 2), as the server's
+    settings make it, not a failure to load (a device the hardware lacks is one, found when loading)."""
+
+    def check(name: str) -> str:
+        if why := problem(name):
+            raise argparse.ArgumentTypeError(why)
+        return name
+
+    return check
 
 
 def load_from(where: Checkpoint, decode_kernels: bool = True) -> LoadedModel:

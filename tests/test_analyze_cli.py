@@ -210,8 +210,12 @@ def test_a_plot_format_whose_tool_is_missing_is_refused_before_the_work(
 def test_a_torch_device_this_project_does_not_run_on(model_args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     from gpt2_scripts.analyze import main
 
-    assert main([PROMPT, *model_args, "--device", "meta"]) == 1
-    assert capsys.readouterr().err == "gpt2-analyze: error: unknown device 'meta'; use auto, cpu, cuda, cuda:N or mps\n"
+    with pytest.raises(SystemExit) as exit_info:
+        main([PROMPT, *model_args, "--device", "meta"])
+    assert exit_info.value.code == 2  # a usage error, as gpt2-serve's
+    assert capsys.readouterr().err.endswith(
+        "gpt2-analyze: error: argument --device: unknown device 'meta'; use auto, cpu, cuda, cuda:N or mps\n"
+    )
 
 
 @pytest.mark.parametrize(

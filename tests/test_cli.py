@@ -333,9 +333,29 @@ def test_a_dump_never_replaces_what_loading_reads(
 
 
 def test_bad_dtype(ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["hi", "--model", str(ckpt_with_tokenizer), "--dtype", "int4"]) == 1
+    """A usage error (status 2), as gpt2-serve's: the name is wrong whatever the checkpoint."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["hi", "--model", str(ckpt_with_tokenizer), "--dtype", "int4"])
+    assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err == "gpt2-generate: error: unknown dtype 'int4'; use auto, float32, float16, bfloat16 or int8\n"
+    assert err.endswith(
+        "gpt2-generate: error: argument --dtype: unknown dtype 'int4'; use auto, float32, float16, bfloat16 or int8\n"
+    )
+
+
+def test_a_flag_takes_any_number(ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """-1e-3 and -inf are numbers, as the API reads them: argparse took them for flags it did not know and said
+    "expected one argument"."""
+    args = parse_args(["hi", "--presence-penalty", "-1e-3", "--frequency-penalty", "-.5", "--temperature", "-2E1"])
+    assert (args.presence_penalty, args.frequency_penalty, args.temperature) == (-0.001, -0.5, -20.0)
+    assert parse_args(["-5e3", "--seed", "-1"]).prompt == "-5e3"  # a prompt too
+    assert main(["hi", "--model", str(ckpt_with_tokenizer), "--frequency-penalty", "-inf"]) == 1
+    err = capsys.readouterr().err
+    assert err == "gpt2-generate: error: --frequency-penalty must be a number in [-2, 2], got -inf\n"
+    with pytest.raises(SystemExit) as exit_info:  # a word that is no number is still an unknown flag
+        parse_args(["hi", "--presence-penalty", "-x"])
+    assert exit_info.value.code == 2
+    assert "argument --presence-penalty: expected one argument" in capsys.readouterr().err
 
 
 def test_bad_top_p(ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -405,9 +425,13 @@ def test_a_torch_device_this_project_does_not_run_on(
     ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     for device in ("meta", "xpu"):  # torch knows the names; loading or sampling there would crash
-        assert main(["hi", "--model", str(ckpt_with_tokenizer), "--device", device]) == 1
+        with pytest.raises(SystemExit) as exit_info:
+            main(["hi", "--model", str(ckpt_with_tokenizer), "--device", device])
+        assert exit_info.value.code == 2
         err = capsys.readouterr().err
-        assert err == f"gpt2-generate: error: unknown device '{device}'; use auto, cpu, cuda, cuda:N or mps\n"
+        assert err.endswith(
+            f"gpt2-generate: error: argument --device: unknown device '{device}'; use auto, cpu, cuda, cuda:N or mps\n"
+        )
 
 
 def test_greedy_and_temperature_conflict(ckpt_with_tokenizer: Path, capsys: pytest.CaptureFixture[str]) -> None:
