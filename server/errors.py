@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,7 +20,7 @@ from model.interventions import InterventionError
 from model.json_file import clip
 
 from .engine import EngineStopped, QueueFull
-from .json_body import DuplicateKeyError, TooManyContainers
+from .json_body import DuplicateKeyError, TooManyContainers, spelled
 
 log = logging.getLogger(__name__)
 
@@ -158,16 +158,16 @@ def validation_message(errors: Sequence[Any]) -> tuple[str, str]:
     loc = _path(first)
     union = _union_error(errors)
     if union is not None:
-        return union, loc[0]
+        return union, str(loc[0])
     message = _union_tag(first) or _not_an_object(first) or _past_float(first) or str(first.get("msg", "invalid value"))
     message = message.removeprefix("Value error, ")
-    return (f"{'.'.join(loc)}: {message}" if loc else message), (loc[0] if loc else "body")
+    return (f"{spelled(loc)}: {message}" if loc else message), (str(loc[0]) if loc else "body")
 
 
-def _path(error: Any) -> list[str]:
-    """Where in the body a validation error is, each part cut to a message's length: an unknown field's name is
-    the client's, and can be megabytes long."""
-    return [clip(str(part), str) for part in error.get("loc", ()) if part != "body"]
+def _path(error: Any) -> list[str | int]:
+    """Where in the body a validation error is: list indices, and keys cut to a message's length (an unknown
+    field's name is the client's, and can be megabytes long)."""
+    return [part if isinstance(part, int) else clip(str(part), str) for part in error.get("loc", ()) if part != "body"]
 
 
 def _past_float(error: Any) -> str | None:
@@ -219,26 +219,28 @@ def _union_error(errors: Sequence[Any]) -> str | None:
     first = paths[0]
     for i in range(1, len(first)):
         under = [(p, e) for p, e in zip(paths, errors, strict=True) if len(p) > i and p[:i] == first[:i]]
-        tried = list(dict.fromkeys(p[i] for p, _ in under))
-        if len(tried) < 2 or not all(_is_type_name(t) for t in tried):
+        parts = list(dict.fromkeys(p[i] for p, _ in under))
+        tried = [t for t in parts if _is_type_name(t)]  # the union's forms, where every part is one
+        if len(tried) < 2 or len(tried) < len(parts):
             continue
-        field = ".".join(first[:i])
+        field = spelled(first[:i])
         given_object = any(len(p) == i + 1 and isinstance(e.get("input"), dict) for p, e in under)
         objects = [t for t in tried if t[:1].isupper()]  # the model forms
         if given_object and objects:
             closest = min(objects, key=lambda t: sum(p[i] == t for p, _ in under))
             p, e = next((p, e) for p, e in under if p[i] == closest)
-            return f"{'.'.join([field, *p[i + 1 :]])}: {e.get('msg', 'invalid value')}"
+            return f"{spelled([*first[:i], *p[i + 1 :]])}: {e.get('msg', 'invalid value')}"
         past = _past_float(errors[0])  # the first error a float's, given 1e400 spelled out: said where it is
         if past:
-            return f"{'.'.join([field, *first[i + 1 :]])}: {past}"
+            return f"{spelled([*first[:i], *first[i + 1 :]])}: {past}"
         return f"{field}: fits none of the forms it takes ({', '.join(tried)})"
     return None
 
 
-def _is_type_name(part: str) -> bool:
-    """A union branch's name in an error's path (`str`, `list[int]`, `DumpValue`), not a field's (`hook`)."""
-    return "[" in part or part in ("str", "int", "float", "bool") or part[:1].isupper()
+def _is_type_name(part: str | int) -> TypeGuard[str]:
+    """A union branch's name in an error's path (`str`, `list[int]`, `DumpValue`), not a field's (`hook`) or
+    a list index."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool") or part[:1].isupper())
 
 
 def _body_problem(error_type: str | None, content_type: str | None) -> str:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import gc
 import json
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
 from fastapi import Request, Response
@@ -51,12 +51,21 @@ class TooManyContainers(ValueError):
         )
 
 
-class DuplicateKeyError(ValueError):
-    """An object in the body names a key twice; `param` is the key's path, its parts joined by dots (cut
-    short, as the message's copy is: a key can be megabytes long)."""
+def spelled(path: Sequence[str | int]) -> str:
+    """A field's path in the body as every message writes it: keys joined by dots, list indices in brackets
+    (`interventions[0].direction.feature`), as the edits' own errors name an edit (`interventions[0]`)."""
+    text = ""
+    for i, part in enumerate(path):
+        text += f"[{part}]" if isinstance(part, int) else f".{part}" if i else part
+    return text
 
-    def __init__(self, path: list[str]) -> None:
-        dotted = ".".join(path)
+
+class DuplicateKeyError(ValueError):
+    """An object in the body names a key twice; `param` is the key's path (`spelled`; cut short, as the
+    message's copy is: a key can be megabytes long)."""
+
+    def __init__(self, path: list[str | int]) -> None:
+        dotted = spelled(path)
         self.param = dotted if len(dotted) <= CLIP else dotted[:CLIP] + "..."
         super().__init__(f"the body names the key {clip(dotted)} more than once: send each key once")
 
@@ -113,7 +122,7 @@ class _UniqueKeys:
     one, each object built after it looks for it among its values, and if it is there, holds it in turn."""
 
     def __init__(self) -> None:
-        self.path: list[str] | None = None  # from `holder` down to the key named twice
+        self.path: list[str | int] | None = None  # from `holder` down to the key named twice
         self.holder: Any = None  # the outermost object built so far that holds that key
 
     def object(self, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -129,7 +138,7 @@ class _UniqueKeys:
         return built
 
 
-def _path_to(target: Any, value: Any) -> list[str] | None:
+def _path_to(target: Any, value: Any) -> list[str | int] | None:
     """The list indices from `value` down to the object `target`, or None where it is not there. Only lists
     are searched: an object that held `target` would have become the holder as it was built."""
     if value is target:
@@ -138,7 +147,7 @@ def _path_to(target: Any, value: Any) -> list[str] | None:
         for i, item in enumerate(value):
             below = _path_to(target, item)
             if below is not None:
-                return [str(i), *below]
+                return [i, *below]
     return None
 
 

@@ -48,8 +48,8 @@ def post(client: TestClient, path: str, body: str | bytes) -> Any:
     [
         ('{"a": 1, "a": 1}', "a"),  # even with equal values: the client meant something by each
         ('{"prompt": "hi", "residual": {"attn": [0], "attn": []}}', "residual.attn"),
-        ('{"e": [{"h": 1}, {"h": 1, "h": 2}]}', "e.1.h"),
-        ('[[{"x": [{"y": 1, "y": 2}]}]]', "0.0.x.0.y"),  # under lists only, up to the top
+        ('{"e": [{"h": 1}, {"h": 1, "h": 2}]}', "e[1].h"),
+        ('[[{"x": [{"y": 1, "y": 2}]}]]', "[0][0].x[0].y"),  # under lists only, up to the top
         ('{"a": {"x": 1, "x": 2}, "a": 3}', "a.x"),  # in the value the object's own duplicate throws away
         ('{"b": {"c": {"d": 1, "d": 2}}, "z": {"q": 1, "q": 1}}', "b.c.d"),  # the first one read
         ('{"s\\u00e9": {"": 1, "": 2}}', "sé."),
@@ -117,7 +117,7 @@ def test_bad_bodies_raise_what_json_loads_raises(body: bytes) -> None:
         pytest.param(
             "/v1/gradients",
             f'{{"input_ids": {IDS}, {HOOKS}, "metric": {{"type": "loss"}}, "interventions": [{EDIT}]}}',
-            "interventions.0.factor",
+            "interventions[0].factor",
             id="gradients-in-a-list",
         ),
         pytest.param(

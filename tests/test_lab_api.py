@@ -261,7 +261,7 @@ BAD_EDITS: dict[str, tuple[dict[str, Any], str]] = {
         {"interventions": [{"hook": "blocks.0.hook_nope", "op": "zero"}]},
         "interventions[0] ('blocks.0.hook_nope') matches no hook point; valid names are",
     ),
-    "unknown op": ({"interventions": [{"hook": "hook_embed", "op": "divide"}]}, "interventions.0.op"),
+    "unknown op": ({"interventions": [{"hook": "hook_embed", "op": "divide"}]}, "interventions[0].op"),
     "wrong shape": (
         {"interventions": [{"hook": "blocks.0.hook_resid_post", "op": "add", "value": [1.0, 2.0, 3.0]}]},
         "value of shape [3] does not fit blocks.0.hook_resid_post: give [64]",

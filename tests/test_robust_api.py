@@ -111,7 +111,7 @@ CASES = [
         NEXT,
         {"prompt": "Hi", "interventions": [{"hook": "hook_embed", "op": "add", "value": 10**400}]},
         "interventions",
-        "interventions.0.value: an integer of 401 digits is past a float's range (about 1.8e308)",
+        "interventions[0].value: an integer of 401 digits is past a float's range (about 1.8e308)",
     ),
     case(
         "steer-direction-number-too-big",
@@ -121,14 +121,14 @@ CASES = [
             "interventions": [{"hook": "hook_embed", "op": "steer", "scale": 1, "direction": [1, 10**400]}],
         },
         "interventions",
-        "interventions.0.direction.1: an integer of 401 digits is past a float's range",
+        "interventions[0].direction[1]: an integer of 401 digits is past a float's range",
     ),
     case(
         "edit-value-of-no-form",
         NEXT,
         {"prompt": "Hi", "interventions": [{"hook": "hook_embed", "op": "add", "value": "high"}]},
         "interventions",
-        "interventions.0.value: fits none of the forms it takes (float, list[any], DumpValue)",
+        "interventions[0].value: fits none of the forms it takes (float, list[any], DumpValue)",
     ),
     case(
         "object-form-missing-a-field",
@@ -138,7 +138,7 @@ CASES = [
             "interventions": [{"hook": "hook_embed", "op": "steer", "scale": 1, "direction": {"sae": "a"}}],
         },
         "interventions",
-        "interventions.0.direction.feature: Field required",
+        "interventions[0].direction.feature: Field required",
     ),
     case(
         "hook-name-too-long",
@@ -198,7 +198,7 @@ def test_a_stream_with_a_lone_surrogate_in_the_prompt_is_refused_before_it_start
         ({"prompt": "Hi", "activations": {"hooks": [SURROGATE]}}, "unknown hook 'a\\udc80b'"),
         ({"prompt": "Hi", "interventions": [{"hook": SURROGATE, "op": "zero"}]}, "interventions[0] ('a\\udc80b')"),
         ({"prompt": "Hi", "interventions": [z_edit(op="set", value={"safetensors_base64": SURROGATE})]}, "not base64"),
-        ({"prompt": "Hi", "interventions": [z_edit(op=SURROGATE)]}, "interventions.0.op"),
+        ({"prompt": "Hi", "interventions": [z_edit(op=SURROGATE)]}, "interventions[0].op"),
     ],
 )
 def test_lone_surrogates_anywhere_are_400s(client: TestClient, body: dict[str, Any], says: str) -> None:
