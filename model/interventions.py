@@ -237,8 +237,16 @@ class EditPlan:
         return _where(i, self.edits[i], self.names)
 
     def only_at(self, names: Collection[str]) -> int | None:
-        """The first edit all of whose hook points are among `names` (a glob's every match), or None."""
-        return next((i for i, own in enumerate(self._by_edit) if own and all(t.name in names for t in own)), None)
+        """The first edit all of whose hook points are among `names` (a glob's every match, and those of the
+        edits that share its name: a request's glob from a dump, an edit a hook), or None."""
+        groups: dict[str, list[int]] = {}
+        for i in range(len(self.edits)):
+            groups.setdefault(self.names[i] if i < len(self.names) else f"edit {i}", []).append(i)
+        for members in groups.values():
+            own = [t for i in members for t in self._by_edit[i]]
+            if own and all(t.name in names for t in own):
+                return members[0]
+        return None
 
     def _check_split_inputs(self) -> None:
         """An edited per-head input (`hook_q_input`, ...) is normalised by ln_1 on its own path, so an edit

@@ -123,15 +123,16 @@ class InterventionSpec(Strict):
         a dump with no tensor `name`, which is an edit for each hook the glob matches (in its `layers`), each
         taking the dump's tensor of that hook's name: a dump of several layers patches them all at once."""
         dump = self.value
-        if not (self.op in ("add", "set") and isinstance(dump, DumpValue) and dump.name is None and is_glob(self.hook)):
+        if not (self.op in ("add", "set") and isinstance(dump, DumpValue) and not dump.name and is_glob(self.hook)):
             return [self.edit(directions, where)]
         self._check_fields(where)
         tensors = _dump_tensors(dump, self.hook, where)
         placed = Edit(self.hook, self.op, None, None, _tuple(self.layers), _tuple(self.heads), _tuple(self.positions))
-        return [
-            replace(placed, hook=site, value=_dump_tensor(tensors, site, site, where, per_hook=True))
-            for site in edit_sites(placed, n_layer, f"{where} ({self.hook!r})")
-        ]
+        named = f"{where} ({self.hook!r})"
+        sites = edit_sites(placed, n_layer, named)
+        if not sites:  # `layers: []`: nowhere, but its positions and heads checked as any edit's
+            return [placed]
+        return [replace(placed, hook=s, value=_dump_tensor(tensors, s, s, named, per_hook=True)) for s in sites]
 
     def edit(self, directions: Directions | None = None, where: str = "interventions") -> Edit:
         self._check_fields(where)
@@ -289,6 +290,9 @@ def _tuple(values: list[int] | None) -> tuple[int, ...] | None:
     return tuple(values) if values is not None else None
 
 
+SHOWN_TENSORS = 8  # of a dump's tensor names, in a message (a dump of every hook of gpt2-xl has 1,111)
+
+
 def _dump_tensors(dump: DumpValue, hook: str, where: str) -> dict[str, torch.Tensor]:
     """The tensors of a dump a client sent, read once however many hooks take theirs from it."""
     from safetensors.torch import load
@@ -306,12 +310,14 @@ def _dump_tensor(
     """Tensor `name` of a dump as the value of an edit at `hook`, in float32, its batch dimension of 1 off
     (`per_hook`: one of the edits a glob's dump value makes, a hook each)."""
     if name not in tensors:
-        have = ", ".join(sorted(tensors))
-        why = f"the dump has no tensor {name!r} (it has {have})"
+        have = sorted(tensors)
+        more = f" and {len(have) - SHOWN_TENSORS} more" if len(have) > SHOWN_TENSORS else ""
+        listed = ", ".join(have[:SHOWN_TENSORS]) + more
+        why = f"the dump has no tensor {name!r} (it has {listed})"
         if per_hook:
             why += (
-                "; a glob's edit from a dump takes each hook's own tensor: narrow it with layers, or give the "
-                "dump's tensor for them all as name"
+                "; a glob's edit from a dump takes each hook's own tensor: narrow the glob or its layers, or give "
+                "the dump's tensor for them all as name"
             )
         raise InterventionError(f"{where}: value for {hook!r}: {why}")
     t = tensors[name]

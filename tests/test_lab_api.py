@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -385,10 +386,18 @@ def test_a_dump_without_the_tensor_names_what_it_has(client: TestClient) -> None
     edit = {"hook": "blocks.*.hook_resid_post", "op": "set", "value": value}
     r = client.post("/v1/next-token", json={"input_ids": CLEAN, "interventions": [edit]})
     assert r.status_code == 400 and r.json()["error"]["message"] == (
-        "interventions[0]: value for 'blocks.1.hook_resid_post': the dump has no tensor 'blocks.1.hook_resid_post' "
-        "(it has blocks.0.hook_resid_post); a glob's edit from a dump takes each hook's own tensor: narrow it with "
-        "layers, or give the dump's tensor for them all as name"
+        "interventions[0] ('blocks.*.hook_resid_post'): value for 'blocks.1.hook_resid_post': the dump has no tensor "
+        "'blocks.1.hook_resid_post' (it has blocks.0.hook_resid_post); a glob's edit from a dump takes each hook's "
+        "own tensor: narrow the glob or its layers, or give the dump's tensor for them all as name"
     )
+    # a dump of many tensors is named by its first few
+    value = {"safetensors_base64": base64.b64encode(dump(client, CLEAN, ["blocks.*"])).decode()}
+    edit = {"hook": "blocks.*.attn.hook_result", "op": "set", "value": value}  # optional: in no default dump
+    r = client.post("/v1/next-token", json={"input_ids": CLEAN, "interventions": [edit]})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "(it has blocks.0.attn.hook_attn_scores, blocks.0.attn.hook_k, " in message, message
+    assert re.search(r", [a-z_.0-9]+ and \d+ more\); a glob's edit", message), message
     value = {"safetensors_base64": base64.b64encode(dump(client, CLEAN, hooks)).decode()}
     edits = [{"hook": h, "op": "set", "value": value} for h in hooks]  # each from its own tensor: the clean run
     # a tensor of one dimension too many: the message says that the dump's batch dimension was taken off
@@ -433,6 +442,20 @@ def test_a_glob_patches_every_hook_it_matches_from_one_dump(client: TestClient) 
         logits(client, CORRUPTED, interventions=[glob[0] | {"value": named}]),
         logits(client, CORRUPTED, interventions=[e | {"value": named} for e in each]),
     )
+    # an empty name is no name; with `layers: []` the edit is nowhere, its positions checked as any edit's
+    assert torch.equal(logits(client, CORRUPTED, interventions=[glob[0] | {"value": value | {"name": ""}}]), patched)
+    r = client.post(
+        "/v1/next-token", json={"input_ids": CLEAN[:3], "interventions": [glob[0] | {"layers": [], "positions": [7]}]}
+    )
+    assert r.status_code == 400, r.text
+    assert "interventions[0] ('blocks.*.hook_resid_post'): position 7" in r.json()["error"]["message"], r.text
+    # /v1/analyze refuses an edit only after its last block; a glob's edits from a dump count as the one edit
+    scales = {"safetensors_base64": base64.b64encode(dump(client, CLEAN, ["*hook_scale"])).decode()}
+    body = {"input_ids": CLEAN, "interventions": [{"hook": "*hook_scale", "op": "set", "value": scales}]}
+    assert client.post("/v1/analyze", json=body).status_code == 200
+    body["interventions"][0]["hook"] = "ln_final.hook_sc*"
+    r = client.post("/v1/analyze", json=body)
+    assert r.status_code == 400 and "applies only after the last block" in r.json()["error"]["message"], r.text
     # a bad edit among a glob's is named with the hook where it failed
     r = client.post("/v1/next-token", json={"input_ids": CLEAN[:3], "interventions": [glob[0] | {"positions": [7]}]})
     assert r.status_code == 400, r.text
