@@ -34,10 +34,11 @@ from .hooks import (
     Hooks,
     Index,
     RowHooks,
+    StopAfter,
+    StopForward,
     hook_names,
     layer_of,
     needs_whole_prompt,
-    run_until,
     select_hooks,
     uses_the_head,
     uses_the_logits,
@@ -447,37 +448,77 @@ def _prompt_logprobs(
 
 
 def prefill_prompts(model: GPT, seqs: Sequence[SequenceState]) -> None:
-    """Run the prompts of `prompt_only` sequences in one forward pass, [B, longest] (shorter ones padded at
-    the end, which causal attention keeps from every real position), each sequence's hooks seeing only its
-    own positions (`RowHooks`). The pass ends after the last hook any of them captures (`StopAfter`): the
-    blocks after it and the LM head never run. Each sequence is finished ("length") or failed (`error`):
-    where the pass fails (an edit that cannot be applied to these values, say) every sequence in it fails,
-    so a caller that must not let one request's edits fail another's runs an edited prompt alone
-    (`has_edits`). One prompt alone gives its own values bit for bit; beside others, to float rounding (a
-    product over more rows may sum in another order)."""
-    n_layer = model.config.n_layer
-    captured = {n for s in seqs if s.capture is not None for n in s.capture.names}
-    last = [n for n in hook_names(n_layer) if n in captured][-1:]
-    if last:
-        longest = max(len(s.prompt) for s in seqs)
-        idx = torch.tensor([s.prompt + [0] * (longest - len(s.prompt)) for s in seqs], device=model.wte.weight.device)
-        parts: list[tuple[Hooks, Index]] = []
-        squares: list[tuple[Hooks, Index]] = []
-        every = slice(None)
-        for b, s in enumerate(seqs):
-            if s.hooks is not None:
-                t = slice(0, len(s.prompt))
-                parts.append((s.hooks, (slice(b, b + 1), t)))
-                squares.append((s.hooks, (slice(b, b + 1), every, t, t)))
+    """Run the prompts of `prompt_only` sequences in one forward pass: `PromptsPass`'s steps one after another."""
+    run = PromptsPass(model, seqs)
+    while not run.done:
+        run.step()
+
+
+class PromptsPass:
+    """The prompts of `prompt_only` sequences in one forward pass, [B, longest] (shorter ones padded at the
+    end, which causal attention keeps from every real position), each sequence's hooks seeing only its own
+    positions (`RowHooks`), a block a `step`: the embeddings with block 0, then each block, then the LM head,
+    so that a server runs decode steps between them. The pass ends after the last hook any of them captures
+    (`StopAfter`): the blocks after it and the LM head never run. Each sequence is then finished ("length")
+    or failed (`error`): where the pass fails (an edit that cannot be applied to these values, say) every
+    sequence in it fails, so a caller that must not let one request's edits fail another's runs an edited
+    prompt alone (`has_edits`). One prompt alone gives its own values bit for bit, as `GPT.forward` would;
+    beside others, to float rounding (a product over more rows may sum in another order)."""
+
+    def __init__(self, model: GPT, seqs: Sequence[SequenceState]) -> None:
+        self.model, self.seqs = model, list(seqs)
+        captured = {n for s in seqs if s.capture is not None for n in s.capture.names}
+        last = [n for n in hook_names(model.config.n_layer) if n in captured][-1:]
+        self._hooks: Hooks | None = None  # none: nothing to capture, nothing to run
+        if last:
+            parts: list[tuple[Hooks, Index]] = []
+            squares: list[tuple[Hooks, Index]] = []
+            for b, s in enumerate(seqs):
+                if s.hooks is not None:
+                    t = slice(0, len(s.prompt))
+                    parts.append((s.hooks, (slice(b, b + 1), t)))
+                    squares.append((s.hooks, (slice(b, b + 1), slice(None), t, t)))
+            self._hooks = StopAfter(RowHooks(parts, squares), last[0])
+        self._blocks: Iterator[torch.Tensor] | None = None  # `GPT.block_by_block`, from the first step on
+        self._x: torch.Tensor | None = None  # [B, longest, C]: the stream leaving the last block run
+        self.done = False
+        if self._hooks is None:
+            self._end()
+
+    def step(self) -> float:
+        """The next block (the first with the embeddings), or the LM head after the last; the work it took, in
+        blocks' worth a token (the head's as `pass_blocks` counts it)."""
+        assert not self.done, "the pass is over"
+        work = 1.0
         try:
-            run_until(model, idx, RowHooks(parts, squares), last[0])
+            if self._blocks is None:
+                longest = max(len(s.prompt) for s in self.seqs)
+                rows = [s.prompt + [0] * (longest - len(s.prompt)) for s in self.seqs]
+                idx = torch.tensor(rows, device=self.model.wte.weight.device)  # [B, longest]
+                self._blocks = self.model.block_by_block(idx, self._hooks)
+            x = next(self._blocks, None)
+            if x is not None:
+                self._x = x
+                return work
+            assert self._x is not None
+            work = head_blocks(self.model.config)
+            self.model.unembed(self._x, self._hooks)  # a hook after the last block is captured
+        except StopForward:  # the last hook captured has its value
+            pass
         except Exception as e:  # an edit that cannot be applied to these values, say: every row fails with it
-            for s in seqs:
-                s.finish_reason, s.error = "error", e
-            return
-    for s in seqs:
-        s.prefilled = len(s.prompt)
-        s.finish_reason = "length"
+            self._end(e)
+            return work
+        self._end()
+        return work
+
+    def _end(self, error: Exception | None = None) -> None:
+        for s in self.seqs:
+            if error is not None:
+                s.finish_reason, s.error = "error", error
+            else:
+                s.prefilled = len(s.prompt)
+                s.finish_reason = "length"
+        self.done, self._blocks, self._x = True, None, None
 
 
 def pass_blocks(config: GPTConfig, names: Sequence[str]) -> float:
@@ -485,7 +526,7 @@ def pass_blocks(config: GPTConfig, names: Sequence[str]) -> float:
     one), in blocks' worth a token: the blocks it runs, each 12·C² multiply-adds a token (attention's
     projections and the MLP), and the LM head's vocab·C as vocab / (12·C) blocks where a hook after it is
     asked for; 0 for the embeddings' hooks alone."""
-    head = config.vocab_size / (12 * config.n_embd)
+    head = head_blocks(config)
     cost = 0.0
     for name in names:
         layer = layer_of(name)
@@ -494,6 +535,11 @@ def pass_blocks(config: GPTConfig, names: Sequence[str]) -> float:
         elif name in HEAD_HOOKS:
             cost = max(cost, config.n_layer + head)
     return cost
+
+
+def head_blocks(config: GPTConfig) -> float:
+    """The LM head's work in blocks' worth a token: its vocab·C multiply-adds against a block's 12·C²."""
+    return config.vocab_size / (12 * config.n_embd)
 
 
 def has_edits(seq: SequenceState) -> bool:

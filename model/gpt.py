@@ -301,6 +301,8 @@ class GPT(nn.Module):
         """The forward pass over `idx` [B, T] without a cache, a block at a time: the stream [B, T, C] leaving
         each block in turn (the first with the embeddings), for work cut into pieces that other work runs
         between (the lab's passes on the server's engine)."""
+        if hooks is not None:  # a pass from position 0, as `forward`'s without a cache
+            begin_pass(hooks, True)
         x = self.embed(idx, hooks=hooks)
         for block in self.h:
             x = block(x, None, hooks)

@@ -8,7 +8,6 @@ requests served concurrently by one model never see each other's captures, and n
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import functools
 import re
@@ -562,12 +561,6 @@ def check_edit_hooks(edits: object) -> None:
     to get them (an `EditSpec` as it is failed deep in the pass: "'EditSpec' object is not callable")."""
     if edits is not None and not callable(getattr(edits, "active", None)):
         raise TypeError(f"edits are hooks (EditSpec.hooks(config, n_tokens)), got {type(edits).__name__}")
-
-
-def run_until(model: GPT, idx: torch.Tensor, hooks: Hooks, last: str) -> None:
-    """A forward pass over `idx` [B, T] with `hooks`, ended once hook `last` has had its value."""
-    with contextlib.suppress(StopForward):
-        model(idx, hooks=StopAfter(hooks, last))
 
 
 def _widen(chunk: torch.Tensor, n_keys: int, fill: float) -> torch.Tensor:

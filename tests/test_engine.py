@@ -459,6 +459,99 @@ def test_whole_prompts_sent_back_to_back_wait_for_the_steps_they_took(
         torch.testing.assert_close(got, alone[names[0]], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize(
+    ("names", "pieces"),
+    [(["blocks.1.hook_resid_post"], ["block 0", "block 1"]), (["logits"], ["block 0", "block 1", "head"])],
+    ids=["to-the-last-block", "through-the-head"],
+)
+def test_a_whole_prompts_pass_runs_a_block_a_step_beside_the_streams(
+    loaded: LoadedModel, names: list[str], pieces: list[str]
+) -> None:
+    """A 64-token dump whose `mean` edit needs its prompt whole, its pass costing more than a chunk of 16, runs
+    a block a step (`PromptsPass`), then the LM head where a hook after it is dumped, the stream decoding a
+    token between every two (its one pass held every stream for its whole length: 1.2 s at 1,000 tokens of
+    gpt2-small on a 2-core CPU); its values are those of its prompt alone, to the bit."""
+    prompt = [(7 * t + 1) % 50000 for t in range(64)]
+    spec = EditSpec((Edit("blocks.0.hook_mlp_out", "mean"),))
+    log: list[str] = []
+
+    async def main() -> Completion:
+        with running(loaded, max_batch_size=4, prefill_chunk=16) as engine:
+            (stream,) = engine.submit([[464]], [greedy_params(LONG, ignore_eos=True)])
+            await first_event(stream)
+            real_step = engine._batch.step
+
+            def step() -> Any:
+                log.append("step")
+                return real_step()
+
+            def entered(piece: str) -> Any:
+                def pre_hook(_: Any, args: tuple[torch.Tensor, ...]) -> None:
+                    if args[0].shape[1] == 64:  # the dump's pass
+                        log.append(piece)
+
+                return pre_hook
+
+            engine._batch.step = step  # type: ignore[method-assign]
+            model = engine.model
+            checks = [b.register_forward_pre_hook(entered(f"block {i}")) for i, b in enumerate(model.h)]
+            checks.append(model.lm_head.register_forward_pre_hook(entered("head")))
+            try:
+                (dump,) = engine.submit([prompt], [SamplingParams(max_new_tokens=0)], names, spec)
+                result = await dump.result()
+            finally:
+                for check in checks:
+                    check.remove()
+            stream.cancel()
+            return result
+
+    result = run(main())
+    ran = [e for e in log if e != "step"]
+    assert ran == pieces, log
+    first = log.index(pieces[0])
+    assert log[first : first + 2 * len(pieces)] == [e for p in pieces for e in (p, "step")], log
+    alone = run_with_cache(loaded.model, prompt, names, spec.hooks(loaded.model.config, 64))
+    assert result.activations is not None
+    assert torch.equal(result.activations[names[0]], alone[names[0]])
+
+
+def test_a_client_that_leaves_ends_its_whole_prompts_pass_at_the_next_block(loaded: LoadedModel) -> None:
+    """A whole prompt's pass under way, a block a step, whose request is cancelled runs no further block: the
+    engine goes on serving, and the next such pass runs."""
+    prompt = [(7 * t + 1) % 50000 for t in range(64)]
+    spec = EditSpec((Edit("blocks.0.hook_mlp_out", "mean"),))
+    names = ["logits"]
+    blocks: list[int] = []
+
+    async def main() -> Completion:
+        with running(loaded, max_batch_size=4, prefill_chunk=16) as engine:
+            (stream,) = engine.submit([[464]], [greedy_params(LONG, ignore_eos=True)])
+            await first_event(stream)
+            (dump,) = engine.submit([prompt], [SamplingParams(max_new_tokens=0)], names, spec)
+
+            def pre_hook(_: Any, args: tuple[torch.Tensor, ...]) -> None:
+                if args[0].shape[1] == 64:
+                    blocks.append(len(blocks))
+                    if len(blocks) == 1:
+                        dump.cancel()  # as the route does when its client leaves
+
+            check = engine.model.h[0].register_forward_pre_hook(pre_hook)
+            try:
+                await asyncio.sleep(0.5)  # steps go on meanwhile
+                assert engine._passing is None and not engine._prompt_only
+                check.remove()
+                (again,) = engine.submit([prompt], [SamplingParams(max_new_tokens=0)], names, spec)
+                result = await again.result()
+            finally:
+                check.remove()
+            stream.cancel()
+            return result
+
+    result = run(main())
+    assert blocks == [0]  # block 0 ran once, for the pass that was cancelled before its next block
+    assert result.activations is not None and result.finish_reason == "length"
+
+
 def test_a_cheap_dump_goes_before_a_whole_prompt_that_waits(loaded: LoadedModel) -> None:
     """Behind a 96-token `mean` dump, whose pass makes the next such pass wait for the stream's steps, a
     4-token dump without edits, whose pass costs less than a chunk, is not held: it takes the next step."""
