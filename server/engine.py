@@ -8,7 +8,8 @@ arrives while others decode joins at the next step. Requests with hooks (activat
 interventions) share the batch too, each seeing only its own values. Those that only want a prompt's
 activations (nothing to generate, no logits) skip the KV cache: those waiting run together in padded forward
 passes that end after the last hook they capture (`model.generate.prefill_prompts`), one pass of at most a
-prompt chunk's tokens (`prefill_chunk`, B x the longest) before each decode step, so short ones share a pass;
+prompt chunk's tokens (`prefill_chunk`, B x the longest) before each decode step (and a block of a whole
+prompt's pass, below), so short ones share a pass;
 a prompt with edits has a pass of its own. One whose pass would cost more than a chunk's through every block
 joins the batch and is prefilled a chunk a step, as a generation's, unless its edits need the whole prompt at
 once (`mean`): its pass then runs a block a step (`model.generate.PromptsPass`). A cancelled request (client
@@ -198,7 +199,7 @@ class Engine:
         # thread keeps the only pool and its threads spin between parallel regions (server/threads.py).
         release_openmp_pool()
         self._prompt_only: deque[_Request] = deque()  # admitted, for `prefill_prompts` passes in turn
-        self._passing: tuple[_Request, PromptsPass] | None = None  # a whole prompt's pass, a block a step
+        self._passing: _Passing | None = None  # a whole prompt's pass under way, a block a step
         self._requests: dict[int, _Request] = {}  # id(seq) -> request, for every admitted sequence
         self._waiting: deque[_Request] = deque()
         self._admitting = 0  # requests taken from `_waiting` into the batch this turn, not in it yet
@@ -470,26 +471,28 @@ class Engine:
                 self._finish(request)
 
     def _prefill_prompts(self) -> None:
-        """The next prompt-only sequences in one padded pass (`prefill_prompts`) of at most `prefill_chunk`
-        tokens, B x the longest (at least one prompt): no more before the next decode step than a prompt chunk
-        of generation's. A prompt with edits runs in a pass of its own, so that an edit that fails fails only
-        its own request. A pass that costs more than a step's chunk through every block (a long prompt whose
-        edits need it whole, `mean`) runs a block a step (`PromptsPass`: the streams decode between its blocks,
-        where its one pass held them all, 1.2 s at 1,000 tokens of gpt2-small on a 2-core CPU), one such pass at
-        a time, the passes behind it going first meanwhile. Each of its steps is charged to the batch
-        (`DecodeBatch.charge`) as the batch's own whole prompts are, and the next such pass begins only once the
-        batch owes its decoding rows no steps (`owes`): such passes sent back to back slow the streams as
-        chunked prompts do."""
+        """The next block of a whole prompt's pass (`_whole`) under way, or its first, and the next prompt-only
+        sequences in one padded pass (`prefill_prompts`) of at most `prefill_chunk` tokens, B x the longest (at
+        least one prompt): no more before the next decode step than a prompt chunk of generation's and a block
+        (or the LM head) of such a pass. A prompt with edits runs in a pass of its own, so that an edit that
+        fails fails only its own request. A whole prompt's pass runs a block a step (`PromptsPass`: the streams
+        decode between its blocks, where its one pass held them all, 1.2 s at 1,000 tokens of gpt2-small on a
+        2-core CPU), one such pass at a time, the cheaper passes beside it meanwhile. Its work is charged to the
+        batch (`DecodeBatch.charge`) as it runs, as the batch's own whole prompts are, and the next such pass
+        begins only once the batch owes its decoding rows no steps (`owes`): such passes sent back to back slow
+        the streams as chunked prompts do."""
         ended: list[_Request] = []
         if self._passing is not None:
             ended += self._pass_a_block()
+        if self._passing is None and not ended and not self._batch.owes():
+            whole = next((r for r in self._prompt_only if self._whole(r)), None)
+            if whole is not None:
+                self._passing = _Passing(whole, PromptsPass(self.model, [whole.seq]))
+                self._prompt_only.remove(whole)
+                ended += self._pass_a_block()
         group: list[_Request] = []
-        whole: _Request | None = None
-        starts = self._passing is None and not ended and not self._batch.owes()
         for request in self._prompt_only:
-            if self._pass_tokens([request.seq]) > self.prefill_chunk:
-                if starts and whole is None:
-                    whole = request
+            if self._whole(request):
                 continue  # a block a step, one such pass at a time
             if group:
                 alone = has_edits(request.seq) or has_edits(group[0].seq)
@@ -497,10 +500,6 @@ class Engine:
                 if alone or longest * (len(group) + 1) > self.prefill_chunk:
                     break  # the next pass, after the decode step
             group.append(request)
-        if whole is not None:
-            self._prompt_only.remove(whole)
-            self._passing = (whole, PromptsPass(self.model, [whole.seq]))
-            ended += self._pass_a_block()
         if group:
             for request in group:
                 self._prompt_only.remove(request)
@@ -513,18 +512,24 @@ class Engine:
                 self._finish(request)
         self._send()  # their results now, not after the decode pass that follows
 
+    def _whole(self, request: _Request) -> bool:
+        """Whether a prompt-only request's pass costs more than a chunk through every block: a long prompt whose
+        edits need it whole (`mean`; any other such prompt joins the batch, `_in_one_pass`)."""
+        return self._pass_tokens([request.seq]) > self.prefill_chunk
+
     def _pass_a_block(self) -> list[_Request]:
-        """The next step of the whole prompt's pass under way, charged to the batch in tokens through every
-        block; its request if the pass is over."""
-        assert self._passing is not None
-        request, run = self._passing
-        blocks = run.step()
-        seq = request.seq
-        self._batch.charge(round(len(seq.prompt) * blocks / self.model.config.n_layer))
-        if not run.done:
+        """The next step of the whole prompt's pass under way, its work charged to the batch in tokens through
+        every block (whole ones: the fraction left goes with the next step's); its request if the pass is over."""
+        passing = self._passing
+        assert passing is not None
+        passing.work += len(passing.request.seq.prompt) * passing.run.step() / self.model.config.n_layer
+        due = round(passing.work) - passing.charged
+        self._batch.charge(due)
+        passing.charged += due
+        if not passing.run.done:
             return []
         self._passing = None
-        return [request]
+        return [passing.request]
 
     def _pass_tokens(self, seqs: list[SequenceState]) -> float:
         """The work of a `prefill_prompts` pass over `seqs`, in tokens through every block: B x the longest, to
@@ -579,7 +584,7 @@ class Engine:
             self._batch.cancel(request.seq)
             if request in self._prompt_only:
                 self._prompt_only.remove(request)
-            if self._passing is not None and self._passing[0] is request:  # the rest of its pass is not run
+            if self._passing is not None and self._passing.request is request:  # the rest of its pass is not run
                 self._passing = None
             del self._requests[id(request.seq)]
 
@@ -604,6 +609,16 @@ class Engine:
             request.loop.call_soon_threadsafe(request.queue.put_nowait, error)
         for job in jobs:
             job.loop.call_soon_threadsafe(_settle, job.future, None, error)
+
+
+@dataclass
+class _Passing:
+    """A whole prompt's pass under way (`PromptsPass`), and its work so far in tokens through every block."""
+
+    request: _Request
+    run: PromptsPass
+    work: float = 0.0
+    charged: int = 0  # of `work`, in whole tokens
 
 
 def _count(n: int, noun: str) -> str:

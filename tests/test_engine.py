@@ -14,7 +14,7 @@ import pytest
 import torch
 from contract import greedy
 
-from model.generate import Completion, SamplingParams, TokenEvent, generate
+from model.generate import Completion, SamplingParams, TokenEvent, generate, pass_blocks
 from model.hooks import run_with_cache
 from model.interventions import Edit, EditSpec
 from model.loading import LoadedModel
@@ -470,10 +470,12 @@ def test_a_whole_prompts_pass_runs_a_block_a_step_beside_the_streams(
     """A 64-token dump whose `mean` edit needs its prompt whole, its pass costing more than a chunk of 16, runs
     a block a step (`PromptsPass`), then the LM head where a hook after it is dumped, the stream decoding a
     token between every two (its one pass held every stream for its whole length: 1.2 s at 1,000 tokens of
-    gpt2-small on a 2-core CPU); its values are those of its prompt alone, to the bit."""
+    gpt2-small on a 2-core CPU); its values are those of its prompt alone, to the bit. Its work is charged to
+    the batch as it runs, in all what the one pass was charged (`pass_blocks`)."""
     prompt = [(7 * t + 1) % 50000 for t in range(64)]
     spec = EditSpec((Edit("blocks.0.hook_mlp_out", "mean"),))
     log: list[str] = []
+    charged: list[int] = []
 
     async def main() -> Completion:
         with running(loaded, max_batch_size=4, prefill_chunk=16) as engine:
@@ -493,6 +495,13 @@ def test_a_whole_prompts_pass_runs_a_block_a_step_beside_the_streams(
                 return pre_hook
 
             engine._batch.step = step  # type: ignore[method-assign]
+            real_charge = engine._batch.charge
+
+            def charge(tokens: int) -> None:
+                charged.append(tokens)
+                real_charge(tokens)
+
+            engine._batch.charge = charge  # type: ignore[method-assign]
             model = engine.model
             checks = [b.register_forward_pre_hook(entered(f"block {i}")) for i, b in enumerate(model.h)]
             checks.append(model.lm_head.register_forward_pre_hook(entered("head")))
@@ -510,6 +519,8 @@ def test_a_whole_prompts_pass_runs_a_block_a_step_beside_the_streams(
     assert ran == pieces, log
     first = log.index(pieces[0])
     assert log[first : first + 2 * len(pieces)] == [e for p in pieces for e in (p, "step")], log
+    config = loaded.model.config
+    assert len(charged) == len(pieces) and sum(charged) == round(64 * pass_blocks(config, names) / config.n_layer)
     alone = run_with_cache(loaded.model, prompt, names, spec.hooks(loaded.model.config, 64))
     assert result.activations is not None
     assert torch.equal(result.activations[names[0]], alone[names[0]])
