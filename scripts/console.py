@@ -6,7 +6,8 @@ ends `cat` (Python ignores the signal and raises `BrokenPipeError` instead).
 
 A second Ctrl-C, during the first one's clean-up, ends the process at once (`_interrupt_once`). SIGTERM
 (`kill`, `timeout`, `docker stop`) is taken as Ctrl-C is (`Terminated`): the same clean-up and line, then
-the process ends by SIGTERM (a shell sees 143).
+the process ends by SIGTERM (a shell sees 143). Once the work is over (`main` has returned, its output whole),
+either ends the tool at once, by its signal, without a line.
 
 The installed commands start here (`generate`, `analyze`, `harvest`), importing their module inside
 `run_console`, with a Ctrl-C held until the import is over (`held_interrupt`: one inside torch's C++
@@ -32,12 +33,12 @@ def run_console(main: Callable[[], int], interrupted: str) -> NoReturn:
         signal.signal(signal.SIGTERM, _terminate_once)
     try:
         status = main()
-        _default_sigterm()  # the work is over: a SIGTERM now ends the tool at once
+        _default_signals()  # the work is over: a Ctrl-C or SIGTERM now ends the tool at once, without a line
     except KeyboardInterrupt:
         # which signal, as `_terminate_once` noted it (a library may raise a KeyboardInterrupt of its own for it)
         stop = signal.SIGTERM if _signals.terminated else signal.SIGINT
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # another signal, while this one is said, ends it at once
-        _default_sigterm()
+        _default_signals()
         print(f"\n{interrupted}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), stop)
         status = 128 + stop  # not reached where the signal ends the process, as it does on POSIX
@@ -92,10 +93,13 @@ class _Signals:
 _signals = _Signals()
 
 
-def _default_sigterm() -> None:
-    """SIGTERM's default action back, where `run_console` took it (not where it is ignored)."""
-    if signal.getsignal(signal.SIGTERM) is _terminate_once:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+def _default_signals() -> None:
+    """SIGINT's and SIGTERM's default actions back, where `run_console` took them (not where they are ignored):
+    once the work is over, one ends the tool at once, by its signal (a KeyboardInterrupt raised as the
+    interpreter exits was a traceback, "Exception ignored in atexit callback")."""
+    for signum, handler in ((signal.SIGINT, _interrupt_once), (signal.SIGTERM, _terminate_once)):
+        if signal.getsignal(signum) is handler:
+            signal.signal(signum, signal.SIG_DFL)
 
 
 def _terminate_once(signum: int, frame: object) -> None:

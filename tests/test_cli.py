@@ -674,6 +674,24 @@ def test_an_interrupt_is_held_until_the_block_is_over() -> None:
         signal.signal(signal.SIGINT, before)
 
 
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_signal_once_the_work_is_done_ends_the_tool_by_it_without_a_line(stop: signal.Signals) -> None:
+    """A Ctrl-C (or SIGTERM) that comes after the work, the output whole, as the interpreter exits: the tool
+    ends by its signal at once, saying nothing (a Ctrl-C raised a KeyboardInterrupt there, a traceback from
+    an exit handler, "Exception ignored in atexit callback", and status 0)."""
+    code = (
+        "import atexit, os, time\n"
+        "from gpt2_scripts.console import run_console\n"
+        "def main():\n"
+        f"    atexit.register(lambda: (os.kill(os.getpid(), {int(stop)}), time.sleep(1)))\n"
+        "    print('the output', flush=True)\n"
+        "    return 0\n"
+        "run_console(main, 'tool: interrupted')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (-stop, "the output\n", "")
+
+
 # --- where the output cannot go ---------------------------------------------------------------
 
 
