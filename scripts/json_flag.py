@@ -22,12 +22,14 @@ def read_json_flag(flag: str, text: str, validate: Callable[[Any], T], error: Ca
     from server.errors import validation_message
     from server.json_body import DuplicateKeyError, loads
 
+    value: Any = None
     try:
-        return validate(loads(text.encode()))
+        value = loads(text.encode())
+        return validate(value)
     except DuplicateKeyError as e:
         problem = f"names the key {e.param!r} more than once"
     except ValidationError as e:
-        problem = validation_message(e.errors())[0]
+        problem = validation_message(e.errors(), value)[0]
     except (ValueError, RecursionError) as e:  # not JSON (or not UTF-8), nested too deeply, 4300+ digits
         problem = f"not valid JSON: {e}"
     problem = problem.replace("\r", "\\r").replace("\n", "\\n")

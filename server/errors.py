@@ -126,7 +126,7 @@ def install_error_handlers(app: FastAPI) -> None:
             )
         if not loc:
             return error_response(400, _body_problem(first.get("type"), request.headers.get("content-type")))
-        return error_response(400, *validation_message(e.errors()))
+        return error_response(400, *validation_message(e.errors(), e.body))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -150,24 +150,42 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(500, f"internal server error (request id {request_id})")
 
 
-def validation_message(errors: Sequence[Any]) -> tuple[str, str]:
+def validation_message(errors: Sequence[Any], body: Any = None) -> tuple[str, str]:
     """The one message a body's validation errors make, and the field it names: the first error, in the form
     of a union it came closest to (`_union_error`), in a validator's own words. Also the command line's, for
-    an edit given as JSON (`--steer`)."""
+    an edit given as JSON (`--steer`). `body`: what was validated, whose paths the messages follow (`_path`)."""
     first = errors[0]
-    loc = _path(first)
-    union = _union_error(errors)
+    loc = _path(first, body)
+    union = _union_error(errors, body)
     if union is not None:
-        return union, str(loc[0])
+        return union, spelled(loc[:1])
     message = _union_tag(first) or _not_an_object(first) or _past_float(first) or str(first.get("msg", "invalid value"))
     message = message.removeprefix("Value error, ")
-    return (f"{spelled(loc)}: {message}" if loc else message), (str(loc[0]) if loc else "body")
+    return (f"{spelled(loc)}: {message}" if loc else message), (spelled(loc[:1]) if loc else "body")
 
 
-def _path(error: Any) -> list[str | int]:
+def _path(error: Any, body: Any = None) -> list[str | int]:
     """Where in the body a validation error is: list indices, and keys cut to a message's length (an unknown
-    field's name is the client's, and can be megabytes long)."""
-    return [part if isinstance(part, int) else clip(str(part), str) for part in error.get("loc", ()) if part != "body"]
+    field's name is the client's, and can be megabytes long). A tagged union's tag, which pydantic puts in the
+    path (`metric.logit_diff.tokens`), is left out where the object there holds it as a value, not as a key
+    (`{"type": "logit_diff", "tokens": ...}`: the client's path is `metric.tokens`)."""
+    parts: list[str | int] = []
+    node = body
+    for part in error.get("loc", ()):
+        if part == "body" and node is body:  # FastAPI's root
+            continue
+        if isinstance(node, dict) and isinstance(part, str) and part not in node and part in node.values():
+            continue  # the tag
+        parts.append(part if isinstance(part, int) else clip(str(part), str))
+        node = node.get(part) if isinstance(node, dict) else _item(node, part)
+    return parts
+
+
+def _item(node: Any, part: Any) -> Any:
+    """A list's item at index `part`, or None where there is none."""
+    if isinstance(node, list) and isinstance(part, int) and -len(node) <= part < len(node):
+        return node[part]
+    return None
 
 
 def _past_float(error: Any) -> str | None:
@@ -210,12 +228,12 @@ def _json_kind(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _union_error(errors: Sequence[Any]) -> str | None:
+def _union_error(errors: Sequence[Any], body: Any = None) -> str | None:
     """Where the first error is one of a union's branches (pydantic puts the branch's name in the path,
     `prompt.list[int].0`): for an object given where objects are among the forms, the first error of the
     object form it came closest to (`direction.feature: Field required`); else the forms it fits none of.
     None where the first error is not in a union."""
-    paths = [_path(error) for error in errors]
+    paths = [_path(error, body) for error in errors]
     first = paths[0]
     for i in range(1, len(first)):
         under = [(p, e) for p, e in zip(paths, errors, strict=True) if len(p) > i and p[:i] == first[:i]]

@@ -56,7 +56,11 @@ def spelled(path: Sequence[str | int]) -> str:
     (`interventions[0].direction.feature`), as the edits' own errors name an edit (`interventions[0]`)."""
     text = ""
     for i, part in enumerate(path):
-        text += f"[{part}]" if isinstance(part, int) else f".{part}" if i else part
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            key = part or '""'  # an empty key, as JSON writes it
+            text += f".{key}" if i else key
     return text
 
 

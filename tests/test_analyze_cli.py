@@ -364,10 +364,12 @@ def test_a_plot_behind_a_link_takes_the_format_of_the_name_given(model_args: lis
             "--metric ('LOSS'): not valid JSON: Expecting value: line 1 column 1 (char 0); give loss, or a metric",
         ),
         ('{"type": "kl"}', "--metric ("),
+        # the flag's own path, not pydantic's `loss.span[1]`
+        ('{"type": "loss", "span": [0, "x"]}', """--metric ('{"type": "loss", "span": [0, "x"]}'): span[1]: Input"""),
         ('{"type": "logprob", "token": 5, "position": 9}', "--metric: position 9 is outside the prompt"),
         ('{"type": "logprob", "token": 99999}', "--metric: token id 99999 is outside the vocabulary"),
     ],
-    ids=["not-json", "unknown-type", "position", "token"],
+    ids=["not-json", "unknown-type", "tagged-path", "position", "token"],
 )
 def test_metric_errors_name_the_flag(
     model_args: list[str], metric: str, says: str, capsys: pytest.CaptureFixture[str]

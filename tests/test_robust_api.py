@@ -154,6 +154,22 @@ CASES = [
         "interventions",
         "interventions[0].factor does not apply to zero",
     ),
+    # a tagged union's tag is no key of the body: the path is the client's (pydantic's had metric.logit_diff.tokens)
+    case(
+        "metric-tag-not-in-the-path",
+        "/v1/gradients",
+        {"prompt": "Hi", "hooks": ["hook_embed"], "metric": {"type": "logit_diff", "tokens": [1, {"a": 1}]}},
+        "metric",
+        "metric.tokens[1]: fits none of the forms it takes",
+    ),
+    case(
+        "metric-field-missing",
+        "/v1/gradients",
+        {"prompt": "Hi", "hooks": ["hook_embed"], "metric": {"type": "logprob"}},
+        "metric",
+        "metric.token: Field required",
+    ),
+    case("an-empty-key", GEN, {"prompt": "Hi", "": 5}, '""', '"": Extra inputs are not permitted'),
     case("two-bad-fields", GEN, {"prompt": "Hi", "interventions": [{"hook": 1, "op": 2}]}, "interventions", "hook:"),
     case(
         "edit-field-its-op-ignores",
