@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gpt2_scripts.console import empty_flag
+from gpt2_scripts.console import empty_flag, takes_negative_values
 from gpt2_scripts.generate import PromptError, read_prompt, replaces_an_input, saying_when_written, utf8_checked
 from gpt2_scripts.json_flag import read_json_flag
 from gpt2_scripts.sae_cli import add_sae_arguments, directions, features_table
@@ -57,6 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="gpt2-analyze", description="Measure GPT-2's residual stream layer by layer, with and without skips."
     )
+    takes_negative_values(p)
     p.add_argument("prompt", nargs="?", help="the prompt (read from standard input when omitted or '-')")
     add_checkpoint_arguments(p)
     p.add_argument(

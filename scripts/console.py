@@ -12,12 +12,14 @@ either ends the tool at once, by its signal, without a line.
 The installed commands start here (`generate`, `analyze`, `harvest`), importing their module inside
 `run_console`, with a Ctrl-C held until the import is over (`held_interrupt`: one inside torch's C++
 aborted the process, or left numpy half imported), then the same one line. `empty_flag` is the check the
-three share before any work."""
+three share before any work, `takes_negative_values` how their parsers read a value such as -1e-3."""
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -115,6 +117,19 @@ def _interrupt_once(signum: int, frame: object) -> None:
     once, where it broke into that clean-up (Python printed "Exception ignored in ..." and a traceback)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     raise KeyboardInterrupt
+
+
+# A flag's value that begins with '-' and a digit (-1e-3, -5=1, -.5) or is a number's word (-inf, -nan), as
+# Python 3.13's argparse reads the first: 3.10-3.12's took only -1 and -0.5 for values, and any other such
+# word for an unknown flag ("--presence-penalty: expected one argument")
+NEGATIVE_VALUE = re.compile(r"-\.?\d|-(inf|infinity|nan)$", re.IGNORECASE)
+
+
+def takes_negative_values(parser: argparse.ArgumentParser) -> None:
+    """Make `parser` read a word that begins with '-' and a digit, or that is -inf or -nan, as a value (the
+    tools have no flag that looks like a number, nor a one-letter one, -i or -n, that argparse would find in
+    -inf or -nan first)."""
+    parser._negative_number_matcher = NEGATIVE_VALUE  # argparse's own test, widened
 
 
 def empty_flag(flags: Iterable[tuple[str, str | None]]) -> str | None:

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from gpt2_scripts.console import empty_flag
+from gpt2_scripts.console import empty_flag, takes_negative_values
 from gpt2_scripts.sae_cli import add_sae_arguments, directions, steering_edits, steering_specs
 
 from model.dump import dump_path_problem, save_dump
@@ -34,14 +34,10 @@ from model.lab.sae import SAEError
 from model.loading import DTYPE_NAMES, LoadError, add_checkpoint_arguments, hub_repo, load_from
 from model.tokenizer import InvalidTextError, Tokenizer
 
-# A number as a flag's value, as the API reads it: argparse takes only -1 and -0.5 for numbers and any other
-# word that begins with '-' (-1e-3, -inf) for a flag ("--presence-penalty: expected one argument")
-NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$|-(inf|infinity|nan)$", re.IGNORECASE)
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="gpt2-generate", description="Continue a prompt with GPT-2.")
-    p._negative_number_matcher = NEGATIVE_NUMBER  # argparse's own test, widened
+    takes_negative_values(p)
     p.add_argument("prompt", nargs="?", help="the prompt (read from standard input when omitted or '-')")
     add_checkpoint_arguments(p)
     p.add_argument("--max-new-tokens", type=int, default=50, help="tokens to generate at most (default 50)")

@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 import torch
-from gpt2_scripts.console import empty_flag
+from gpt2_scripts.console import empty_flag, takes_negative_values
 
 from model.cpus import available_cpus, size_threads
 from model.harvest import FORMATS, HarvestError, HarvestSpec, run_harvest
@@ -36,6 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="gpt2-harvest",
         description="Harvest activations at chosen hooks for a text dataset, as shards (safetensors or SAELens').",
     )
+    takes_negative_values(p)
     p.add_argument(
         "source", help="a .txt, .jsonl or .parquet file, a folder of them, or a Hugging Face datasets directory"
     )

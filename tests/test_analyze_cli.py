@@ -356,6 +356,16 @@ def test_a_plot_behind_a_link_takes_the_format_of_the_name_given(model_args: lis
     assert (tmp_path / "data.txt").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
+def test_a_negative_value_is_read_as_a_value(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--top-k -1e-3` is a value, refused as one, not argparse's "expected one argument"."""
+    from gpt2_scripts.analyze import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["The cat", "--top-k", "-1e-3"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.endswith("gpt2-analyze: error: argument --top-k: invalid int value: '-1e-3'\n")
+
+
 @pytest.mark.parametrize(
     ("metric", "says"),
     [

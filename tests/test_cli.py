@@ -349,6 +349,7 @@ def test_a_flag_takes_any_number(ckpt_with_tokenizer: Path, capsys: pytest.Captu
     args = parse_args(["hi", "--presence-penalty", "-1e-3", "--frequency-penalty", "-.5", "--temperature", "-2E1"])
     assert (args.presence_penalty, args.frequency_penalty, args.temperature) == (-0.001, -0.5, -20.0)
     assert parse_args(["-5e3", "--seed", "-1"]).prompt == "-5e3"  # a prompt too
+    assert parse_args(["hi", "--logit-bias", "-5=1"]).logit_bias == [("-5", 1.0)]  # refused later, as the API's key
     assert main(["hi", "--model", str(ckpt_with_tokenizer), "--frequency-penalty", "-inf"]) == 1
     err = capsys.readouterr().err
     assert err == "gpt2-generate: error: --frequency-penalty must be a number in [-2, 2], got -inf\n"
