@@ -30,12 +30,13 @@ from .cuda_graph import StaticDecode
 from .gpt import GPT
 from .hooks import (
     HEAD_HOOKS,
+    LOGIT_HOOKS,
+    BlockwisePass,
     Capture,
     Hooks,
     Index,
     RowHooks,
     StopAfter,
-    StopForward,
     hook_names,
     layer_of,
     needs_whole_prompt,
@@ -469,47 +470,37 @@ class PromptsPass:
         self.model, self.seqs = model, list(seqs)
         captured = {n for s in seqs if s.capture is not None for n in s.capture.names}
         last = [n for n in hook_names(model.config.n_layer) if n in captured][-1:]
-        self._hooks: Hooks | None = None  # none: nothing to capture, nothing to run
-        if last:
-            parts: list[tuple[Hooks, Index]] = []
-            squares: list[tuple[Hooks, Index]] = []
-            for b, s in enumerate(seqs):
-                if s.hooks is not None:
-                    t = slice(0, len(s.prompt))
-                    parts.append((s.hooks, (slice(b, b + 1), t)))
-                    squares.append((s.hooks, (slice(b, b + 1), slice(None), t, t)))
-            self._hooks = StopAfter(RowHooks(parts, squares), last[0])
-        self._blocks: Iterator[torch.Tensor] | None = None  # `GPT.block_by_block`, from the first step on
-        self._x: torch.Tensor | None = None  # [B, longest, C]: the stream leaving the last block run
         self.done = False
-        if self._hooks is None:
+        self._pass: BlockwisePass | None = None
+        self._head_work = 0.0
+        if not last:  # nothing to capture, nothing to run
             self._end()
+            return
+        parts: list[tuple[Hooks, Index]] = []
+        squares: list[tuple[Hooks, Index]] = []
+        for b, s in enumerate(seqs):
+            if s.hooks is not None:
+                t = slice(0, len(s.prompt))
+                parts.append((s.hooks, (slice(b, b + 1), t)))
+                squares.append((s.hooks, (slice(b, b + 1), slice(None), t, t)))
+        longest = max(len(s.prompt) for s in seqs)
+        rows = [s.prompt + [0] * (longest - len(s.prompt)) for s in seqs]  # [B, longest]
+        # the head in one part: `RowHooks` index the positions of the whole pass
+        self._pass = BlockwisePass(rows, StopAfter(RowHooks(parts, squares), last[0]), head_in_parts=False)
+        self._head_work = pass_blocks(model.config, last) - model.config.n_layer  # the final LayerNorm's: none
 
     def step(self) -> float:
         """The next block (the first with the embeddings), or the LM head after the last; the work it took, in
         blocks' worth a token (the head's as `pass_blocks` counts it)."""
-        assert not self.done, "the pass is over"
-        work = 1.0
+        assert self._pass is not None, "the pass is over"
         try:
-            if self._blocks is None:
-                longest = max(len(s.prompt) for s in self.seqs)
-                rows = [s.prompt + [0] * (longest - len(s.prompt)) for s in self.seqs]
-                idx = torch.tensor(rows, device=self.model.wte.weight.device)  # [B, longest]
-                self._blocks = self.model.block_by_block(idx, self._hooks)
-            x = next(self._blocks, None)
-            if x is not None:
-                self._x = x
-                return work
-            assert self._x is not None
-            work = head_blocks(self.model.config)
-            self.model.unembed(self._x, self._hooks)  # a hook after the last block is captured
-        except StopForward:  # the last hook captured has its value
-            pass
+            head = self._pass.step(self.model)
         except Exception as e:  # an edit that cannot be applied to these values, say: every row fails with it
             self._end(e)
-            return work
-        self._end()
-        return work
+            return 1.0
+        if self._pass.done:
+            self._end()
+        return self._head_work if head else 1.0
 
     def _end(self, error: Exception | None = None) -> None:
         for s in self.seqs:
@@ -518,22 +509,25 @@ class PromptsPass:
             else:
                 s.prefilled = len(s.prompt)
                 s.finish_reason = "length"
-        self.done, self._blocks, self._x = True, None, None
+        self.done = True
+        self._pass = None
 
 
 def pass_blocks(config: GPTConfig, names: Sequence[str]) -> float:
     """The work of a forward pass that ends at the last of hook points `names` (as `prefill_prompts` runs
     one), in blocks' worth a token: the blocks it runs, each 12·C² multiply-adds a token (attention's
-    projections and the MLP), and the LM head's vocab·C as vocab / (12·C) blocks where a hook after it is
-    asked for; 0 for the embeddings' hooks alone."""
-    head = head_blocks(config)
+    projections and the MLP), and the LM head's product, vocab·C, as vocab / (12·C) blocks where a hook of its
+    output is asked for (the final LayerNorm's hooks, before it, cost nothing more); 0 for the embeddings'
+    hooks alone."""
     cost = 0.0
     for name in names:
         layer = layer_of(name)
         if layer is not None:
             cost = max(cost, layer + 1)
+        elif name in LOGIT_HOOKS:
+            cost = max(cost, config.n_layer + head_blocks(config))
         elif name in HEAD_HOOKS:
-            cost = max(cost, config.n_layer + head)
+            cost = max(cost, config.n_layer)
     return cost
 
 

@@ -482,10 +482,54 @@ def run_with_cache(
     return run.tensors()
 
 
-class CapturePass:
+class BlockwisePass:
+    """A forward pass without a cache over token ids `idx` [B, T] (or rows of ids, made a tensor on the
+    model's device at the first step), a piece a `step`, so that a server runs other work between them: the
+    embeddings with block 0, then each block, then the LM head, until `hooks` end it (`StopAfter`: the last
+    hook point wanted has its value). The head runs over its positions a part a step where the hooks use its
+    output at every position (`head_parts`), or in one part (`head_in_parts` False: hooks that index the
+    positions of the whole pass, `RowHooks`)."""
+
+    def __init__(self, idx: torch.Tensor | list[list[int]], hooks: StopAfter, head_in_parts: bool = True) -> None:
+        self.idx, self.hooks, self.head_in_parts = idx, hooks, head_in_parts
+        self._blocks: Iterator[torch.Tensor] | None = None  # `GPT.block_by_block`, from the first step on
+        self._x: torch.Tensor | None = None  # [B, T, C]: the stream leaving the last block run
+        self._parts: list[range] | None = None  # the head's positions, a step each, once the blocks are run
+        self.done = False
+
+    @torch.no_grad()
+    def step(self, model: GPT) -> bool:
+        """The next piece; whether it was the LM head's (a part of it). An error from the pass (an edit that
+        cannot be applied, say) is raised."""
+        assert not self.done, "the pass is over"
+        head = False
+        try:
+            if self._blocks is None:
+                idx = self.idx
+                if not isinstance(idx, torch.Tensor):
+                    idx = torch.tensor(idx, device=model.wte.weight.device)  # [B, T]
+                self._blocks = model.block_by_block(idx, self.hooks)
+            if self._parts is None:
+                x = next(self._blocks, None)
+                if x is not None:
+                    self._x = x
+                    return head
+                assert self._x is not None
+                T = self._x.shape[1]
+                self._parts = head_parts(T, self.hooks.hooks) if self.head_in_parts else [range(T)]
+            head, rows, x = True, self._parts.pop(0), self._x
+            assert x is not None
+            model.unembed(x[:, rows.start : rows.stop], self.hooks)
+        except StopForward:  # the last value wanted is in (of a part of the head: then the next part's turn)
+            pass
+        if not self._parts:  # in the blocks, or after the head's last part: the end
+            self.done, self._x, self._blocks = True, None, None
+        return head
+
+
+class CapturePass(BlockwisePass):
     """`run_with_cache` a piece at a time, each `step` an engine job on the server, decode steps going on
-    between them: the embeddings with block 0, then each block, then the LM head (if a hook point after the
-    last block is asked for; `head_parts`), until the last hook point asked for has its value (`StopAfter`)."""
+    between them (`BlockwisePass`), until the last hook point asked for has its value."""
 
     def __init__(
         self, config: GPTConfig, idx: torch.Tensor | list[int], names: list[str], edits: Hooks | None = None
@@ -495,41 +539,9 @@ class CapturePass:
         names = select_hooks(names, config.n_layer)  # in model order: the pass ends at the last
         check_ids(idx, config.vocab_size)
         check_edit_hooks(edits)
-        self.idx, self._capture = idx, Capture(names)
-        self._wanted: Hooks = self._capture if edits is None else HookChain(edits, self._capture)
-        self._hooks = StopAfter(self._wanted, names[-1])
-        self._blocks: Iterator[torch.Tensor] | None = None  # `GPT.block_by_block`, from the first step on
-        self._x: torch.Tensor | None = None  # [B, T, C]: the stream leaving the last block run
-        self._parts: list[range] | None = None  # the head's positions, a step each, once the blocks are run
-        self._done = False
-
-    @property
-    def done(self) -> bool:
-        return self._done
-
-    @torch.no_grad()
-    def step(self, model: GPT) -> None:
-        assert not self.done, "the pass is over"
-        try:
-            if self._blocks is None:
-                idx = self.idx
-                if not isinstance(idx, torch.Tensor):
-                    idx = torch.tensor([list(idx)], device=model.wte.weight.device)  # [1, T]
-                self._blocks = model.block_by_block(idx, self._hooks)
-            if self._parts is None:
-                x = next(self._blocks, None)
-                if x is not None:
-                    self._x = x
-                    return
-                assert self._x is not None
-                self._parts = head_parts(self._x.shape[1], self._wanted)
-            rows, x = self._parts.pop(0), self._x
-            assert x is not None
-            model.unembed(x[:, rows.start : rows.stop], self._hooks)
-        except StopForward:  # the last value wanted is in (of a part of the head: then the next part's turn)
-            pass
-        if not self._parts:  # in the blocks, or after the head's last part: the end
-            self._done, self._x, self._blocks = True, None, None
+        self._capture = Capture(names)
+        wanted: Hooks = self._capture if edits is None else HookChain(edits, self._capture)
+        super().__init__(idx if isinstance(idx, torch.Tensor) else [list(idx)], StopAfter(wanted, names[-1]))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The values captured, as `Capture.tensors` gives them."""

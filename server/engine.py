@@ -199,7 +199,8 @@ class Engine:
         # thread keeps the only pool and its threads spin between parallel regions (server/threads.py).
         release_openmp_pool()
         self._prompt_only: deque[_Request] = deque()  # admitted, for `prefill_prompts` passes in turn
-        self._passing: _Passing | None = None  # a whole prompt's pass under way, a block a step
+        self._whole_passes: deque[_Request] = deque()  # admitted, for passes a block a step, one at a time
+        self._passing: _Passing | None = None  # the one under way
         self._requests: dict[int, _Request] = {}  # id(seq) -> request, for every admitted sequence
         self._waiting: deque[_Request] = deque()
         self._admitting = 0  # requests taken from `_waiting` into the batch this turn, not in it yet
@@ -360,7 +361,7 @@ class Engine:
     # --- the worker thread -----------------------------------------------------------------
 
     def _active(self) -> int:
-        return len(self._batch) + len(self._prompt_only) + (self._passing is not None)
+        return len(self._batch) + len(self._prompt_only) + len(self._whole_passes) + (self._passing is not None)
 
     def _run(self) -> None:
         with torch.inference_mode():
@@ -408,10 +409,12 @@ class Engine:
 
     def _admit(self, request: _Request) -> None:
         self._requests[id(request.seq)] = request
-        if self._in_one_pass(request.seq):
-            self._prompt_only.append(request)
-        else:
+        if not self._in_one_pass(request.seq):
             self._batch.add(request.seq)
+        elif self._pass_tokens([request.seq]) > self.prefill_chunk:  # a long prompt whose edits need it whole
+            self._whole_passes.append(request)
+        else:
+            self._prompt_only.append(request)
 
     def _in_one_pass(self, seq: SequenceState) -> bool:
         """Whether a sequence goes to `prefill_prompts`, one pass to the last hook it captures: it only wants
@@ -437,7 +440,7 @@ class Engine:
             self._send()
 
     def _step_batch(self) -> None:
-        if self._prompt_only or self._passing is not None:
+        if self._prompt_only or self._whole_passes or self._passing is not None:
             self._prefill_prompts()
         if not len(self._batch):
             return
@@ -471,7 +474,7 @@ class Engine:
                 self._finish(request)
 
     def _prefill_prompts(self) -> None:
-        """The next block of a whole prompt's pass (`_whole`) under way, or its first, and the next prompt-only
+        """The next block of a whole prompt's pass under way, or its first, and the next prompt-only
         sequences in one padded pass (`prefill_prompts`) of at most `prefill_chunk` tokens, B x the longest (at
         least one prompt): no more before the next decode step than a prompt chunk of generation's and a block
         (or the LM head) of such a pass. A prompt with edits runs in a pass of its own, so that an edit that
@@ -484,16 +487,13 @@ class Engine:
         ended: list[_Request] = []
         if self._passing is not None:
             ended += self._pass_a_block()
-        if self._passing is None and not ended and not self._batch.owes():
-            whole = next((r for r in self._prompt_only if self._whole(r)), None)
-            if whole is not None:
-                self._passing = _Passing(whole, PromptsPass(self.model, [whole.seq]))
-                self._prompt_only.remove(whole)
-                ended += self._pass_a_block()
+        if self._passing is None and self._whole_passes and not ended and not self._batch.owes():
+            whole = self._whole_passes[0]
+            self._passing = _Passing(whole, PromptsPass(self.model, [whole.seq]))
+            self._whole_passes.popleft()  # after: `_active`, read by the event loop's thread, counts it meanwhile
+            ended += self._pass_a_block()
         group: list[_Request] = []
         for request in self._prompt_only:
-            if self._whole(request):
-                continue  # a block a step, one such pass at a time
             if group:
                 alone = has_edits(request.seq) or has_edits(group[0].seq)
                 longest = max(len(r.seq.prompt) for r in (*group, request))
@@ -511,11 +511,6 @@ class Engine:
             else:
                 self._finish(request)
         self._send()  # their results now, not after the decode pass that follows
-
-    def _whole(self, request: _Request) -> bool:
-        """Whether a prompt-only request's pass costs more than a chunk through every block: a long prompt whose
-        edits need it whole (`mean`; any other such prompt joins the batch, `_in_one_pass`)."""
-        return self._pass_tokens([request.seq]) > self.prefill_chunk
 
     def _pass_a_block(self) -> list[_Request]:
         """The next step of the whole prompt's pass under way, its work charged to the batch in tokens through
@@ -582,8 +577,9 @@ class Engine:
     def _drop_cancelled(self) -> None:
         for request in [r for r in self._requests.values() if r.cancelled]:
             self._batch.cancel(request.seq)
-            if request in self._prompt_only:
-                self._prompt_only.remove(request)
+            for waiting in (self._prompt_only, self._whole_passes):
+                if request in waiting:
+                    waiting.remove(request)
             if self._passing is not None and self._passing.request is request:  # the rest of its pass is not run
                 self._passing = None
             del self._requests[id(request.seq)]

@@ -459,10 +459,27 @@ def test_whole_prompts_sent_back_to_back_wait_for_the_steps_they_took(
         torch.testing.assert_close(got, alone[names[0]], rtol=1e-4, atol=1e-4)
 
 
+def test_a_pass_costs_its_blocks_and_the_heads_product_where_its_output_is_wanted(loaded: LoadedModel) -> None:
+    """`pass_blocks`: the blocks a pass runs, and the LM head's product (vocab / (12·C) blocks) only for a hook
+    of its output; the final LayerNorm's hooks, before it, cost no more than the last block."""
+    config = loaded.model.config
+    head = config.vocab_size / (12 * config.n_embd)
+    assert pass_blocks(config, ["hook_embed"]) == 0
+    assert pass_blocks(config, ["blocks.0.hook_resid_post", "hook_embed"]) == 1
+    for name in ("ln_final.hook_scale", "ln_final.hook_normalized", "unembed.hook_in"):
+        assert pass_blocks(config, [name]) == config.n_layer, name
+    for name in ("unembed.hook_out", "logits"):
+        assert pass_blocks(config, ["blocks.0.hook_resid_post", name]) == config.n_layer + head, name
+
+
 @pytest.mark.parametrize(
     ("names", "pieces"),
-    [(["blocks.1.hook_resid_post"], ["block 0", "block 1"]), (["logits"], ["block 0", "block 1", "head"])],
-    ids=["to-the-last-block", "through-the-head"],
+    [
+        (["blocks.1.hook_resid_post"], ["block 0", "block 1"]),
+        (["logits"], ["block 0", "block 1", "head"]),
+        (["ln_final.hook_normalized"], ["block 0", "block 1", "head"]),  # the final LayerNorm only: charged 0
+    ],
+    ids=["to-the-last-block", "through-the-head", "to-the-final-layernorm"],
 )
 def test_a_whole_prompts_pass_runs_a_block_a_step_beside_the_streams(
     loaded: LoadedModel, names: list[str], pieces: list[str]
@@ -504,7 +521,7 @@ def test_a_whole_prompts_pass_runs_a_block_a_step_beside_the_streams(
             engine._batch.charge = charge  # type: ignore[method-assign]
             model = engine.model
             checks = [b.register_forward_pre_hook(entered(f"block {i}")) for i, b in enumerate(model.h)]
-            checks.append(model.lm_head.register_forward_pre_hook(entered("head")))
+            checks.append(model.ln_f.register_forward_pre_hook(entered("head")))  # where the head's step begins
             try:
                 (dump,) = engine.submit([prompt], [SamplingParams(max_new_tokens=0)], names, spec)
                 result = await dump.result()

@@ -175,7 +175,7 @@ class Steps(Protocol):
     @property
     def done(self) -> bool: ...
 
-    def step(self, model: GPT) -> None: ...
+    def step(self, model: GPT) -> object: ...  # what it returns, if anything, is not read
 
 
 async def stepped(request: Request | None, engine: Engine, work: Steps, begun: bool = False) -> None:
