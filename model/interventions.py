@@ -180,10 +180,13 @@ class EditPlan:
     depend on a sequence's length. The same for every sequence of a request: made once, not once a sequence
     (a thousand globbed edits over 256 prompts once took seconds of the server's event loop)."""
 
-    def __init__(self, edits: Sequence[Edit], config: GPTConfig, names: Sequence[str] = ()) -> None:
+    def __init__(
+        self, edits: Sequence[Edit], config: GPTConfig, names: Sequence[str] = (), sources: Sequence[int] = ()
+    ) -> None:
         self.edits = tuple(edits)
         self.config = config
         self.names = tuple(names)  # each edit's name in an error (`_where`)
+        self.sources = tuple(sources) or tuple(range(len(self.edits)))  # each edit's request edit (`EditSpec`)
         self.targets: dict[str, list[_Target]] = {}
         self._by_edit: list[list[_Target]] = []  # each edit's targets, edit by edit
         for i, edit in enumerate(self.edits):
@@ -238,10 +241,10 @@ class EditPlan:
 
     def only_at(self, names: Collection[str]) -> int | None:
         """The first edit all of whose hook points are among `names` (a glob's every match, and those of the
-        edits that share its name: a request's glob from a dump, an edit a hook), or None."""
-        groups: dict[str, list[int]] = {}
-        for i in range(len(self.edits)):
-            groups.setdefault(self.names[i] if i < len(self.names) else f"edit {i}", []).append(i)
+        edits from the same request edit, `sources`: a glob's from a dump, an edit a hook), or None."""
+        groups: dict[int, list[int]] = {}
+        for i, source in enumerate(self.sources):
+            groups.setdefault(source, []).append(i)
         for members in groups.values():
             own = [t for i in members for t in self._by_edit[i]]
             if own and all(t.name in names for t in own):
@@ -572,6 +575,8 @@ class EditSpec:
     ablate_attn: tuple[int, ...] = ()  # layers whose attention runs without its residual add
     ablate_mlp: tuple[int, ...] = ()  # layers whose MLP runs without its residual add
     names: tuple[str, ...] = field(default=(), compare=False)  # each edit's name in an error (`_where`)
+    # each edit's place among the edits a request asked for (a glob's from a dump are one, an edit a hook)
+    sources: tuple[int, ...] = field(default=(), compare=False)
     _plans: dict[GPTConfig, EditPlan] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -599,7 +604,7 @@ class EditSpec:
         call, kept for the sequences after it (a server makes it on a worker thread, before any sequence)."""
         plan = self._plans.get(config)
         if plan is None:
-            plan = self._plans.setdefault(config, EditPlan(self.edits, config, self.names))
+            plan = self._plans.setdefault(config, EditPlan(self.edits, config, self.names, self.sources))
         return plan
 
     def hooks(self, config: GPTConfig, n_tokens: int, then: Hooks | None = None) -> Hooks | None:

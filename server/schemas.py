@@ -119,15 +119,22 @@ class InterventionSpec(Strict):
     sae: str | None = Field(default=None, description="for clamp: the SAE id")
     feature: int | None = Field(default=None, description="for clamp: the feature of that SAE")
 
-    def edits(self, n_layer: int, directions: Directions | None = None, where: str = "interventions") -> list[Edit]:
+    def edits(
+        self,
+        n_layer: int,
+        directions: Directions | None = None,
+        where: str = "interventions",
+        dumps: Dumps | None = None,
+    ) -> list[Edit]:
         """The edits this spec asks for: one, but for an `add` or `set` whose hook is a glob and whose value is
         a dump with no tensor `name`, which is an edit for each hook the glob matches (in its `layers`), each
-        taking the dump's tensor of that hook's name: a dump of several layers patches them all at once."""
-        dump = self.value
+        taking the dump's tensor of that hook's name: a dump of several layers patches them all at once.
+        `dumps`: the request's, whose tensors are counted across its edits."""
+        dump, dumps = self.value, dumps or Dumps()
         if not (self.op in ("add", "set") and isinstance(dump, DumpValue) and not dump.name and is_glob(self.hook)):
-            return [self.edit(directions, where)]
+            return [self.edit(directions, where, dumps)]
         self._check_fields(where)
-        tensors = _dump_tensors(dump, self.hook, where)
+        tensors = dumps.read(dump, self.hook, where)
         placed = Edit(self.hook, self.op, None, None, _tuple(self.layers), _tuple(self.heads), _tuple(self.positions))
         named = f"{where} ({self.hook!r})"
         sites = edit_sites(placed, n_layer, named)
@@ -135,14 +142,16 @@ class InterventionSpec(Strict):
             return [placed]
         return [replace(placed, hook=s, value=_dump_tensor(tensors, s, s, named, per_hook=True)) for s in sites]
 
-    def edit(self, directions: Directions | None = None, where: str = "interventions") -> Edit:
+    def edit(
+        self, directions: Directions | None = None, where: str = "interventions", dumps: Dumps | None = None
+    ) -> Edit:
         self._check_fields(where)
         if self.op in STEERING_OPS:
             return self._steering_edit(directions or Directions(), where)
         value = None
         if isinstance(self.value, DumpValue):
             name = self.value.name or self.hook
-            value = _dump_tensor(_dump_tensors(self.value, self.hook, where), name, self.hook, where)
+            value = _dump_tensor((dumps or Dumps()).read(self.value, self.hook, where), name, self.hook, where)
         elif self.value is not None:
             try:
                 value = torch.tensor(self.value, dtype=torch.float32)
@@ -258,12 +267,14 @@ def edit_spec(
         # the request is n_layer long at most (a million repeats in a body once cost seconds of event loop)
         return tuple(range(n_layer)) if spec == "all" else tuple(dict.fromkeys(spec))
 
-    edits = [(e, where(i)) for i, spec in enumerate(interventions) for e in spec.edits(n_layer, directions, where(i))]
+    dumps = Dumps()
+    edits = [(e, i) for i, spec in enumerate(interventions) for e in spec.edits(n_layer, directions, where(i), dumps)]
     spec = EditSpec(
         tuple(e for e, _ in edits),
         layers(residual.attn) if residual else (),
         layers(residual.mlp) if residual else (),
-        tuple(name for _, name in edits),  # a glob's edits from a dump, one a hook, each named as the spec
+        tuple(where(i) for _, i in edits),  # a glob's edits from a dump, one a hook, each named as the spec
+        tuple(i for _, i in edits),
     )
     topk = sum(e.op == "clamp" and e.sae is not None and e.sae.cfg.architecture == "topk" for e in spec.edits)
     if topk > MAX_TOPK_CLAMPS:
@@ -295,29 +306,37 @@ SHOWN_TENSORS = 8  # of a dump's tensor names, in a message (a dump of every hoo
 MAX_DUMP_TENSORS = MAX_HOOKS  # in a dump sent as an edit's value
 
 
-def _dump_tensors(dump: DumpValue, hook: str, where: str) -> dict[str, torch.Tensor]:
-    """The tensors of a dump a client sent, read once however many hooks take theirs from it; at most
-    `MAX_DUMP_TENSORS`, counted in its header before any is made (40,000 empty ones in a 3 MB body took 0.2-0.3 s
-    of the GIL to make, every stream waiting)."""
-    from safetensors.torch import load
+class Dumps:
+    """The dumps a request's edits take their values from, each read once however many hooks take theirs from
+    it, with at most `MAX_DUMP_TENSORS` tensors among them all, counted in each header before any is made
+    (40,000 empty ones in a 3 MB body took 0.2-0.3 s of the GIL to make, every stream waiting)."""
 
-    not_a_dump = InterventionError(f"{where}: value for {hook!r}: the dump is not base64 of a safetensors file")
-    text = "".join(dump.safetensors_base64.split())  # base64 as `base64` writes it: lines of 76 characters
-    try:
-        data = base64.b64decode(text, validate=True)
-        header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
-    except (ValueError, RecursionError):  # binascii.Error, a JSONDecodeError, not UTF-8, nested too deeply
-        raise not_a_dump from None
-    count = len(header) - ("__metadata__" in header) if isinstance(header, dict) else 0
-    if count > MAX_DUMP_TENSORS:
-        raise InterventionError(
-            f"{where}: value for {hook!r}: the dump holds {count} tensors; at most {MAX_DUMP_TENSORS} (a dump of "
-            "every hook point of gpt2-xl has 1,111)"
-        )
-    try:
-        return load(data)
-    except Exception:
-        raise not_a_dump from None
+    def __init__(self) -> None:
+        self.left = MAX_DUMP_TENSORS
+
+    def read(self, dump: DumpValue, hook: str, where: str) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load
+
+        not_a_dump = InterventionError(f"{where}: value for {hook!r}: the dump is not base64 of a safetensors file")
+        text = "".join(dump.safetensors_base64.split())  # base64 as `base64` writes it: lines of 76 characters
+        try:
+            data = base64.b64decode(text, validate=True)
+            header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+        except (ValueError, RecursionError):  # binascii.Error, a JSONDecodeError, not UTF-8, nested too deeply
+            raise not_a_dump from None
+        count = len(header) - ("__metadata__" in header) if isinstance(header, dict) else 0
+        if count > self.left:
+            before = MAX_DUMP_TENSORS - self.left
+            also = f", and the interventions' dumps before it {before}" if before else ""
+            raise InterventionError(
+                f"{where}: value for {hook!r}: the dump holds {count} tensors{also}; at most {MAX_DUMP_TENSORS} in "
+                "all (a dump of every hook point of gpt2-xl has 1,111)"
+            )
+        self.left -= count
+        try:
+            return load(data)
+        except Exception:
+            raise not_a_dump from None
 
 
 def _dump_tensor(

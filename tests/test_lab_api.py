@@ -464,21 +464,27 @@ def test_a_glob_patches_every_hook_it_matches_from_one_dump(client: TestClient) 
 
 
 def test_a_dump_of_too_many_tensors_or_none_is_refused_before_it_is_read(client: TestClient) -> None:
-    """A dump's tensors are counted in its header before any is made: 2,049 (empty ones: 40,000 in a 3 MB body
-    took 0.2-0.3 s of the GIL to make, every stream waiting) are a 400, as a header nested too deeply to parse
-    is; a dump of no tensors says it has none."""
+    """A dump's tensors are counted in its header before any is made, across the request's edits: 2,049 (empty
+    ones: 40,000 in a 3 MB body took 0.2-0.3 s of the GIL to make, every stream waiting) are a 400, in one dump
+    or split among several, as a header nested too deeply to parse is; a dump of no tensors says it has none."""
     from server.schemas import MAX_DUMP_TENSORS
 
-    def edit_with(data: bytes) -> dict[str, Any]:
-        value = {"safetensors_base64": base64.b64encode(data).decode()}
-        edit = {"hook": "blocks.*.hook_resid_post", "op": "set", "value": value}
-        return {"input_ids": CLEAN, "interventions": [edit]}
+    def edit_with(*data: bytes, name: str | None = None) -> dict[str, Any]:
+        values = [{"safetensors_base64": base64.b64encode(d).decode(), "name": name} for d in data]
+        edits = [{"hook": "blocks.*.hook_resid_post", "op": "set", "value": value} for value in values]
+        return {"input_ids": CLEAN, "interventions": edits}
 
     many = save_safetensors({f"t{i}": torch.zeros(0) for i in range(MAX_DUMP_TENSORS + 1)})
     r = client.post("/v1/next-token", json=edit_with(many))
     assert r.status_code == 400 and r.json()["error"]["message"] == (
-        "interventions[0]: value for 'blocks.*.hook_resid_post': the dump holds 2049 tensors; at most 2048 (a dump "
-        "of every hook point of gpt2-xl has 1,111)"
+        "interventions[0]: value for 'blocks.*.hook_resid_post': the dump holds 2049 tensors; at most 2048 in all (a "
+        "dump of every hook point of gpt2-xl has 1,111)"
+    )
+    half = save_safetensors({f"t{i}": torch.zeros(0) for i in range(MAX_DUMP_TENSORS // 2 + 1)})
+    r = client.post("/v1/next-token", json=edit_with(half, half, name="t0"))  # the first read whole
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        "interventions[1]: value for 'blocks.*.hook_resid_post': the dump holds 1025 tensors, and the interventions' "
+        "dumps before it 1025; at most 2048 in all (a dump of every hook point of gpt2-xl has 1,111)"
     )
     deep = b"[" * 100_000 + b"]" * 100_000
     r = client.post("/v1/next-token", json=edit_with(len(deep).to_bytes(8, "little") + deep))
