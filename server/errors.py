@@ -118,7 +118,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0] if e.errors() else {}
+        first = _in_body(e.errors()[0]) if e.errors() else {}
         loc = _path(first)
         if first.get("type") == "json_invalid":
             return error_response(
@@ -126,7 +126,7 @@ def install_error_handlers(app: FastAPI) -> None:
             )
         if not loc:
             return error_response(400, _body_problem(first.get("type"), request.headers.get("content-type")))
-        return error_response(400, *validation_message(e.errors(), e.body))
+        return error_response(400, *validation_message([_in_body(error) for error in e.errors()], e.body))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -171,14 +171,20 @@ def _path(error: Any, body: Any = None) -> list[str | int]:
     (`{"type": "logit_diff", "tokens": ...}`: the client's path is `metric.tokens`)."""
     parts: list[str | int] = []
     node = body
-    for part in error.get("loc", ()):
-        if part == "body" and node is body:  # FastAPI's root
+    loc = error.get("loc", ())
+    for i, part in enumerate(loc):
+        tag = i < len(loc) - 1 and isinstance(node, dict) and part not in node and part in node.values()
+        if tag:  # (a missing field, last in its path, may be named like another field's value)
             continue
-        if isinstance(node, dict) and isinstance(part, str) and part not in node and part in node.values():
-            continue  # the tag
         parts.append(part if isinstance(part, int) else clip(str(part), str))
         node = node.get(part) if isinstance(node, dict) else _item(node, part)
     return parts
+
+
+def _in_body(error: Any) -> Any:
+    """A validation error of a request's body with its path from the body's root (FastAPI's begins "body")."""
+    loc = tuple(error.get("loc", ()))
+    return {**error, "loc": loc[1:]} if loc[:1] == ("body",) else error
 
 
 def _item(node: Any, part: Any) -> Any:

@@ -170,6 +170,15 @@ CASES = [
         "metric.token: Field required",
     ),
     case("an-empty-key", GEN, {"prompt": "Hi", "": 5}, '""', '"": Extra inputs are not permitted'),
+    case("a-key-named-body", GEN, {"prompt": "Hi", "body": 5}, "body", "body: Extra inputs are not permitted"),
+    # a missing field named like another field's value is still named (it is no tag: it ends the path)
+    case(
+        "missing-field-named-like-a-value",
+        NEXT,
+        {"prompt": "Hi", "interventions": [{"op": "zero", "sae": "hook"}]},
+        "interventions",
+        "interventions[0].hook: Field required",
+    ),
     case("two-bad-fields", GEN, {"prompt": "Hi", "interventions": [{"hook": 1, "op": 2}]}, "interventions", "hook:"),
     case(
         "edit-field-its-op-ignores",
