@@ -621,16 +621,18 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--revision", help="hub revision (branch, tag or commit)")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="shape of a bare .safetensors file")
     parser.add_argument("--tokenizer", help="directory with the tokenizer, for checkpoints that ship none")
-    parser.add_argument("--device", default="auto", type=_named(device_problem), help="auto, cpu, cuda, cuda:N or mps")
+    parser.add_argument(
+        "--device", default="auto", type=_checked_name(device_problem), help="auto, cpu, cuda, cuda:N or mps"
+    )
     parser.add_argument(
         "--dtype",
         default="auto",
-        type=_named(dtype_problem),
+        type=_checked_name(dtype_problem),
         help="auto, float32, float16, bfloat16 or int8 (int8 weights, float32 activations)",
     )
 
 
-def _named(problem: Callable[[str], str | None]) -> Callable[[str], str]:
+def _checked_name(problem: Callable[[str], str | None]) -> Callable[[str], str]:
     """A flag's type that refuses a name `problem` finds fault with: a usage error (status 2), as the server's
     settings make it, not a failure to load (a device the hardware lacks is one, found when loading)."""
 
