@@ -543,7 +543,7 @@ class LogitDiffMetric(Strict):
     position: int = -1
 
     def metric(self, tokenizer: Tokenizer) -> Metric:
-        a, b = (_token(t, tokenizer, "metric.tokens") for t in self.tokens)
+        a, b = (_token(t, tokenizer, f"metric.tokens[{i}]") for i, t in enumerate(self.tokens))
         return LogitDiff((a, b), self.position)
 
 

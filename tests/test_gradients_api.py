@@ -168,6 +168,13 @@ BAD = [
     ),
     ("token-bool", "/v1/gradients", grad(metric={"type": "logprob", "token": True}), 400, "metric"),
     ("tokens-one", "/v1/gradients", grad(metric={"type": "logit_diff", "tokens": [5]}), 400, "metric"),
+    (  # the one of the two that is no one token, by its place
+        "tokens-text-of-two",
+        "/v1/gradients",
+        grad(metric={"type": "logit_diff", "tokens": [5, " Eiffel Tower"]}),
+        400,
+        "metric.tokens[1]",
+    ),
     (
         "tokens-over-vocab",
         "/v1/gradients",
