@@ -470,8 +470,7 @@ class PromptsPass:
         self.model, self.seqs = model, list(seqs)
         captured = {n for s in seqs if s.capture is not None for n in s.capture.names}
         last = [n for n in hook_names(model.config.n_layer) if n in captured][-1:]
-        self.done = False
-        self._pass: BlockwisePass | None = None
+        self._pass: BlockwisePass | None = None  # None once it is over
         self._head_work = 0.0
         if not last:  # nothing to capture, nothing to run
             self._end()
@@ -488,6 +487,10 @@ class PromptsPass:
         # the head in one part: `RowHooks` index the positions of the whole pass
         self._pass = BlockwisePass(rows, StopAfter(RowHooks(parts, squares), last[0]), head_in_parts=False)
         self._head_work = pass_blocks(model.config, last) - model.config.n_layer  # the final LayerNorm's: none
+
+    @property
+    def done(self) -> bool:
+        return self._pass is None
 
     def step(self) -> float:
         """The next block (the first with the embeddings), or the LM head after the last; the work it took, in
@@ -509,7 +512,6 @@ class PromptsPass:
             else:
                 s.prefilled = len(s.prompt)
                 s.finish_reason = "length"
-        self.done = True
         self._pass = None
 
 

@@ -9,15 +9,15 @@ interventions) share the batch too, each seeing only its own values. Those that 
 activations (nothing to generate, no logits) skip the KV cache: those waiting run together in padded forward
 passes that end after the last hook they capture (`model.generate.prefill_prompts`), one pass of at most a
 prompt chunk's tokens (`prefill_chunk`, B x the longest) before each decode step (and a block of a whole
-prompt's pass, below), so short ones share a pass;
-a prompt with edits has a pass of its own. One whose pass would cost more than a chunk's through every block
-joins the batch and is prefilled a chunk a step, as a generation's, unless its edits need the whole prompt at
-once (`mean`): its pass then runs a block a step (`model.generate.PromptsPass`). A cancelled request (client
-gone) leaves the batch at the next step and frees its row; a sequence that fails on its own (non-finite
-logits, say) ends with its error, and its batch goes on. Jobs (`call`: a piece of a lab request's work, a
-block of its pass or a part of its measures) wait in a queue bounded like the requests' and run one between
-two steps, so that a burst of them does not stall the sequences decoding; a job whose caller is gone leaves
-the queue, or, once running, stops at the next block its forward passes enter."""
+prompt's pass, below), so short ones share a pass; a prompt with edits has a pass of its own. One whose pass
+would cost more than a chunk's through every block joins the batch and is prefilled a chunk a step, as a
+generation's, unless its edits need the whole prompt at once (`mean`): its pass then runs a block a step
+(`model.generate.PromptsPass`). A cancelled request (client gone) leaves the batch at the next step and frees
+its row; a sequence that fails on its own (non-finite logits, say) ends with its error, and its batch goes on.
+Jobs (`call`: a piece of a lab request's work, a block of its pass or a part of its measures) wait in a queue
+bounded like the requests' and run one between two steps, so that a burst of them does not stall the sequences
+decoding; a job whose caller is gone leaves the queue, or, once running, stops at the next block its forward
+passes enter."""
 
 from __future__ import annotations
 

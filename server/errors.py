@@ -118,7 +118,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, e: RequestValidationError) -> JSONResponse:
-        first = _in_body(e.errors()[0]) if e.errors() else {}
+        errors = [_in_body(error) for error in e.errors()]
+        first = errors[0] if errors else {}
         loc = _path(first)
         if first.get("type") == "json_invalid":
             return error_response(
@@ -126,7 +127,7 @@ def install_error_handlers(app: FastAPI) -> None:
             )
         if not loc:
             return error_response(400, _body_problem(first.get("type"), request.headers.get("content-type")))
-        return error_response(400, *validation_message([_in_body(error) for error in e.errors()], e.body))
+        return error_response(400, *validation_message(errors, e.body))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
